@@ -1,0 +1,63 @@
+"""Pure-PyTorch paged attention: runs on CPU and CUDA, and is the reference.
+
+Requests are padded to [B, Qmax] queries and [B, Kmax] keys. Keys are
+gathered from the paged pool in sequence order, so key j of request b is the
+token at sequence index j. The mask is built once per forward and shared by
+all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hyperdraft.attention.base import AttentionBackend
+from hyperdraft.engine.forward_batch import ForwardBatch
+
+
+@dataclass
+class TorchAttentionMeta:
+    kv_slots: torch.Tensor  # [B, Kmax] pool slot of each key, padding -> slot 0 (the dummy page)
+    q_index: torch.Tensor  # [B, Qmax] packed row of each query, padding -> T (a zero row)
+    mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True = may attend
+    valid: torch.Tensor  # [B, Qmax] bool, real queries
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def plan(self, fb: ForwardBatch) -> TorchAttentionMeta:
+        device = fb.input_ids.device
+        seq_lens = torch.tensor(fb.seq_lens, dtype=torch.int64, device=device)
+        prefix = torch.tensor(fb.prefix_lens, dtype=torch.int64, device=device)
+        ext = torch.tensor(fb.extend_lens, dtype=torch.int64, device=device)
+        kmax, qmax = max(fb.seq_lens), max(fb.extend_lens)
+        key_pos = torch.arange(kmax, device=device)
+        kv_slots = self.page_table.slots(fb.req_rows, key_pos.expand(fb.batch_size, kmax))
+        kv_slots = torch.where(key_pos[None] < seq_lens[:, None], kv_slots, torch.zeros_like(kv_slots))
+
+        q_off = torch.arange(qmax, device=device)
+        starts = torch.cumsum(ext, 0) - ext
+        valid = q_off[None] < ext[:, None]
+        q_index = torch.where(valid, starts[:, None] + q_off[None], torch.full_like(valid, fb.num_tokens, dtype=torch.int64))
+
+        # Causal default: query i (sequence index prefix+i) sees keys 0..prefix+i.
+        mask = key_pos[None, None, :] <= (prefix[:, None] + q_off[None])[:, :, None]
+        if fb.custom_masks is not None:
+            for b, m in enumerate(fb.custom_masks):
+                if m is not None:
+                    mask[b].zero_()
+                    mask[b, : m.shape[0], : m.shape[1]] = m.to(device)
+        mask &= (key_pos[None, None, :] < seq_lens[:, None, None])
+        mask |= ~valid[:, :, None]  # padded queries attend to something so softmax stays finite
+        return TorchAttentionMeta(kv_slots, q_index, mask[:, None], valid)
+
+    def forward(self, layer_id, q, k, v, fb, meta: TorchAttentionMeta):
+        self.pool.store(layer_id, fb.out_slots, k, v)
+        k_cache, v_cache = self.pool.layer(layer_id)
+        keys = k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, Kmax, D]
+        values = v_cache[meta.kv_slots].transpose(1, 2)
+        q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.mask, enable_gqa=True)
+        out = out.transpose(1, 2)  # [B, Qmax, Hq, D]
+        return out[meta.valid]  # packed order == request order, so this is [T, Hq, D]

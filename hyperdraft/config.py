@@ -1,0 +1,111 @@
+"""EngineArgs: the single definition of every engine option.
+
+The same frozen dataclass backs `LLM(**kwargs)` and the CLI flags (one flag
+per field, `--page-size` for `page_size`), with SGLang's server-arg names.
+It is validated once in __post_init__ and never mutated afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+ALIASES = {"model": "model_path", "tokenizer": "tokenizer_path"}
+ATTENTION_BACKENDS = ("torch",)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _opt(default: Any, help: str, **extra) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_path: str | None = _opt(None, "Hugging Face model directory (alias: --model)")
+    tokenizer_path: str | None = _opt(None, "tokenizer directory; defaults to the model directory")
+    skip_tokenizer_init: bool = _opt(False, "run from token ids only; no tokenizer is loaded")
+    dtype: str = _opt("auto", "weight and activation dtype", choices=DTYPE_CHOICES)
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    context_length: int | None = _opt(None, "maximum sequence length; defaults to the model's max_position_embeddings")
+    page_size: int = _opt(1, "tokens per KV-cache page")
+    max_total_tokens: int | None = _opt(None, "KV-pool capacity in tokens; default from mem_fraction_static on GPU")
+    mem_fraction_static: float = _opt(0.85, "GPU memory fraction for weights plus KV pools")
+    max_running_requests: int | None = _opt(None, "most requests decoding at once (default 256)")
+    chunked_prefill_size: int | None = _opt(None, "prefill tokens per step; -1 disables chunking (default 8192)")
+    random_seed: int = _opt(0, "seed for requests that set no seed of their own")
+    attention_backend: str | None = _opt(None, "attention implementation", choices=ATTENTION_BACKENDS)
+    log_level: str = _opt("warning", "logging level")
+
+    def __post_init__(self):
+        def bad(name: str, allowed: str):
+            raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if self.page_size < 1:
+            bad("page_size", "an integer >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            bad("max_total_tokens", "an integer >= 1")
+        if not 0 < self.mem_fraction_static < 1:
+            bad("mem_fraction_static", "in (0, 1)")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            bad("max_running_requests", "an integer >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            bad("chunked_prefill_size", "-1 (disabled) or an integer >= 1")
+        if self.context_length is not None and self.context_length < 2:
+            bad("context_length", "an integer >= 2")
+        if self.dtype not in DTYPE_CHOICES:
+            bad("dtype", f"one of {DTYPE_CHOICES}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            bad("attention_backend", f"one of {ATTENTION_BACKENDS}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        names = {f.name for f in fields(cls)}
+        resolved = {}
+        for key, value in kwargs.items():
+            name = ALIASES.get(key, key)
+            if name not in names:
+                raise ValueError(f"unknown engine argument {key!r}; allowed: {sorted(names | set(ALIASES))}")
+            if name in resolved:
+                raise ValueError(f"engine argument {name!r} given twice (directly and through an alias)")
+            resolved[name] = value
+        return cls(**resolved)
+
+    def replace(self, **changes) -> "EngineArgs":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def effective_chunked_prefill_size(self) -> int:
+        return 8192 if self.chunked_prefill_size is None else self.chunked_prefill_size
+
+    @property
+    def effective_max_running_requests(self) -> int:
+        return self.max_running_requests or 256
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One CLI flag per EngineArgs field, named after it."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag] + [f"--{a}" for a, target in ALIASES.items() if target == f.name]
+        kind = _field_type(f)
+        if kind is bool:
+            group.add_argument(*names, dest=f.name, action="store_true", default=None, help=f.metadata["help"])
+        else:
+            group.add_argument(*names, dest=f.name, type=kind, default=None, help=f"{f.metadata['help']} (default: {f.default})",
+                               choices=f.metadata.get("choices"))
+
+
+def engine_args_from_namespace(ns: argparse.Namespace, **overrides) -> EngineArgs:
+    values = {f.name: getattr(ns, f.name) for f in fields(EngineArgs) if getattr(ns, f.name, None) is not None}
+    return EngineArgs.from_kwargs(**{**values, **overrides})
+
+
+def _field_type(f) -> type:
+    text = str(f.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if text.startswith(name):
+            return kind
+    return str

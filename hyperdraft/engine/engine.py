@@ -1,0 +1,165 @@
+"""Engine: owns the models, the KV cache and the scheduler; step() runs one forward."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+
+import torch
+
+from hyperdraft.config import EngineArgs
+from hyperdraft.engine.model_runner import ModelRunner
+from hyperdraft.engine.model_worker import ModelWorker
+from hyperdraft.engine.scheduler import Scheduler, StepOutput
+from hyperdraft.engine.stop import StopChecker
+from hyperdraft.kvcache.kv_pool import KVPool
+from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.models.loader import load_model
+from hyperdraft.request import Request
+from hyperdraft.sampling_params import SamplingParams
+
+logger = logging.getLogger("hyperdraft")
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is cuda but no CUDA device is available")
+    return device
+
+
+def load_tokenizer(args: EngineArgs):
+    if args.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    path = args.tokenizer_path or args.model_path
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for a missing tokenizer
+        raise ValueError(f"cannot load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True to run from token ids") from e
+
+
+def kv_capacity_tokens(args: EngineArgs, bytes_per_slot: int, device: torch.device) -> int:
+    if args.max_total_tokens is not None:
+        return args.max_total_tokens
+    if device.type != "cuda":
+        return CPU_DEFAULT_MAX_TOTAL_TOKENS
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free - total * (1 - args.mem_fraction_static)  # weights are already resident, so `free` excludes them
+    if budget <= bytes_per_slot * args.page_size * 2:
+        raise ValueError(f"mem_fraction_static={args.mem_fraction_static} leaves no GPU memory for the KV cache")
+    return int(budget // bytes_per_slot)
+
+
+class Engine:
+    def __init__(self, args: EngineArgs):
+        if args.model_path is None:
+            raise ValueError("model_path is required (pass model=PATH)")
+        logging.getLogger("hyperdraft").setLevel(args.log_level.upper())
+        self.args = args
+        self.device = resolve_device(args.device)
+        model = load_model(args.model_path, args.dtype, self.device)
+        self.model_config = model.config
+        self.tokenizer = load_tokenizer(args)
+        self.context_len = args.context_length or self.model_config.max_position_embeddings
+
+        worker_cls = ModelWorker
+        decode_reserve = worker_cls.decode_reserve
+        cfg = self.model_config
+        bytes_per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.lm_head.weight.dtype)
+        capacity = kv_capacity_tokens(args, bytes_per_slot, self.device)
+        max_rows = args.effective_max_running_requests
+        self.page_table = PageTable(
+            num_pages=capacity // args.page_size + 1,  # + the reserved padding page
+            page_size=args.page_size,
+            max_rows=max_rows,
+            max_pages_per_row=-(-(self.context_len + decode_reserve) // args.page_size),
+            device=self.device,
+        )
+        self.runner = ModelRunner(model, self.page_table, args.attention_backend or "torch")
+        self.worker = worker_cls(self.runner)
+        eos = self.model_config.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ())
+        chunk = args.effective_chunked_prefill_size
+        self.scheduler = Scheduler(
+            self.page_table,
+            StopChecker(self.tokenizer, eos, self.context_len),
+            max_running_requests=max_rows,
+            prefill_budget=chunk if chunk > 0 else self.context_len,
+            chunked_prefill=chunk > 0,
+            decode_reserve=decode_reserve,
+        )
+        self._seed_rng = random.Random(args.random_seed)
+        self._rid_counter = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt text needs a tokenizer, but skip_tokenizer_init=True; pass input_ids instead")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None,
+                    input_ids: list[int] | None = None, rid: str | None = None) -> Request:
+        """Validate and queue one request. Bad input raises ValueError and leaves the engine untouched."""
+        params = params or SamplingParams()
+        params.validate(self.model_config.vocab_size)
+        if input_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            input_ids = self.tokenize(prompt)
+        self._check_prompt(input_ids)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(rid or f"req-{next(self._rid_counter)}", list(input_ids), params, seed)
+        self.scheduler.add(req)
+        return req
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if len(ids) == 0:
+            raise ValueError("prompt is empty: input_ids/prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"input_ids must be integers in [0, {vocab})")
+        if len(ids) >= self.context_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.context_len}, "
+                             "so the prompt must be shorter than context_length")
+        if len(ids) + 1 > self.page_table.capacity_slots:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_total_tokens={self.page_table.capacity_slots} can hold")
+
+    def abort(self, rid: str) -> Request | None:
+        return self.scheduler.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -----------------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        results = self.worker.run(batch)
+        return self.scheduler.commit(batch, results)
+
+    # ---- introspection ------------------------------------------------------------------------------------------
+    @property
+    def kv_free_slots(self) -> int:
+        return self.page_table.num_free_slots
+
+    @property
+    def kv_capacity_slots(self) -> int:
+        return self.page_table.capacity_slots
+
+    def internal_state(self) -> dict:
+        return {
+            "kv_capacity_tokens": self.kv_capacity_slots,
+            "kv_free_tokens": self.kv_free_slots,
+            "num_running_reqs": len(self.scheduler.running),
+            "num_waiting_reqs": len(self.scheduler.waiting),
+        }

@@ -1,0 +1,49 @@
+"""ModelRunner: one model on one device with its own KV pool and attention backend.
+
+Target and draft each get a ModelRunner. They share the PageTable (so one
+slot index addresses both pools) but nothing else: each pool and buffer is
+sized from its own model's config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyperdraft.attention.base import make_attention_backend
+from hyperdraft.engine.forward_batch import ForwardBatch
+from hyperdraft.kvcache.kv_pool import KVPool
+from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.models.decoder import DecoderLM
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [N, V] float32, rows at fb.logits_indices
+    hidden: torch.Tensor  # [T, H] final normed hidden states of every token
+    captured: list[torch.Tensor]  # per requested layer, [T, H] input hidden states
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, page_table: PageTable, attention_backend: str):
+        self.model = model
+        self.page_table = page_table
+        self.config = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        cfg = self.config
+        num_slots = page_table.num_pages * page_table.page_size
+        self.pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.backend = make_attention_backend(attention_backend, self.pool, page_table)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        meta = self.backend.plan(fb)
+
+        def attn(layer_id, q, k, v):
+            return self.backend.forward(layer_id, q, k, v, fb, meta)
+
+        hidden, captured = self.model(fb.input_ids, fb.positions, attn, capture_layers)
+        logits = self.model.compute_logits(hidden[fb.logits_indices])
+        return ForwardOutput(logits, hidden, captured)

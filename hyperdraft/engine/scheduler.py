@@ -1,0 +1,196 @@
+"""Scheduler: continuous batching over one shared paged KV pool.
+
+Each step, in order:
+  1. every decoding request gets room for decode_reserve new tokens (1, or
+     the largest verify width under speculation); when the pool runs dry the
+     newest running requests are retracted (KV freed, recomputed later);
+  2. unfinished prefills continue, then waiting requests are admitted FCFS,
+     under a prefill token budget (chunked prefill) and max_running_requests.
+Decodes and prefill chunks share one forward.
+
+After the forward, commit() applies the worker's results: K/V kept by
+length, tokens appended one at a time through the StopChecker, finished
+requests freed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from hyperdraft.engine.stop import StopChecker
+from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    num_tokens: int  # uncomputed tokens fed this step
+    samples: bool  # the chunk reaches the end of the sequence, so the step yields a token
+
+    @property
+    def is_decode(self) -> bool:
+        return self.samples and self.num_tokens == 1 and self.req.num_computed > 0
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[ScheduledRequest]  # decodes first, then prefill chunks
+
+    @property
+    def decodes(self) -> list[ScheduledRequest]:
+        return [it for it in self.items if it.is_decode]
+
+    @property
+    def prefills(self) -> list[ScheduledRequest]:
+        return [it for it in self.items if not it.is_decode]
+
+
+@dataclass
+class RequestResult:
+    """What one step did for one request."""
+
+    num_committed: int  # tokens whose K/V is now final (fed tokens, or last token + accepted drafts)
+    new_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_drafted: int = 0  # draft tokens verified this step (0 without speculation)
+    num_accepted: int = 0  # of those, accepted by verification
+
+
+@dataclass
+class StepOutput:
+    req: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, page_table: PageTable, stop: StopChecker, max_running_requests: int, prefill_budget: int,
+                 chunked_prefill: bool, decode_reserve: int = 1):
+        self.page_table = page_table
+        self.stop = stop
+        self.max_running = max_running_requests
+        self.prefill_budget = prefill_budget
+        self.chunked_prefill = chunked_prefill
+        self.decode_reserve = decode_reserve  # K/V room a decode needs beyond the tokens it already has
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---- bookkeeping --------------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, rid: str) -> Request | None:
+        for req in list(self.waiting) + self.running:
+            if req.rid == rid:
+                self._finish(req, "abort")
+                return req
+        return None
+
+    # ---- schedule -----------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        items = self._schedule_decodes()
+        items += self._schedule_prefills(self.prefill_budget)
+        return ScheduledBatch(items) if items else None
+
+    def _schedule_decodes(self) -> list[ScheduledRequest]:
+        items = []
+        for req in [r for r in self.running if r.is_decoding]:
+            if req.finished or req.row is None:
+                continue  # retracted (or aborted) earlier in this loop
+            while not self.page_table.reserve(req.row, req.num_computed + self.decode_reserve):
+                victim = self.running[-1]
+                if victim is req and len(self.running) == 1:
+                    self._finish(req, "abort")  # alone and still too big: the pool can never hold it
+                    break
+                self._retract(victim)
+                if victim is req:
+                    break
+            if req.row is not None and not req.finished:
+                items.append(ScheduledRequest(req, 1, True))
+        return items
+
+    def _schedule_prefills(self, budget: int) -> list[ScheduledRequest]:
+        items = []
+        for req in [r for r in self.running if not r.is_decoding]:
+            chunk = min(req.num_uncomputed, budget)
+            if chunk <= 0 or not self.page_table.reserve(req.row, req.num_computed + chunk):
+                return items
+            items.append(ScheduledRequest(req, chunk, chunk == req.num_uncomputed))
+            budget -= chunk
+        while self.waiting and len(self.running) < self.max_running and self.page_table.num_free_rows:
+            req = self.waiting[0]
+            chunk = min(req.num_uncomputed, budget) if self.chunked_prefill else req.num_uncomputed
+            if chunk <= 0 or (not self.chunked_prefill and items and chunk > budget):
+                break
+            # Headroom: keep one decode's worth of room per running request so admission does not force retraction.
+            headroom = self.decode_reserve * len(self.running)
+            if self.page_table.num_free_slots < chunk + headroom + self.page_table.page_size:
+                break
+            self.waiting.popleft()
+            req.row = self.page_table.acquire_row()
+            if not self.page_table.reserve(req.row, req.num_computed + chunk):
+                raise AssertionError("reserve failed after the free-slot check")
+            self.running.append(req)
+            items.append(ScheduledRequest(req, chunk, chunk == req.num_uncomputed))
+            budget -= chunk
+        return items
+
+    def _retract(self, req: Request) -> None:
+        """Free a running request's K/V and queue it first for recompute; its tokens so far are kept."""
+        self.running.remove(req)
+        self.page_table.release_row(req.row)
+        req.row, req.num_computed = None, 0
+        req.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    # ---- commit -------------------------------------------------------------------------------------------------
+    def commit(self, batch: ScheduledBatch, results: list[RequestResult]) -> list[StepOutput]:
+        outputs = []
+        now = time.perf_counter()
+        for item, res in zip(batch.items, results):
+            req = item.req
+            if req.finished:
+                continue  # aborted while its step ran
+            req.num_computed += res.num_committed
+            self.page_table.truncate(req.row, req.num_computed)  # rollback by length: rejected drafts' slots go back
+            if not item.samples:
+                continue
+            if res.num_drafted:
+                req.spec_verify_ct += 1
+                req.spec_draft_tokens += res.num_drafted
+                req.spec_accepted_tokens += res.num_accepted
+            appended = self._append(req, res)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            outputs.append(StepOutput(req, appended, req.finished))
+        return outputs
+
+    def _append(self, req: Request, res: RequestResult) -> list[int]:
+        appended = []
+        for i, tok in enumerate(res.new_tokens):
+            req.output_ids.append(tok)
+            if req.params.return_logprob:
+                req.output_logprobs.append(res.logprobs[i])
+            appended.append(tok)
+            reason = self.stop.check(req)
+            if reason is not None:
+                self._finish(req, reason)
+                break
+        return appended
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.row is not None:
+            self.page_table.release_row(req.row)
+            req.row = None

@@ -1,0 +1,83 @@
+"""PageTable: which KV-pool pages each running request owns.
+
+Slots are numbered page * page_size + offset. The token at sequence index i of
+a request lives in slot pages[i // page_size] * page_size + i % page_size.
+Page 0 is never handed out: padded or dummy tokens write there, so no real
+token's K/V is ever overwritten by padding.
+
+The table is shared by every model in the engine. A draft model's KV pool has
+the same number of slots as the target's, so one page table indexes both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageTable:
+    def __init__(self, num_pages: int, page_size: int, max_rows: int, max_pages_per_row: int, device: torch.device):
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (page 0 is reserved for padding)")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_pages_per_row = max_pages_per_row
+        self._free_pages = list(range(num_pages - 1, 0, -1))
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._row_pages: dict[int, list[int]] = {}
+        self.table = torch.zeros(max_rows, max_pages_per_row, dtype=torch.int64, device=device)  # [rows, pages]
+
+    @property
+    def capacity_slots(self) -> int:
+        return (self.num_pages - 1) * self.page_size
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def acquire_row(self) -> int:
+        row = self._free_rows.pop()
+        self._row_pages[row] = []
+        return row
+
+    def release_row(self, row: int) -> None:
+        self.truncate(row, 0)
+        del self._row_pages[row]
+        self._free_rows.append(row)
+
+    def extra_pages_needed(self, row: int, num_tokens: int) -> int:
+        return max(0, self.pages_for(num_tokens) - len(self._row_pages[row]))
+
+    def reserve(self, row: int, num_tokens: int) -> bool:
+        """Make room for num_tokens tokens in the row; all or nothing."""
+        need = self.extra_pages_needed(row, num_tokens)
+        if need > len(self._free_pages):
+            return False
+        if need == 0:
+            return True
+        pages = self._row_pages[row]
+        if len(pages) + need > self.max_pages_per_row:
+            raise ValueError(f"request needs {num_tokens} tokens, more than the page table row holds")
+        new = [self._free_pages.pop() for _ in range(need)]
+        self.table[row, len(pages) : len(pages) + need] = torch.tensor(new, dtype=torch.int64)
+        pages.extend(new)
+        return True
+
+    def truncate(self, row: int, num_tokens: int) -> None:
+        """Release the pages past the first num_tokens tokens (rollback by length)."""
+        pages = self._row_pages[row]
+        keep = self.pages_for(num_tokens)
+        self._free_pages.extend(reversed(pages[keep:]))
+        del pages[keep:]
+
+    def slots(self, rows: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+        """rows: [B], seq_index: [B, K] -> [B, K] pool slots (indices past a row's pages map into page 0)."""
+        page_idx = (seq_index // self.page_size).clamp_max(self.max_pages_per_row - 1)
+        pages = self.table[rows].gather(1, page_idx)
+        return pages * self.page_size + seq_index % self.page_size

@@ -1,0 +1,169 @@
+"""LLM: the offline API (generate, streaming, server info) over one Engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from hyperdraft.config import EngineArgs
+from hyperdraft.detokenizer import IncrementalDetokenizer
+from hyperdraft.engine.engine import Engine
+from hyperdraft.request import Request
+from hyperdraft.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    meta_info: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamDelta:
+    index: int  # position of the request in the submitted list
+    text: str  # new text since the previous delta (never part of a stop string, never half a character)
+    token_ids: list[int]  # new tokens since the previous delta
+    finished: bool
+    finish_reason: str | None = None
+    output: GenerateOutput | None = None  # the complete output, on the last delta
+
+
+def meta_info(req: Request) -> dict:
+    completion = len(req.output_ids)
+    info = {
+        "id": req.rid,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": completion,
+        "e2e_latency": (req.finish_time or 0.0) - req.arrival_time,
+        "ttft": (req.first_token_time - req.arrival_time) if req.first_token_time else None,
+        "num_retractions": req.num_retractions,
+    }
+    if req.spec_verify_ct:
+        info["spec_verify_ct"] = req.spec_verify_ct
+        info["spec_accept_length"] = completion / req.spec_verify_ct
+        info["spec_draft_tokens"] = req.spec_draft_tokens
+        info["spec_accepted_tokens"] = req.spec_accepted_tokens
+    if req.params.return_logprob:
+        info["output_token_logprobs"] = list(req.output_logprobs)
+    return info
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        if model is not None:
+            engine_args["model"] = model
+        self.args = EngineArgs.from_kwargs(**engine_args)
+        self.engine = Engine(self.args)
+        self.tokenizer = self.engine.tokenizer
+
+    # ---- generate -----------------------------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 input_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True) -> list[GenerateOutput] | GenerateOutput:
+        single = isinstance(prompts, str)
+        outputs: list[GenerateOutput | None] = [None] * self._count(prompts, input_ids)
+        bar = self._progress(len(outputs), use_tqdm)
+        for delta in self.stream(prompts, sampling_params, input_ids):
+            if delta.finished:
+                outputs[delta.index] = delta.output
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return outputs[0] if single else outputs
+
+    def stream(self, prompts: str | Sequence[str] | None = None,
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               input_ids: Sequence[Sequence[int]] | None = None) -> Iterator[StreamDelta]:
+        """Submit requests and yield per-request increments as steps produce them."""
+        reqs = self._submit(prompts, sampling_params, input_ids)
+        index = {req.rid: i for i, req in enumerate(reqs)}
+        detoks = {req.rid: self._detokenizer(req) for req in reqs}
+        pending = set(index)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    rid = out.req.rid
+                    if rid not in pending:
+                        continue
+                    yield self._delta(index[rid], out.req, out.new_token_ids, detoks[rid])
+                    if out.finished:
+                        pending.discard(rid)
+                for rid in [r for r in pending if reqs[index[r]].finished]:  # aborted outside a step
+                    pending.discard(rid)
+                    yield self._delta(index[rid], reqs[index[rid]], [], detoks[rid])
+        finally:
+            for rid in pending:  # the consumer stopped early: do not leave orphans holding KV
+                self.engine.abort(rid)
+
+    def _submit(self, prompts, sampling_params, input_ids) -> list[Request]:
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompts or input_ids")
+        if prompts is not None:
+            items = [prompts] if isinstance(prompts, str) else list(prompts)
+            kw = [dict(prompt=p) for p in items]
+        else:
+            if not all(isinstance(x, (list, tuple)) for x in input_ids):
+                raise ValueError("input_ids must be a list of token-id lists")
+            kw = [dict(input_ids=list(ids)) for ids in input_ids]
+        params = self._params(sampling_params, len(kw))
+        # Validate everything before queueing anything, so one bad request leaves the others unsubmitted and intact.
+        for k, p in zip(kw, params):
+            p.validate(self.engine.model_config.vocab_size)
+            if "input_ids" not in k:
+                k["input_ids"] = self.engine.tokenize(k.pop("prompt"))
+            self.engine._check_prompt(k["input_ids"])
+        return [self.engine.add_request(params=p, **k) for k, p in zip(kw, params)]
+
+    @staticmethod
+    def _params(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries for {n} requests")
+        return params
+
+    @staticmethod
+    def _count(prompts, input_ids) -> int:
+        if prompts is not None:
+            return 1 if isinstance(prompts, str) else len(prompts)
+        return len(input_ids) if input_ids is not None else 0
+
+    @staticmethod
+    def _progress(n: int, use_tqdm: bool):
+        if not use_tqdm or n < 2:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=n, desc="generate", unit="req")
+
+    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, req.params.stop or [], req.params.skip_special_tokens)
+
+    def _delta(self, index: int, req: Request, new_ids: list[int], detok: IncrementalDetokenizer) -> StreamDelta:
+        text = detok.push(new_ids, final=req.finished)
+        output = None
+        if req.finished:
+            output = GenerateOutput(detok.text, list(req.output_ids), req.finish_reason, meta_info(req))
+        return StreamDelta(index, text, list(new_ids), req.finished, req.finish_reason, output)
+
+    # ---- server-style introspection -----------------------------------------------------------------------------
+    def get_server_info(self) -> dict:
+        from dataclasses import asdict
+
+        return {**asdict(self.args), "internal_states": [self.engine.internal_state()]}
+
+    def shutdown(self) -> None:
+        for req in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
+            self.engine.abort(req.rid)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

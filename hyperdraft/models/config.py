@@ -1,0 +1,118 @@
+"""ModelConfig: the frozen, architecture-neutral view of a Hugging Face config.
+
+Every model instance owns its own ModelConfig. It is built once from the HF
+config and is immutable afterwards, so a draft model can never rewrite the
+target's view of itself (a class of bug SGLang shipped with shared hf_config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...]  # frozen items of the HF rope dict, () for plain RoPE
+    max_position_embeddings: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    dtype: str  # the checkpoint's own dtype name, used by dtype="auto"
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)
+
+    @property
+    def kv_bytes_per_token_per_dtype_byte(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _eos_ids(raw: Any) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, int):
+        return (raw,)
+    return tuple(int(x) for x in raw)
+
+
+def _rope(raw: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    # transformers >= 5 stores everything in rope_parameters; older configs use rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, ()
+    params["rope_type"] = kind
+    params.pop("type", None)
+    return theta, tuple(sorted(params.items()))
+
+
+def model_config_from_dict(raw: dict) -> ModelConfig:
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model architecture {arch!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    theta, scaling = _rope(raw)
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        qkv_bias=True if is_qwen2 else bool(raw.get("attention_bias", False)),
+        o_bias=False if is_qwen2 else bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        dtype=_DTYPE_NAMES.get(str(dtype), "float32"),
+    )
+
+
+def load_model_config(model_path: str) -> ModelConfig:
+    if not os.path.isdir(model_path):
+        raise ValueError(f"model path {model_path!r} does not exist or is not a directory")
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model path {model_path!r} has no config.json")
+    with open(path) as f:
+        return model_config_from_dict(json.load(f))

@@ -1,0 +1,73 @@
+"""Load a Hugging Face directory: config.json plus one or several *.safetensors shards."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from hyperdraft.models.config import ModelConfig, load_model_config
+from hyperdraft.models.decoder import DecoderLM, rope_inv_freq
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        dtype = DTYPES[cfg.dtype]
+        # Half precision matmuls are slow or missing on CPU; auto means "what the checkpoint and device suit".
+        return torch.float32 if device.type == "cpu" else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; allowed values: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_path, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model path {model_path!r} has no *.safetensors weights")
+    return files
+
+
+def load_weights(model: torch.nn.Module, model_path: str) -> None:
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    loaded = set()
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if tied and name == "lm_head.weight":
+                    continue
+                if name not in params:
+                    continue  # e.g. rotary inv_freq buffers saved by old checkpoints
+                tensor = f.get_tensor(name)
+                if tensor.shape != params[name].shape:
+                    raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+    missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
+    if missing:
+        raise ValueError(f"checkpoint {model_path!r} lacks weights: {sorted(missing)[:5]}")
+
+
+def load_model(model_path: str, dtype: str, device: torch.device) -> DecoderLM:
+    cfg = load_model_config(model_path)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, model_path)
+    model.to(torch_dtype)
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in fp32 whatever the weights' dtype
+    return model.eval()

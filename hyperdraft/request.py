@@ -1,0 +1,64 @@
+"""Request: one generation's state as the scheduler sees it.
+
+The request's sequence is prompt_ids + output_ids. num_computed counts the
+leading tokens whose K/V sit in the cache. Every step feeds the next
+uncomputed tokens; a step that reaches the end of the sequence samples. So
+prefill, chunked prefill, decode and recompute-after-retraction are all the
+same move, and retraction just resets num_computed to 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hyperdraft.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0
+    row: int | None = None  # page-table row while running
+    finish_reason: str | None = None
+    stop_str_hit: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_retractions: int = 0
+    spec_verify_ct: int = 0  # verify forwards this request took part in
+    spec_draft_tokens: int = 0  # draft tokens proposed for this request
+    spec_accepted_tokens: int = 0  # draft tokens accepted
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.seq_len - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the newest token lacks K/V: the next step is a decode (or a speculative verify)."""
+        return self.num_computed > 0 and self.num_uncomputed == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def last_tokens(self, k: int) -> list[int]:
+        return self.token_ids(max(0, self.seq_len - k), self.seq_len)

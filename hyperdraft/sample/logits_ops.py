@@ -1,0 +1,133 @@
+"""The one transform from raw logits to a request's sampling distribution p.
+
+Order: penalties -> temperature -> top-k -> top-p -> min-p, each filter
+applied to the distribution left by the one before (renormalised), as HF
+transformers and vLLM do. Speculative verification computes the target's p
+and, when a draft model samples, the draft's q through this same function,
+so p and q always mean the same thing.
+
+Rows are independent: row n has its own parameters (a request's verify rows
+all share that request's parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyperdraft.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [N] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [N] int64, vocab size when disabled
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor  # [N] float32
+    greedy: torch.Tensor  # [N] bool
+    seeds: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64, sequence index of the token each row samples
+    penalties: "Penalties | None"
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    all_greedy: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int, device,
+              prompts: list[list[int]] | None = None, outputs: list[list[int]] | None = None) -> "SamplingBatch":
+        """One entry per row. prompts/outputs (per row) are needed only when some row has penalties."""
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        greedy = [p.is_greedy for p in params]
+        penalties = None
+        if any(p.has_penalties for p in params):
+            penalties = Penalties.build(params, prompts, outputs, vocab_size, device)
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(
+            temperature=torch.tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)], **f32),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], **f32),
+            min_p=torch.tensor([p.min_p for p in params], **f32),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            penalties=penalties,
+            need_top_k=any(k < vocab_size for k, g in zip(top_k, greedy) if not g),
+            need_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy) if not g),
+            need_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy) if not g),
+            all_greedy=all(greedy),
+        )
+
+
+@dataclass
+class Penalties:
+    output_counts: torch.Tensor  # [N, V] float32, occurrences of each token in the output so far
+    seen: torch.Tensor  # [N, V] bool, token occurs in prompt or output (repetition penalty)
+    frequency: torch.Tensor  # [N]
+    presence: torch.Tensor  # [N]
+    repetition: torch.Tensor  # [N]
+
+    @classmethod
+    def build(cls, params, prompts, outputs, vocab_size, device) -> "Penalties":
+        n = len(params)
+        counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+        seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+        out_ids, out_rows = _flatten(outputs)
+        all_ids, all_rows = _flatten([p + o for p, o in zip(prompts, outputs)])
+        counts.index_put_((out_rows.to(device), out_ids.to(device)), torch.ones(len(out_ids), device=device), accumulate=True)
+        seen[all_rows.to(device), all_ids.to(device)] = True
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(
+            counts,
+            seen,
+            torch.tensor([p.frequency_penalty for p in params], **f32),
+            torch.tensor([p.presence_penalty for p in params], **f32),
+            torch.tensor([p.repetition_penalty for p in params], **f32),
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        # Repetition penalty (CTRL / HF semantics): shrink positive logits, grow negative ones, of seen tokens.
+        rep = self.repetition[:, None]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(self.seen, penalised, logits)
+        # OpenAI semantics: subtract per-occurrence and once-present penalties of output tokens.
+        logits = logits - self.frequency[:, None] * self.output_counts
+        return logits - self.presence[:, None] * (self.output_counts > 0).float()
+
+
+def _flatten(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = [t for lst in lists for t in lst]
+    rows = [r for r, lst in enumerate(lists) for _ in lst]
+    return torch.tensor(ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
+
+
+def penalised_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    return sb.penalties.apply(logits) if sb.penalties is not None else logits
+
+
+def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits: [N, V] float32, already penalised -> p: [N, V]. Greedy rows become one-hot at the argmax."""
+    temp = torch.where(sb.greedy, torch.ones_like(sb.temperature), sb.temperature)
+    probs = torch.softmax(logits / temp[:, None], dim=-1)
+    if sb.need_top_k or sb.need_top_p or sb.need_min_p:
+        probs = _filter(probs, sb)
+    if sb.greedy.any():
+        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(sb.greedy[:, None], onehot, probs)
+    return probs
+
+
+def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [N, V]
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    keep = rank < sb.top_k[:, None]
+    if sb.need_top_p:
+        # top-p acts on the top-k survivors, renormalised: keep the smallest head whose mass reaches top_p.
+        kept = sorted_p * keep
+        mass_before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)
+        keep &= mass_before < sb.top_p[:, None]
+    if sb.need_min_p:
+        keep &= sorted_p >= sb.min_p[:, None] * sorted_p[:, :1]
+    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)
+    return filtered / filtered.sum(-1, keepdim=True)

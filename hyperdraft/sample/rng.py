@@ -1,0 +1,58 @@
+"""Counter-based random numbers: uniform(seed, position, domain, index).
+
+Every random draw is a pure function of the request's seed, the sequence
+position it is drawn for, a domain (what it is used for) and an index (the
+vocabulary entry). So a seeded request samples the same tokens whatever else
+is in its batch, after being preempted and recomputed, and on any device; and
+drawing needs no generator state, no per-request loop and no host sync.
+
+The mixer is Wellons' "lowbias32". Multiplications are split into 16-bit
+halves so no intermediate overflows int64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DOMAIN_SAMPLE = 1  # token sampling (Gumbel / exponential race)
+DOMAIN_ACCEPT = 2  # accept/reject coins of speculative verification
+DOMAIN_RESIDUAL = 3  # sampling from the residual distribution after a rejection
+DOMAIN_DRAFT = 4  # draft-model sampling
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def hash_u32(x: torch.Tensor) -> torch.Tensor:
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor, domain: int) -> torch.Tensor:
+    """seeds, positions: [N] int64 -> [N] int64 32-bit keys."""
+    h = hash_u32(torch.full_like(seeds, domain * 0x9E3779B9))
+    h = hash_u32(h ^ (seeds & _M32))
+    h = hash_u32(h ^ ((seeds >> 32) & _M32))
+    return hash_u32(h ^ (positions & _M32))
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, domain: int, width: int = 1) -> torch.Tensor:
+    """-> [N, width] float32 uniforms in (0, 1), 24 bits of resolution."""
+    keys = row_keys(seeds, positions, domain)
+    index = hash_u32(torch.arange(width, device=seeds.device, dtype=torch.int64) + 0x632BE5AB)
+    bits = hash_u32(keys[:, None] ^ index[None, :]) >> 8
+    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+
+def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, domain: int) -> torch.Tensor:
+    """Exponential race: argmax_v p_v / E_v with E_v ~ Exp(1) picks v with probability p_v. probs: [N, V] -> [N]."""
+    exp_noise = -torch.log(uniform(seeds, positions, domain, probs.shape[-1]))
+    return (probs / exp_noise).argmax(dim=-1)

@@ -1,0 +1,21 @@
+"""Sampler: raw logits -> one token per row (plus its log-probability)."""
+
+from __future__ import annotations
+
+import torch
+
+from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits
+from hyperdraft.sample.rng import DOMAIN_SAMPLE, sample_from_probs
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [N, V] -> (tokens [N] int64, logprobs [N] float32 under the raw model distribution)."""
+        logits = penalised_logits(logits.float(), sb)
+        if sb.all_greedy:
+            tokens = logits.argmax(-1)
+        else:
+            probs = probs_from_logits(logits, sb)
+            tokens = sample_from_probs(probs, sb.seeds, sb.positions, DOMAIN_SAMPLE)
+        logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+        return tokens, logprobs

@@ -1,0 +1,75 @@
+"""SamplingParams with SGLang's field names; validate() names the offending field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) means the whole vocabulary
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    return_logprob: bool = False
+    skip_special_tokens: bool = True
+    max_tokens: int | None = field(default=None, repr=False)  # OpenAI/vLLM alias of max_new_tokens
+
+    def __post_init__(self):
+        if self.max_tokens is not None:
+            self.max_new_tokens = self.max_tokens
+            self.max_tokens = None
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**values)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def check(ok: bool, name: str, allowed: str):
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0), "top_k", "-1 (disabled) or an integer >= 0")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
+        check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
+        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "a number > 0")
+        check(self.seed is None or _is_int(self.seed), "seed", "an integer or None")
+        check(self.stop is None or all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
+        ids_ok = self.stop_token_ids is None or all(
+            _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in self.stop_token_ids
+        )
+        check(ids_ok, "stop_token_ids", f"token ids in [0, {vocab_size})")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
