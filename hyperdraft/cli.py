@@ -1,0 +1,176 @@
+"""The `hyperdraft` command line: `generate` and `make-tiny-model`.
+
+Engine flags come from EngineArgs (add_engine_args); sampling flags are made the
+same way from the SamplingParams dataclass fields, one flag per field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import MISSING, asdict, fields
+
+from hyperdraft import __version__
+from hyperdraft.config import add_engine_args, engine_args_from_namespace
+from hyperdraft.sampling_params import SamplingParams
+
+# One row per SamplingParams field that gets a flag; fields not listed here (max_tokens, an alias) get none.
+SAMPLING_HELP = {
+    "max_new_tokens": "most tokens to generate per prompt",
+    "temperature": "sampling temperature; 0 means greedy",
+    "top_p": "nucleus sampling: keep the smallest token set with this total probability, in (0, 1]",
+    "top_k": "keep only the k most likely tokens; -1 (or 0) keeps the whole vocabulary",
+    "min_p": "drop tokens whose probability is below min_p times the top token's, in [0, 1]",
+    "frequency_penalty": "penalty per previous occurrence of a token, in [-2, 2]",
+    "presence_penalty": "penalty for any token that already occurred, in [-2, 2]",
+    "repetition_penalty": "multiplicative penalty on tokens already seen (> 0; 1 disables)",
+    "stop": "stop string, never included in the output (repeatable)",
+    "stop_token_ids": "comma-separated token ids that end generation (repeatable)",
+    "ignore_eos": "keep generating past the end-of-sequence token",
+    "seed": "per-request sampling seed (default: the engine's --random-seed)",
+    "return_logprob": "record the log-probability of each generated token in meta_info",
+    "skip_special_tokens": "drop special tokens from the decoded text",
+}
+TINY_KINDS = ("llama", "qwen2", "qwen3", "mqa", "mistral")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field in SAMPLING_HELP; unset flags keep the dataclass defaults."""
+    group = parser.add_argument_group("sampling")
+    for f in fields(SamplingParams):
+        if f.name not in SAMPLING_HELP:
+            continue
+        flag, kind = "--" + f.name.replace("_", "-"), str(f.type)
+        default = None if f.default is MISSING else f.default
+        suffix = "" if default is None else f" (default: {default})"
+        kw = dict(dest=f.name, default=None, help=SAMPLING_HELP[f.name] + suffix)
+        if kind == "bool":
+            kw["action"] = "store_true" if not default else argparse.BooleanOptionalAction
+        elif "list[int]" in kind:
+            kw.update(type=_int_list, action="append", metavar="IDS")
+        elif "list[str]" in kind:
+            kw.update(action="append", metavar="STR")
+        else:
+            kw["type"] = {"int": int, "float": float}[kind.split(" ")[0]]
+            kw["metavar"] = "N" if kw["type"] is int else "X"
+        group.add_argument(flag, **kw)
+
+
+def sampling_params_from_namespace(ns: argparse.Namespace) -> SamplingParams:
+    values = {name: getattr(ns, name) for name in SAMPLING_HELP if getattr(ns, name, None) is not None}
+    if "stop_token_ids" in values:  # repeatable and comma-separated: flatten
+        values["stop_token_ids"] = [t for group in values["stop_token_ids"] for t in group]
+    return SamplingParams.from_dict(values)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line (no usage dump); subcommand parsers inherit this class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hyperdraft", description="hyperdraft: an LLM inference engine built around "
+                                     "fast, lossless speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"hyperdraft {__version__}", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts",
+                         description="Generate text for one or more prompts (or token-id lists) and print it.")
+    io = gen.add_argument_group("input and output")
+    io.add_argument("--prompt", action="append", help="prompt text (repeatable; prompts are batched together)")
+    io.add_argument("--input-ids", action="append", type=_int_list, metavar="IDS",
+                    help="prompt as comma-separated token ids, e.g. '1,2,3' (repeatable; instead of --prompt)")
+    io.add_argument("--stream", action="store_true", help="print text deltas as they are generated")
+    io.add_argument("--json", action="store_true", help="print one JSON object per prompt (per delta with --stream)")
+    add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(subparser=gen)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight model (tests, demo, benchmarks)",
+                          description="Write a tiny random-weight Hugging Face checkpoint with a byte-level BPE tokenizer.")
+    tiny.add_argument("path", help="output directory")
+    tiny.add_argument("--kind", choices=TINY_KINDS, default="llama", help="architecture (default: llama)")
+    tiny.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default: 0)")
+    return parser
+
+
+def _generate(ns: argparse.Namespace) -> None:
+    parser = ns.subparser
+    if bool(ns.prompt) == bool(ns.input_ids):
+        parser.error("pass --prompt or --input-ids (one of them, possibly repeated)")
+    if ns.model_path is None:
+        parser.error("--model is required")
+    params = sampling_params_from_namespace(ns)
+    args = engine_args_from_namespace(ns)
+    params.validate()  # fail on bad sampling values before loading the model
+
+    from hyperdraft.llm import LLM
+
+    llm = LLM(**{f.name: getattr(args, f.name) for f in fields(args)})
+    source = dict(prompts=ns.prompt) if ns.prompt else dict(input_ids=ns.input_ids)
+    show_ids = llm.tokenizer is None  # no tokenizer: there is no text, print the token ids
+    if not ns.stream:
+        for out in llm.generate(sampling_params=params, use_tqdm=False, **source):
+            if ns.json:
+                print(json.dumps(asdict(out)), flush=True)
+            else:
+                print(" ".join(map(str, out.token_ids)) if show_ids else out.text, flush=True)
+        return
+    n = len(ns.prompt or ns.input_ids)
+    pending, done, current = [""] * n, [False] * n, 0  # later prompts are buffered until earlier ones finish
+    for delta in llm.stream(sampling_params=params, **source):
+        if ns.json:
+            row = {k: v for k, v in asdict(delta).items() if k != "output"}
+            print(json.dumps({**row, **({"meta_info": delta.output.meta_info} if delta.output else {})}), flush=True)
+            continue
+        piece = " ".join(map(str, delta.token_ids)) + " " if show_ids and delta.token_ids else delta.text
+        pending[delta.index] += piece
+        done[delta.index] = delta.finished
+        while current < n:
+            sys.stdout.write(pending[current])
+            pending[current] = ""
+            if not done[current]:
+                break
+            sys.stdout.write("\n")
+            current += 1
+        sys.stdout.flush()
+
+
+def _make_tiny(ns: argparse.Namespace) -> None:
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    print(make_tiny_model(ns.path, kind=ns.kind, seed=ns.seed))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        if ns.command == "generate":
+            _generate(ns)
+        else:
+            _make_tiny(ns)
+    except BrokenPipeError:  # e.g. piped into `head`
+        sys.stdout = None
+        return 1
+    except (ValueError, OSError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"hyperdraft: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
