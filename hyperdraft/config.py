@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-ALIASES = {"model": "model_path", "tokenizer": "tokenizer_path"}
+ALIASES = {"model": "model_path", "tokenizer": "tokenizer_path", "speculative_draft_model": "speculative_draft_model_path"}
 ATTENTION_BACKENDS = ("torch",)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
@@ -37,6 +37,15 @@ class EngineArgs:
     random_seed: int = _opt(0, "seed for requests that set no seed of their own")
     attention_backend: str | None = _opt(None, "attention implementation", choices=ATTENTION_BACKENDS)
     log_level: str = _opt("warning", "logging level")
+    # ---- speculative decoding (SGLang names) ----
+    speculative_algorithm: str | None = _opt(None, "NGRAM or STANDALONE (EAGLE, EAGLE3, NEXTN: not yet supported)")
+    speculative_draft_model_path: str | None = _opt(None, "draft model directory for STANDALONE (alias: --speculative-draft-model)")
+    speculative_num_steps: int | None = _opt(None, "draft tokens per round (chain depth)")
+    speculative_eagle_topk: int | None = _opt(None, "branching factor per draft step; only 1 is supported for now")
+    speculative_num_draft_tokens: int | None = _opt(None, "tokens verified per round, the root included (steps + 1 for chains)")
+    speculative_use_rejection_sampling: bool = _opt(False, "STANDALONE: sample draft tokens from the draft distribution q and verify with min(1, p/q) (default: greedy drafts, q one-hot)")
+    speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix that may match")
+    speculative_ngram_max_match_window_size: int = _opt(12, "NGRAM: longest suffix tried first")
 
     def __post_init__(self):
         def bad(name: str, allowed: str):

@@ -24,6 +24,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0
+    draft_num_computed: int = 0  # tokens with K/V in the draft model's pool (STANDALONE)
     row: int | None = None  # page-table row while running
     finish_reason: str | None = None
     stop_str_hit: str | None = None

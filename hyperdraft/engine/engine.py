@@ -18,6 +18,10 @@ from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.loader import load_model
 from hyperdraft.request import Request
 from hyperdraft.sampling_params import SamplingParams
+from hyperdraft.spec.draft_model import DraftModelProposer
+from hyperdraft.spec.ngram import NgramProposer
+from hyperdraft.spec.spec_config import resolve_spec_config
+from hyperdraft.spec.spec_worker import SpecWorker
 
 logger = logging.getLogger("hyperdraft")
 
@@ -48,6 +52,11 @@ def load_tokenizer(args: EngineArgs):
         raise ValueError(f"cannot load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True to run from token ids") from e
 
 
+def _kv_bytes_per_slot(model) -> int:
+    cfg = model.config
+    return KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)
+
+
 def kv_capacity_tokens(args: EngineArgs, bytes_per_slot: int, device: torch.device) -> int:
     if args.max_total_tokens is not None:
         return args.max_total_tokens
@@ -72,10 +81,10 @@ class Engine:
         self.tokenizer = load_tokenizer(args)
         self.context_len = args.context_length or self.model_config.max_position_embeddings
 
-        worker_cls = ModelWorker
-        decode_reserve = worker_cls.decode_reserve
-        cfg = self.model_config
-        bytes_per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.lm_head.weight.dtype)
+        self.spec = resolve_spec_config(args)
+        draft = self._load_draft() if self.spec and self.spec.algorithm == "STANDALONE" else None
+        decode_reserve = self.spec.max_verify_tokens if self.spec else 1
+        bytes_per_slot = sum(_kv_bytes_per_slot(m) for m in (model, draft) if m is not None)
         capacity = kv_capacity_tokens(args, bytes_per_slot, self.device)
         max_rows = args.effective_max_running_requests
         self.page_table = PageTable(
@@ -85,8 +94,9 @@ class Engine:
             max_pages_per_row=-(-(self.context_len + decode_reserve) // args.page_size),
             device=self.device,
         )
-        self.runner = ModelRunner(model, self.page_table, args.attention_backend or "torch")
-        self.worker = worker_cls(self.runner)
+        backend = args.attention_backend or "torch"
+        self.runner = ModelRunner(model, self.page_table, backend)
+        self.worker = self._make_worker(draft, backend)
         eos = self.model_config.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ())
         chunk = args.effective_chunked_prefill_size
         self.scheduler = Scheduler(
@@ -99,6 +109,24 @@ class Engine:
         )
         self._seed_rng = random.Random(args.random_seed)
         self._rid_counter = itertools.count()
+
+    def _load_draft(self):
+        draft = load_model(self.spec.draft_model_path, self.args.dtype, self.device)
+        if draft.config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"speculative_draft_model_path: the draft vocabulary has {draft.config.vocab_size} tokens, the target's "
+                f"{self.model_config.vocab_size}; a STANDALONE draft must share the target's vocabulary"
+            )
+        return draft
+
+    def _make_worker(self, draft, backend: str):
+        if self.spec is None:
+            return ModelWorker(self.runner)
+        if draft is not None:
+            proposer = DraftModelProposer(ModelRunner(draft, self.page_table, backend), self.spec.use_rejection_sampling)
+        else:
+            proposer = NgramProposer(self.spec.ngram_min_window, self.spec.ngram_max_window, self.device)
+        return SpecWorker(self.runner, proposer, self.spec)
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -157,7 +185,13 @@ class Engine:
         return self.page_table.capacity_slots
 
     def internal_state(self) -> dict:
+        spec = {}
+        if self.spec is not None:
+            spec = {"speculative_algorithm": self.spec.algorithm, "speculative_num_steps": self.spec.num_steps,
+                    "speculative_eagle_topk": self.spec.topk, "speculative_num_draft_tokens": self.spec.num_draft_tokens,
+                    **self.worker.metrics.summary()}
         return {
+            **spec,
             "kv_capacity_tokens": self.kv_capacity_slots,
             "kv_free_tokens": self.kv_free_slots,
             "num_running_reqs": len(self.scheduler.running),

@@ -69,7 +69,10 @@ class ForwardInput:
     mask: torch.Tensor | None = None  # optional [n, prefix_len + n] attention mask
 
 
-def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_table, device) -> ForwardBatch:
+def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_table, device,
+                        input_ids: torch.Tensor | None = None) -> ForwardBatch:
+    """Pack inputs into one ForwardBatch. input_ids, when given, replaces the packed token ids with a device
+    tensor (draft tokens that never visit the host); the inputs' token_ids then only count tokens."""
     ids, positions, seq_index, row_of_token, logits_idx = [], [], [], [], []
     for b, inp in enumerate(inputs):
         n = len(inp.token_ids)
@@ -85,7 +88,7 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
     masks = [inp.mask for inp in inputs]
     return ForwardBatch(
         mode=mode,
-        input_ids=torch.tensor(ids, **as_long),
+        input_ids=torch.tensor(ids, **as_long) if input_ids is None else input_ids,
         positions=torch.tensor(positions, **as_long),
         out_slots=out_slots,
         req_rows=rows,

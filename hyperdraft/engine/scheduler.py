@@ -55,7 +55,7 @@ class RequestResult:
     num_committed: int  # tokens whose K/V is now final (fed tokens, or last token + accepted drafts)
     new_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    num_drafted: int = 0  # draft tokens verified this step (0 without speculation)
+    num_drafted: int | None = None  # draft tokens verified this step; None when the step was no verify
     num_accepted: int = 0  # of those, accepted by verification
 
 
@@ -145,7 +145,7 @@ class Scheduler:
         """Free a running request's K/V and queue it first for recompute; its tokens so far are kept."""
         self.running.remove(req)
         self.page_table.release_row(req.row)
-        req.row, req.num_computed = None, 0
+        req.row, req.num_computed, req.draft_num_computed = None, 0, 0
         req.num_retractions += 1
         self.waiting.appendleft(req)
 
@@ -161,7 +161,7 @@ class Scheduler:
             self.page_table.truncate(req.row, req.num_computed)  # rollback by length: rejected drafts' slots go back
             if not item.samples:
                 continue
-            if res.num_drafted:
+            if res.num_drafted is not None:
                 req.spec_verify_ct += 1
                 req.spec_draft_tokens += res.num_drafted
                 req.spec_accepted_tokens += res.num_accepted

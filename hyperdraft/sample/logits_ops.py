@@ -59,6 +59,32 @@ class SamplingBatch:
             all_greedy=all(greedy),
         )
 
+    def for_verify(self, draft: torch.Tensor) -> "SamplingBatch":
+        """B request rows -> B*(K+1) verify rows: row (b, j) samples the token after draft j-1 of request b,
+        so it sits at position + j and its penalties also count drafts 0..j-1. draft: [B, K]."""
+        k1 = draft.shape[1] + 1
+        rep = lambda t: t.repeat_interleave(k1, 0)  # noqa: E731
+        offsets = torch.arange(k1, device=self.positions.device).repeat(self.positions.shape[0])
+        return SamplingBatch(
+            temperature=rep(self.temperature), top_k=rep(self.top_k), top_p=rep(self.top_p), min_p=rep(self.min_p),
+            greedy=rep(self.greedy), seeds=rep(self.seeds), positions=rep(self.positions) + offsets,
+            penalties=self.penalties.for_verify(draft) if self.penalties is not None else None,
+            need_top_k=self.need_top_k, need_top_p=self.need_top_p, need_min_p=self.need_min_p, all_greedy=self.all_greedy,
+        )
+
+    def at_offset(self, draft_prefix: torch.Tensor) -> "SamplingBatch":
+        """Rows for the token after draft_prefix ([B, j]): position + j, penalties counting the prefix too."""
+        j = draft_prefix.shape[1]
+        pen = self.penalties
+        if pen is not None and j:
+            counts = pen.output_counts.clone().scatter_add_(1, draft_prefix, torch.ones_like(draft_prefix, dtype=torch.float32))
+            pen = Penalties(counts, pen.seen | (counts > 0), pen.frequency, pen.presence, pen.repetition)
+        return SamplingBatch(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, greedy=self.greedy,
+            seeds=self.seeds, positions=self.positions + j, penalties=pen, need_top_k=self.need_top_k,
+            need_top_p=self.need_top_p, need_min_p=self.need_min_p, all_greedy=self.all_greedy,
+        )
+
 
 @dataclass
 class Penalties:
@@ -85,6 +111,14 @@ class Penalties:
             torch.tensor([p.presence_penalty for p in params], **f32),
             torch.tensor([p.repetition_penalty for p in params], **f32),
         )
+
+    def for_verify(self, draft: torch.Tensor) -> "Penalties":
+        bsz, k = draft.shape
+        onehot = torch.zeros(bsz, k + 1, self.output_counts.shape[1], device=draft.device)
+        onehot[:, 1:].scatter_(2, draft[..., None], 1.0)
+        counts = (self.output_counts[:, None] + onehot.cumsum(1)).flatten(0, 1)  # [B*(K+1), V]
+        rep = lambda t: t.repeat_interleave(k + 1, 0)  # noqa: E731
+        return Penalties(counts, rep(self.seen) | (counts > 0), rep(self.frequency), rep(self.presence), rep(self.repetition))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         # Repetition penalty (CTRL / HF semantics): shrink positive logits, grow negative ones, of seen tokens.

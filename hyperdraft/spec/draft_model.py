@@ -1,0 +1,72 @@
+"""DraftModelProposer (STANDALONE): a separate small LM proposes a chain of tokens.
+
+The draft owns its ModelRunner: its own weights, KV pool, hidden size, layer and head counts. It shares the
+target's PageTable, so slot s holds the same token in both pools and the scheduler's rollback-by-length
+releases both at once.
+
+Invariant: req.draft_num_computed tokens of the request have correct K/V in the draft pool, and it never
+exceeds req.num_computed. A round starting at n = req.num_computed (the last token at index n still lacks K/V):
+  step 0      feeds tokens[draft_num_computed .. n] (one token, or two right after a fully accepted round)
+  step j > 0  feeds d_{j-1} at index n + j
+so it writes indices up to n + K - 1. After verify accepts a drafts, the target has n + a + 1 tokens and the
+draft's K/V is right for min(n + K, n + a + 1) of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.engine.model_runner import ModelRunner
+from hyperdraft.engine.scheduler import ScheduledRequest
+from hyperdraft.request import Request
+from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits
+from hyperdraft.sample.rng import DOMAIN_DRAFT, sample_from_probs
+from hyperdraft.spec.proposal import Proposal
+
+
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner, sample_drafts: bool):
+        self.runner = runner
+        self.sample_drafts = sample_drafts  # draw d_j ~ q_j and keep q; otherwise greedy drafts (one-hot q)
+
+    def prefill(self, items: list[ScheduledRequest]) -> None:
+        """Run the draft over the same prefill chunks the target runs, keeping both pools in lockstep."""
+        if not items:
+            return
+        inputs = []
+        for it in items:
+            req = it.req
+            assert req.draft_num_computed == req.num_computed, "draft fell out of step during prefill"
+            inputs.append(ForwardInput(req.row, req.num_computed, req.token_ids(req.num_computed, req.num_computed + it.num_tokens), 0))
+        self.runner.forward(build_forward_batch(ForwardMode.EXTEND, inputs, self.runner.page_table, self.runner.device))
+        for it in items:
+            it.req.draft_num_computed += it.num_tokens
+
+    def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
+        device = self.runner.device
+        tokens = torch.zeros(len(reqs), steps, dtype=torch.int64, device=device)
+        qs = []
+        catch_up = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len), 1) for r in reqs]
+        fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, catch_up, self.runner.page_table, device)
+        for j in range(steps):
+            if j > 0:
+                step_inputs = [ForwardInput(r.row, r.seq_len - 1 + j, [0], 1) for r in reqs]
+                fb = build_forward_batch(ForwardMode.DECODE, step_inputs, self.runner.page_table, device, input_ids=tokens[:, j - 1])
+            logits = self.runner.forward(fb).logits  # [B, V]
+            tokens[:, j], q = self._choose(logits, sampling.at_offset(tokens[:, :j]))
+            if q is not None:
+                qs.append(q)
+        return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
+
+    def _choose(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = penalised_logits(logits, sb)
+        if not self.sample_drafts:
+            return logits.argmax(-1), None
+        q = probs_from_logits(logits, sb)  # the same transform that defines the target's p
+        return sample_from_probs(q, sb.seeds, sb.positions, DOMAIN_DRAFT), q
+
+    def commit(self, reqs: list[Request], steps: int, num_accepted: list[int]) -> None:
+        """Called before the scheduler's commit, so req.num_computed is still n."""
+        for req, a in zip(reqs, num_accepted):
+            req.draft_num_computed = min(req.num_computed + steps, req.num_computed + a + 1)

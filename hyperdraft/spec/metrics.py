@@ -1,0 +1,39 @@
+"""SpecMetrics: acceptance counters across all requests."""
+
+from __future__ import annotations
+
+
+class SpecMetrics:
+    def __init__(self, max_draft_tokens: int):
+        self.verify_forwards = 0  # target verify forwards (one per engine step with decodes)
+        self.verifies = 0  # request-verifies (one per decoding request per step)
+        self.draft_tokens = 0  # draft tokens proposed
+        self.accepted_tokens = 0  # draft tokens accepted
+        self.emitted_tokens = 0  # accepted + recovered/bonus tokens
+        self.proposed_by_position = [0] * max_draft_tokens
+        self.accepted_by_position = [0] * max_draft_tokens
+        self.accept_length_hist = [0] * (max_draft_tokens + 2)  # index = tokens emitted by one verify
+
+    def observe(self, lens: list[int], num_accepted: list[int]) -> None:
+        self.verify_forwards += 1
+        for k, a in zip(lens, num_accepted):
+            self.verifies += 1
+            self.draft_tokens += k
+            self.accepted_tokens += a
+            self.emitted_tokens += a + 1
+            self.accept_length_hist[a + 1] += 1
+            for j in range(k):
+                self.proposed_by_position[j] += 1
+                self.accepted_by_position[j] += j < a
+
+    def summary(self) -> dict:
+        return {
+            "avg_spec_accept_length": self.emitted_tokens / self.verifies if self.verifies else 0.0,
+            "spec_verify_forwards": self.verify_forwards,
+            "spec_verifies": self.verifies,
+            "spec_draft_tokens": self.draft_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            "spec_acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position)],
+            "spec_accept_length_histogram": list(self.accept_length_hist),
+        }

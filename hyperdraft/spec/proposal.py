@@ -1,0 +1,18 @@
+"""Proposal: the draft tokens of one round, for the decoding requests of a batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, K] int64 on the device, padded with 0 past each request's length
+    lens: list[int]  # [B] real draft tokens per request, host copy (0 .. K)
+    q: torch.Tensor | None = None  # [B, K, V] draft distributions the tokens were sampled from; None = one-hot
+
+    @property
+    def max_len(self) -> int:
+        return self.tokens.shape[1]

@@ -1,0 +1,83 @@
+"""SpecConfig: the resolved speculative settings, with SGLang's defaults and checks.
+
+EngineArgs keeps what the user typed; resolve_spec_config derives the values
+the engine runs with (auto-defaults, forced draft-token counts) into a new
+frozen object, so nothing is ever mutated after start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from hyperdraft.config import EngineArgs
+
+logger = logging.getLogger("hyperdraft")
+
+SUPPORTED = ("NGRAM", "STANDALONE")
+NOT_YET = ("EAGLE", "EAGLE3", "NEXTN", "MTP")
+NGRAM_DEFAULT_DRAFT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str  # NGRAM | STANDALONE
+    num_steps: int  # draft tokens per round
+    topk: int
+    num_draft_tokens: int  # verified tokens per request per round, the root (last committed token) included
+    draft_model_path: str | None
+    use_rejection_sampling: bool  # drafts sampled from q (STANDALONE); otherwise q is one-hot
+    ngram_min_window: int
+    ngram_max_window: int
+
+    @property
+    def max_verify_tokens(self) -> int:
+        """The widest verify a round can need: sizes every per-round buffer and the KV reservation."""
+        return self.num_draft_tokens
+
+
+def resolve_spec_config(args: EngineArgs) -> SpecConfig | None:
+    if args.speculative_algorithm is None:
+        return None
+    algo = str(args.speculative_algorithm).upper()
+    if algo in NOT_YET:
+        raise ValueError(f"speculative_algorithm {algo} is not yet supported; supported now: {', '.join(SUPPORTED)}")
+    if algo not in SUPPORTED:
+        raise ValueError(f"speculative_algorithm must be one of {', '.join(SUPPORTED)}, got {args.speculative_algorithm!r}")
+    steps, topk, draft_tokens = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    if algo == "STANDALONE":
+        if not args.speculative_draft_model_path:
+            raise ValueError("speculative_draft_model_path is required for speculative_algorithm STANDALONE")
+        if steps is None and topk is None and draft_tokens is None:
+            steps, topk, draft_tokens = 3, 1, 4
+    else:  # NGRAM proposes a chain of up to num_draft_tokens - 1 tokens
+        if steps is None:
+            draft_tokens = draft_tokens or NGRAM_DEFAULT_DRAFT_TOKENS
+            steps = draft_tokens - 1
+        if args.speculative_use_rejection_sampling:
+            raise ValueError("speculative_use_rejection_sampling needs a draft model; NGRAM drafts are deterministic")
+    if steps is None:
+        raise ValueError("speculative_num_steps must be set when speculative_eagle_topk or speculative_num_draft_tokens is")
+    if steps < 1:
+        raise ValueError(f"speculative_num_steps must be >= 1, got {steps}")
+    topk = 1 if topk is None else topk
+    if topk < 1:
+        raise ValueError(f"speculative_eagle_topk must be >= 1, got {topk}")
+    if topk > 1:
+        raise ValueError("speculative_eagle_topk > 1 (tree drafting) is not yet supported; use speculative_eagle_topk=1")
+    if draft_tokens != steps + 1:
+        if draft_tokens is not None:
+            logger.warning("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1")
+        draft_tokens = steps + 1
+    if not 1 <= args.speculative_ngram_min_match_window_size <= args.speculative_ngram_max_match_window_size:
+        raise ValueError("speculative_ngram_min_match_window_size must be >= 1 and <= speculative_ngram_max_match_window_size")
+    return SpecConfig(
+        algorithm=algo,
+        num_steps=steps,
+        topk=topk,
+        num_draft_tokens=draft_tokens,
+        draft_model_path=args.speculative_draft_model_path,
+        use_rejection_sampling=args.speculative_use_rejection_sampling,
+        ngram_min_window=args.speculative_ngram_min_match_window_size,
+        ngram_max_window=args.speculative_ngram_max_match_window_size,
+    )
