@@ -147,8 +147,11 @@ def _generate(ns: argparse.Namespace) -> None:
 
 
 def _make_tiny(ns: argparse.Namespace) -> None:
+    from transformers.utils import logging as hf_logging
+
     from hyperdraft.testing.tiny import make_tiny_model
 
+    hf_logging.disable_progress_bar()
     print(make_tiny_model(ns.path, kind=ns.kind, seed=ns.seed))
 
 
