@@ -159,8 +159,19 @@ class LLM:
         return {**asdict(self.args), "internal_states": [self.engine.internal_state()]}
 
     def shutdown(self) -> None:
+        """Abort what is left and release the models and KV pools (GPU memory included). The LLM is unusable after."""
+        if self.engine is None:
+            return
         for req in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
             self.engine.abort(req.rid)
+        self.engine = None
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> "LLM":
         return self
