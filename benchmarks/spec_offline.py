@@ -1,0 +1,152 @@
+"""Speculative vs plain decoding on the same prompts, in one run.
+
+Reports accept length, output tokens/s, and the ratio to the non-speculative baseline measured in the same
+process. By default it builds its own tiny models (CPU-friendly); --model / --draft-model take real ones.
+
+Drafters measured:
+  NGRAM                prompt lookup
+  STANDALONE self      the target as its own draft: the upper bound of acceptance, at twice the draft cost
+  STANDALONE noisy     a perturbed copy of the target (q close to p but not equal): a stand-in for a trained draft
+  STANDALONE small     a small random draft of different shape: realistic cost, near-zero acceptance
+At temperature > 0 it also compares greedy drafting (q one-hot) with sampled drafting
+(--speculative-use-rejection-sampling, drafts drawn from q, accepted with min(1, p/q)).
+
+  python benchmarks/spec_offline.py                  # CPU, tiny models, writes benchmarks/results/spec_offline_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hyperdraft import LLM, SamplingParams  # noqa: E402
+from hyperdraft.testing.tiny import make_tiny_model  # noqa: E402
+
+MT_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mt_bench_questions.jsonl")
+TARGET_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
+SMALL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+def load_prompts(n: int) -> list[str]:
+    if os.path.exists(MT_BENCH):
+        with open(MT_BENCH) as f:
+            return [json.loads(line)["turns"][0] for line in f][:n]
+    return [f"Question {i}: explain speculative decoding in simple words." for i in range(n)]
+
+
+def noisy_copy(src: str, dst: str, noise: float, seed: int = 0) -> str:
+    """Copy a checkpoint, adding relative Gaussian noise to every weight."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * p.std() * noise)
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+def run(model: str, prompts: list[str], sp: SamplingParams, batch: int, engine_args: dict) -> dict:
+    llm = LLM(model, **engine_args)
+    llm.generate(prompts[:batch], SamplingParams(**{**sp.__dict__, "max_new_tokens": 4}), use_tqdm=False)  # warm-up
+    tokens, seconds, verifies, completion = 0, 0.0, 0, 0
+    for i in range(0, len(prompts), batch):
+        start = time.perf_counter()
+        outs = llm.generate(prompts[i : i + batch], sp, use_tqdm=False)
+        seconds += time.perf_counter() - start
+        for o in outs:
+            tokens += len(o.token_ids)
+            verifies += o.meta_info.get("spec_verify_ct", 0)
+            completion += o.meta_info["completion_tokens"] if o.meta_info.get("spec_verify_ct") else 0
+    llm.shutdown()
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "accept_len": completion / verifies if verifies else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="target model directory (default: a tiny random model)")
+    ap.add_argument("--draft-model", help="STANDALONE draft directory (default: tiny random drafts)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.7, help="for the greedy-vs-sampled-draft comparison")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec_offline_cpu.md"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tmp = tempfile.mkdtemp(prefix="hd_bench_")
+    target = args.model or make_tiny_model(os.path.join(tmp, "target"), "llama", seed=3, **TARGET_SHAPE)
+    drafts = {"self": target}
+    if args.draft_model:
+        drafts["given"] = args.draft_model
+    else:
+        drafts["noisy"] = noisy_copy(target, os.path.join(tmp, "noisy"), noise=0.05)
+        drafts["small"] = make_tiny_model(os.path.join(tmp, "small"), "qwen3", seed=4, head_dim=32, **SMALL_SHAPE)
+    prompts = load_prompts(args.num_prompts)
+    base_args = dict(device=args.device, dtype=args.dtype, page_size=16)
+    greedy = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    configs = [("none", {})] + [("NGRAM", dict(speculative_algorithm="NGRAM", speculative_num_steps=args.steps))]
+    configs += [(f"STANDALONE {name}", dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=path,
+                                           speculative_num_steps=args.steps)) for name, path in drafts.items()]
+    rows = []
+    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+        base = None
+        for name, spec in configs:
+            r = run(target, prompts, greedy, bs, {**base_args, **spec})
+            base = base or r
+            rows.append((bs, name, "greedy", r, r["tok_s"] / base["tok_s"]))
+            print(bs, name, r, flush=True)
+    sampled_rows = []
+    hot = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=7)
+    base = run(target, prompts, hot, 1, base_args)
+    sampled_rows.append(("none", "-", base, 1.0))
+    for name, path in drafts.items():
+        for sample in (False, True):
+            spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=path, speculative_num_steps=args.steps,
+                        speculative_use_rejection_sampling=sample)
+            r = run(target, prompts, hot, 1, {**base_args, **spec})
+            sampled_rows.append((f"STANDALONE {name}", "sampled q" if sample else "greedy (q one-hot)", r, r["tok_s"] / base["tok_s"]))
+            print(name, sample, r, flush=True)
+    write_report(args, rows, sampled_rows)
+
+
+def write_report(args, rows, sampled_rows) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch threads"
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    lines = [
+        "# Speculative vs plain decoding (offline)", "",
+        f"- device: {device}", f"- date: {datetime.date.today()}", f"- commit: {commit}",
+        f"- command: `python {' '.join(sys.argv)}`",
+        f"- {args.num_prompts} MT-bench first turns, {args.max_new_tokens} new tokens each, ignore_eos, dtype {args.dtype}, steps {args.steps}",
+        "- tiny random models unless --model is given: the speed ratios show the mechanics and overheads, not real-model gains", "",
+        "## Greedy", "", "| batch | drafter | accept length | tokens/s | vs no spec |", "|---|---|---|---|---|",
+    ]
+    lines += [f"| {bs} | {name} | {fmt(r['accept_len'])} | {r['tok_s']:.1f} | {ratio:.2f}x |" for bs, name, _, r, ratio in rows]
+    lines += ["", f"## Temperature {args.temperature}, batch 1: greedy drafts vs sampled drafts", "",
+              "| drafter | draft tokens | accept length | tokens/s | vs no spec |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {mode} | {fmt(r['accept_len'])} | {r['tok_s']:.1f} | {ratio:.2f}x |" for name, mode, r, ratio in sampled_rows]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
