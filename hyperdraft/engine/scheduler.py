@@ -129,8 +129,10 @@ class Scheduler:
             if chunk <= 0 or (not self.chunked_prefill and items and chunk > budget):
                 break
             # Headroom: keep one decode's worth of room per running request so admission does not force retraction.
-            headroom = self.decode_reserve * len(self.running)
-            if self.page_table.num_free_slots < chunk + headroom + self.page_table.page_size:
+            # With nothing running the whole pool is free and the request fits (prompt checks, retraction sizes):
+            # demanding headroom then would leave a request that fits only alone waiting forever.
+            headroom = self.decode_reserve * len(self.running) + self.page_table.page_size if self.running else 0
+            if self.page_table.num_free_slots < chunk + headroom:
                 break
             self.waiting.popleft()
             req.row = self.page_table.acquire_row()

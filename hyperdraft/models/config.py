@@ -73,6 +73,20 @@ def _rope(raw: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
     return theta, tuple(sorted(params.items()))
 
 
+def _sliding_window(raw: dict, arch: str) -> int | None:
+    """The attention window some layers use, or None when every layer attends to the whole sequence."""
+    window = raw.get("sliding_window")
+    if not window:
+        return None
+    if raw.get("layer_types") is not None:  # transformers >= 4.56 spells out each layer's attention
+        return window if "sliding_attention" in raw["layer_types"] else None
+    if arch == "MistralForCausalLM":
+        return window
+    # Qwen2/Qwen3 ship a sliding_window value but use it only with use_sliding_window, from layer max_window_layers.
+    uses = raw.get("use_sliding_window") and raw.get("max_window_layers", 0) < raw.get("num_hidden_layers", 0)
+    return window if uses else None
+
+
 def model_config_from_dict(raw: dict) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
@@ -80,6 +94,11 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
         raise ValueError(
             f"model architecture {arch!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    window = _sliding_window(raw, arch)
+    if window is not None and window < int(raw.get("max_position_embeddings", 4096)):
+        # Every layer here attends to the whole sequence; past the window that silently differs from the model.
+        raise ValueError(f"sliding_window={window} (sliding-window attention) is not supported; "
+                         "only models whose layers all use full attention are")
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     theta, scaling = _rope(raw)

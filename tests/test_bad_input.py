@@ -1,0 +1,181 @@
+"""Bad input raises ValueError naming the offending field, and leaves the engine serving everyone else correctly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import VOCAB_SIZE, generate_ids, greedy, hf_greedy, random_prompts, run_until_done
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.models.config import SUPPORTED_ARCHITECTURES
+
+CONTEXT = 64
+GOOD = random_prompts([5, 20, 11, 40], seed=50)
+N = 8
+
+
+@pytest.fixture(scope="module")
+def good_ref(llama_path):
+    return hf_greedy(llama_path, GOOD, N)
+
+
+# (generate kwargs, sampling params kwargs, regex the message must match)
+BAD_REQUESTS = {
+    "empty-input-ids": (dict(input_ids=[[]]), {}, r"input_ids/prompt"),
+    "empty-prompt": (dict(prompts=[""]), {}, r"prompt"),
+    "max-new-tokens-0": (dict(input_ids=[[1, 2]]), dict(max_new_tokens=0), r"max_new_tokens"),
+    "max-new-tokens-negative": (dict(input_ids=[[1, 2]]), dict(max_new_tokens=-1), r"max_new_tokens"),
+    "max-new-tokens-float": (dict(input_ids=[[1, 2]]), dict(max_new_tokens=2.5), r"max_new_tokens"),
+    "top-p-0": (dict(input_ids=[[1, 2]]), dict(top_p=0.0), r"top_p"),
+    "top-p-1.5": (dict(input_ids=[[1, 2]]), dict(top_p=1.5), r"top_p"),
+    "temperature-negative": (dict(input_ids=[[1, 2]]), dict(temperature=-0.5), r"temperature"),
+    "temperature-nan": (dict(input_ids=[[1, 2]]), dict(temperature=float("nan")), r"temperature"),
+    "top-k-negative": (dict(input_ids=[[1, 2]]), dict(top_k=-2), r"top_k"),
+    "min-p-above-1": (dict(input_ids=[[1, 2]]), dict(min_p=1.5), r"min_p"),
+    "repetition-penalty-0": (dict(input_ids=[[1, 2]]), dict(repetition_penalty=0.0), r"repetition_penalty"),
+    "frequency-penalty-3": (dict(input_ids=[[1, 2]]), dict(frequency_penalty=3.0), r"frequency_penalty"),
+    "presence-penalty-minus-3": (dict(input_ids=[[1, 2]]), dict(presence_penalty=-3.0), r"presence_penalty"),
+    "stop-token-out-of-vocab": (dict(input_ids=[[1, 2]]), dict(stop_token_ids=[VOCAB_SIZE]), r"stop_token_ids"),
+    "stop-empty-string": (dict(input_ids=[[1, 2]]), dict(stop=[""]), r"stop"),
+    "seed-not-int": (dict(input_ids=[[1, 2]]), dict(seed="7"), r"seed"),
+    "prompt-at-context": (dict(input_ids=[[1] * CONTEXT]), {}, r"context_length"),
+    "prompt-over-context": (dict(input_ids=[[3] * (CONTEXT + 37)]), {}, r"context_length"),
+    "text-prompt-over-context": (dict(prompts=["The quick brown fox jumps over the lazy dog. " * 20]), {},
+                                 r"context_length"),
+    "token-id-out-of-vocab": (dict(input_ids=[[1, VOCAB_SIZE]]), {}, r"input_ids"),
+    "token-id-negative": (dict(input_ids=[[-1, 2]]), {}, r"input_ids"),
+    "token-id-float": (dict(input_ids=[[1.0, 2]]), {}, r"input_ids"),
+}
+
+
+def _start_good(llm) -> list:
+    """Queue the good requests and run two steps, so some are mid-flight when the bad one arrives."""
+    reqs = [llm.engine.add_request(input_ids=p, params=greedy(N)) for p in GOOD]
+    llm.engine.step()
+    llm.engine.step()
+    assert any(r.output_ids for r in reqs) and not all(r.finished for r in reqs)
+    return reqs
+
+
+def _finish_good(llm, reqs, good_ref) -> None:
+    run_until_done(llm, reqs)
+    assert [r.output_ids for r in reqs] == good_ref
+    assert all(r.finish_reason == "length" for r in reqs)
+    # And the engine serves new requests correctly too.
+    assert [o.token_ids for o in generate_ids(llm, GOOD, greedy(N))] == good_ref
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_via_generate(llama_path, make_llm, good_ref, case):
+    kwargs, params, field = BAD_REQUESTS[case]
+    llm = make_llm(llama_path, context_length=CONTEXT, page_size=4)
+    reqs = _start_good(llm)
+    in_engine = len(llm.engine.scheduler.waiting) + len(llm.engine.scheduler.running)
+    with pytest.raises(ValueError, match=field):
+        llm.generate(**kwargs, sampling_params=SamplingParams(**params), use_tqdm=False)
+    # A batch where only the last request is bad queues nothing at all.
+    key, bad = next(iter(kwargs.items()))
+    good_first = ["Hello"] if key == "prompts" else [GOOD[0]]
+    with pytest.raises(ValueError, match=field):
+        llm.generate(**{key: good_first + bad}, sampling_params=[greedy(N), SamplingParams(**params)], use_tqdm=False)
+    assert len(llm.engine.scheduler.waiting) + len(llm.engine.scheduler.running) == in_engine
+    _finish_good(llm, reqs, good_ref)
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_via_add_request(llama_path, make_llm, good_ref, case):
+    kwargs, params, field = BAD_REQUESTS[case]
+    llm = make_llm(llama_path, context_length=CONTEXT, page_size=4)
+    reqs = _start_good(llm)
+    in_engine = len(llm.engine.scheduler.waiting) + len(llm.engine.scheduler.running)
+    key, (bad,) = next(iter(kwargs.items()))
+    arg = dict(prompt=bad) if key == "prompts" else dict(input_ids=bad)
+    with pytest.raises(ValueError, match=field):
+        llm.engine.add_request(params=SamplingParams(**params), **arg)
+    assert len(llm.engine.scheduler.waiting) + len(llm.engine.scheduler.running) == in_engine
+    _finish_good(llm, reqs, good_ref)
+
+
+def test_longest_prompt_that_fits_the_context(llama_path, make_llm):
+    """The boundary of the context check: CONTEXT - 1 prompt tokens are accepted and yield exactly one token."""
+    llm = make_llm(llama_path, context_length=CONTEXT)
+    prompt = random_prompts([CONTEXT - 1], seed=51)[0]
+    out = generate_ids(llm, [prompt], greedy(10))[0]
+    assert out.token_ids == hf_greedy(llama_path, [prompt], 1)[0]
+    assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("call,field", [
+    (lambda llm: llm.generate(input_ids=[[1]], prompts=["x"]), r"exactly one of prompts or input_ids"),
+    (lambda llm: llm.generate(use_tqdm=False), r"exactly one of prompts or input_ids"),
+    (lambda llm: llm.generate(input_ids=[1, 2, 3]), r"input_ids"),
+    (lambda llm: llm.generate(input_ids=[[1], [2]], sampling_params=[greedy(2)] * 3), r"sampling_params"),
+    (lambda llm: llm.engine.add_request(prompt=None), r"prompt"),
+    (lambda llm: SamplingParams.from_dict({"max_new_tokens": 3, "temprature": 0.5}), r"temprature"),
+])
+def test_bad_api_use(llama_path, make_llm, good_ref, call, field):
+    llm = make_llm(llama_path, page_size=4)
+    reqs = _start_good(llm)
+    with pytest.raises(ValueError, match=field):
+        call(llm)
+    _finish_good(llm, reqs, good_ref)
+
+
+@pytest.fixture
+def foo_arch_path(llama_path, tmp_path):
+    path = str(tmp_path / "foo")
+    shutil.copytree(llama_path, path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["FooForCausalLM"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def test_unknown_architecture_lists_supported(llama_path, make_llm, good_ref, foo_arch_path):
+    llm = make_llm(llama_path, page_size=4)
+    reqs = _start_good(llm)
+    with pytest.raises(ValueError, match="FooForCausalLM") as info:
+        LLM(foo_arch_path, device="cpu")
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert arch in str(info.value)
+    _finish_good(llm, reqs, good_ref)
+
+
+@pytest.mark.parametrize("engine_args,field", [
+    (dict(model="/nonexistent/model/dir"), r"/nonexistent/model/dir"),
+    (dict(), r"model_path"),
+    (dict(model="LLAMA", foo_bar=1), r"foo_bar"),
+    (dict(model="LLAMA", page_size=0), r"page_size"),
+    (dict(model="LLAMA", page_size=-4), r"page_size"),
+    (dict(model="LLAMA", max_total_tokens=0), r"max_total_tokens"),
+    (dict(model="LLAMA", max_running_requests=0), r"max_running_requests"),
+    (dict(model="LLAMA", chunked_prefill_size=0), r"chunked_prefill_size"),
+    (dict(model="LLAMA", context_length=1), r"context_length"),
+    (dict(model="LLAMA", dtype="int8"), r"dtype"),
+    (dict(model="LLAMA", mem_fraction_static=1.5), r"mem_fraction_static"),
+    (dict(model="LLAMA", attention_backend="flash"), r"attention_backend"),
+    (dict(model="LLAMA", model_path="LLAMA"), r"model_path"),  # given twice through the alias
+])
+def test_bad_engine_args(llama_path, make_llm, good_ref, engine_args, field):
+    llm = make_llm(llama_path, page_size=4)
+    reqs = _start_good(llm)
+    args = {k: (llama_path if v == "LLAMA" else v) for k, v in engine_args.items()}
+    with pytest.raises(ValueError, match=field):
+        LLM(device="cpu", **args)
+    _finish_good(llm, reqs, good_ref)
+
+
+def test_model_dir_without_weights(llama_path, make_llm, tmp_path, good_ref):
+    path = str(tmp_path / "noweights")
+    shutil.copytree(llama_path, path)
+    os.remove(os.path.join(path, "model.safetensors"))
+    llm = make_llm(llama_path, page_size=4)
+    reqs = _start_good(llm)
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(path, device="cpu")
+    _finish_good(llm, reqs, good_ref)

@@ -1,0 +1,129 @@
+"""IncrementalDetokenizer with the tiny byte-level BPE tokenizer: no half characters, no part of a stop string."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperdraft.detokenizer import IncrementalDetokenizer
+
+MULTIBYTE = "你好，世界。🙂🚀 naïve café Ω𝄞 ünïcödé 好"
+ASCII = "The quick brown fox jumps over the lazy dog. The quick brown fox! lolololoB the end"
+
+
+@pytest.fixture(scope="module")
+def tok(llama_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(llama_path)
+
+
+def _push_all(detok, ids, chunk: int = 1, final: bool = True) -> list[str]:
+    """Push ids in chunks; return the deltas (the last push is final)."""
+    deltas = []
+    for i in range(0, len(ids), chunk):
+        last = i + chunk >= len(ids)
+        deltas.append(detok.push(ids[i:i + chunk], final=final and last))
+    return deltas
+
+
+def test_multibyte_text_is_really_split_across_tokens(tok):
+    ids = tok.encode(MULTIBYTE)
+    assert tok.decode(ids) == MULTIBYTE
+    # The test below is only meaningful if single tokens carry half characters.
+    assert sum("\ufffd" in tok.decode([i]) for i in ids) >= 10
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_multibyte_never_emits_replacement_char(tok, chunk):
+    ids = tok.encode(MULTIBYTE)
+    detok = IncrementalDetokenizer(tok, [])
+    deltas = _push_all(detok, ids, chunk)
+    for d in deltas:
+        assert "\ufffd" not in d
+    assert "".join(deltas) == MULTIBYTE == detok.text
+    # Text is emitted as soon as a character completes, not only at the end.
+    assert sum(1 for d in deltas if d) >= len(deltas) // 2
+
+
+def test_emoji_alone_waits_for_its_last_byte(tok):
+    ids = tok.encode("🙂")
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tok, [])
+    assert [detok.push([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.push(ids[-1:]) == "🙂"
+
+
+def test_incomplete_character_flushed_when_final(tok):
+    ids = tok.encode("ab🙂")
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok.push(ids[:-1]) == "ab"
+    # The request ended mid-character: the final push emits what the tokenizer decodes, replacement char included.
+    assert detok.push([], final=True) == tok.decode(ids[:-1])[2:]
+    assert detok.text.endswith("\ufffd")
+
+
+def _check_stop_stream(tok, text: str, stop: list[str], chunk: int) -> str:
+    ids = tok.encode(text)
+    cut = min(i for i in (text.find(s) for s in stop) if i >= 0)
+    expect = text[:cut]
+    detok = IncrementalDetokenizer(tok, stop)
+    emitted = ""
+    for i in range(0, len(ids), chunk):
+        emitted += detok.push(ids[i:i + chunk])
+        # Never a partial stop string (or anything past it): what is out is always a prefix of the final text.
+        assert expect.startswith(emitted), f"emitted {emitted!r} is not a prefix of {expect!r}"
+        assert not any(s in emitted for s in stop)
+        # Liveness: at most a stop string's length minus one (plus a half character) is held back.
+        so_far = tok.decode(ids[:i + chunk])
+        if not any(s in so_far for s in stop):
+            held = so_far.rstrip("\ufffd")[len(emitted):]
+            assert len(held) <= max(len(s) for s in stop) - 1, f"holding back {held!r}"
+    emitted += detok.push([], final=True)
+    assert emitted == expect == detok.text
+    return emitted
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+@pytest.mark.parametrize("stop", [["fox!"], ["lazy dog"], ["loB"], ["ololoB"], ["the end"], [" ", "x"],
+                                  ["zzz", "brown fox! l", "quick"]])
+def test_stop_string_never_partly_emitted(tok, stop, chunk):
+    _check_stop_stream(tok, ASCII, stop, chunk)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("stop", [["世界"], ["好，"], ["🚀"], ["ï"], ["Ω𝄞 ü"], ["é 好"]])
+def test_multibyte_stop_string(tok, stop, chunk):
+    out = _check_stop_stream(tok, MULTIBYTE, stop, chunk)
+    assert "\ufffd" not in out
+
+
+def test_false_start_of_stop_string_is_released(tok):
+    """'fox' could start 'fox!' and is held back, then released once ' jumps' shows it was not the stop string."""
+    ids = tok.encode("The quick brown fox jumps")
+    detok = IncrementalDetokenizer(tok, ["fox!"])
+    n_fox = next(n for n in range(len(ids) + 1) if tok.decode(ids[:n]).endswith("fox"))
+    out = "".join(detok.push([i]) for i in ids[:n_fox])
+    assert out == "The quick brown "
+    out += "".join(detok.push([i]) for i in ids[n_fox:])
+    assert out == "The quick brown fox jumps"
+
+
+def test_stop_string_completed_within_one_push(tok):
+    detok = IncrementalDetokenizer(tok, ["brown"])
+    assert detok.push(tok.encode("The quick brown fox")) == "The quick "
+    assert detok.push(tok.encode(" jumps"), final=True) == ""
+    assert detok.text == "The quick "
+
+
+def test_special_tokens(tok):
+    ids = tok.encode("Hello") + [tok.eos_token_id]
+    skip = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    keep = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    assert "".join(_push_all(skip, ids)) == "Hello"
+    assert "".join(_push_all(keep, ids)) == "Hello" + tok.eos_token
+
+
+def test_without_tokenizer_emits_nothing():
+    detok = IncrementalDetokenizer(None, ["x"])
+    assert detok.push([1, 2, 3], final=True) == "" and detok.text == ""
+    assert detok.ids == [1, 2, 3]

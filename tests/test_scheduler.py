@@ -1,0 +1,174 @@
+"""Scheduler behaviour: retraction under KV pressure, batch invariance, no lost or duplicated requests, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import generate_ids, greedy, hf_greedy, random_prompts, run_until_done
+from hyperdraft import SamplingParams
+
+LENGTHS = [20, 35, 12, 40, 28, 17, 33, 25]
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(LENGTHS, seed=10)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path, prompts):
+    """Greedy outputs of every prompt, from transformers."""
+    return hf_greedy(llama_path, prompts, NEW)
+
+
+@pytest.mark.parametrize("page_size,chunk", [(1, None), (4, None), (3, 16), (16, 24)])
+def test_retraction_outputs_match_big_pool(llama_path, make_llm, prompts, reference, page_size, chunk):
+    # Room for about two requests at full length (prompt + NEW), eight requests submitted together.
+    small = make_llm(llama_path, page_size=page_size, max_total_tokens=2 * (max(LENGTHS) + NEW),
+                     chunked_prefill_size=chunk)
+    outs = generate_ids(small, prompts, greedy(NEW))
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" for o in outs)
+    assert sum(o.meta_info["num_retractions"] for o in outs) > 0, "the pool was meant to be too small: no retraction"
+    big = make_llm(llama_path, page_size=page_size, chunked_prefill_size=chunk)
+    big_outs = generate_ids(big, prompts, greedy(NEW))
+    assert [o.token_ids for o in big_outs] == reference
+    assert all(o.meta_info["num_retractions"] == 0 for o in big_outs)
+
+
+def test_retraction_seeded_sampling_matches_big_pool(llama_path, make_llm, prompts):
+    """Sampling draws depend only on (seed, position): recompute after retraction samples the same tokens."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_new_tokens=NEW, ignore_eos=True)
+              for i in range(len(prompts))]
+    small = make_llm(llama_path, page_size=2, max_total_tokens=2 * (max(LENGTHS) + NEW))
+    outs = generate_ids(small, prompts, params)
+    assert sum(o.meta_info["num_retractions"] for o in outs) > 0
+    big = make_llm(llama_path, page_size=2)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in generate_ids(big, prompts, params)]
+
+
+def test_batch_invariance(llama_path, make_llm, prompts, reference):
+    """Same outputs whether requests run all together, one at a time, two at a time, or staggered."""
+    lengths = [NEW - 3 * i for i in range(len(prompts))]  # requests finish at different steps
+    params = [greedy(n) for n in lengths]
+    expect = [ref[:n] for ref, n in zip(reference, lengths)]
+
+    together = make_llm(llama_path, page_size=4)
+    assert [o.token_ids for o in generate_ids(together, prompts, params)] == expect
+
+    one_by_one = make_llm(llama_path, page_size=4)
+    assert [generate_ids(one_by_one, [p], [sp])[0].token_ids for p, sp in zip(prompts, params)] == expect
+
+    two = make_llm(llama_path, page_size=4, max_running_requests=2, chunked_prefill_size=32)
+    assert [o.token_ids for o in generate_ids(two, prompts, params)] == expect
+
+    # Staggered: new requests join a batch whose other members are mid-decode.
+    staggered = make_llm(llama_path, page_size=5)
+    reqs = []
+    for p, sp in zip(prompts, params):
+        reqs.append(staggered.engine.add_request(input_ids=p, params=sp))
+        for _ in range(3):
+            staggered.engine.step()
+    run_until_done(staggered, reqs)
+    assert [r.output_ids for r in reqs] == expect
+
+
+def test_no_request_lost_or_duplicated(llama_path, make_llm):
+    """Many requests through a small pool and few rows: every output once, in submission order."""
+    lengths = [1, 9, 3, 27, 14, 5, 40, 2, 18, 33, 7, 11]
+    prompts = random_prompts(lengths, seed=11)
+    params = [greedy(5 + (i % 4) * 6) for i in range(len(prompts))]
+    llm = make_llm(llama_path, page_size=2, max_total_tokens=96, max_running_requests=3, chunked_prefill_size=20)
+    outs = generate_ids(llm, prompts, params)
+    assert len(outs) == len(prompts)
+    assert [o.meta_info["prompt_tokens"] for o in outs] == lengths
+    assert len({o.meta_info["id"] for o in outs}) == len(outs)
+    assert [len(o.token_ids) for o in outs] == [p.max_new_tokens for p in params]
+    assert [o.token_ids for o in outs] == [r[:p.max_new_tokens] for r, p in zip(hf_greedy(llama_path, prompts, 23), params)]
+
+
+def test_stream_yields_each_request_once(llama_path, make_llm):
+    prompts = random_prompts([4, 30, 12, 8, 21], seed=12)
+    llm = make_llm(llama_path, page_size=4, max_total_tokens=80, max_running_requests=2)
+    finished = []
+    tokens = {i: [] for i in range(len(prompts))}
+    for d in llm.stream(input_ids=prompts, sampling_params=greedy(9)):
+        assert d.index not in finished, "delta after the request finished"
+        tokens[d.index] += d.token_ids
+        if d.finished:
+            finished.append(d.index)
+            assert d.output is not None and d.output.token_ids == tokens[d.index]
+    assert sorted(finished) == list(range(len(prompts)))
+    assert all(len(t) == 9 for t in tokens.values())
+
+
+@pytest.mark.parametrize("page_size,total,length", [(16, 64, 60), (16, 64, 63), (4, 40, 39), (1, 32, 31)])
+def test_prompt_that_fits_only_alone_is_admitted(llama_path, make_llm, page_size, total, length):
+    """A prompt the engine accepts (len + 1 <= pool) must run, not wait forever for headroom it can never get."""
+    llm = make_llm(llama_path, page_size=page_size, max_total_tokens=total)
+    prompt = random_prompts([length], seed=13)[0]
+    req = llm.engine.add_request(input_ids=prompt, params=greedy(total - length))
+    run_until_done(llm, [req], max_steps=200)
+    assert req.finish_reason == "length"
+    assert req.output_ids == hf_greedy(llama_path, [prompt], total - length)[0]
+
+
+def test_request_too_long_for_pool_is_aborted_not_hung(llama_path, make_llm):
+    """A request that outgrows the whole pool on its own ends with finish_reason 'abort'; the others finish."""
+    llm = make_llm(llama_path, page_size=4, max_total_tokens=48)
+    prompts = random_prompts([30, 6, 10], seed=14)
+    outs = generate_ids(llm, prompts, [greedy(40), greedy(8), greedy(8)])
+    assert outs[0].finish_reason == "abort"
+    ref = hf_greedy(llama_path, prompts, 40)
+    assert outs[0].token_ids == ref[0][:len(outs[0].token_ids)]
+    # It ran alone until its sequence (the newest token, not yet in the cache, included) outgrew the 48 slots.
+    assert 30 + len(outs[0].token_ids) == 48 + 1
+    assert [o.token_ids for o in outs[1:]] == [r[:8] for r in ref[1:]]
+    assert all(o.finish_reason == "length" for o in outs[1:])
+
+
+def test_pool_stress_every_request_finishes(llama_path, make_llm):
+    """Tiny pools with mixed sizes: requests either finish with the reference output or abort on a reference prefix."""
+    lengths = [5, 30, 17, 2, 25, 11, 38, 8]
+    prompts = random_prompts(lengths, seed=15)
+    news = [30, 12, 40, 25, 8, 33, 20, 15]
+    ref = hf_greedy(llama_path, prompts, max(news))
+    for page_size, total, chunk in [(1, 50, None), (4, 60, 8), (8, 72, None), (3, 45, 5)]:
+        llm = make_llm(llama_path, page_size=page_size, max_total_tokens=total, chunked_prefill_size=chunk)
+        reqs = [llm.engine.add_request(input_ids=p, params=greedy(n)) for p, n in zip(prompts, news)]
+        run_until_done(llm, reqs)
+        for r, n, expect in zip(reqs, news, ref):
+            if r.finish_reason == "length":
+                assert r.output_ids == expect[:n]
+            else:
+                assert r.finish_reason == "abort", r.finish_reason
+                assert r.output_ids == expect[:len(r.output_ids)]
+                assert r.seq_len == total + 1, "aborted although it still fits the pool"
+        assert sum(r.finish_reason == "length" for r in reqs) >= len(reqs) // 2
+
+
+def test_abort_running_and_waiting(llama_path, make_llm, prompts, reference):
+    llm = make_llm(llama_path, page_size=4, max_running_requests=2)
+    reqs = [llm.engine.add_request(input_ids=p, params=greedy(NEW)) for p in prompts[:4]]
+    for _ in range(5):
+        llm.engine.step()
+    assert reqs[0].row is not None and reqs[3].row is None  # one running, one waiting
+    assert llm.engine.abort(reqs[0].rid) is reqs[0]
+    assert llm.engine.abort(reqs[3].rid) is reqs[3]
+    assert llm.engine.abort("no-such-request") is None
+    assert reqs[0].finish_reason == reqs[3].finish_reason == "abort"
+    run_until_done(llm, reqs)
+    assert [r.output_ids for r in reqs[1:3]] == reference[1:3]
+
+
+def test_stream_consumer_stopping_early_aborts(llama_path, make_llm, prompts):
+    llm = make_llm(llama_path, page_size=4)
+    stream = llm.stream(input_ids=prompts[:3], sampling_params=greedy(NEW))
+    for i, _ in enumerate(stream):
+        if i == 6:
+            break
+    stream.close()  # runs the generator's cleanup: the three requests are aborted, their KV freed
+    assert not llm.engine.has_unfinished()
+    # The engine still works afterwards.
+    assert generate_ids(llm, prompts[:2], greedy(5))[1].token_ids == hf_greedy(llama_path, prompts[1:2], NEW)[0][:5]
