@@ -87,6 +87,8 @@ class Engine:
         bytes_per_slot = sum(_kv_bytes_per_slot(m) for m in (model, draft) if m is not None)
         capacity = kv_capacity_tokens(args, bytes_per_slot, self.device)
         max_rows = args.effective_max_running_requests
+        if capacity < args.page_size:
+            raise ValueError(f"max_total_tokens={capacity} is smaller than one page (page_size={args.page_size})")
         self.page_table = PageTable(
             num_pages=capacity // args.page_size + 1,  # + the reserved padding page
             page_size=args.page_size,

@@ -10,7 +10,8 @@ from hyperdraft.sample.rng import DOMAIN_SAMPLE, sample_from_probs
 
 class Sampler:
     def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [N, V] -> (tokens [N] int64, logprobs [N] float32 under the raw model distribution)."""
+        """logits: [N, V] -> (tokens [N] int64, logprobs [N] float32 under the model distribution after penalties,
+        before temperature and filtering)."""
         logits = penalised_logits(logits.float(), sb)
         if sb.all_greedy:
             tokens = logits.argmax(-1)
