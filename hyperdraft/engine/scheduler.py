@@ -106,7 +106,14 @@ class Scheduler:
             while not self.page_table.reserve(req.row, req.num_computed + self.decode_reserve):
                 victim = self.running[-1]
                 if victim is req and len(self.running) == 1:
-                    self._finish(req, "abort")  # alone and still too big: the pool can never hold it
+                    # Alone, and the full verify width does not fit: verify fewer drafts (the spec worker drafts only
+                    # into the reserved room), down to a plain one-token decode. Abort only when even that does not
+                    # fit, exactly where decoding without speculation would.
+                    width = self.decode_reserve - 1
+                    while width and not self.page_table.reserve(req.row, req.num_computed + width):
+                        width -= 1
+                    if not width:
+                        self._finish(req, "abort")  # the pool can never hold it
                     break
                 self._retract(victim)
                 if victim is req:

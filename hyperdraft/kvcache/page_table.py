@@ -73,8 +73,16 @@ class PageTable:
         """Release the pages past the first num_tokens tokens (rollback by length)."""
         pages = self._row_pages[row]
         keep = self.pages_for(num_tokens)
-        self._free_pages.extend(reversed(pages[keep:]))
-        del pages[keep:]
+        if keep < len(pages):
+            self._free_pages.extend(reversed(pages[keep:]))
+            # Released pages stop mapping: a stray write past the row's room lands in the padding page, never in a
+            # page since given to another row.
+            self.table[row, keep : len(pages)] = 0
+            del pages[keep:]
+
+    def num_slots(self, row: int) -> int:
+        """K/V slots the row holds now (its reserved room)."""
+        return len(self._row_pages[row]) * self.page_size
 
     def slots(self, rows: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
         """rows: [B], seq_index: [B, K] -> [B, K] pool slots (indices past a row's pages map into page 0)."""

@@ -41,6 +41,9 @@ class SpecWorker:
         steps = self.spec.num_steps
         sb = sampling_batch(decodes, self.vocab_size, device) if decodes else None
         proposal = self.proposer.propose(reqs, steps, sb) if decodes else None
+        if decodes:  # never verify past the reserved room (narrower than the full width only when the pool is full)
+            room = [self.runner.page_table.num_slots(r.row) - r.num_computed - 1 for r in reqs]
+            proposal.lens = [min(k, m) for k, m in zip(proposal.lens, room)]
         self.proposer.prefill(prefills)
 
         # ---- verify: one target forward over [last, drafts] per decode plus the prefill chunks ----

@@ -75,7 +75,11 @@ def make_tiny_model(path: str, kind: str = "llama", seed: int = 0, with_tokenize
     from transformers import AutoModelForCausalLM
 
     tokenizer = make_tokenizer()
-    cfg = _config(kind, len(tokenizer), tokenizer.eos_token_id, **overrides)
+    # vocab_size and eos_token_id may be overridden like any other config field (e.g. a small-vocabulary model
+    # run with skip_tokenizer_init); passing them through **overrides too would name them twice.
+    vocab_size = overrides.pop("vocab_size", len(tokenizer))
+    eos_id = overrides.pop("eos_token_id", tokenizer.eos_token_id)
+    cfg = _config(kind, vocab_size, eos_id, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     os.makedirs(path, exist_ok=True)
