@@ -4,7 +4,7 @@ Makes its own model (make_tiny_model with a somewhat larger config, so timing me
 temp dir, runs a warm-up, then for each batch size submits that many prompts at once with greedy
 sampling and ignore_eos, and times llm.generate. Writes a markdown report.
 
-    python benchmarks/offline_throughput.py [--batch-sizes 1,16] [--max-new-tokens 128] [--repeats 5] [--threads N]
+    python benchmarks/offline_throughput.py [--batch-sizes 1,16] [--max-new-tokens 128] [--repeats 10] [--threads N]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default: 1,16)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
     ap.add_argument("--prompt-len", type=int, default=16, help="prompt length in tokens (default: 16)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per batch size; the fastest counts (default: 5)")
+    ap.add_argument("--repeats", type=int, default=10, help="timed runs per batch size; the fastest counts (default: 10)")
     ap.add_argument("--page-size", type=int, default=16, help="KV-cache page size (default: 16)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "offline_throughput_cpu.md"),
