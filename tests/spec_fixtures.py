@@ -27,6 +27,7 @@ import shutil
 import pytest
 import torch
 
+from tests.conftest import assert_engine_clean
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.tiny import make_tiny_model
 
@@ -140,13 +141,7 @@ def spec_models(tmp_path_factory) -> dict[str, str]:
     return build_spec_models(tmp_path_factory.mktemp("spec_models")) if not _MODELS else dict(_MODELS)
 
 
-def assert_clean(llm: LLM) -> None:
-    engine = llm.engine
-    sched = engine.scheduler
-    assert not sched.running, f"requests left running: {[r.rid for r in sched.running]}"
-    assert not sched.waiting, f"requests left waiting: {[r.rid for r in sched.waiting]}"
-    assert engine.kv_free_slots == engine.kv_capacity_slots, (
-        f"KV leak: {engine.kv_capacity_slots - engine.kv_free_slots} of {engine.kv_capacity_slots} slots still held")
+assert_clean = assert_engine_clean  # the suite-wide invariant: pool fully free, nothing left running
 
 
 @pytest.fixture(autouse=True)
@@ -161,20 +156,9 @@ def _single_torch_thread():
 
 
 @pytest.fixture
-def llm_factory():
-    """llm_factory(path, **engine_args) -> LLM (CPU, fp32). Every LLM made in the test is checked clean at teardown."""
-    created: list[LLM] = []
-
-    def make(path: str, **engine_args) -> LLM:
-        engine_args.setdefault("device", "cpu")
-        engine_args.setdefault("dtype", "float32")
-        llm = LLM(path, **engine_args)
-        created.append(llm)
-        return llm
-
-    yield make
-    for llm in created:
-        assert_clean(llm)
+def llm_factory(make_llm):
+    """llm_factory(path, **engine_args) -> LLM (CPU, fp32), checked clean at teardown (conftest's make_llm)."""
+    return make_llm
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------------
