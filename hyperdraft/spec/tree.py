@@ -1,0 +1,115 @@
+"""Draft trees for tree speculative decoding (topk > 1), batched over requests.
+
+Terms, for one request b of a batch of B, with N node slots:
+  node       a slot i in 0 .. N-1 holding one token; node 0 is the root, the request's last committed token
+             (already in the KV cache or verified with the tree); nodes 1 .. are draft tokens
+  parent     parents[b, i] < i: the node whose successor node i proposes (parents come before children, so a
+             node's whole ancestry has smaller indices); the root has parent -1
+  depth      edges from the root (root 0); a node at depth d proposes the token at sequence index
+             root_seq_index + d, so positions = root_seq_index + depth
+  children   the nodes whose parent is i; siblings are linked first_child -> next_sibling -> ... in increasing
+             node index, which is the order verification tries them
+  mask       mask[b, i, j]: node j is node i or an ancestor of node i, i.e. the attention mask of the tree
+             (node i may attend to node j); a chain of n nodes gives the causal lower-triangular mask
+  q          q[b, i]: the draft distribution the children of node i were drawn from (the drafter's distribution
+             for the token following node i); None = deterministic children (one-hot q per child: NGRAM,
+             greedy top-k drafts)
+  padding    with num_nodes given, nodes i >= num_nodes[b] are not part of request b's tree: they get parent -1,
+             depth 0, no links, and a mask row with only the diagonal (so an attention row is never empty)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [B, N] int64; node 0 is the root = the request's last committed token
+    parents: torch.Tensor  # [B, N] int64; parents[:, 0] = -1; parents[b, i] < i for real nodes
+    depth: torch.Tensor  # [B, N] int64; root 0
+    first_child: torch.Tensor  # [B, N] int64; -1 when none
+    next_sibling: torch.Tensor  # [B, N] int64; -1 when none; siblings linked in increasing node index
+    mask: torch.Tensor  # [B, N, N] bool; mask[b, i, j] = node j is node i or an ancestor of node i
+    q: torch.Tensor | None = None  # [B, N, V] distribution the children of node i were drawn from; None = one-hot
+    num_nodes: torch.Tensor | None = None  # [B] int64 real nodes per request (<= N); None = all N real
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[1]
+
+    def real(self) -> torch.Tensor:
+        """-> [B, N] bool, True for nodes that belong to the request's tree."""
+        idx = torch.arange(self.num_slots, device=self.tokens.device)
+        if self.num_nodes is None:
+            return torch.ones_like(self.tokens, dtype=torch.bool)
+        return idx[None, :] < self.num_nodes[:, None]
+
+    def num_children(self) -> torch.Tensor:
+        """-> [B, N] int64 children per node."""
+        counts = torch.zeros(self.batch_size, self.num_slots + 1, dtype=torch.int64, device=self.tokens.device)
+        slot = torch.where(self.parents >= 0, self.parents, self.num_slots)  # parentless nodes count in a dummy slot
+        counts.scatter_add_(1, slot, torch.ones_like(slot))
+        return counts[:, : self.num_slots]
+
+
+def build_tree(
+    tokens: torch.Tensor,  # [B, N] int64 node tokens (tokens[:, 0] = the root's committed token)
+    parents: torch.Tensor,  # [B, N] int64; parents[:, 0] = -1 and parents[b, i] < i for real nodes
+    q: torch.Tensor | None = None,  # [B, N, V] float, distribution the children of node i were drawn from
+    num_nodes: torch.Tensor | None = None,  # [B] int64 real nodes per request (1 .. N); None = all N
+    validate: bool = False,  # check the parent invariants (a host sync); for tests and debugging
+) -> DraftTree:
+    """Derive depth, sibling links and the ancestor mask from the parent pointers, for all requests at once."""
+    bsz, n = tokens.shape
+    device = tokens.device
+    idx = torch.arange(n, device=device)
+    real = torch.ones(bsz, n, dtype=torch.bool, device=device) if num_nodes is None else idx[None] < num_nodes[:, None]
+    parents = torch.where(real, parents.to(torch.int64), -1)
+    if validate:
+        assert bool((parents[:, 0] == -1).all()), "the root (node 0) must have parent -1"
+        assert bool((parents < idx[None]).all()), "parents must come before their children"
+        assert bool(((parents[:, 1:] >= 0) | ~real[:, 1:]).all()), "every real non-root node needs a parent"
+        if num_nodes is not None:
+            assert bool(((num_nodes >= 1) & (num_nodes <= n)).all()), "num_nodes must be in 1 .. N"
+
+    # Depth and ancestor mask, one node at a time (its parent's row is final by then, as parents[b, i] < i).
+    has_parent = parents >= 0  # [B, N]
+    par = parents.clamp_min(0)  # [B, N]
+    rows = torch.arange(bsz, device=device)
+    depth = torch.zeros(bsz, n, dtype=torch.int64, device=device)
+    mask = torch.zeros(bsz, n, n, dtype=torch.bool, device=device)
+    mask[:, idx, idx] = True
+    for i in range(1, n):
+        hp = has_parent[:, i]  # [B]
+        depth[:, i] = torch.where(hp, depth[rows, par[:, i]] + 1, 0)
+        mask[:, i] |= mask[rows, par[:, i]] & hp[:, None]
+
+    # first_child[v] = smallest i with parents[i] == v (parentless nodes scatter into a dummy column n).
+    slot = torch.where(has_parent, parents, n)  # [B, N]
+    first_child = torch.full((bsz, n + 1), n, dtype=torch.int64, device=device)
+    first_child.scatter_reduce_(1, slot, idx.expand(bsz, n), reduce="amin", include_self=True)
+    first_child = first_child[:, :n]
+    first_child = torch.where(first_child < n, first_child, -1)
+
+    # next_sibling[i] = smallest j > i with the same parent.
+    same = (parents[:, :, None] == parents[:, None, :]) & has_parent[:, :, None] & (idx[None, :] > idx[:, None])
+    later = torch.where(same, idx[None, None, :], n).amin(dim=2)  # [B, N]
+    next_sibling = torch.where(later < n, later, -1)
+
+    return DraftTree(tokens=tokens.to(torch.int64), parents=parents, depth=depth, first_child=first_child,
+                     next_sibling=next_sibling, mask=mask, q=q, num_nodes=num_nodes)
+
+
+def positions(
+    tree: DraftTree,
+    root_seq_index: torch.Tensor,  # [B] int64 sequence index of the root token
+) -> torch.Tensor:
+    """-> [B, N] int64 sequence index of every node (root_seq_index + depth); padding nodes get the root's."""
+    return root_seq_index[:, None] + tree.depth
