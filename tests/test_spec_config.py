@@ -83,7 +83,7 @@ BAD = [
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=0), "speculative_num_steps", ">= 1"),
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=-1), "speculative_num_steps", ">= 1"),
     (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d", speculative_num_steps=3,
-          speculative_eagle_topk=2), "speculative_eagle_topk", "not yet supported"),
+          speculative_eagle_topk=2, speculative_num_draft_tokens=12), "speculative_num_draft_tokens", "[2, 11]"),
     (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d", speculative_num_steps=3,
           speculative_eagle_topk=0), "speculative_eagle_topk", ">= 1"),
     (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d", speculative_eagle_topk=1),

@@ -43,14 +43,21 @@ class TorchAttentionBackend(AttentionBackend):
 
         # Causal default: query i (sequence index prefix+i) sees keys 0..prefix+i.
         mask = key_pos[None, None, :] <= (prefix[:, None] + q_off[None])[:, :, None]
-        if fb.custom_masks is not None:
-            for b, m in enumerate(fb.custom_masks):
-                if m is not None:
-                    mask[b].zero_()
-                    mask[b, : m.shape[0], : m.shape[1]] = m.to(device)
+        if fb.tail_mask is not None:
+            mask = self._apply_tail_mask(fb.tail_mask, seq_lens, key_pos, qmax)
         mask &= (key_pos[None, None, :] < seq_lens[:, None, None])
         mask |= ~valid[:, :, None]  # padded queries attend to something so softmax stays finite
         return TorchAttentionMeta(kv_slots, q_index, mask[:, None], valid)
+
+    @staticmethod
+    def _apply_tail_mask(tail: torch.Tensor, seq_lens: torch.Tensor, key_pos: torch.Tensor, qmax: int) -> torch.Tensor:
+        """tail: [B, Q, W] over the last W keys -> [B, qmax, Kmax]; keys before the tail are visible."""
+        bsz, q, w = tail.shape
+        rel = key_pos[None, :] - (seq_lens[:, None] - w)  # [B, Kmax] index into the tail, < 0 before it
+        picked = tail[:, :qmax].gather(2, rel.clamp(0, w - 1)[:, None, :].expand(bsz, min(q, qmax), -1))
+        if q < qmax:
+            picked = torch.cat([picked, picked.new_zeros(bsz, qmax - q, picked.shape[2])], 1)
+        return torch.where((rel >= 0)[:, None, :], picked, torch.ones_like(picked))
 
     def forward(self, layer_id, q, k, v, fb, meta: TorchAttentionMeta):
         self.pool.store(layer_id, fb.out_slots, k, v)

@@ -40,9 +40,11 @@ class ForwardBatch:
     prefix_lens: list[int]  # [B] tokens already cached, host copy
     extend_lens: list[int]  # [B] new tokens, host copy
     logits_indices: torch.Tensor  # [N] int64, packed rows whose logits are wanted
-    # Per request, an optional [extend_len, prefix_len + extend_len] bool mask (True = may attend).
-    # None means plain causal attention. Tree verification supplies ancestor masks here.
-    custom_masks: list[torch.Tensor | None] | None = None
+    # Optional tail mask [B, Q, W] bool (True = may attend): query i of request b against the LAST W keys of
+    # its sequence (cached and new); every key before those is visible. None means plain causal attention.
+    # Tree drafting and tree verification put their ancestor masks here; W = the whole length gives an
+    # arbitrary mask. Q = the longest extend in the batch (shorter requests' extra rows are ignored).
+    tail_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -66,13 +68,16 @@ class ForwardInput:
     token_ids: list[int]  # new tokens, stored at sequence indices prefix_len .. prefix_len + n - 1
     num_logits: int  # trailing new tokens whose logits are wanted
     positions: list[int] | None = None  # RoPE positions; default prefix_len + i
-    mask: torch.Tensor | None = None  # optional [n, prefix_len + n] attention mask
+    mask: torch.Tensor | None = None  # optional [n, W] tail mask over the last W keys (see ForwardBatch.tail_mask)
 
 
 def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_table, device,
-                        input_ids: torch.Tensor | None = None) -> ForwardBatch:
+                        input_ids: torch.Tensor | None = None, tail_mask: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None) -> ForwardBatch:
     """Pack inputs into one ForwardBatch. input_ids, when given, replaces the packed token ids with a device
-    tensor (draft tokens that never visit the host); the inputs' token_ids then only count tokens."""
+    tensor (draft tokens that never visit the host); the inputs' token_ids then only count tokens. positions, when
+    given, likewise replaces the packed RoPE positions (tree nodes sit at root + depth, known on the device)."""
+    override_positions = positions
     ids, positions, seq_index, row_of_token, logits_idx = [], [], [], [], []
     for b, inp in enumerate(inputs):
         n = len(inp.token_ids)
@@ -85,15 +90,29 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
     as_long = dict(dtype=torch.int64, device=device)
     rows = torch.tensor([inp.row for inp in inputs], **as_long)
     out_slots = page_table.slots(torch.tensor(row_of_token, **as_long), torch.tensor(seq_index, **as_long)[:, None])[:, 0]
-    masks = [inp.mask for inp in inputs]
+    if tail_mask is None and any(inp.mask is not None for inp in inputs):
+        tail_mask = _stack_tail_masks(inputs, device)
     return ForwardBatch(
         mode=mode,
         input_ids=torch.tensor(ids, **as_long) if input_ids is None else input_ids,
-        positions=torch.tensor(positions, **as_long),
+        positions=torch.tensor(positions, **as_long) if override_positions is None else override_positions,
         out_slots=out_slots,
         req_rows=rows,
         prefix_lens=[inp.prefix_len for inp in inputs],
         extend_lens=[len(inp.token_ids) for inp in inputs],
         logits_indices=torch.tensor(logits_idx, **as_long),
-        custom_masks=masks if any(m is not None for m in masks) else None,
+        tail_mask=tail_mask,
     )
+
+
+def _stack_tail_masks(inputs: list[ForwardInput], device) -> torch.Tensor:
+    """Per-request masks -> one [B, Q, W] tail mask; a request without a mask gets its causal rows."""
+    q = max(len(inp.token_ids) for inp in inputs)
+    w = max(inp.mask.shape[1] if inp.mask is not None else len(inp.token_ids) for inp in inputs)
+    out = torch.zeros(len(inputs), q, w, dtype=torch.bool, device=device)
+    for b, inp in enumerate(inputs):  # one small copy per request, no host sync: masks may already be on the device
+        n = len(inp.token_ids)
+        m = inp.mask.to(device) if inp.mask is not None else torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        out[b, :n, w - m.shape[1] :] = m
+        out[b, :n, : w - m.shape[1]] = True  # keys before this request's own tail are visible
+    return out

@@ -72,6 +72,33 @@ class SamplingBatch:
             need_top_k=self.need_top_k, need_top_p=self.need_top_p, need_min_p=self.need_min_p, all_greedy=self.all_greedy,
         )
 
+    def repeat_rows(self, k: int) -> "SamplingBatch":
+        """Each row repeated k times (same position): for k sibling nodes that share a request's parameters."""
+        rep = lambda t: t.repeat_interleave(k, 0)  # noqa: E731
+        pen = self.penalties
+        if pen is not None:
+            pen = Penalties(rep(pen.output_counts), rep(pen.seen), rep(pen.frequency), rep(pen.presence), rep(pen.repetition))
+        return SamplingBatch(
+            temperature=rep(self.temperature), top_k=rep(self.top_k), top_p=rep(self.top_p), min_p=rep(self.min_p),
+            greedy=rep(self.greedy), seeds=rep(self.seeds), positions=rep(self.positions), penalties=pen,
+            need_top_k=self.need_top_k, need_top_p=self.need_top_p, need_min_p=self.need_min_p, all_greedy=self.all_greedy,
+        )
+
+    def for_tree(self, tokens: torch.Tensor, ancestor_mask: torch.Tensor, depth: torch.Tensor) -> "SamplingBatch":
+        """Rows for the N nodes of each request's tree (B*N rows). Node i samples the token after it, at position
+        + depth(i); its penalties count the tokens on its path below the root (the root is already in the output).
+        tokens: [B, N]; ancestor_mask: [B, N, N] (self included); depth: [B, N]."""
+        bsz, n = tokens.shape
+        rows = self.repeat_rows(n)
+        rows.positions = rows.positions + depth.flatten()
+        if self.penalties is not None:
+            onehot = torch.zeros(bsz, n, self.penalties.output_counts.shape[1], device=tokens.device)
+            onehot[:, 1:].scatter_(2, tokens[:, 1:, None], 1.0)
+            counts = rows.penalties.output_counts + (ancestor_mask.float() @ onehot).flatten(0, 1)
+            pen = rows.penalties
+            rows.penalties = Penalties(counts, pen.seen | (counts > 0), pen.frequency, pen.presence, pen.repetition)
+        return rows
+
     def at_offset(self, draft_prefix: torch.Tensor) -> "SamplingBatch":
         """Rows for the token after draft_prefix ([B, j]): position + j, penalties counting the prefix too."""
         j = draft_prefix.shape[1]

@@ -14,11 +14,13 @@ class SpecMetrics:
         self.accepted_by_position = [0] * max_draft_tokens
         self.accept_length_hist = [0] * (max_draft_tokens + 2)  # index = tokens emitted by one verify
 
-    def observe(self, lens: list[int], num_accepted: list[int]) -> None:
+    def observe(self, lens: list[int], num_accepted: list[int], proposed: list[int] | None = None) -> None:
+        """lens: draft depth per request (chain length, or tree depth); proposed: draft tokens verified per
+        request when that differs from the depth (tree nodes)."""
         self.verify_forwards += 1
-        for k, a in zip(lens, num_accepted):
+        for i, (k, a) in enumerate(zip(lens, num_accepted)):
             self.verifies += 1
-            self.draft_tokens += k
+            self.draft_tokens += proposed[i] if proposed is not None else k
             self.accepted_tokens += a
             self.emitted_tokens += a + 1
             self.accept_length_hist[a + 1] += 1

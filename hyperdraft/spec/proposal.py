@@ -16,3 +16,10 @@ class Proposal:
     @property
     def max_len(self) -> int:
         return self.tokens.shape[1]
+
+
+@dataclass
+class TreeProposal:
+    tokens: torch.Tensor  # [B, N] int64, node 0 = the root (last committed token)
+    parents: torch.Tensor  # [B, N] int64, -1 for the root; parents come before children
+    fed: torch.Tensor  # [B, N] int64, offset past the root's index where the draft holds the node's K/V, -1 if none

@@ -31,9 +31,14 @@ class SpecConfig:
     ngram_max_window: int
 
     @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
+
+    @property
     def max_verify_tokens(self) -> int:
-        """The widest verify a round can need: sizes every per-round buffer and the KV reservation."""
-        return self.num_draft_tokens
+        """K/V room a round can need past the committed tokens: the verify tree (root included), or the draft's
+        own tree nodes (root + (steps-1)*topk fed nodes), whichever is larger. Sizes the per-round reservation."""
+        return max(self.num_draft_tokens, 1 + (self.num_steps - 1) * self.topk)
 
 
 def resolve_spec_config(args: EngineArgs) -> SpecConfig | None:
@@ -63,12 +68,18 @@ def resolve_spec_config(args: EngineArgs) -> SpecConfig | None:
     topk = 1 if topk is None else topk
     if topk < 1:
         raise ValueError(f"speculative_eagle_topk must be >= 1, got {topk}")
-    if topk > 1:
-        raise ValueError("speculative_eagle_topk > 1 (tree drafting) is not yet supported; use speculative_eagle_topk=1")
-    if draft_tokens != steps + 1:
+    if topk > 1 and algo == "NGRAM":
+        raise ValueError("speculative_eagle_topk > 1 is not supported for NGRAM; NGRAM drafts a chain")
+    if topk == 1 and draft_tokens != steps + 1:
         if draft_tokens is not None:
             logger.warning("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1")
         draft_tokens = steps + 1
+    if topk > 1:
+        candidates = topk + (steps - 1) * topk * topk
+        if draft_tokens is None or not 2 <= draft_tokens <= candidates + 1:
+            raise ValueError(f"speculative_num_draft_tokens must be in [2, {candidates + 1}] for speculative_num_steps={steps} "
+                             f"and speculative_eagle_topk={topk} (the root plus at most {candidates} candidate nodes), "
+                             f"got {draft_tokens}")
     if not 1 <= args.speculative_ngram_min_match_window_size <= args.speculative_ngram_max_match_window_size:
         raise ValueError("speculative_ngram_min_match_window_size must be >= 1 and <= speculative_ngram_max_match_window_size")
     return SpecConfig(

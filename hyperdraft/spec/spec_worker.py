@@ -1,11 +1,11 @@
 """SpecWorker: one speculative step for the whole batch.
 
-  draft    the proposer drafts up to K tokens for every decoding request
-  verify   one target forward: decoding requests feed [last token, drafts] (TARGET_VERIFY rows), prefill
-           chunks ride along in the same forward
-  accept   verify_chain picks the accepted drafts plus one recovered/bonus token per request
-  commit   the scheduler keeps K/V by length (last token + accepted drafts) and releases the rest; the
-           drafter records how much of its own K/V is still valid
+  draft    the proposer drafts for every decoding request: a chain of up to K tokens, or a tree of N nodes
+  verify   one target forward: decoding requests feed their last token plus drafts (TARGET_VERIFY rows,
+           a tail mask for trees); prefill chunks of other requests ride along in the same forward
+  accept   verify_chain / verify_tree pick the accepted drafts plus one recovered/bonus token per request
+  commit   trees: the accepted path's K/V moves to contiguous indices (target and draft pools); then the
+           scheduler keeps K/V by length and the drafter records how much of its own K/V is still valid
 One device-to-host copy per step carries every request's tokens, accept counts and logprobs.
 """
 
@@ -19,96 +19,186 @@ from hyperdraft.engine.model_worker import forward_input, sampling_batch
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
 from hyperdraft.sample.logits_ops import penalised_logits, probs_from_logits
 from hyperdraft.sample.sampler import Sampler
+from hyperdraft.spec.compaction import compact_accepted, leading_fed_count
 from hyperdraft.spec.metrics import SpecMetrics
-from hyperdraft.spec.proposal import Proposal
+from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.rejection import verify_chain
 from hyperdraft.spec.spec_config import SpecConfig
+from hyperdraft.spec.tree import build_tree
+from hyperdraft.spec.tree_verify import verify_tree
 
 
 class SpecWorker:
     def __init__(self, runner: ModelRunner, proposer, spec: SpecConfig):
         self.runner, self.proposer, self.spec = runner, proposer, spec
         self.sampler = Sampler()
-        self.decode_reserve = spec.max_verify_tokens  # the scheduler reserves the widest verify, never less
+        self.decode_reserve = spec.max_verify_tokens  # the scheduler reserves the widest round, never less
         self.metrics = SpecMetrics(spec.num_steps)
         self.vocab_size = runner.config.vocab_size
+        self.device = runner.device
 
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
         decodes, prefills = batch.decodes, batch.prefills
         assert all(a is b for a, b in zip(batch.items, decodes + prefills)), "the scheduler puts decodes first"
         reqs = [it.req for it in decodes]
-        device = self.runner.device
-        steps = self.spec.num_steps
-        sb = sampling_batch(decodes, self.vocab_size, device) if decodes else None
-        proposal = self.proposer.propose(reqs, steps, sb) if decodes else None
-        if decodes:  # never verify past the reserved room (narrower than the full width only when the pool is full)
-            room = [self.runner.page_table.num_slots(r.row) - r.num_computed - 1 for r in reqs]
-            proposal.lens = [min(k, m) for k, m in zip(proposal.lens, room)]
+        sb = sampling_batch(decodes, self.vocab_size, self.device) if decodes else None
+        round_ = None
+        if decodes:
+            round_ = TreeRound(self, reqs, sb) if self.spec.is_tree else ChainRound(self, reqs, sb)
         self.proposer.prefill(prefills)
 
-        # ---- verify: one target forward over [last, drafts] per decode plus the prefill chunks ----
-        inputs = [ForwardInput(r.row, r.num_computed, [0] * (1 + k), 1 + k) for r, k in zip(reqs, proposal.lens)] if decodes else []
-        inputs += [forward_input(it) for it in prefills]
-        ids, flat_index = self._packed_ids(reqs, proposal, inputs[len(reqs):])
+        inputs = (round_.inputs() if round_ else []) + [forward_input(it) for it in prefills]
+        prefill_ids = torch.tensor([t for it in inputs[len(reqs):] for t in it.token_ids], dtype=torch.int64, device=self.device)
+        ids = torch.cat([round_.packed_ids(), prefill_ids]) if round_ else prefill_ids
+        positions = None
+        if round_ is not None and round_.positions() is not None:
+            positions = torch.cat([round_.positions(), _default_positions(inputs[len(reqs):], self.device)])
         mode = ForwardMode.TARGET_VERIFY if not prefills else ForwardMode.EXTEND
-        out = self.runner.forward(build_forward_batch(mode, inputs, self.runner.page_table, device, input_ids=ids))
-        num_verify_rows = flat_index.shape[0] if decodes else 0
+        fb = build_forward_batch(mode, inputs, self.runner.page_table, self.device, input_ids=ids, positions=positions)
+        out = self.runner.forward(fb)
 
-        pieces = []
-        if decodes:
-            pieces += self._accept(reqs, proposal, sb, out.logits[:num_verify_rows], flat_index)
+        num_verify_rows = round_.num_rows if round_ else 0
+        pieces = round_.accept(out.logits[:num_verify_rows]) if round_ else []
         sampling_prefills = [it for it in prefills if it.samples]
         if sampling_prefills:
-            sbp = sampling_batch(sampling_prefills, self.vocab_size, device)
+            sbp = sampling_batch(sampling_prefills, self.vocab_size, self.device)
             pieces += list(self.sampler.sample(out.logits[num_verify_rows:], sbp))
         host = torch.cat([x.double().flatten() for x in pieces]).tolist() if pieces else []  # the one D2H copy
-        return self._results(batch, proposal, host)
+        results, pos = (round_.results(host) if round_ else ([], 0))
+        return results + self._prefill_results(prefills, host[pos:])
 
-    def _packed_ids(self, reqs, proposal: Proposal | None, prefill_inputs: list[ForwardInput]):
-        """Verify ids stay on the device: gather [last, d_0 .. d_{len-1}] of each request from a [B, K+1] grid."""
-        device = self.runner.device
-        prefill_ids = torch.tensor([t for inp in prefill_inputs for t in inp.token_ids], dtype=torch.int64, device=device)
-        if not reqs:
-            return prefill_ids, None
-        k1 = proposal.max_len + 1
-        flat_index = torch.tensor([b * k1 + j for b, k in enumerate(proposal.lens) for j in range(k + 1)], dtype=torch.int64, device=device)
-        last = torch.tensor([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], dtype=torch.int64, device=device)
-        grid = torch.cat([last[:, None], proposal.tokens], 1)  # [B, K+1]
-        return torch.cat([grid.flatten()[flat_index], prefill_ids]), flat_index
-
-    def _accept(self, reqs, proposal: Proposal, sb, verify_logits, flat_index) -> list[torch.Tensor]:
-        bsz, k = len(reqs), proposal.max_len
-        grid = verify_logits.new_zeros(bsz * (k + 1), verify_logits.shape[1])
-        grid[flat_index] = verify_logits  # [B*(K+1), V]; rows past a request's drafts stay unused
-        sbv = sb.for_verify(proposal.tokens)
-        logits = penalised_logits(grid, sbv)
-        p = probs_from_logits(logits, sbv).view(bsz, k + 1, -1)
-        lens = torch.tensor(proposal.lens, dtype=torch.int64, device=grid.device)
-        num_accepted, tokens = verify_chain(p, proposal.tokens, lens, proposal.q, sb.seeds, sb.positions)
-        logprobs = torch.log_softmax(logits, -1).gather(1, tokens.view(-1, 1)).view(bsz, k + 1)
-        return [num_accepted, tokens, logprobs]
-
-    def _results(self, batch: ScheduledBatch, proposal: Proposal | None, host: list[float]) -> list[RequestResult]:
-        results, pos = [], 0
-        decodes = batch.decodes
-        if decodes:
-            bsz, k1 = len(decodes), proposal.max_len + 1
-            accepted = [int(a) for a in host[:bsz]]
-            tokens = host[bsz : bsz + bsz * k1]
-            logprobs = host[bsz + bsz * k1 : bsz + 2 * bsz * k1]
-            pos = bsz + 2 * bsz * k1
-            for b, a in enumerate(accepted):
-                row = slice(b * k1, b * k1 + a + 1)
-                results.append(RequestResult(a + 1, [int(t) for t in tokens[row]], logprobs[row], proposal.lens[b], a))
-            self.proposer.commit([it.req for it in decodes], proposal.max_len, accepted)
-            self.metrics.observe(proposal.lens, accepted)
-        n_sampling = sum(it.samples for it in batch.prefills)
-        sampled, sampled_lp = host[pos : pos + n_sampling], host[pos + n_sampling :]
-        i = 0
-        for it in batch.prefills:
+    @staticmethod
+    def _prefill_results(prefills, host: list[float]) -> list[RequestResult]:
+        n_sampling = sum(it.samples for it in prefills)
+        sampled, sampled_lp = host[:n_sampling], host[n_sampling:]
+        results, i = [], 0
+        for it in prefills:
             res = RequestResult(it.num_tokens)
             if it.samples:
                 res.new_tokens, res.logprobs = [int(sampled[i])], [sampled_lp[i]]
                 i += 1
             results.append(res)
         return results
+
+    def room(self, reqs) -> list[int]:
+        """Tokens past the last committed one that each row has reserved (narrower than a full round only when
+        a lone request fills the pool): never draft or verify past it."""
+        return [self.runner.page_table.num_slots(r.row) - r.num_computed - 1 for r in reqs]
+
+
+def _default_positions(inputs: list[ForwardInput], device) -> torch.Tensor:
+    pos = [p for inp in inputs for p in range(inp.prefix_len, inp.prefix_len + len(inp.token_ids))]
+    return torch.tensor(pos, dtype=torch.int64, device=device)
+
+
+def _last_tokens(reqs, device) -> torch.Tensor:
+    return torch.tensor([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], dtype=torch.int64, device=device)
+
+
+class ChainRound:
+    """Drafts form a chain; verify rows are [last, d_0 .. d_{len-1}] per request (lengths may differ)."""
+
+    def __init__(self, worker: SpecWorker, reqs, sb):
+        self.w, self.reqs, self.sb = worker, reqs, sb
+        self.proposal: Proposal = worker.proposer.propose(reqs, worker.spec.num_steps, sb)
+        self.proposal.lens = [min(k, m) for k, m in zip(self.proposal.lens, worker.room(reqs))]
+        k1 = self.proposal.max_len + 1
+        self.flat_index = torch.tensor([b * k1 + j for b, k in enumerate(self.proposal.lens) for j in range(k + 1)],
+                                       dtype=torch.int64, device=worker.device)
+        self.num_rows = self.flat_index.shape[0]
+
+    def inputs(self) -> list[ForwardInput]:
+        return [ForwardInput(r.row, r.num_computed, [0] * (1 + k), 1 + k) for r, k in zip(self.reqs, self.proposal.lens)]
+
+    def packed_ids(self) -> torch.Tensor:
+        grid = torch.cat([_last_tokens(self.reqs, self.w.device)[:, None], self.proposal.tokens], 1)  # [B, K+1]
+        return grid.flatten()[self.flat_index]
+
+    def positions(self):
+        return None
+
+    def accept(self, verify_logits: torch.Tensor) -> list[torch.Tensor]:
+        bsz, k = len(self.reqs), self.proposal.max_len
+        grid = verify_logits.new_zeros(bsz * (k + 1), verify_logits.shape[1])
+        grid[self.flat_index] = verify_logits  # [B*(K+1), V]; rows past a request's drafts stay unused
+        sbv = self.sb.for_verify(self.proposal.tokens)
+        logits = penalised_logits(grid, sbv)
+        p = probs_from_logits(logits, sbv).view(bsz, k + 1, -1)
+        lens = torch.tensor(self.proposal.lens, dtype=torch.int64, device=grid.device)
+        num_accepted, tokens = verify_chain(p, self.proposal.tokens, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
+        logprobs = torch.log_softmax(logits, -1).gather(1, tokens.view(-1, 1)).view(bsz, k + 1)
+        return [num_accepted, tokens, logprobs]
+
+    def results(self, host: list[float]) -> tuple[list[RequestResult], int]:
+        bsz, k1 = len(self.reqs), self.proposal.max_len + 1
+        accepted = [int(a) for a in host[:bsz]]
+        tokens, logprobs = host[bsz : bsz + bsz * k1], host[bsz + bsz * k1 : bsz + 2 * bsz * k1]
+        results = []
+        for b, a in enumerate(accepted):
+            row = slice(b * k1, b * k1 + a + 1)
+            results.append(RequestResult(a + 1, [int(t) for t in tokens[row]], logprobs[row], self.proposal.lens[b], a))
+        self.w.proposer.commit(self.reqs, self.proposal.max_len, accepted)
+        self.w.metrics.observe(self.proposal.lens, accepted)
+        return results, bsz + 2 * bsz * k1
+
+
+class TreeRound:
+    """Drafts form a tree of N nodes per request (node 0 = the last committed token), verified in one forward
+    with an ancestor mask; the accepted path is then compacted to contiguous indices."""
+
+    def __init__(self, worker: SpecWorker, reqs, sb):
+        spec = worker.spec
+        self.w, self.reqs, self.sb, self.n = worker, reqs, sb, spec.num_draft_tokens
+        self.proposal: TreeProposal = worker.proposer.propose_tree(reqs, spec.num_steps, spec.topk, self.n, sb)
+        self.num_nodes = [min(self.n, m + 1) for m in worker.room(reqs)]  # fewer only when a lone request fills the pool
+        num_nodes = torch.tensor(self.num_nodes, dtype=torch.int64, device=worker.device)
+        self.tree = build_tree(self.proposal.tokens, self.proposal.parents, num_nodes=num_nodes)
+        self.num_rows = len(reqs) * self.n
+        self.base = torch.tensor([r.num_computed for r in reqs], dtype=torch.int64, device=worker.device)
+
+    def inputs(self) -> list[ForwardInput]:
+        return [ForwardInput(r.row, r.num_computed, [0] * self.n, self.n, mask=self.tree.mask[b]) for b, r in enumerate(self.reqs)]
+
+    def packed_ids(self) -> torch.Tensor:
+        return self.tree.tokens.flatten()
+
+    def positions(self) -> torch.Tensor:
+        return (self.base[:, None] + self.tree.depth).flatten()
+
+    def accept(self, verify_logits: torch.Tensor) -> list[torch.Tensor]:
+        bsz, n = len(self.reqs), self.n
+        sbt = self.sb.for_tree(self.tree.tokens, self.tree.mask, self.tree.depth)
+        logits = penalised_logits(verify_logits, sbt)
+        p = probs_from_logits(logits, sbt).view(bsz, n, -1)
+        spec = self.w.spec
+        num_accepted, path, tokens = verify_tree(p, self.tree, self.sb.seeds, self.sb.positions, False,
+                                                 max_depth=spec.num_steps, max_children=spec.topk)
+        self._compact(num_accepted, path)
+        rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
+        logprobs = torch.log_softmax(logits, -1)[rows.flatten(), tokens.flatten()].view_as(tokens)
+        self.depth = tokens.shape[1]
+        return [num_accepted, tokens, logprobs, self.valid_draft]
+
+    def _compact(self, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
+        rows = torch.tensor([r.row for r in self.reqs], dtype=torch.int64, device=path.device)
+        count = num_accepted + 1
+        compact_accepted(self.w.runner.pool, self.w.runner.page_table, rows, self.base, path.clamp_min(0), count)
+        fed_on_path = self.proposal.fed.gather(1, path.clamp_min(0))
+        self.valid_draft = leading_fed_count(fed_on_path, num_accepted)
+        draft_pool = getattr(self.w.proposer, "pool", None)
+        if draft_pool is not None:
+            compact_accepted(draft_pool, self.w.runner.page_table, rows, self.base, fed_on_path.clamp_min(0), 1 + self.valid_draft)
+
+    def results(self, host: list[float]) -> tuple[list[RequestResult], int]:
+        bsz, d1 = len(self.reqs), self.depth
+        accepted = [int(a) for a in host[:bsz]]
+        tokens, logprobs = host[bsz : bsz + bsz * d1], host[bsz + bsz * d1 : bsz + 2 * bsz * d1]
+        valid_draft = [int(v) for v in host[bsz + 2 * bsz * d1 : 2 * bsz + 2 * bsz * d1]]
+        nodes = self.num_nodes
+        results = []
+        for b, a in enumerate(accepted):
+            row = slice(b * d1, b * d1 + a + 1)
+            results.append(RequestResult(a + 1, [int(t) for t in tokens[row]], logprobs[row], nodes[b] - 1, a))
+        self.w.proposer.commit_tree(self.reqs, valid_draft)
+        self.w.metrics.observe([self.w.spec.num_steps] * bsz, accepted, proposed=[k - 1 for k in nodes])
+        return results, 2 * bsz + 2 * bsz * d1

@@ -1,0 +1,357 @@
+"""EAGLE-1 and EAGLE-3 draft heads in the checkpoint layouts the community publishes.
+
+Checkpoint names (top level; a leading "model." is also accepted):
+
+EAGLE-1, architectures LlamaForCausalLMEagle (LlamaForCausalLM is accepted as an alias: SafeAILab's EAGLE-1/2 heads
+declare it and SGLang renames it when it loads a draft):
+  fc.weight [H, 2H] and fc.bias [H] (config "bias", default true), over concat(token embedding, hidden);
+  layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.mlp.{gate,up,down}_proj.weight,
+  layers.{i}.post_attention_layernorm.weight, and layers.{i}.input_layernorm.weight for i > 0 only:
+  layer 0 has no input norm, fc's output goes straight into attention;
+  optional embed_tokens.weight [V, H] and lm_head.weight [V, H]; when absent the target's are shared by reference.
+  There is no final norm: the output goes straight through the (target's) lm_head, as SafeAILab's head(out_hidden)
+  and SGLang's LlamaForCausalLMEagle (hidden + residual, no norm) do. The head regresses the target's final *normed*
+  hidden state, which is also what it consumes.
+EAGLE-3, architectures LlamaForCausalLMEagle3:
+  fc.weight [H, 3*Ht] (bias only with config "bias": true), over concat of 3 target aux hidden states (Ht wide);
+  midlayer.input_layernorm.weight (over the embedding), midlayer.hidden_norm.weight (over the hidden),
+  midlayer.self_attn.{q,k,v}_proj.weight [*, 2H] over concat(normed embedding, normed hidden), o_proj [H, heads*D],
+  midlayer.mlp.*, midlayer.post_attention_layernorm.weight; the residual is the (un-normed) hidden input;
+  norm.weight [H]; lm_head.weight [Vd, H]; d2t int64 [Vd] with target_id = draft_id + d2t[draft_id];
+  t2d bool [V] (True on the target ids the draft vocab covers); optional embed_tokens.weight [V, H].
+  lm_head.weight, d2t and t2d may be absent only when draft_vocab_size == vocab_size (target lm_head shared, d2t = 0).
+
+What the head consumes from the target:
+  EAGLE-1: the target's final normed hidden (DecoderLM.forward's first output, ModelRunner's ForwardOutput.hidden).
+  EAGLE-3: the outputs (pre-norm residual stream) of target layers aux_layer_ids(head), concatenated in ascending
+  layer order, through project_target_hidden. Default ids: SGLang's [1, L//2 - 1, L - 4] for an L-layer target
+  (SGLang writes them as its capture list [2, L//2, L - 3]); for L < 7 those collide, so small targets use
+  (lo, (lo + hi) // 2, hi) with hi = L - 2 (L - 1 when L == 3) and lo = 1 when hi >= 3 else 0: L=6 -> (1, 2, 4),
+  L=5 -> (1, 2, 3), L=4 and L=3 -> (0, 1, 2). L < 3 has no default.
+  DecoderLM.forward(capture_layers=c) captures the INPUT of layer c, i.e. the output of layer c - 1, so the capture
+  list is target_capture_layers(head) = sorted(i + 1 for i in aux ids); its captured list comes back in that ascending
+  order, the order fc expects. The output of the last layer (id L - 1) would need the final PRE-norm hidden, which
+  DecoderLM.forward does not expose: target_capture_layers raises for it (only a 3-layer target's default hits this).
+
+Alignment (SafeAILab's topK_genrate feeds input_ids[:, 1:]; SGLang's draft extend shifts input_ids left by one and
+appends the token the target just sampled, keeping positions): the target ran t_0..t_{n-1} at positions 0..n-1,
+giving hidden h_i at position i (h_i predicts t_{i+1}), and sampled t_n from h_{n-1}. Head position i consumes
+(h_i, t_{i+1}) with RoPE position i, writes its K/V at index i of the request (the target's slot for t_i under a
+shared page table), and its output g_i predicts t_{i+2} via compute_logits(g_i). So a draft extend over a chunk feeds
+input_ids = t_1..t_n, hidden = h_0..h_{n-1}, positions 0..n-1, and the first draft d_1 (token n+1) comes from g_{n-1}.
+Draft step k >= 1 runs at position n - 1 + k on (g_{n-2+k}, d_k): the head's own previous output stands in for the
+target hidden (EAGLE-3 does NOT pass it through fc again) and predicts d_{k+1}. After verification accepts a drafts
+plus a bonus token, the next extend covers positions n..n+a with the target's new h_n..h_{n+a} and tokens
+t_{n+1}..t_{n+a+1}, overwriting the speculative draft K/V there.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from hyperdraft.models.config import ModelConfig, model_config_from_dict
+from hyperdraft.models.decoder import MLP, AttentionFn, Attention, DecoderLayer, DecoderLM, RMSNorm, rope_inv_freq
+from hyperdraft.models.loader import DTYPES
+
+EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    architecture: str
+    kind: str  # "eagle" (EAGLE-1) or "eagle3"
+    layer: ModelConfig  # the head's own Llama-layout view of its layers and RoPE: a fresh object, never the target's
+    vocab_size: int  # the target vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    eagle_aux_hidden_state_layer_ids: tuple[int, ...] | None  # as written in the checkpoint; None when absent
+    fc_bias: bool
+
+    hidden_size = property(lambda self: self.layer.hidden_size)
+    num_attention_heads = property(lambda self: self.layer.num_heads)
+    num_key_value_heads = property(lambda self: self.layer.num_kv_heads)
+    num_kv_heads = num_key_value_heads
+    head_dim = property(lambda self: self.layer.head_dim)
+    intermediate_size = property(lambda self: self.layer.intermediate_size)
+    rms_norm_eps = property(lambda self: self.layer.rms_norm_eps)
+    rope_theta = property(lambda self: self.layer.rope_theta)
+    rope_scaling = property(lambda self: self.layer.rope_scaling)
+    num_layers = property(lambda self: self.layer.num_layers)
+
+
+def eagle_config_from_dict(raw: dict) -> EagleConfig:
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in EAGLE_ARCHITECTURES:
+        raise ValueError(f"draft architecture {arch!r} is not supported; supported draft architectures: "
+                         f"{', '.join(EAGLE_ARCHITECTURES)}")
+    kind = EAGLE_ARCHITECTURES[arch]
+    # A new dict: the draft's own config is parsed exactly like a Llama ModelConfig, and nothing is mutated.
+    layer = model_config_from_dict({**raw, "architectures": ["LlamaForCausalLM"],
+                                    "num_hidden_layers": raw.get("num_hidden_layers", 1)})
+    if layer.num_layers < 1 or (kind == "eagle3" and layer.num_layers != 1):
+        raise ValueError(f"num_hidden_layers={layer.num_layers} is not supported for {arch} (EAGLE-3 heads have 1 layer)")
+    vocab, draft_vocab, target_hidden, ids = layer.vocab_size, layer.vocab_size, layer.hidden_size, None
+    if kind == "eagle3":
+        draft_vocab = int(raw.get("draft_vocab_size") or vocab)
+        target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)
+        raw_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids",
+                                                      raw.get("eagle_aux_hidden_state_layer_ids"))
+        ids = None if raw_ids is None else tuple(int(i) for i in raw_ids)
+        if not 0 < draft_vocab <= vocab:
+            raise ValueError(f"draft_vocab_size={draft_vocab} must be in [1, vocab_size={vocab}]")
+    return EagleConfig(arch, kind, layer, vocab, draft_vocab, target_hidden, ids, bool(raw.get("bias", kind == "eagle")))
+
+
+def load_eagle_config(path: str) -> EagleConfig:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"draft model path {path!r} has no config.json")
+    with open(cfg_path) as f:
+        return eagle_config_from_dict(json.load(f))
+
+
+def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
+    """Target layer OUTPUT ids an EAGLE-3 head reads when its config names none (see the module docstring)."""
+    n = num_target_layers
+    if n >= 7:
+        return (1, n // 2 - 1, n - 4)
+    if n < 3:
+        raise ValueError(f"EAGLE-3 needs 3 distinct target layers, the target has num_layers={n}")
+    hi = n - 2 if n >= 4 else n - 1
+    lo = 1 if hi >= 3 else 0
+    return (lo, (lo + hi) // 2, hi)
+
+
+class _Head(nn.Module):
+    """Parts both heads share: RoPE, embedding/lm_head ownership, KV-pool sizing."""
+
+    def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool, lm_rows: int):
+        super().__init__()
+        self.config = cfg
+        self.target_num_layers = target.config.num_layers
+        self.aux_layer_ids: tuple[int, ...] = ()
+        # Target modules used by reference live in a plain dict, not as submodules: head.to(), state_dict() and
+        # parameters() never reach them, so the target's weights are neither copied nor converted.
+        self._shared: dict[str, nn.Module] = {}
+        if own_embed:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self._shared["embed_tokens"] = target.model.embed_tokens
+        if own_lm_head:
+            self.lm_head = nn.Linear(cfg.hidden_size, lm_rows, bias=False)
+        else:
+            self._shared["lm_head"] = target.lm_head
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer), persistent=False)
+
+    num_layers = property(lambda self: self.config.num_layers)
+    num_kv_heads = property(lambda self: self.config.num_kv_heads)
+    head_dim = property(lambda self: self.config.head_dim)
+    hidden_size = property(lambda self: self.config.hidden_size)
+
+    def _part(self, name: str) -> nn.Module:
+        return self._modules[name] if name in self._modules else self._shared[name]
+
+    def _embed(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._part("embed_tokens")(input_ids).to(dtype)
+
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        lm = self._part("lm_head")
+        return lm(hidden.to(lm.weight.dtype)).float()
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _check_hidden(self, hidden: torch.Tensor) -> None:
+        if hidden.dim() != 2 or hidden.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden must be [T, {self.hidden_size}], got {tuple(hidden.shape)}"
+                             + (" (call project_target_hidden on the target's aux states first)" if hidden.dim() == 2 else ""))
+
+    def finish_loading(self) -> None:
+        pass
+
+
+class EagleHead(_Head):
+    """EAGLE-1: fc(concat(embedding, hidden)) -> num_layers Llama layers (layer 0 without input norm); no final norm."""
+
+    def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool):
+        super().__init__(cfg, target, own_embed, own_lm_head, cfg.vocab_size)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(cfg.layer, i) for i in range(cfg.num_layers))
+        self.layers[0].input_layernorm = nn.Identity()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionFn):
+        self._check_hidden(hidden)
+        x = self.fc(torch.cat((hidden, self._embed(input_ids, hidden.dtype)), dim=-1))
+        cos, sin = self._rope(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(hidden)
+
+    def project_target_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        self._check_hidden(target_hidden)  # the target's final normed hidden; fc runs inside forward
+        return target_hidden
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg, 0)
+        h2, d = 2 * cfg.hidden_size, cfg.head_dim
+        self.self_attn.q_proj = nn.Linear(h2, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.self_attn.k_proj = nn.Linear(h2, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.self_attn.v_proj = nn.Linear(h2, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, emb, hidden, cos, sin, attn: AttentionFn):
+        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
+        h = hidden + self.self_attn(x, cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(_Head):
+    """EAGLE-3: fc over 3 target aux states; one midlayer over (embedding, hidden); norm + lm_head over the draft vocab."""
+
+    def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool):
+        super().__init__(cfg, target, own_embed, own_lm_head, cfg.draft_vocab_size)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.midlayer = Eagle3Layer(cfg.layer)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)
+        self.identity_vocab = cfg.draft_vocab_size == cfg.vocab_size
+
+    def finish_loading(self) -> None:
+        cfg = self.config
+        ids = torch.arange(cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or ids.unique().numel() != ids.numel()):
+            raise ValueError(f"d2t maps draft ids outside [0, vocab_size={cfg.vocab_size}) or onto the same target id twice")
+        if int(self.t2d.sum()) != cfg.draft_vocab_size or not bool(self.t2d[ids].all()):
+            raise ValueError("t2d does not mark exactly the target ids that d2t maps the draft vocabulary to")
+        self.draft_to_target = ids
+        self.identity_vocab = bool((self.d2t == 0).all()) and cfg.draft_vocab_size == cfg.vocab_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionFn):
+        self._check_hidden(hidden)
+        cos, sin = self._rope(positions, hidden.dtype)
+        return self.midlayer(self._embed(input_ids, hidden.dtype), hidden, cos, sin, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._lm_head(self.norm(hidden))  # [N, Vd]
+        if self.identity_vocab:
+            return logits
+        out = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        out[:, self.draft_to_target] = logits
+        return out
+
+    def project_target_hidden(self, target_hidden: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """[T, 3*Ht] (or the 3 captured [T, Ht] states, ascending layer order) -> [T, H]."""
+        if isinstance(target_hidden, (list, tuple)):
+            target_hidden = torch.cat(list(target_hidden), dim=-1)
+        want = 3 * self.config.target_hidden_size
+        if target_hidden.dim() != 2 or target_hidden.shape[-1] != want:
+            raise ValueError(f"EAGLE-3 fc expects [T, {want}] (3 aux states of target_hidden_size="
+                             f"{self.config.target_hidden_size}), got {tuple(target_hidden.shape)}")
+        return self.fc(target_hidden.to(self.fc.weight.dtype))
+
+
+def aux_layer_ids(head: EagleHead | Eagle3Head) -> tuple[int, ...]:
+    """Target layer ids whose OUTPUTS the head consumes; () for EAGLE-1, which consumes the final normed hidden."""
+    return head.aux_layer_ids
+
+
+def target_capture_layers(head: EagleHead | Eagle3Head) -> tuple[int, ...]:
+    """The capture_layers to pass to the target's DecoderLM.forward (it captures layer inputs: output of i = input of i+1)."""
+    if any(i + 1 >= head.target_num_layers for i in head.aux_layer_ids):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {head.aux_layer_ids} include the last target layer "
+                         f"({head.target_num_layers - 1}), whose pre-norm output DecoderLM.forward does not capture")
+    return tuple(sorted(i + 1 for i in head.aux_layer_ids))
+
+
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    bins = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+    if not files and not bins:
+        raise ValueError(f"draft model path {path!r} has no *.safetensors or pytorch_model*.bin weights")
+    weights = {}
+    for f in files or bins:
+        weights.update(load_file(f) if files else torch.load(f, map_location="cpu", weights_only=True))
+    return {n[len("model."):] if n.startswith("model.") else n: t for n, t in weights.items()}
+
+
+def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | None = None) -> EagleHead | Eagle3Head:
+    """Load an EAGLE-1/EAGLE-3 head for `target`; dtype/device default to the target's ("auto" = the target's dtype)."""
+    cfg, tcfg = load_eagle_config(path), target.config
+    param = next(target.parameters())
+    device = torch.device(device) if device is not None else param.device
+    if dtype in (None, "auto"):
+        dtype = param.dtype
+    elif isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; allowed values: auto, {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"draft vocab_size={cfg.vocab_size} differs from the target's vocab_size={tcfg.vocab_size}")
+    field, size = ("target_hidden_size", cfg.target_hidden_size) if cfg.kind == "eagle3" else ("hidden_size", cfg.hidden_size)
+    if size != tcfg.hidden_size:
+        raise ValueError(f"draft {field}={size} differs from the target's hidden_size={tcfg.hidden_size}")
+    weights = _read_weights(path)
+    own_embed, own_lm_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
+    if not own_embed and cfg.hidden_size != tcfg.hidden_size:
+        raise ValueError(f"the draft has no embed_tokens.weight and its hidden_size={cfg.hidden_size} differs from the "
+                         f"target's hidden_size={tcfg.hidden_size}, so it cannot share the target's embedding")
+    if not own_lm_head and (cfg.hidden_size != tcfg.hidden_size or cfg.draft_vocab_size != cfg.vocab_size):
+        raise ValueError(f"the draft has no lm_head.weight, so it would share the target's, which needs hidden_size="
+                         f"{tcfg.hidden_size} and draft_vocab_size={cfg.vocab_size}; it has hidden_size={cfg.hidden_size}, "
+                         f"draft_vocab_size={cfg.draft_vocab_size}")
+    with torch.device("meta"):
+        head = (Eagle3Head if cfg.kind == "eagle3" else EagleHead)(cfg, target, own_embed, own_lm_head)
+    if cfg.kind == "eagle3":
+        ids = cfg.eagle_aux_hidden_state_layer_ids or default_aux_layer_ids(tcfg.num_layers)
+        if len(ids) != 3 or len(set(ids)) != 3:
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)}: EAGLE-3 needs exactly 3 distinct target layers")
+        if not all(0 <= i < tcfg.num_layers for i in ids):
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)} must lie in [0, {tcfg.num_layers}) "
+                             f"(the target has num_layers={tcfg.num_layers})")
+        head.aux_layer_ids = tuple(ids)
+    head = head.to_empty(device=device)
+    state = head.state_dict()
+    if cfg.kind == "eagle3":
+        state["d2t"].zero_()  # identity defaults for a full-vocabulary head that ships no d2t/t2d
+        state["t2d"].fill_(True)
+    optional = {"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set()
+    unexpected = sorted(n for n in weights if n not in state and not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"draft checkpoint {path!r} has weights the {cfg.architecture} layout lacks: {unexpected[:5]}")
+    missing = sorted(set(state) - set(weights) - optional)
+    if missing:
+        raise ValueError(f"draft checkpoint {path!r} lacks weights: {missing[:5]}")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            if name not in state:
+                continue
+            if tensor.shape != state[name].shape:
+                raise ValueError(f"draft weight {name} has shape {tuple(tensor.shape)}, the head expects {tuple(state[name].shape)}")
+            state[name].copy_(tensor)
+    head.to(dtype)  # floating tensors only: d2t/t2d keep their integer/bool dtypes
+    head.inv_freq = rope_inv_freq(cfg.layer).to(device)  # RoPE frequencies stay fp32 whatever the weights' dtype
+    head.finish_loading()
+    return head.eval()

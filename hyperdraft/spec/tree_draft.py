@@ -1,0 +1,80 @@
+"""Dynamic tree drafting (topk > 1), independent of which model drafts.
+
+A round grows a beam, SGLang/EAGLE-2 style. Step 0 takes the topk children of the root. Every later step
+expands each of the topk frontier nodes by its topk children and keeps the best topk of those topk*topk
+candidates, by cumulative draft log-probability, as the next frontier. Every candidate ever produced is
+remembered. The verify tree is then the root plus the num_draft_tokens - 1 best candidates.
+
+The selection is stable-sorted by score with candidates in creation order. A child's score never exceeds
+its parent's, so a kept child's parent is always kept too. Keeping creation order puts parents before
+children.
+
+Candidate bookkeeping is per request, as [B, C] tensors with C growing by topk*topk per step:
+  cand_tokens  token of each candidate
+  cand_parent  candidate index of its parent, -1 for children of the root
+  cand_score   cumulative draft log-probability
+  cand_fed     offset (past the root's sequence index) where the draft wrote the candidate's K/V, -1 if never fed
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Candidates:
+    tokens: torch.Tensor  # [B, C] int64
+    parent: torch.Tensor  # [B, C] int64
+    score: torch.Tensor  # [B, C] float32
+    fed: torch.Tensor  # [B, C] int64
+
+    def extend(self, tokens, parent, score) -> "Candidates":
+        return Candidates(torch.cat([self.tokens, tokens], 1), torch.cat([self.parent, parent], 1),
+                          torch.cat([self.score, score], 1), torch.cat([self.fed, torch.full_like(tokens, -1)], 1))
+
+
+def root_candidates(logq: torch.Tensor, topk: int) -> Candidates:
+    """logq: [B, V] draft log-probabilities after the root -> its topk children."""
+    score, tokens = logq.topk(topk, dim=-1)
+    return Candidates(tokens, torch.full_like(tokens, -1), score, torch.full_like(tokens, -1))
+
+
+def expand(cands: Candidates, frontier: torch.Tensor, logq: torch.Tensor, topk: int) -> tuple[Candidates, torch.Tensor]:
+    """frontier: [B, k] candidate indices just fed; logq: [B, k, V] their children's log-probs.
+    -> (candidates with k*k new children appended, the next frontier [B, k] of candidate indices)."""
+    bsz, k = frontier.shape
+    child_lp, child_tok = logq.topk(topk, dim=-1)  # [B, k, topk]
+    child_score = cands.score.gather(1, frontier)[:, :, None] + child_lp
+    parent = frontier[:, :, None].expand(bsz, k, topk)
+    base = cands.tokens.shape[1]
+    cands = cands.extend(child_tok.flatten(1), parent.flatten(1), child_score.flatten(1))
+    best = child_score.flatten(1).topk(k, dim=-1).indices  # [B, k] among the new k*topk
+    return cands, base + best
+
+
+def ancestors_fed(cands: Candidates, nodes: torch.Tensor, depth: int) -> torch.Tensor:
+    """nodes: [B, k] candidate indices at `depth` -> [B, k, depth] fed offsets of their ancestors below the
+    root (deepest last), for the draft's attention mask."""
+    out, cur = [], nodes
+    for _ in range(depth):
+        parent = cands.parent.gather(1, cur)
+        out.append(cands.fed.gather(1, parent.clamp_min(0)))
+        cur = parent.clamp_min(0)
+    return torch.stack(out[::-1], 2) if out else nodes.new_zeros(*nodes.shape, 0)
+
+
+def select_tree(cands: Candidates, root_tokens: torch.Tensor, num_nodes: int):
+    """-> (tokens [B, N], parents [B, N], fed [B, N]) with node 0 the root and the N-1 best candidates after it."""
+    bsz, c = cands.tokens.shape
+    order = torch.sort(cands.score, dim=1, descending=True, stable=True).indices[:, : num_nodes - 1]
+    chosen = order.sort(dim=1).values  # creation order: parents first
+    node_of = torch.full((bsz, c + 1), -1, dtype=torch.int64, device=chosen.device)  # candidate -> node; slot c = root
+    node_of.scatter_(1, chosen, torch.arange(1, num_nodes, device=chosen.device).expand(bsz, -1))
+    node_of[:, c] = 0
+    parent_cand = cands.parent.gather(1, chosen)
+    parents = node_of.gather(1, torch.where(parent_cand < 0, torch.full_like(parent_cand, c), parent_cand))
+    root = torch.zeros(bsz, 1, dtype=torch.int64, device=chosen.device)
+    tokens = torch.cat([root_tokens[:, None], cands.tokens.gather(1, chosen)], 1)
+    return tokens, torch.cat([root - 1, parents], 1), torch.cat([root, cands.fed.gather(1, chosen)], 1)
