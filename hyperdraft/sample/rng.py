@@ -45,11 +45,14 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor, domain: int) -> torch
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, domain: int, width: int = 1) -> torch.Tensor:
-    """-> [N, width] float32 uniforms in (0, 1), 24 bits of resolution."""
+    """-> [N, width] float32 uniforms strictly inside (0, 1), 23 bits of resolution.
+
+    23 bits, not 24: (2^24 - 0.5) / 2^24 rounds to exactly 1.0 in float32, and a uniform of 1.0 makes the
+    exponential race divide zero probabilities by zero. Every (k + 0.5) / 2^23 is exact in float32."""
     keys = row_keys(seeds, positions, domain)
     index = hash_u32(torch.arange(width, device=seeds.device, dtype=torch.int64) + 0x632BE5AB)
-    bits = hash_u32(keys[:, None] ^ index[None, :]) >> 8
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+    bits = hash_u32(keys[:, None] ^ index[None, :]) >> 9
+    return (bits.float() + 0.5) * (1.0 / (1 << 23))
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, domain: int) -> torch.Tensor:
