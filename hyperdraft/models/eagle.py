@@ -1,48 +1,40 @@
 """EAGLE-1 and EAGLE-3 draft heads in the checkpoint layouts the community publishes.
 
 Checkpoint names (top level; a leading "model." is also accepted):
-
-EAGLE-1, architectures LlamaForCausalLMEagle (LlamaForCausalLM is accepted as an alias: SafeAILab's EAGLE-1/2 heads
-declare it and SGLang renames it when it loads a draft):
-  fc.weight [H, 2H] and fc.bias [H] (config "bias", default true), over concat(token embedding, hidden);
-  layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.mlp.{gate,up,down}_proj.weight,
-  layers.{i}.post_attention_layernorm.weight, and layers.{i}.input_layernorm.weight for i > 0 only:
-  layer 0 has no input norm, fc's output goes straight into attention;
-  optional embed_tokens.weight [V, H] and lm_head.weight [V, H]; when absent the target's are shared by reference.
-  There is no final norm: the output goes straight through the (target's) lm_head, as SafeAILab's head(out_hidden)
-  and SGLang's LlamaForCausalLMEagle (hidden + residual, no norm) do. The head regresses the target's final *normed*
-  hidden state, which is also what it consumes.
-EAGLE-3, architectures LlamaForCausalLMEagle3:
-  fc.weight [H, 3*Ht] (bias only with config "bias": true), over concat of 3 target aux hidden states (Ht wide);
-  midlayer.input_layernorm.weight (over the embedding), midlayer.hidden_norm.weight (over the hidden),
-  midlayer.self_attn.{q,k,v}_proj.weight [*, 2H] over concat(normed embedding, normed hidden), o_proj [H, heads*D],
-  midlayer.mlp.*, midlayer.post_attention_layernorm.weight; the residual is the (un-normed) hidden input;
-  norm.weight [H]; lm_head.weight [Vd, H]; d2t int64 [Vd] with target_id = draft_id + d2t[draft_id];
-  t2d bool [V] (True on the target ids the draft vocab covers); optional embed_tokens.weight [V, H].
-  lm_head.weight, d2t and t2d may be absent only when draft_vocab_size == vocab_size (target lm_head shared, d2t = 0).
+EAGLE-1, LlamaForCausalLMEagle (alias LlamaForCausalLM: SafeAILab's heads declare it, SGLang renames it for drafts):
+  fc.weight [H, 2H] + fc.bias [H] (config "bias", default true) over concat(token embedding, hidden);
+  layers.{i}.self_attn.{q,k,v,o}_proj, layers.{i}.mlp.{gate,up,down}_proj, layers.{i}.post_attention_layernorm, and
+  layers.{i}.input_layernorm for i > 0 only (layer 0 has no input norm); optional embed_tokens.weight, lm_head.weight
+  [V, H], else the target's are shared by reference. No final norm: the output goes straight into the (target's)
+  lm_head, as in SafeAILab's head(out_hidden) and SGLang's LlamaForCausalLMEagle; the head regresses the target's
+  final *normed* hidden, which is also what it consumes.
+EAGLE-3, LlamaForCausalLMEagle3:
+  fc.weight [H, 3*Ht] (bias only with "bias": true) over the concat of 3 target aux states; midlayer.input_layernorm
+  (over the embedding), midlayer.hidden_norm (over the hidden), midlayer.self_attn.{q,k,v}_proj [*, 2H] over
+  concat(normed embedding, normed hidden), o_proj, midlayer.mlp.*, midlayer.post_attention_layernorm, residual = the
+  un-normed hidden; norm.weight; lm_head.weight [Vd, H]; d2t int64 [Vd] (target_id = draft_id + d2t[draft_id]);
+  t2d bool [V]; optional embed_tokens.weight. lm_head/d2t/t2d may be absent only if draft_vocab_size == vocab_size.
 
 What the head consumes from the target:
-  EAGLE-1: the target's final normed hidden (DecoderLM.forward's first output, ModelRunner's ForwardOutput.hidden).
+  EAGLE-1: the final normed hidden (DecoderLM.forward's first output, ModelRunner's ForwardOutput.hidden).
   EAGLE-3: the outputs (pre-norm residual stream) of target layers aux_layer_ids(head), concatenated in ascending
-  layer order, through project_target_hidden. Default ids: SGLang's [1, L//2 - 1, L - 4] for an L-layer target
-  (SGLang writes them as its capture list [2, L//2, L - 3]); for L < 7 those collide, so small targets use
-  (lo, (lo + hi) // 2, hi) with hi = L - 2 (L - 1 when L == 3) and lo = 1 when hi >= 3 else 0: L=6 -> (1, 2, 4),
-  L=5 -> (1, 2, 3), L=4 and L=3 -> (0, 1, 2). L < 3 has no default.
-  DecoderLM.forward(capture_layers=c) captures the INPUT of layer c, i.e. the output of layer c - 1, so the capture
-  list is target_capture_layers(head) = sorted(i + 1 for i in aux ids); its captured list comes back in that ascending
-  order, the order fc expects. The output of the last layer (id L - 1) would need the final PRE-norm hidden, which
-  DecoderLM.forward does not expose: target_capture_layers raises for it (only a 3-layer target's default hits this).
+  layer order, through project_target_hidden. Default: SGLang's [1, L//2 - 1, L - 4] for L target layers (its capture
+  list [2, L//2, L - 3]); for L < 7 those collide, so (lo, (lo + hi) // 2, hi) with hi = L - 2 (L - 1 if L == 3),
+  lo = 1 if hi >= 3 else 0: L=6 -> (1, 2, 4), L=5 -> (1, 2, 3), L=4, 3 -> (0, 1, 2); L < 3 has none.
+  DecoderLM.forward(capture_layers=c) captures the INPUT of layer c = the output of layer c - 1, so pass
+  target_capture_layers(head) = sorted(i + 1 for i in aux ids); the captured list comes back in that (fc's) order.
+  The last layer's output (id L - 1) would need the final PRE-norm hidden, which DecoderLM.forward does not expose:
+  target_capture_layers raises for it (of the defaults, only a 3-layer target's hits this).
 
-Alignment (SafeAILab's topK_genrate feeds input_ids[:, 1:]; SGLang's draft extend shifts input_ids left by one and
-appends the token the target just sampled, keeping positions): the target ran t_0..t_{n-1} at positions 0..n-1,
-giving hidden h_i at position i (h_i predicts t_{i+1}), and sampled t_n from h_{n-1}. Head position i consumes
-(h_i, t_{i+1}) with RoPE position i, writes its K/V at index i of the request (the target's slot for t_i under a
-shared page table), and its output g_i predicts t_{i+2} via compute_logits(g_i). So a draft extend over a chunk feeds
-input_ids = t_1..t_n, hidden = h_0..h_{n-1}, positions 0..n-1, and the first draft d_1 (token n+1) comes from g_{n-1}.
-Draft step k >= 1 runs at position n - 1 + k on (g_{n-2+k}, d_k): the head's own previous output stands in for the
-target hidden (EAGLE-3 does NOT pass it through fc again) and predicts d_{k+1}. After verification accepts a drafts
-plus a bonus token, the next extend covers positions n..n+a with the target's new h_n..h_{n+a} and tokens
-t_{n+1}..t_{n+a+1}, overwriting the speculative draft K/V there.
+Alignment (SafeAILab's topK_genrate feeds input_ids[:, 1:]; SGLang's draft extend shifts input_ids left by one,
+appends the token the target just sampled, and keeps positions): the target ran t_0..t_{n-1} at positions 0..n-1,
+giving h_i at position i (h_i predicts t_{i+1}), and sampled t_n. Head position i consumes (h_i, t_{i+1}) at RoPE
+position i, writes its K/V at index i of the request (t_i's slot under a shared page table), and its output g_i
+predicts t_{i+2} via compute_logits(g_i). A draft extend feeds input_ids = t_1..t_n, hidden = h_0..h_{n-1},
+positions 0..n-1; d_1 (token n+1) comes from g_{n-1}. Draft step k >= 1 runs at position n - 1 + k on
+(g_{n-2+k}, d_k) -- the head's own output stands in for the target hidden (EAGLE-3 does NOT apply fc to it) -- and
+predicts d_{k+1}. After verify accepts a drafts plus a bonus token, the next extend covers positions n..n+a with the
+target's h_n..h_{n+a} and tokens t_{n+1}..t_{n+a+1}, overwriting the speculative draft K/V there.
 """
 
 from __future__ import annotations
@@ -107,7 +99,7 @@ def eagle_config_from_dict(raw: dict) -> EagleConfig:
                                                       raw.get("eagle_aux_hidden_state_layer_ids"))
         ids = None if raw_ids is None else tuple(int(i) for i in raw_ids)
         if not 0 < draft_vocab <= vocab:
-            raise ValueError(f"draft_vocab_size={draft_vocab} must be in [1, vocab_size={vocab}]")
+            raise ValueError(f"draft_vocab_size={draft_vocab} must lie in [1, vocab_size={vocab}]")
     return EagleConfig(arch, kind, layer, vocab, draft_vocab, target_hidden, ids, bool(raw.get("bias", kind == "eagle")))
 
 
@@ -178,7 +170,7 @@ class _Head(nn.Module):
                              + (" (call project_target_hidden on the target's aux states first)" if hidden.dim() == 2 else ""))
 
     def finish_loading(self) -> None:
-        pass
+        """Called once the weights are in (EAGLE-3 validates d2t/t2d here)."""
 
 
 class EagleHead(_Head):
@@ -192,7 +184,7 @@ class EagleHead(_Head):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionFn):
         self._check_hidden(hidden)
-        x = self.fc(torch.cat((hidden, self._embed(input_ids, hidden.dtype)), dim=-1))
+        x = self.fc(torch.cat((self._embed(input_ids, hidden.dtype), hidden), dim=-1))
         cos, sin = self._rope(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
@@ -302,28 +294,15 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
     cfg, tcfg = load_eagle_config(path), target.config
     param = next(target.parameters())
     device = torch.device(device) if device is not None else param.device
-    if dtype in (None, "auto"):
-        dtype = param.dtype
-    elif isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; allowed values: auto, {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+    if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; allowed values: auto, {', '.join(DTYPES)}")
+    dtype = param.dtype if dtype in (None, "auto") else DTYPES.get(dtype, dtype)
     if cfg.vocab_size != tcfg.vocab_size:
         raise ValueError(f"draft vocab_size={cfg.vocab_size} differs from the target's vocab_size={tcfg.vocab_size}")
     field, size = ("target_hidden_size", cfg.target_hidden_size) if cfg.kind == "eagle3" else ("hidden_size", cfg.hidden_size)
     if size != tcfg.hidden_size:
         raise ValueError(f"draft {field}={size} differs from the target's hidden_size={tcfg.hidden_size}")
-    weights = _read_weights(path)
-    own_embed, own_lm_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
-    if not own_embed and cfg.hidden_size != tcfg.hidden_size:
-        raise ValueError(f"the draft has no embed_tokens.weight and its hidden_size={cfg.hidden_size} differs from the "
-                         f"target's hidden_size={tcfg.hidden_size}, so it cannot share the target's embedding")
-    if not own_lm_head and (cfg.hidden_size != tcfg.hidden_size or cfg.draft_vocab_size != cfg.vocab_size):
-        raise ValueError(f"the draft has no lm_head.weight, so it would share the target's, which needs hidden_size="
-                         f"{tcfg.hidden_size} and draft_vocab_size={cfg.vocab_size}; it has hidden_size={cfg.hidden_size}, "
-                         f"draft_vocab_size={cfg.draft_vocab_size}")
-    with torch.device("meta"):
-        head = (Eagle3Head if cfg.kind == "eagle3" else EagleHead)(cfg, target, own_embed, own_lm_head)
+    ids = ()
     if cfg.kind == "eagle3":
         ids = cfg.eagle_aux_hidden_state_layer_ids or default_aux_layer_ids(tcfg.num_layers)
         if len(ids) != 3 or len(set(ids)) != 3:
@@ -331,7 +310,17 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
         if not all(0 <= i < tcfg.num_layers for i in ids):
             raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)} must lie in [0, {tcfg.num_layers}) "
                              f"(the target has num_layers={tcfg.num_layers})")
-        head.aux_layer_ids = tuple(ids)
+    weights = _read_weights(path)
+    own_embed, own_lm_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
+    if not own_embed and cfg.hidden_size != tcfg.hidden_size:
+        raise ValueError(f"the draft has no embed_tokens.weight, and with hidden_size={cfg.hidden_size} it cannot share "
+                         f"the target's (hidden_size={tcfg.hidden_size})")
+    if not own_lm_head and (cfg.hidden_size, cfg.draft_vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
+        raise ValueError(f"the draft has no lm_head.weight, and with hidden_size={cfg.hidden_size}, draft_vocab_size="
+                         f"{cfg.draft_vocab_size} it cannot share the target's ({tcfg.hidden_size}, {tcfg.vocab_size})")
+    with torch.device("meta"):
+        head = (Eagle3Head if cfg.kind == "eagle3" else EagleHead)(cfg, target, own_embed, own_lm_head)
+    head.aux_layer_ids = tuple(ids)
     head = head.to_empty(device=device)
     state = head.state_dict()
     if cfg.kind == "eagle3":
