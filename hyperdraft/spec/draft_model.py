@@ -23,7 +23,7 @@ from hyperdraft.request import Request
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits
 from hyperdraft.sample.rng import DOMAIN_DRAFT, sample_from_probs
 from hyperdraft.spec.proposal import Proposal, TreeProposal
-from hyperdraft.spec.tree_draft import ancestors_fed, expand, root_candidates, select_tree
+from hyperdraft.spec.tree_draft import grow_tree
 
 
 class DraftModelProposer:
@@ -66,37 +66,24 @@ class DraftModelProposer:
         return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
 
     def propose_tree(self, reqs: list[Request], steps: int, topk: int, num_nodes: int, sampling: SamplingBatch) -> TreeProposal:
-        """Grow a beam of topk paths for steps levels (see tree_draft.py) and keep the best num_nodes - 1 nodes.
-        Frontier nodes of step i are written at offsets 1 + (i-1)*topk + f past the root's index n."""
+        """Grow the beam (tree_draft.grow_tree). The root is the last committed token at index n; frontier nodes
+        of step i are written at offsets 1 + (i-1)*topk + f past it."""
         device = self.runner.device
         catch_up = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len), 1) for r in reqs]
         logits = self.runner.forward(build_forward_batch(ForwardMode.DRAFT_EXTEND, catch_up, self.runner.page_table, device)).logits
-        cands = root_candidates(torch.log_softmax(penalised_logits(logits, sampling), -1), topk)
-        frontier = torch.arange(topk, device=device).expand(len(reqs), topk)
-        for i in range(1, steps):
-            offsets = 1 + (i - 1) * topk + torch.arange(topk, device=device).expand_as(frontier)
-            cands.fed.scatter_(1, frontier, offsets)
-            mask = self._tree_step_mask(cands, frontier, offsets, depth=i)
-            inputs = [ForwardInput(r.row, r.seq_len + (i - 1) * topk, [0] * topk, topk, positions=[r.seq_len - 1 + i] * topk)
+        siblings = sampling.repeat_rows(topk)
+
+        def step(depth, tokens, offsets, mask, parent_hidden):
+            inputs = [ForwardInput(r.row, r.seq_len + (depth - 1) * topk, [0] * topk, topk, positions=[r.seq_len - 1 + depth] * topk)
                       for r in reqs]
             fb = build_forward_batch(ForwardMode.DECODE, inputs, self.runner.page_table, device,
-                                     input_ids=cands.tokens.gather(1, frontier).flatten(), tail_mask=mask)
-            logq = torch.log_softmax(penalised_logits(self.runner.forward(fb).logits, sampling.repeat_rows(topk)), -1)
-            cands, frontier = expand(cands, frontier, logq.view(len(reqs), topk, -1), topk)
-        roots = torch.tensor([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], dtype=torch.int64, device=device)
-        tokens, parents, fed = select_tree(cands, roots, num_nodes)
-        return TreeProposal(tokens, parents, fed)
+                                     input_ids=tokens.flatten(), tail_mask=mask)
+            logq = torch.log_softmax(penalised_logits(self.runner.forward(fb).logits, siblings), -1)
+            return logq.view(len(reqs), topk, -1), None
 
-    @staticmethod
-    def _tree_step_mask(cands, frontier, offsets, depth: int) -> torch.Tensor:
-        """[B, k, 1 + depth*k] tail mask: the root (column 0), each frontier node's fed ancestors, and itself."""
-        bsz, k = frontier.shape
-        mask = torch.zeros(bsz, k, 1 + depth * k, dtype=torch.bool, device=frontier.device)
-        mask[:, :, 0] = True
-        anc = ancestors_fed(cands, frontier, depth - 1)  # [B, k, depth-1]
-        if anc.shape[2]:
-            mask.scatter_(2, anc, True)
-        return mask.scatter_(2, offsets[:, :, None], True)
+        root_logq = torch.log_softmax(penalised_logits(logits, sampling), -1)
+        tokens, parents, fed = grow_tree(root_logq, None, step, steps, topk, _last_tokens(reqs, device), num_nodes)
+        return TreeProposal(tokens, parents, fed)
 
     def _choose(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = penalised_logits(logits, sb)
@@ -115,3 +102,7 @@ class DraftModelProposer:
         """Called before the scheduler's commit, so req.num_computed is still n."""
         for req, a in zip(reqs, num_accepted):
             req.draft_num_computed = min(req.num_computed + steps, req.num_computed + a + 1)
+
+
+def _last_tokens(reqs: list[Request], device) -> torch.Tensor:
+    return torch.tensor([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], dtype=torch.int64, device=device)

@@ -41,9 +41,10 @@ def root_candidates(logq: torch.Tensor, topk: int) -> Candidates:
     return Candidates(tokens, torch.full_like(tokens, -1), score, torch.full_like(tokens, -1))
 
 
-def expand(cands: Candidates, frontier: torch.Tensor, logq: torch.Tensor, topk: int) -> tuple[Candidates, torch.Tensor]:
+def expand(cands: Candidates, frontier: torch.Tensor, logq: torch.Tensor, topk: int):
     """frontier: [B, k] candidate indices just fed; logq: [B, k, V] their children's log-probs.
-    -> (candidates with k*k new children appended, the next frontier [B, k] of candidate indices)."""
+    -> (candidates with k*k new children appended, the next frontier [B, k] of candidate indices,
+        each new frontier node's parent as a slot of the old frontier [B, k])."""
     bsz, k = frontier.shape
     child_lp, child_tok = logq.topk(topk, dim=-1)  # [B, k, topk]
     child_score = cands.score.gather(1, frontier)[:, :, None] + child_lp
@@ -51,7 +52,7 @@ def expand(cands: Candidates, frontier: torch.Tensor, logq: torch.Tensor, topk: 
     base = cands.tokens.shape[1]
     cands = cands.extend(child_tok.flatten(1), parent.flatten(1), child_score.flatten(1))
     best = child_score.flatten(1).topk(k, dim=-1).indices  # [B, k] among the new k*topk
-    return cands, base + best
+    return cands, base + best, best // topk
 
 
 def ancestors_fed(cands: Candidates, nodes: torch.Tensor, depth: int) -> torch.Tensor:
@@ -78,3 +79,37 @@ def select_tree(cands: Candidates, root_tokens: torch.Tensor, num_nodes: int):
     root = torch.zeros(bsz, 1, dtype=torch.int64, device=chosen.device)
     tokens = torch.cat([root_tokens[:, None], cands.tokens.gather(1, chosen)], 1)
     return tokens, torch.cat([root - 1, parents], 1), torch.cat([root, cands.fed.gather(1, chosen)], 1)
+
+
+def step_mask(cands: Candidates, frontier: torch.Tensor, offsets: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, k, 1 + depth*k] tail mask for feeding the frontier at `depth`: the root (column 0), each frontier
+    node's fed ancestors, and itself. Column o is the key at offset o past the root's index."""
+    bsz, k = frontier.shape
+    mask = torch.zeros(bsz, k, 1 + depth * k, dtype=torch.bool, device=frontier.device)
+    mask[:, :, 0] = True
+    anc = ancestors_fed(cands, frontier, depth - 1)  # [B, k, depth-1]
+    if anc.shape[2]:
+        mask.scatter_(2, anc, True)
+    return mask.scatter_(2, offsets[:, :, None], True)
+
+
+def grow_tree(root_logq, root_hidden, step, steps: int, topk: int, root_tokens, num_nodes: int):
+    """Run the beam for `steps` levels with any drafter.
+    root_logq: [B, V] log-probs of the root's children; root_hidden: [B, H] or None, what the root's children
+    are fed with (EAGLE: the head's output at the root). step(depth, tokens [B, k], offsets [B, k],
+    mask [B, k, 1+depth*k], parent_hidden [B, k, H] | None) feeds the frontier and returns
+    (logq [B, k, V], hidden [B, k, H] | None). -> (tokens [B, N], parents [B, N], fed [B, N])."""
+    bsz = root_logq.shape[0]
+    device = root_logq.device
+    cands = root_candidates(root_logq, topk)
+    frontier = torch.arange(topk, device=device).expand(bsz, topk)
+    parent_hidden = None if root_hidden is None else root_hidden[:, None].expand(bsz, topk, -1)
+    for depth in range(1, steps):
+        offsets = 1 + (depth - 1) * topk + torch.arange(topk, device=device).expand_as(frontier)
+        cands.fed.scatter_(1, frontier, offsets)
+        mask = step_mask(cands, frontier, offsets, depth)
+        logq, hidden = step(depth, cands.tokens.gather(1, frontier), offsets, mask, parent_hidden)
+        cands, frontier, parent_slot = expand(cands, frontier, logq, topk)
+        if hidden is not None:
+            parent_hidden = hidden.gather(1, parent_slot[:, :, None].expand(-1, -1, hidden.shape[2]))
+    return select_tree(cands, root_tokens, num_nodes)
