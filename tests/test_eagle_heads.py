@@ -330,8 +330,11 @@ def test_aux_ids_from_config_absent_and_last_layer(tmp_path, target_path, target
     assert aux_layer_ids(load_eagle_head(path, target)) == (0, 1, 2)
     head = load_eagle_head(write(tmp_path, target_path, "d", kind="eagle3",
                                  eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, L - 1]}), target)
-    with pytest.raises(ValueError, match="last target layer"):
-        target_capture_layers(head)
+    assert target_capture_layers(head) == (2, 3, L)  # the last layer's output is capture index L
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    pos = torch.arange(5)
+    final, captured = target(ids, pos, causal_attn, target_capture_layers(head))
+    assert len(captured) == 3 and torch.allclose(target.model.norm(captured[-1]), final)
 
 
 # ---- the target's config is never touched ----

@@ -141,7 +141,9 @@ class DecoderLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn, capture_layers: tuple[int, ...] = ()
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """input_ids, positions: [T] -> (final normed hidden [T, H], captured layer outputs)."""
+        """input_ids, positions: [T] -> (final normed hidden [T, H], captured hidden states).
+        capture_layers lists layer INPUTS to capture (c = the output of layer c - 1); c = num_layers captures
+        the last layer's output, before the final norm."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         captured = []
@@ -149,6 +151,8 @@ class DecoderLM(nn.Module):
             if i in capture_layers:
                 captured.append(x)
             x = layer(x, cos, sin, attn)
+        if len(self.model.layers) in capture_layers:
+            captured.append(x)
         return self.model.norm(x), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

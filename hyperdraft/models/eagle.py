@@ -270,10 +270,8 @@ def aux_layer_ids(head: EagleHead | Eagle3Head) -> tuple[int, ...]:
 
 
 def target_capture_layers(head: EagleHead | Eagle3Head) -> tuple[int, ...]:
-    """The capture_layers to pass to the target's DecoderLM.forward (it captures layer inputs: output of i = input of i+1)."""
-    if any(i + 1 >= head.target_num_layers for i in head.aux_layer_ids):
-        raise ValueError(f"eagle_aux_hidden_state_layer_ids {head.aux_layer_ids} include the last target layer "
-                         f"({head.target_num_layers - 1}), whose pre-norm output DecoderLM.forward does not capture")
+    """The capture_layers to pass to the target's DecoderLM.forward (it captures layer inputs: output of i = input
+    of i+1; the last layer's output is capture index num_layers)."""
     return tuple(sorted(i + 1 for i in head.aux_layer_ids))
 
 
