@@ -18,7 +18,9 @@ from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.loader import load_model
 from hyperdraft.request import Request
 from hyperdraft.sampling_params import SamplingParams
+from hyperdraft.models.eagle import load_eagle_head
 from hyperdraft.spec.draft_model import DraftModelProposer
+from hyperdraft.spec.eagle_proposer import EagleProposer
 from hyperdraft.spec.ngram import NgramProposer
 from hyperdraft.spec.spec_config import resolve_spec_config
 from hyperdraft.spec.spec_worker import SpecWorker
@@ -53,6 +55,7 @@ def load_tokenizer(args: EngineArgs):
 
 
 def _kv_bytes_per_slot(model) -> int:
+    """Per-token K/V bytes of one model, from its OWN dimensions (a draft's are not the target's)."""
     cfg = model.config
     return KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)
 
@@ -81,8 +84,8 @@ class Engine:
         self.tokenizer = load_tokenizer(args)
         self.context_len = args.context_length or self.model_config.max_position_embeddings
 
-        self.spec = resolve_spec_config(args)
-        draft = self._load_draft() if self.spec and self.spec.algorithm == "STANDALONE" else None
+        self.spec = resolve_spec_config(args, self.model_config.architecture)
+        draft = self._load_draft(model) if self.spec and self.spec.algorithm != "NGRAM" else None
         decode_reserve = self.spec.max_verify_tokens if self.spec else 1
         bytes_per_slot = sum(_kv_bytes_per_slot(m) for m in (model, draft) if m is not None)
         capacity = kv_capacity_tokens(args, bytes_per_slot, self.device)
@@ -112,7 +115,13 @@ class Engine:
         self._seed_rng = random.Random(args.random_seed)
         self._rid_counter = itertools.count()
 
-    def _load_draft(self):
+    def _load_draft(self, target):
+        if self.spec.algorithm in ("EAGLE", "EAGLE3"):
+            head = load_eagle_head(self.spec.draft_model_path, target)
+            if head.config.kind != self.spec.algorithm.lower():
+                raise ValueError(f"speculative_draft_model_path holds an {head.config.kind.upper()} head "
+                                 f"({head.config.architecture}), but speculative_algorithm is {self.spec.algorithm}")
+            return head
         draft = load_model(self.spec.draft_model_path, self.args.dtype, self.device)
         if draft.config.vocab_size != self.model_config.vocab_size:
             raise ValueError(
@@ -124,7 +133,10 @@ class Engine:
     def _make_worker(self, draft, backend: str):
         if self.spec is None:
             return ModelWorker(self.runner)
-        if draft is not None:
+        if self.spec.algorithm in ("EAGLE", "EAGLE3"):
+            proposer = EagleProposer(draft, self.page_table, backend, self.spec.max_verify_tokens,
+                                     self.args.effective_max_running_requests, self.spec.use_rejection_sampling)
+        elif draft is not None:
             proposer = DraftModelProposer(ModelRunner(draft, self.page_table, backend), self.spec.use_rejection_sampling)
         else:
             proposer = NgramProposer(self.spec.ngram_min_window, self.spec.ngram_max_window, self.device)

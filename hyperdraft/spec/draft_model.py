@@ -27,6 +27,7 @@ from hyperdraft.spec.tree_draft import grow_tree
 
 
 class DraftModelProposer:
+    compacts_draft_pool = True  # after a tree verify its own K/V of the accepted nodes moves like the target's
     def __init__(self, runner: ModelRunner, sample_drafts: bool):
         self.runner = runner
         self.sample_drafts = sample_drafts  # draw d_j ~ q_j and keep q; otherwise greedy drafts (one-hot q)
@@ -36,7 +37,7 @@ class DraftModelProposer:
         """The draft's own KV pool (compacted along with the target's after a tree verify)."""
         return self.runner.pool
 
-    def prefill(self, items: list[ScheduledRequest]) -> None:
+    def prefill(self, items: list[ScheduledRequest], target_hidden=None) -> None:
         """Run the draft over the same prefill chunks the target runs, keeping both pools in lockstep."""
         if not items:
             return

@@ -27,7 +27,7 @@ class NgramProposer:
     def __init__(self, min_window: int, max_window: int, device: torch.device):
         self.min_window, self.max_window, self.device = min_window, max_window, device
 
-    def prefill(self, items) -> None:
+    def prefill(self, items, target_hidden=None) -> None:
         pass  # nothing to keep in sync
 
     def propose(self, reqs: list[Request], steps: int, sampling) -> Proposal:

@@ -14,8 +14,9 @@ from hyperdraft.config import EngineArgs
 
 logger = logging.getLogger("hyperdraft")
 
-SUPPORTED = ("NGRAM", "STANDALONE")
-NOT_YET = ("EAGLE", "EAGLE3", "NEXTN", "MTP")
+SUPPORTED = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+ALIASES = {"NEXTN": "EAGLE"}
+NOT_YET = ("MTP",)
 NGRAM_DEFAULT_DRAFT_TOKENS = 8
 
 
@@ -41,20 +42,23 @@ class SpecConfig:
         return max(self.num_draft_tokens, 1 + (self.num_steps - 1) * self.topk)
 
 
-def resolve_spec_config(args: EngineArgs) -> SpecConfig | None:
+def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None) -> SpecConfig | None:
     if args.speculative_algorithm is None:
         return None
     algo = str(args.speculative_algorithm).upper()
+    algo = ALIASES.get(algo, algo)
     if algo in NOT_YET:
         raise ValueError(f"speculative_algorithm {algo} is not yet supported; supported now: {', '.join(SUPPORTED)}")
     if algo not in SUPPORTED:
         raise ValueError(f"speculative_algorithm must be one of {', '.join(SUPPORTED)}, got {args.speculative_algorithm!r}")
     steps, topk, draft_tokens = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
-    if algo == "STANDALONE":
+    if algo in ("STANDALONE", "EAGLE", "EAGLE3"):
         if not args.speculative_draft_model_path:
-            raise ValueError("speculative_draft_model_path is required for speculative_algorithm STANDALONE")
+            raise ValueError(f"speculative_draft_model_path is required for speculative_algorithm {algo}")
         if steps is None and topk is None and draft_tokens is None:
-            steps, topk, draft_tokens = 3, 1, 4
+            # SGLang's auto-choice: Llama targets get a tree for EAGLE; everything else a 3-step chain.
+            llama_eagle = algo != "STANDALONE" and target_architecture == "LlamaForCausalLM"
+            steps, topk, draft_tokens = (5, 4, 8) if llama_eagle else (3, 1, 4)
     else:  # NGRAM proposes a chain of up to num_draft_tokens - 1 tokens
         if steps is None:
             draft_tokens = draft_tokens or NGRAM_DEFAULT_DRAFT_TOKENS

@@ -45,7 +45,6 @@ class SpecWorker:
         round_ = None
         if decodes:
             round_ = TreeRound(self, reqs, sb) if self.spec.is_tree else ChainRound(self, reqs, sb)
-        self.proposer.prefill(prefills)
 
         inputs = (round_.inputs() if round_ else []) + [forward_input(it) for it in prefills]
         prefill_ids = torch.tensor([t for it in inputs[len(reqs):] for t in it.token_ids], dtype=torch.int64, device=self.device)
@@ -55,10 +54,13 @@ class SpecWorker:
             positions = torch.cat([round_.positions(), _default_positions(inputs[len(reqs):], self.device)])
         mode = ForwardMode.TARGET_VERIFY if not prefills else ForwardMode.EXTEND
         fb = build_forward_batch(mode, inputs, self.runner.page_table, self.device, input_ids=ids, positions=positions)
-        out = self.runner.forward(fb)
+        out = self.runner.forward(fb, capture_layers=getattr(self.proposer, "capture_layers", ()))
+        target_hidden = self.proposer.target_hidden(out) if hasattr(self.proposer, "target_hidden") else None
+        num_verify_tokens = ids.shape[0] - prefill_ids.shape[0]
+        self.proposer.prefill(prefills, None if target_hidden is None else target_hidden[num_verify_tokens:])
 
         num_verify_rows = round_.num_rows if round_ else 0
-        pieces = round_.accept(out.logits[:num_verify_rows]) if round_ else []
+        pieces = round_.accept(out.logits[:num_verify_rows], target_hidden) if round_ else []
         sampling_prefills = [it for it in prefills if it.samples]
         if sampling_prefills:
             sbp = sampling_batch(sampling_prefills, self.vocab_size, self.device)
@@ -117,7 +119,7 @@ class ChainRound:
     def positions(self):
         return None
 
-    def accept(self, verify_logits: torch.Tensor) -> list[torch.Tensor]:
+    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> list[torch.Tensor]:
         bsz, k = len(self.reqs), self.proposal.max_len
         grid = verify_logits.new_zeros(bsz * (k + 1), verify_logits.shape[1])
         grid[self.flat_index] = verify_logits  # [B*(K+1), V]; rows past a request's drafts stay unused
@@ -127,6 +129,10 @@ class ChainRound:
         lens = torch.tensor(self.proposal.lens, dtype=torch.int64, device=grid.device)
         num_accepted, tokens = verify_chain(p, self.proposal.tokens, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
         logprobs = torch.log_softmax(logits, -1).gather(1, tokens.view(-1, 1)).view(bsz, k + 1)
+        if target_hidden is not None:  # verify row j of request b sits at packed row start_b + j
+            starts = torch.tensor([0] + [1 + k for k in self.proposal.lens[:-1]], device=grid.device).cumsum(0)
+            rows = (starts[:, None] + torch.arange(k + 1, device=grid.device)).clamp_max(self.num_rows - 1)
+            self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
         return [num_accepted, tokens, logprobs]
 
     def results(self, host: list[float]) -> tuple[list[RequestResult], int]:
@@ -165,7 +171,7 @@ class TreeRound:
     def positions(self) -> torch.Tensor:
         return (self.base[:, None] + self.tree.depth).flatten()
 
-    def accept(self, verify_logits: torch.Tensor) -> list[torch.Tensor]:
+    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> list[torch.Tensor]:
         bsz, n = len(self.reqs), self.n
         sbt = self.sb.for_tree(self.tree.tokens, self.tree.mask, self.tree.depth)
         logits = penalised_logits(verify_logits, sbt)
@@ -175,7 +181,9 @@ class TreeRound:
                                                  max_depth=spec.num_steps, max_children=spec.topk)
         self._compact(num_accepted, path)
         rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
-        logprobs = torch.log_softmax(logits, -1)[rows.flatten(), tokens.flatten()].view_as(tokens)
+        logprobs = torch.log_softmax(logits, -1)[rows.flatten(), tokens.clamp_min(0).flatten()].view_as(tokens)
+        if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
+            self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
         self.depth = tokens.shape[1]
         return [num_accepted, tokens, logprobs, self.valid_draft]
 
@@ -185,9 +193,9 @@ class TreeRound:
         compact_accepted(self.w.runner.pool, self.w.runner.page_table, rows, self.base, path.clamp_min(0), count)
         fed_on_path = self.proposal.fed.gather(1, path.clamp_min(0))
         self.valid_draft = leading_fed_count(fed_on_path, num_accepted)
-        draft_pool = getattr(self.w.proposer, "pool", None)
-        if draft_pool is not None:
-            compact_accepted(draft_pool, self.w.runner.page_table, rows, self.base, fed_on_path.clamp_min(0), 1 + self.valid_draft)
+        if getattr(self.w.proposer, "compacts_draft_pool", False):
+            compact_accepted(self.w.proposer.pool, self.w.runner.page_table, rows, self.base, fed_on_path.clamp_min(0),
+                             1 + self.valid_draft)
 
     def results(self, host: list[float]) -> tuple[list[RequestResult], int]:
         bsz, d1 = len(self.reqs), self.depth

@@ -1,0 +1,154 @@
+"""EagleProposer (EAGLE, EAGLE3): a one-layer head drafts from the target's own hidden states.
+
+Alignment (hyperdraft/models/eagle.py): head position i consumes (target hidden h_i, token t_{i+1}) and writes
+its K/V at index i of the request, under the target's page table; its output g_i predicts t_{i+2}.
+
+Invariant, per request: the head's K/V is right for positions < d = req.draft_num_computed, and
+hidden_buf[row, : n - d] holds the target's h_d .. h_{n-1} (n = req.num_computed), which it has not consumed yet.
+  catch-up   every round starts by feeding positions d .. n-1 (tokens t_{d+1} .. t_n); its last output
+             g_{n-1} gives the root's children. This is the draft extend after verify, merged into the next round,
+             so finished requests never need an idle extend.
+  steps      draft step k >= 1 runs at position n-1+k on (parent's head output, parent's token)
+  verify     the K/V written by the steps is speculative: d stays n, and the target hidden states of the
+             accepted path (root + accepted nodes, compacted) become hidden_buf[row, : a+1]
+  prefill    a chunk [s, e) feeds positions up to e-2; position e-1 waits in hidden_buf for the next chunk or
+             round (its next token may be the one about to be sampled).
+Every buffer here is sized from the head's own dimensions, never the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyperdraft.attention.base import make_attention_backend
+from hyperdraft.engine.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.kvcache.kv_pool import KVPool
+from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.models.eagle import target_capture_layers
+from hyperdraft.request import Request
+from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits
+from hyperdraft.sample.rng import DOMAIN_DRAFT, sample_from_probs
+from hyperdraft.spec.proposal import Proposal, TreeProposal
+from hyperdraft.spec.tree_draft import grow_tree
+
+
+class EagleProposer:
+    compacts_draft_pool = False  # the catch-up rewrites the head's K/V from target hidden states instead
+
+    def __init__(self, head, page_table: PageTable, attention_backend: str, max_round_tokens: int, max_rows: int,
+                 sample_drafts: bool):
+        self.head = head
+        param = next(head.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.page_table = page_table
+        num_slots = page_table.num_pages * page_table.page_size
+        self.pool = KVPool(head.num_layers, num_slots, head.num_kv_heads, head.head_dim, self.dtype, self.device)
+        self.backend = make_attention_backend(attention_backend, self.pool, page_table)
+        self.capture_layers = target_capture_layers(head)
+        self.hidden_buf = torch.zeros(max_rows, max_round_tokens + 1, head.hidden_size, dtype=self.dtype, device=self.device)
+        self.sample_drafts = sample_drafts
+
+    # ---- the head -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (head outputs [T, H], logits over the target vocab at fb.logits_indices)."""
+        meta = self.backend.plan(fb)
+        g = self.head(fb.input_ids, fb.positions, hidden.to(self.dtype), lambda i, q, k, v: self.backend.forward(i, q, k, v, fb, meta))
+        return g, self.head.compute_logits(g[fb.logits_indices])
+
+    def target_hidden(self, out) -> torch.Tensor:
+        """What the head consumes from a target forward: [T, H] (EAGLE-3 projects its 3 aux states through fc)."""
+        if self.capture_layers:
+            return self.head.project_target_hidden(torch.cat(out.captured, -1).to(self.dtype))
+        return out.hidden.to(self.dtype)
+
+    # ---- prefill ------------------------------------------------------------------------------------------------
+    def prefill(self, items, target_hidden: torch.Tensor | None) -> None:
+        """items: the prefill chunks of this step; target_hidden: [sum of chunk lengths, H], in item order.
+        A chunk [s, e) feeds positions d .. e-2 (d <= s: a position left pending by the previous chunk is fed
+        from hidden_buf) and leaves position e-1 pending, so a round always has a position to start from."""
+        inputs, pieces, start = [], [], 0
+        for it in items:
+            req, s, e = it.req, it.req.num_computed, it.req.num_computed + it.num_tokens
+            d = req.draft_num_computed
+            assert s - 1 <= d <= s, "head fell out of step during prefill"
+            if e - 1 > d:
+                inputs.append(ForwardInput(req.row, d, req.token_ids(d + 1, e), 0))
+                pieces += [self.hidden_buf[req.row, : s - d], target_hidden[start : start + e - 1 - s]]
+            start += e - s
+        if inputs:
+            hidden = torch.cat(pieces)  # gathered before hidden_buf is overwritten below
+            self._forward(build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device), hidden)
+        start = 0
+        for it in items:
+            req, e = it.req, it.req.num_computed + it.num_tokens
+            self.hidden_buf[req.row, 0] = target_hidden[start + it.num_tokens - 1]
+            req.draft_num_computed = e - 1
+            start += it.num_tokens
+
+    # ---- a round ------------------------------------------------------------------------------------------------
+    def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed positions d .. n-1 of every request -> (logits of the root's children [B, V], g_{n-1} [B, H])."""
+        inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len), 1) for r in reqs]
+        counts = [r.num_computed - r.draft_num_computed for r in reqs]
+        assert all(c >= 1 for c in counts), "every decoding request has at least its last position to feed"
+        flat = torch.tensor([(r.row, j) for r, c in zip(reqs, counts) for j in range(c)], device=self.device)
+        hidden = self.hidden_buf[flat[:, 0], flat[:, 1]]
+        fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device)
+        g, logits = self._forward(fb, hidden)
+        for r in reqs:
+            r.draft_num_computed = r.num_computed
+        return logits, g[fb.logits_indices]
+
+    def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
+        logits, g = self._catch_up(reqs)
+        tokens = torch.zeros(len(reqs), steps, dtype=torch.int64, device=self.device)
+        qs = []
+        for j in range(steps):
+            if j > 0:
+                inputs = [ForwardInput(r.row, r.num_computed + j - 1, [0], 1) for r in reqs]
+                fb = build_forward_batch(ForwardMode.DECODE, inputs, self.page_table, self.device, input_ids=tokens[:, j - 1])
+                g, logits = self._forward(fb, g)
+            tokens[:, j], q = self._choose(logits, sampling.at_offset(tokens[:, :j]))
+            if q is not None:
+                qs.append(q)
+        return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
+
+    def propose_tree(self, reqs: list[Request], steps: int, topk: int, num_nodes: int, sampling: SamplingBatch) -> TreeProposal:
+        """The root's children come from g_{n-1}; frontier nodes of step i sit at RoPE position n-1+i and are
+        written at offsets 1 + (i-1)*topk + f past index n-1."""
+        logits, g = self._catch_up(reqs)
+        siblings = sampling.repeat_rows(topk)
+
+        def step(depth, tokens, offsets, mask, parent_hidden):
+            inputs = [ForwardInput(r.row, r.num_computed + (depth - 1) * topk, [0] * topk, topk,
+                                   positions=[r.num_computed - 1 + depth] * topk) for r in reqs]
+            fb = build_forward_batch(ForwardMode.DECODE, inputs, self.page_table, self.device,
+                                     input_ids=tokens.flatten(), tail_mask=mask)
+            out, step_logits = self._forward(fb, parent_hidden.flatten(0, 1))
+            logq = torch.log_softmax(penalised_logits(step_logits, siblings), -1)
+            return logq.view(len(reqs), topk, -1), out.view(len(reqs), topk, -1)
+
+        roots = torch.tensor([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], dtype=torch.int64, device=self.device)
+        root_logq = torch.log_softmax(penalised_logits(logits, sampling), -1)
+        return TreeProposal(*grow_tree(root_logq, g, step, steps, topk, roots, num_nodes))
+
+    def _choose(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = penalised_logits(logits, sb)
+        if not self.sample_drafts:
+            return logits.argmax(-1), None
+        q = probs_from_logits(logits, sb)  # the same transform that defines the target's p
+        return sample_from_probs(q, sb.seeds, sb.positions, DOMAIN_DRAFT), q
+
+    # ---- after verify -------------------------------------------------------------------------------------------
+    def store_accepted_hidden(self, reqs: list[Request], accepted_hidden: torch.Tensor) -> None:
+        """accepted_hidden: [B, D+1, H] target hidden states of the root and accepted nodes, in path order (rows
+        past each request's accepted count are ignored by the next catch-up)."""
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
+        self.hidden_buf[rows, : accepted_hidden.shape[1]] = accepted_hidden.to(self.dtype)
+
+    def commit(self, reqs: list[Request], steps: int, num_accepted: list[int]) -> None:
+        pass  # draft_num_computed already equals n: the steps' K/V was speculative
+
+    def commit_tree(self, reqs: list[Request], valid_draft_tokens: list[int]) -> None:
+        pass
