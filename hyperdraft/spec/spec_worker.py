@@ -156,7 +156,11 @@ class TreeRound:
         spec = worker.spec
         self.w, self.reqs, self.sb, self.n = worker, reqs, sb, spec.num_draft_tokens
         self.proposal: TreeProposal = worker.proposer.propose_tree(reqs, spec.num_steps, spec.topk, self.n, sb)
-        self.num_nodes = [min(self.n, m + 1) for m in worker.room(reqs)]  # fewer only when a lone request fills the pool
+        room = worker.room(reqs)
+        self.num_nodes = [min(self.n, m + 1) for m in room]  # fewer only when a lone request fills the pool
+        # The beam writes offsets up to (steps-1)*topk whatever the room; past the room they land in the padding
+        # page, so such nodes have no draft K/V to keep.
+        self.room = torch.tensor(room, dtype=torch.int64, device=worker.device)
         num_nodes = torch.tensor(self.num_nodes, dtype=torch.int64, device=worker.device)
         self.tree = build_tree(self.proposal.tokens, self.proposal.parents, num_nodes=num_nodes)
         self.num_rows = len(reqs) * self.n
@@ -192,6 +196,7 @@ class TreeRound:
         count = num_accepted + 1
         compact_accepted(self.w.runner.pool, self.w.runner.page_table, rows, self.base, path.clamp_min(0), count)
         fed_on_path = self.proposal.fed.gather(1, path.clamp_min(0))
+        fed_on_path = torch.where(fed_on_path <= self.room[:, None], fed_on_path, -1)
         self.valid_draft = leading_fed_count(fed_on_path, num_accepted)
         if getattr(self.w.proposer, "compacts_draft_pool", False):
             compact_accepted(self.w.proposer.pool, self.w.runner.page_table, rows, self.base, fed_on_path.clamp_min(0),
