@@ -40,6 +40,16 @@ CASES = {
         speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
         speculative_use_rejection_sampling=True)),
     "NGRAM": (PROMPT_REPETITIVE, PLAIN, lambda m: dict(speculative_algorithm="NGRAM", speculative_num_steps=3)),
+    # Trees: deterministic top-k children (q one-hot per child) and children drawn from q (real-q recursive RS).
+    "STANDALONE-tree-topk": (PROMPT_RANDOM, PLAIN, lambda m: dict(
+        speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
+        speculative_eagle_topk=3, speculative_num_draft_tokens=8)),
+    "STANDALONE-tree-sampled": (PROMPT_RANDOM, PLAIN, lambda m: dict(
+        speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
+        speculative_eagle_topk=3, speculative_num_draft_tokens=8, speculative_use_rejection_sampling=True)),
+    "STANDALONE-tree-sampled-filtered": (PROMPT_RANDOM, FILTERED, lambda m: dict(
+        speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
+        speculative_eagle_topk=4, speculative_num_draft_tokens=10, speculative_use_rejection_sampling=True)),
 }
 
 _BASELINE: dict = {}

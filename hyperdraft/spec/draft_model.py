@@ -24,6 +24,7 @@ from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_
 from hyperdraft.sample.rng import DOMAIN_DRAFT, sample_from_probs
 from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.tree_draft import grow_tree
+from hyperdraft.spec.tree_sampled import draft_q, grow_sampled_tree
 
 
 class DraftModelProposer:
@@ -67,24 +68,37 @@ class DraftModelProposer:
         return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
 
     def propose_tree(self, reqs: list[Request], steps: int, topk: int, num_nodes: int, sampling: SamplingBatch) -> TreeProposal:
-        """Grow the beam (tree_draft.grow_tree). The root is the last committed token at index n; frontier nodes
-        of step i are written at offsets 1 + (i-1)*topk + f past it."""
+        """Grow the tree: a beam over top-k children (tree_draft.grow_tree), or children drawn from q
+        (tree_sampled.grow_sampled_tree). The root is the last committed token at index n; frontier nodes of
+        step i are written at offsets 1 + (i-1)*topk + f past it."""
         device = self.runner.device
         catch_up = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len), 1) for r in reqs]
         logits = self.runner.forward(build_forward_batch(ForwardMode.DRAFT_EXTEND, catch_up, self.runner.page_table, device)).logits
-        siblings = sampling.repeat_rows(topk)
+        bsz = len(reqs)
 
-        def step(depth, tokens, offsets, mask, parent_hidden):
-            inputs = [ForwardInput(r.row, r.seq_len + (depth - 1) * topk, [0] * topk, topk, positions=[r.seq_len - 1 + depth] * topk)
+        def step_logits(depth, tokens, offsets, mask):
+            k = tokens.shape[1]  # frontier size: topk, or fewer in a sampled tree with a small level budget
+            inputs = [ForwardInput(r.row, r.seq_len + (depth - 1) * topk, [0] * k, k, positions=[r.seq_len - 1 + depth] * k)
                       for r in reqs]
             fb = build_forward_batch(ForwardMode.DECODE, inputs, self.runner.page_table, device,
                                      input_ids=tokens.flatten(), tail_mask=mask)
-            logq = torch.log_softmax(penalised_logits(self.runner.forward(fb).logits, siblings), -1)
-            return logq.view(len(reqs), topk, -1), None
+            return self.runner.forward(fb).logits  # [B*k, V]
+
+        roots = _last_tokens(reqs, device)
+        if self.sample_drafts:  # children drawn from q, verified with the real q
+            def q_step(depth, tokens, offsets, mask, parent_hidden):
+                k = tokens.shape[1]
+                return draft_q(step_logits(depth, tokens, offsets, mask), sampling.repeat_rows(k), topk).view(bsz, k, -1), None
+
+            return TreeProposal(*grow_sampled_tree(draft_q(logits, sampling, topk), None, q_step, steps, topk, roots,
+                                                   num_nodes, sampling.seeds, sampling.positions))
+
+        def logq_step(depth, tokens, offsets, mask, parent_hidden):
+            logq = torch.log_softmax(penalised_logits(step_logits(depth, tokens, offsets, mask), sampling.repeat_rows(topk)), -1)
+            return logq.view(bsz, topk, -1), None
 
         root_logq = torch.log_softmax(penalised_logits(logits, sampling), -1)
-        tokens, parents, fed = grow_tree(root_logq, None, step, steps, topk, _last_tokens(reqs, device), num_nodes)
-        return TreeProposal(tokens, parents, fed)
+        return TreeProposal(*grow_tree(root_logq, None, logq_step, steps, topk, roots, num_nodes))
 
     def _choose(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = penalised_logits(logits, sb)

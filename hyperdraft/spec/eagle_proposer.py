@@ -30,6 +30,7 @@ from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_
 from hyperdraft.sample.rng import DOMAIN_DRAFT, sample_from_probs
 from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.tree_draft import grow_tree
+from hyperdraft.spec.tree_sampled import draft_q, grow_sampled_tree
 
 
 class EagleProposer:
@@ -118,18 +119,26 @@ class EagleProposer:
         """The root's children come from g_{n-1}; frontier nodes of step i sit at RoPE position n-1+i and are
         written at offsets 1 + (i-1)*topk + f past index n-1."""
         logits, g = self._catch_up(reqs)
-        siblings = sampling.repeat_rows(topk)
 
         def step(depth, tokens, offsets, mask, parent_hidden):
-            inputs = [ForwardInput(r.row, r.num_computed + (depth - 1) * topk, [0] * topk, topk,
-                                   positions=[r.num_computed - 1 + depth] * topk) for r in reqs]
+            k = tokens.shape[1]  # frontier size: topk, or fewer in a sampled tree with a small level budget
+            siblings = sampling.repeat_rows(k)
+            inputs = [ForwardInput(r.row, r.num_computed + (depth - 1) * topk, [0] * k, k,
+                                   positions=[r.num_computed - 1 + depth] * k) for r in reqs]
             fb = build_forward_batch(ForwardMode.DECODE, inputs, self.page_table, self.device,
                                      input_ids=tokens.flatten(), tail_mask=mask)
             out, step_logits = self._forward(fb, parent_hidden.flatten(0, 1))
+            hidden = out.view(len(reqs), k, -1)
+            if self.sample_drafts:
+                return draft_q(step_logits, siblings, topk).view(len(reqs), k, -1), hidden
             logq = torch.log_softmax(penalised_logits(step_logits, siblings), -1)
-            return logq.view(len(reqs), topk, -1), out.view(len(reqs), topk, -1)
+            return logq.view(len(reqs), k, -1), hidden
 
         roots = torch.tensor([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], dtype=torch.int64, device=self.device)
+        if self.sample_drafts:  # children drawn from q, verified with the real q
+            out = grow_sampled_tree(draft_q(logits, sampling, topk), g, step, steps, topk, roots, num_nodes,
+                                    sampling.seeds, sampling.positions)
+            return TreeProposal(*out)
         root_logq = torch.log_softmax(penalised_logits(logits, sampling), -1)
         return TreeProposal(*grow_tree(root_logq, g, step, steps, topk, roots, num_nodes))
 

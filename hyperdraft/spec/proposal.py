@@ -23,3 +23,4 @@ class TreeProposal:
     tokens: torch.Tensor  # [B, N] int64, node 0 = the root (last committed token)
     parents: torch.Tensor  # [B, N] int64, -1 for the root; parents come before children
     fed: torch.Tensor  # [B, N] int64, offset past the root's index where the draft holds the node's K/V, -1 if none
+    q: torch.Tensor | None = None  # [B, N, V] q each node's children were drawn from (sampled trees); None = top-k

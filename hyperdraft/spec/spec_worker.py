@@ -162,7 +162,7 @@ class TreeRound:
         # page, so such nodes have no draft K/V to keep.
         self.room = torch.tensor(room, dtype=torch.int64, device=worker.device)
         num_nodes = torch.tensor(self.num_nodes, dtype=torch.int64, device=worker.device)
-        self.tree = build_tree(self.proposal.tokens, self.proposal.parents, num_nodes=num_nodes)
+        self.tree = build_tree(self.proposal.tokens, self.proposal.parents, q=self.proposal.q, num_nodes=num_nodes)
         self.num_rows = len(reqs) * self.n
         self.base = torch.tensor([r.num_computed for r in reqs], dtype=torch.int64, device=worker.device)
 
@@ -181,7 +181,8 @@ class TreeRound:
         logits = penalised_logits(verify_logits, sbt)
         p = probs_from_logits(logits, sbt).view(bsz, n, -1)
         spec = self.w.spec
-        num_accepted, path, tokens = verify_tree(p, self.tree, self.sb.seeds, self.sb.positions, False,
+        sampled = self.proposal.q is not None  # children drawn from q without replacement (tree_sampled.py)
+        num_accepted, path, tokens = verify_tree(p, self.tree, self.sb.seeds, self.sb.positions, sampled,
                                                  max_depth=spec.num_steps, max_children=spec.topk)
         self._compact(num_accepted, path)
         rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)

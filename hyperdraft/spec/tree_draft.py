@@ -81,11 +81,12 @@ def select_tree(cands: Candidates, root_tokens: torch.Tensor, num_nodes: int):
     return tokens, torch.cat([root - 1, parents], 1), torch.cat([root, cands.fed.gather(1, chosen)], 1)
 
 
-def step_mask(cands: Candidates, frontier: torch.Tensor, offsets: torch.Tensor, depth: int) -> torch.Tensor:
-    """[B, k, 1 + depth*k] tail mask for feeding the frontier at `depth`: the root (column 0), each frontier
-    node's fed ancestors, and itself. Column o is the key at offset o past the root's index."""
+def step_mask(cands: Candidates, frontier: torch.Tensor, offsets: torch.Tensor, depth: int, topk: int) -> torch.Tensor:
+    """[B, k, 1 + (depth-1)*topk + k] tail mask for feeding the k frontier nodes at `depth`: the root (column 0),
+    each frontier node's fed ancestors, and itself. Column o is the key at offset o past the root's index, and the
+    tail ends at the last key fed (earlier depths fed topk nodes each)."""
     bsz, k = frontier.shape
-    mask = torch.zeros(bsz, k, 1 + depth * k, dtype=torch.bool, device=frontier.device)
+    mask = torch.zeros(bsz, k, 1 + (depth - 1) * topk + k, dtype=torch.bool, device=frontier.device)
     mask[:, :, 0] = True
     anc = ancestors_fed(cands, frontier, depth - 1)  # [B, k, depth-1]
     if anc.shape[2]:
@@ -107,7 +108,7 @@ def grow_tree(root_logq, root_hidden, step, steps: int, topk: int, root_tokens, 
     for depth in range(1, steps):
         offsets = 1 + (depth - 1) * topk + torch.arange(topk, device=device).expand_as(frontier)
         cands.fed.scatter_(1, frontier, offsets)
-        mask = step_mask(cands, frontier, offsets, depth)
+        mask = step_mask(cands, frontier, offsets, depth, topk)
         logq, hidden = step(depth, cands.tokens.gather(1, frontier), offsets, mask, parent_hidden)
         cands, frontier, parent_slot = expand(cands, frontier, logq, topk)
         if hidden is not None:

@@ -93,6 +93,10 @@ def verify_tree(
             # u < min(1, r/q) without division. The second term accepts outright when r(c) >= q(c): the same event
             # for u in (0, 1), and it keeps greedy exact even for a coin that rounds up to 1.0.
             accept = trying & ((u * q_c < r_c) | ((r_c >= q_c) & (r_c > 0)))
+            if q_left is not None:
+                # A candidate q gives no mass was not drawn from q (the draft ran out of support): accepting it
+                # would be lossy. Rejecting it leaves r unchanged (q_i(c) = 0), as if it were not in the tree.
+                accept &= q_c > 0
             reject = trying & ~accept
             residual = (r - q_i).clamp_min(0)
             mass = residual.sum(-1, keepdim=True)
