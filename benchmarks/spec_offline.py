@@ -31,7 +31,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hyperdraft import LLM, SamplingParams  # noqa: E402
+from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint  # noqa: E402
 from hyperdraft.testing.tiny import make_tiny_model  # noqa: E402
+
+os.environ.setdefault("HYPERDRAFT_RECORD_STEP_TIME", "1")  # per-phase timing for the cost split
 
 MT_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mt_bench_questions.jsonl")
 TARGET_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
@@ -77,6 +80,9 @@ def run(model: str, prompts: list[str], sp: SamplingParams, batch: int, engine_a
         if best is None or seconds < best["seconds"]:
             best = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                     "accept_len": completion / verifies if verifies else None}
+    state = llm.get_server_info()["internal_states"][0]
+    best["phases"] = state.get("spec_phase_seconds", {})
+    best["verifies"] = state.get("spec_verify_forwards", 0)
     llm.shutdown()
     return best
 
@@ -112,6 +118,16 @@ def main() -> None:
     configs = [("none", {})] + [("NGRAM", dict(speculative_algorithm="NGRAM", speculative_num_steps=args.steps))]
     configs += [(f"STANDALONE {name}", dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=path,
                                            speculative_num_steps=args.steps)) for name, path in drafts.items()]
+    tree = dict(speculative_num_steps=args.steps, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    configs += [(f"STANDALONE {name} tree(4,8)", dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=path, **tree))
+                for name, path in drafts.items() if name != "small"]
+    if not args.model:  # random heads: near-zero acceptance, so these rows measure what EAGLE costs
+        heads = {"EAGLE3": write_random_eagle_checkpoint(os.path.join(tmp, "e3"), target, kind="eagle3", draft_vocab_size=256),
+                 "EAGLE": write_random_eagle_checkpoint(os.path.join(tmp, "e1"), target, kind="eagle")}
+        for algo, path in heads.items():
+            configs.append((f"{algo} (random head) chain", dict(speculative_algorithm=algo, speculative_draft_model_path=path,
+                                                              speculative_num_steps=args.steps, speculative_eagle_topk=1)))
+            configs.append((f"{algo} (random head) tree(4,8)", dict(speculative_algorithm=algo, speculative_draft_model_path=path, **tree)))
     rows = []
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         base = None
@@ -125,12 +141,15 @@ def main() -> None:
     base = run(target, prompts, hot, 1, base_args, args.repeats)
     sampled_rows.append(("none", "-", base, 1.0))
     for name, path in drafts.items():
-        for sample in (False, True):
-            spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=path, speculative_num_steps=args.steps,
-                        speculative_use_rejection_sampling=sample)
-            r = run(target, prompts, hot, 1, {**base_args, **spec}, args.repeats)
-            sampled_rows.append((f"STANDALONE {name}", "sampled q" if sample else "greedy (q one-hot)", r, r["tok_s"] / base["tok_s"]))
-            print(name, sample, r, flush=True)
+        for shape, shape_args in (("chain", {}), ("tree(4,8)", dict(speculative_eagle_topk=4, speculative_num_draft_tokens=8))):
+            for sample in (False, True):
+                spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=path, speculative_num_steps=args.steps,
+                            speculative_use_rejection_sampling=sample, **shape_args)
+                r = run(target, prompts, hot, 1, {**base_args, **spec}, args.repeats)
+                mode = ("sampled q" if sample else "greedy (q one-hot)") if shape == "chain" else (
+                    "children drawn from q" if sample else "top-k children (q one-hot)")
+                sampled_rows.append((f"STANDALONE {name} {shape}", mode, r, r["tok_s"] / base["tok_s"]))
+                print(name, shape, sample, r, flush=True)
     write_report(args, rows, sampled_rows)
 
 
@@ -150,6 +169,15 @@ def write_report(args, rows, sampled_rows) -> None:
     lines += ["", f"## Temperature {args.temperature}, batch 1: greedy drafts vs sampled drafts", "",
               "| drafter | draft tokens | accept length | tokens/s | vs no spec |", "|---|---|---|---|---|"]
     lines += [f"| {name} | {mode} | {fmt(r['accept_len'])} | {r['tok_s']:.1f} | {ratio:.2f}x |" for name, mode, r, ratio in sampled_rows]
+    lines += ["", "## Per-step cost split (greedy, largest batch): seconds per verify forward", "",
+              "STANDALONE feeds its catch-up inside the draft phase; EAGLE's catch-up (the draft extend after verify) is "
+              "listed separately.", "", "| drafter | draft extend | draft | verify | accept + commit |", "|---|---|---|---|---|"]
+    largest = max(bs for bs, *_ in rows)
+    for bs, name, _, r, _ in rows:
+        if bs == largest and r["phases"] and r["verifies"]:
+            ph = {k: 1000 * v / r["verifies"] for k, v in r["phases"].items()}
+            lines.append(f"| {name} | {ph.get('draft_extend', 0):.2f} ms | {ph.get('draft', 0) - ph.get('draft_extend', 0):.2f} ms | "
+                         f"{ph.get('verify', 0):.2f} ms | {ph.get('accept_commit', 0):.2f} ms |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -204,6 +204,8 @@ class Engine:
             spec = {"speculative_algorithm": self.spec.algorithm, "speculative_num_steps": self.spec.num_steps,
                     "speculative_eagle_topk": self.spec.topk, "speculative_num_draft_tokens": self.spec.num_draft_tokens,
                     **self.worker.metrics.summary()}
+            if self.worker.timer.enabled:
+                spec["spec_phase_seconds"] = dict(self.worker.timer.seconds)
         return {
             **spec,
             "kv_capacity_tokens": self.kv_capacity_slots,

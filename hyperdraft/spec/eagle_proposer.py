@@ -48,6 +48,7 @@ class EagleProposer:
         self.capture_layers = target_capture_layers(head)
         self.hidden_buf = torch.zeros(max_rows, max_round_tokens + 1, head.hidden_size, dtype=self.dtype, device=self.device)
         self.sample_drafts = sample_drafts
+        self.timer = None  # set by the SpecWorker (PhaseTimer)
 
     # ---- the head -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -90,6 +91,12 @@ class EagleProposer:
     # ---- a round ------------------------------------------------------------------------------------------------
     def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed positions d .. n-1 of every request -> (logits of the root's children [B, V], g_{n-1} [B, H])."""
+        if self.timer is not None:
+            with self.timer.phase("draft_extend"):
+                return self._catch_up_untimed(reqs)
+        return self._catch_up_untimed(reqs)
+
+    def _catch_up_untimed(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len), 1) for r in reqs]
         counts = [r.num_computed - r.draft_num_computed for r in reqs]
         assert all(c >= 1 for c in counts), "every decoding request has at least its last position to feed"

@@ -39,3 +39,36 @@ class SpecMetrics:
             "spec_acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position)],
             "spec_accept_length_histogram": list(self.accept_length_hist),
         }
+
+
+class PhaseTimer:
+    """Wall time per phase of a speculative step, for benchmarks. Off unless HYPERDRAFT_RECORD_STEP_TIME=1: timing
+    a GPU phase needs a device sync, which the hot path must not pay."""
+
+    def __init__(self, device):
+        import os
+
+        self.enabled = os.environ.get("HYPERDRAFT_RECORD_STEP_TIME", "0") == "1"
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    def phase(self, name: str):
+        import contextlib
+        import time
+
+        import torch
+
+        if not self.enabled:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def timed():
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+        return timed()

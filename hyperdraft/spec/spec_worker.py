@@ -20,7 +20,7 @@ from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
 from hyperdraft.sample.logits_ops import penalised_logits, probs_from_logits
 from hyperdraft.sample.sampler import Sampler
 from hyperdraft.spec.compaction import compact_accepted, leading_fed_count
-from hyperdraft.spec.metrics import SpecMetrics
+from hyperdraft.spec.metrics import PhaseTimer, SpecMetrics
 from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.rejection import verify_chain
 from hyperdraft.spec.spec_config import SpecConfig
@@ -34,6 +34,9 @@ class SpecWorker:
         self.sampler = Sampler()
         self.decode_reserve = spec.max_verify_tokens  # the scheduler reserves the widest round, never less
         self.metrics = SpecMetrics(spec.num_steps)
+        self.timer = PhaseTimer(runner.device)
+        if hasattr(proposer, "timer"):
+            proposer.timer = self.timer
         self.vocab_size = runner.config.vocab_size
         self.device = runner.device
 
@@ -44,7 +47,8 @@ class SpecWorker:
         sb = sampling_batch(decodes, self.vocab_size, self.device) if decodes else None
         round_ = None
         if decodes:
-            round_ = TreeRound(self, reqs, sb) if self.spec.is_tree else ChainRound(self, reqs, sb)
+            with self.timer.phase("draft"):
+                round_ = TreeRound(self, reqs, sb) if self.spec.is_tree else ChainRound(self, reqs, sb)
 
         inputs = (round_.inputs() if round_ else []) + [forward_input(it) for it in prefills]
         prefill_ids = torch.tensor([t for it in inputs[len(reqs):] for t in it.token_ids], dtype=torch.int64, device=self.device)
@@ -54,13 +58,15 @@ class SpecWorker:
             positions = torch.cat([round_.positions(), _default_positions(inputs[len(reqs):], self.device)])
         mode = ForwardMode.TARGET_VERIFY if not prefills else ForwardMode.EXTEND
         fb = build_forward_batch(mode, inputs, self.runner.page_table, self.device, input_ids=ids, positions=positions)
-        out = self.runner.forward(fb, capture_layers=getattr(self.proposer, "capture_layers", ()))
+        with self.timer.phase("verify"):
+            out = self.runner.forward(fb, capture_layers=getattr(self.proposer, "capture_layers", ()))
         target_hidden = self.proposer.target_hidden(out) if hasattr(self.proposer, "target_hidden") else None
         num_verify_tokens = ids.shape[0] - prefill_ids.shape[0]
         self.proposer.prefill(prefills, None if target_hidden is None else target_hidden[num_verify_tokens:])
 
         num_verify_rows = round_.num_rows if round_ else 0
-        pieces = round_.accept(out.logits[:num_verify_rows], target_hidden) if round_ else []
+        with self.timer.phase("accept_commit"):
+            pieces = round_.accept(out.logits[:num_verify_rows], target_hidden) if round_ else []
         sampling_prefills = [it for it in prefills if it.samples]
         if sampling_prefills:
             sbp = sampling_batch(sampling_prefills, self.vocab_size, self.device)
