@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hyperdraft import SamplingParams
 from hyperdraft.spec import spec_worker
 from spec_fixtures import _single_torch_thread, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
@@ -44,12 +45,17 @@ class RoundSpy:
             prop = round_.proposal
             page_table = round_.w.runner.page_table
             spy.rounds.append([
-                dict(req=r, base=r.num_computed, room=page_table.num_slots(r.row) - r.num_computed - 1, tokens=prop.tokens[b].tolist(), parents=prop.parents[b].tolist(),
-                     fed=prop.fed[b].tolist(), emitted=tokens[b][: num_accepted[b] + 1], num_accepted=num_accepted[b])
+                dict(req=r, base=r.num_computed, room=page_table.num_slots(r.row) - r.num_computed - 1,
+                     tokens=prop.tokens[b].tolist(), parents=prop.parents[b].tolist(), fed=prop.fed[b].tolist(), emitted=tokens[b][: num_accepted[b] + 1], num_accepted=num_accepted[b])
                 for b, r in enumerate(round_.reqs)])
             return out
 
         monkeypatch.setattr(spec_worker.TreeRound, "accept", accept)
+
+
+def show(rec: dict) -> dict:
+    """A round record for failure messages (the request itself is too long to print)."""
+    return {"rid": rec["req"].rid, **{k: v for k, v in rec.items() if k != "req"}}
 
 
 def accepted_path(rec: dict) -> list[int]:
@@ -57,7 +63,7 @@ def accepted_path(rec: dict) -> list[int]:
     path = [0]
     for tok in rec["emitted"][: rec["num_accepted"]]:
         kids = [i for i, p in enumerate(rec["parents"]) if p == path[-1] and rec["tokens"][i] == tok and i > 0]
-        assert len(kids) == 1, f"accepted token {tok} is not exactly one child of node {path[-1]}: {rec}"
+        assert len(kids) == 1, f"accepted token {tok} is not exactly one child of node {path[-1]}: {show(rec)}"
         path.append(kids[0])
     return path
 
@@ -104,6 +110,15 @@ def run_and_check(llm, target_ref, draft_ref, prompts, params, spy: RoundSpy, ma
     topk = llm.engine.spec.topk
     engine = llm.engine
     reqs = [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts, params)]
+    try:
+        return _step_and_check(llm, target_ref, draft_ref, spy, topk, max_steps)
+    finally:  # on a failure, leave the engines clean (llm_factory's teardown check) so only the failure reports
+        for r in reqs:
+            engine.abort(r.rid)
+
+
+def _step_and_check(llm, target_ref, draft_ref, spy: RoundSpy, topk: int, max_steps: int) -> dict:
+    engine = llm.engine
     stats = dict(checked=0, target_noncontig=0, draft_noncontig=0, max_accept=0, fed_past_room=0)
     for _ in range(max_steps):
         if not engine.has_unfinished():
@@ -121,11 +136,11 @@ def run_and_check(llm, target_ref, draft_ref, prompts, params, spy: RoundSpy, ma
             path = accepted_path(rec)
             m = leading_fed(rec, path)
             assert req.num_computed == base + a + 1
-            assert req.draft_num_computed == base + 1 + m, (req.draft_num_computed, base, m, rec)
+            assert req.draft_num_computed == base + 1 + m, (req.draft_num_computed, base, m, show(rec))
             # Fed offsets follow the layout propose_tree documents: step s frontier at 1 + (s-1)*topk + f.
             for v in path[1: 1 + m]:
                 depth = path.index(v)
-                assert 1 + (depth - 1) * topk <= rec["fed"][v] < 1 + depth * topk, rec
+                assert 1 + (depth - 1) * topk <= rec["fed"][v] < 1 + depth * topk, show(rec)
             what = f"request {req.rid} root index {base} path {path} fed {[rec['fed'][v] for v in path]}"
             assert_kv_close(kv_at(llm, req.row, req.num_computed, engine.runner.pool), t_ref, "target pool " + what)
             assert_kv_close(kv_at(llm, req.row, req.draft_num_computed, engine.worker.proposer.runner.pool), d_ref,
@@ -146,13 +161,20 @@ def tree_args(spec_models, draft="draft_wide_noisy", **kw) -> dict:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_compacted_kv_equals_plain_decoding(spec_models, llm_factory, monkeypatch, page_size):
+@pytest.mark.parametrize("drafting", ["top-k", "sampled"])
+def test_compacted_kv_equals_plain_decoding(spec_models, llm_factory, monkeypatch, drafting, page_size):
+    """top-k: the deterministic beam, greedy requests. sampled: speculative_use_rejection_sampling, children drawn
+    from q (same fed-offset layout), half the requests sampled at temperature 1 (seeded), half greedy."""
     spy = RoundSpy(monkeypatch)
-    llm = llm_factory(spec_models["target"], page_size=page_size, **tree_args(spec_models))
+    llm = llm_factory(spec_models["target"], page_size=page_size,
+                      **tree_args(spec_models, speculative_use_rejection_sampling=drafting == "sampled"))
     target_ref = llm_factory(spec_models["target"])
     draft_ref = llm_factory(spec_models["draft_wide_noisy"], skip_tokenizer_init=True)
     prompts = mixed_prompts(8, seed=5, max_len=60)
     params = [greedy(6 + 3 * i) for i in range(len(prompts))]  # different lengths: rows finish mid-batch
+    if drafting == "sampled":
+        params = [p if i % 2 else SamplingParams(temperature=1.0, max_new_tokens=p.max_new_tokens, ignore_eos=True, seed=i)
+                  for i, p in enumerate(params)]
     stats = run_and_check(llm, target_ref, draft_ref, prompts, params, spy)
     # The comparison proves something only if accepted paths were non-contiguous in both layouts, and long.
     assert stats["target_noncontig"] >= 5, stats
