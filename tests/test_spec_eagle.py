@@ -53,11 +53,14 @@ def _generate(path, prompts, params, **engine_args):
 
 
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+TREE_SMALL = dict(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+TREE_WIDE = dict(speculative_num_steps=4, speculative_eagle_topk=4, speculative_num_draft_tokens=16)
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("shape", [CHAIN, TREE, {}], ids=["chain", "tree", "default"])
+@pytest.mark.parametrize("shape", [CHAIN, TREE_SMALL, TREE, TREE_WIDE, {}],
+                         ids=["chain", "tree-topk2-n4", "tree-topk2-n6", "tree-topk4-n16", "default-topk4-n8"])
 @pytest.mark.parametrize("algo,head", [("EAGLE3", "eagle3"), ("EAGLE", "eagle"), ("EAGLE3", "eagle3_narrow")])
 def test_spec_on_equals_spec_off(models, algo, head, shape, page_size):
     prompts = _prompts(384)
