@@ -43,7 +43,7 @@ class EngineArgs:
     speculative_num_steps: int | None = _opt(None, "draft tokens per round (chain depth)")
     speculative_eagle_topk: int | None = _opt(None, "branching factor per draft step; only 1 is supported for now")
     speculative_num_draft_tokens: int | None = _opt(None, "tokens verified per round, the root included (steps + 1 for chains)")
-    speculative_use_rejection_sampling: bool = _opt(False, "STANDALONE: sample draft tokens from the draft distribution q and verify with min(1, p/q) (default: greedy drafts, q one-hot)")
+    speculative_use_rejection_sampling: bool | None = _opt(None, "draft models: sample drafts from q and verify with the real q (True), or draft greedily / top-k with one-hot q (False); unset = per step, sampled when any request samples (measured better at T>0)")
     speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix that may match")
     speculative_ngram_max_match_window_size: int = _opt(12, "NGRAM: longest suffix tried first")
 
@@ -101,7 +101,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         names = [flag] + [f"--{a}" for a, target in ALIASES.items() if target == f.name]
         kind = _field_type(f)
         if kind is bool:
-            group.add_argument(*names, dest=f.name, action="store_true", default=None, help=f.metadata["help"])
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
         else:
             group.add_argument(*names, dest=f.name, type=kind, default=None, help=f"{f.metadata['help']} (default: {f.default})",
                                choices=f.metadata.get("choices"))

@@ -27,7 +27,7 @@ def test_standalone_defaults_to_sglang_3_1_4():
     cfg = resolve(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d")
     assert (cfg.num_steps, cfg.topk, cfg.num_draft_tokens) == (3, 1, 4)
     assert cfg.algorithm == "STANDALONE" and cfg.draft_model_path == "/d" and cfg.max_verify_tokens == 4
-    assert cfg.use_rejection_sampling is False
+    assert cfg.use_rejection_sampling is None  # auto: drafts drawn from q whenever a request samples
 
 
 def test_algorithm_name_is_case_insensitive():

@@ -32,7 +32,8 @@ FILTERED = dict(temperature=0.7, top_k=5, top_p=0.95, min_p=0.05, repetition_pen
 CASES = {
     # name: (prompt, sampling options, engine args given the model paths)
     "STANDALONE-greedy-drafts": (PROMPT_RANDOM, PLAIN, lambda m: dict(
-        speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=2)),
+        speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=2,
+        speculative_use_rejection_sampling=False)),
     "STANDALONE-rejection-sampling": (PROMPT_RANDOM, PLAIN, lambda m: dict(
         speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
         speculative_use_rejection_sampling=True)),
@@ -43,7 +44,7 @@ CASES = {
     # Trees: deterministic top-k children (q one-hot per child) and children drawn from q (real-q recursive RS).
     "STANDALONE-tree-topk": (PROMPT_RANDOM, PLAIN, lambda m: dict(
         speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
-        speculative_eagle_topk=3, speculative_num_draft_tokens=8)),
+        speculative_eagle_topk=3, speculative_num_draft_tokens=8, speculative_use_rejection_sampling=False)),
     "STANDALONE-tree-sampled": (PROMPT_RANDOM, PLAIN, lambda m: dict(
         speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
         speculative_eagle_topk=3, speculative_num_draft_tokens=8, speculative_use_rejection_sampling=True)),

@@ -20,8 +20,8 @@ from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_for
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.scheduler import ScheduledRequest
 from hyperdraft.request import Request
-from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits
-from hyperdraft.sample.rng import DOMAIN_DRAFT, sample_from_probs
+from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
+from hyperdraft.spec.draft_choice import choose_draft, draws_from_q
 from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.tree_draft import grow_tree
 from hyperdraft.spec.tree_sampled import draft_q, grow_sampled_tree
@@ -62,7 +62,7 @@ class DraftModelProposer:
                 step_inputs = [ForwardInput(r.row, r.seq_len - 1 + j, [0], 1) for r in reqs]
                 fb = build_forward_batch(ForwardMode.DECODE, step_inputs, self.runner.page_table, device, input_ids=tokens[:, j - 1])
             logits = self.runner.forward(fb).logits  # [B, V]
-            tokens[:, j], q = self._choose(logits, sampling.at_offset(tokens[:, :j]))
+            tokens[:, j], q = choose_draft(logits, sampling.at_offset(tokens[:, :j]), draws_from_q(self.sample_drafts, sampling))
             if q is not None:
                 qs.append(q)
         return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
@@ -85,7 +85,7 @@ class DraftModelProposer:
             return self.runner.forward(fb).logits  # [B*k, V]
 
         roots = _last_tokens(reqs, device)
-        if self.sample_drafts:  # children drawn from q, verified with the real q
+        if draws_from_q(self.sample_drafts, sampling):  # children drawn from q, verified with the real q
             def q_step(depth, tokens, offsets, mask, parent_hidden):
                 k = tokens.shape[1]
                 return draft_q(step_logits(depth, tokens, offsets, mask), sampling.repeat_rows(k), topk).view(bsz, k, -1), None
@@ -99,13 +99,6 @@ class DraftModelProposer:
 
         root_logq = torch.log_softmax(penalised_logits(logits, sampling), -1)
         return TreeProposal(*grow_tree(root_logq, None, logq_step, steps, topk, roots, num_nodes))
-
-    def _choose(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = penalised_logits(logits, sb)
-        if not self.sample_drafts:
-            return logits.argmax(-1), None
-        q = probs_from_logits(logits, sb)  # the same transform that defines the target's p
-        return sample_from_probs(q, sb.seeds, sb.positions, DOMAIN_DRAFT), q
 
     def commit_tree(self, reqs: list[Request], valid_draft_tokens: list[int]) -> None:
         """After a tree round and compaction the draft pool is right for the root plus the leading accepted

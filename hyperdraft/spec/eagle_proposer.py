@@ -26,8 +26,8 @@ from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.eagle import target_capture_layers
 from hyperdraft.request import Request
-from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits
-from hyperdraft.sample.rng import DOMAIN_DRAFT, sample_from_probs
+from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
+from hyperdraft.spec.draft_choice import choose_draft, draws_from_q
 from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.tree_draft import grow_tree
 from hyperdraft.spec.tree_sampled import draft_q, grow_sampled_tree
@@ -117,7 +117,7 @@ class EagleProposer:
                 inputs = [ForwardInput(r.row, r.num_computed + j - 1, [0], 1) for r in reqs]
                 fb = build_forward_batch(ForwardMode.DECODE, inputs, self.page_table, self.device, input_ids=tokens[:, j - 1])
                 g, logits = self._forward(fb, g)
-            tokens[:, j], q = self._choose(logits, sampling.at_offset(tokens[:, :j]))
+            tokens[:, j], q = choose_draft(logits, sampling.at_offset(tokens[:, :j]), draws_from_q(self.sample_drafts, sampling))
             if q is not None:
                 qs.append(q)
         return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
@@ -136,25 +136,18 @@ class EagleProposer:
                                      input_ids=tokens.flatten(), tail_mask=mask)
             out, step_logits = self._forward(fb, parent_hidden.flatten(0, 1))
             hidden = out.view(len(reqs), k, -1)
-            if self.sample_drafts:
+            if draws_from_q(self.sample_drafts, sampling):
                 return draft_q(step_logits, siblings, topk).view(len(reqs), k, -1), hidden
             logq = torch.log_softmax(penalised_logits(step_logits, siblings), -1)
             return logq.view(len(reqs), k, -1), hidden
 
         roots = torch.tensor([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], dtype=torch.int64, device=self.device)
-        if self.sample_drafts:  # children drawn from q, verified with the real q
+        if draws_from_q(self.sample_drafts, sampling):  # children drawn from q, verified with the real q
             out = grow_sampled_tree(draft_q(logits, sampling, topk), g, step, steps, topk, roots, num_nodes,
                                     sampling.seeds, sampling.positions)
             return TreeProposal(*out)
         root_logq = torch.log_softmax(penalised_logits(logits, sampling), -1)
         return TreeProposal(*grow_tree(root_logq, g, step, steps, topk, roots, num_nodes))
-
-    def _choose(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = penalised_logits(logits, sb)
-        if not self.sample_drafts:
-            return logits.argmax(-1), None
-        q = probs_from_logits(logits, sb)  # the same transform that defines the target's p
-        return sample_from_probs(q, sb.seeds, sb.positions, DOMAIN_DRAFT), q
 
     # ---- after verify -------------------------------------------------------------------------------------------
     def store_accepted_hidden(self, reqs: list[Request], accepted_hidden: torch.Tensor) -> None:

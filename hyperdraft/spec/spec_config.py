@@ -27,7 +27,7 @@ class SpecConfig:
     topk: int
     num_draft_tokens: int  # verified tokens per request per round, the root (last committed token) included
     draft_model_path: str | None
-    use_rejection_sampling: bool  # drafts sampled from q (STANDALONE); otherwise q is one-hot
+    use_rejection_sampling: bool | None  # drafts drawn from q (True), one-hot q (False), or per step (None: auto)
     ngram_min_window: int
     ngram_max_window: int
 
@@ -92,7 +92,7 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
         topk=topk,
         num_draft_tokens=draft_tokens,
         draft_model_path=args.speculative_draft_model_path,
-        use_rejection_sampling=args.speculative_use_rejection_sampling,
+        use_rejection_sampling=False if algo == "NGRAM" else args.speculative_use_rejection_sampling,
         ngram_min_window=args.speculative_ngram_min_match_window_size,
         ngram_max_window=args.speculative_ngram_max_match_window_size,
     )
