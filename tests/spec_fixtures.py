@@ -195,3 +195,12 @@ def spec_state(llm: LLM) -> dict:
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
+
+
+def spec_off_reference(cache: dict, spec_models, prompts, params, key) -> list:
+    """Spec-off outputs of the target for (prompts, params), computed once per key and kept in `cache`."""
+    if key not in cache:
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32")
+        cache[key] = gen(llm, prompts, params)
+        assert_clean(llm)
+    return cache[key]

@@ -14,6 +14,7 @@ import pytest
 
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.llm import meta_info
+from spec_fixtures import spec_off_reference  # noqa: F401
 from spec_fixtures import (_single_torch_thread, assert_clean, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
                            spec_models, spec_state)
 
@@ -43,12 +44,7 @@ _REF: dict = {}
 
 
 def reference(spec_models, prompts, params, key) -> list:
-    """Spec-off outputs, one engine per distinct setting, cached for the module."""
-    if key not in _REF:
-        llm = LLM(spec_models["target"], device="cpu", dtype="float32")
-        _REF[key] = gen(llm, prompts, params)
-        assert_clean(llm)
-    return _REF[key]
+    return spec_off_reference(_REF, spec_models, prompts, params, key)
 
 
 def assert_same_outputs(outs, refs, label=""):
