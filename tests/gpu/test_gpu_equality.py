@@ -34,7 +34,12 @@ def _report(entry: dict) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_models")
-    return {kind: make_tiny_model(str(root / kind), kind, seed=1) for kind in ("llama", "qwen2", "qwen3", "mqa")}
+    from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+
+    paths = {kind: make_tiny_model(str(root / kind), kind, seed=1) for kind in ("llama", "qwen2", "qwen3", "mqa")}
+    paths["llama6"] = make_tiny_model(str(root / "llama6"), "llama", seed=1, num_hidden_layers=6)
+    paths["eagle3"] = write_random_eagle_checkpoint(str(root / "eagle3"), paths["llama6"], kind="eagle3", draft_vocab_size=200)
+    return paths
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -85,13 +90,23 @@ def test_greedy_matches_transformers_on_cuda(models, kind, dtype):
         assert all(m["hf_top2_gap"] <= BF16_TIE_GAP for m in mismatches), mismatches
 
 
+SPEC_CASES = {
+    "NGRAM": ("llama", dict(speculative_algorithm="NGRAM", speculative_num_steps=3)),
+    "STANDALONE": ("llama", dict(speculative_algorithm="STANDALONE", speculative_draft_model="qwen3", speculative_num_steps=3)),
+    "STANDALONE-self-tree": ("llama", dict(speculative_algorithm="STANDALONE", speculative_draft_model="llama",
+                                           speculative_num_steps=4, speculative_eagle_topk=4, speculative_num_draft_tokens=8)),
+    "EAGLE3-tree": ("llama6", dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3")),
+    "EAGLE3-chain": ("llama6", dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3", speculative_num_steps=3,
+                                    speculative_eagle_topk=1)),
+}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+@pytest.mark.parametrize("algo", list(SPEC_CASES))
 def test_spec_on_equals_spec_off_on_cuda(models, algo, dtype):
-    path = models["llama"]
-    spec = dict(speculative_algorithm=algo, speculative_num_steps=3)
-    if algo == "STANDALONE":
-        spec["speculative_draft_model_path"] = models["qwen3"]
+    target, spec = SPEC_CASES[algo]
+    path = models[target]
+    spec = {k: (models[v] if k == "speculative_draft_model" else v) for k, v in spec.items()}
     base = LLM(path, device="cuda", dtype=dtype, page_size=4, max_total_tokens=1 << 16)
     fast = LLM(path, device="cuda", dtype=dtype, page_size=4, max_total_tokens=1 << 16, **spec)
     prompts = _prompts(base.engine.model_config.vocab_size) * 2
