@@ -123,7 +123,8 @@ def test_default_config_loads():
 
 def test_config_file(tmp_path):
     path = tmp_path / "adaptive.json"
-    path.write_text(json.dumps({"1": {"candidate_steps": [1, 5], "up_hysteresis": 0.3}, "32": {"candidate_steps": [1, 2]}}))
+    path.write_text(json.dumps({"1": {"candidate_steps": [1, 5], "up_hysteresis": 0.3},
+                                "32": {"candidate_steps": [1, 2]}}))
     cfg = load_adaptive_config(str(path))
     assert [k for k, _ in cfg.slots] == [1, 32] and ladders(cfg)[32] == [1, 2]
     s1 = cfg.slots[0][1]
@@ -138,7 +139,8 @@ def test_flag_not_injected():
     assert ctl.tier_for(1).steps == 5 and ctl.tier_for(8).steps == 7
 
 
-@pytest.mark.parametrize("bad", [{"not_a_bs": "bad"}, {"1": {"candidate_steps": "bad"}}, {"1": {"candidate_steps": []}}])
+@pytest.mark.parametrize("bad", [{"not_a_bs": "bad"}, {"1": {"candidate_steps": "bad"}},
+                                 {"1": {"candidate_steps": []}}])
 def test_invalid_configs(bad):
     with pytest.raises(ValueError):
         load_adaptive_config(bad)
@@ -151,7 +153,8 @@ def test_invalid_config_messages():
         load_adaptive_config({"not_a_bs": "bad"})
     for v, shown in [("bad", "bad"), ([], r"\[\]"), ([1, -1], r"\[1, -1\]"), ([1, 2.5], r"\[1, 2\.5\]"),
                      ([True], r"\[True\]"), (None, "None")]:
-        with pytest.raises(ValueError, match=rf"^BS 8: candidate_steps must be a list of non-negative ints, got {shown}$"):
+        msg = rf"^BS 8: candidate_steps must be a list of non-negative ints, got {shown}$"
+        with pytest.raises(ValueError, match=msg):
             load_adaptive_config({"1": [1], "8": {"candidate_steps": v}})
     with pytest.raises(ValueError, match="^BS 1: candidate_steps must be a list"):
         load_adaptive_config({"1": {"up_hysteresis": 0.1}})  # candidate_steps is required
