@@ -44,6 +44,8 @@ class EngineArgs:
     speculative_eagle_topk: int | None = _opt(None, "branching factor per draft step; only 1 is supported for now")
     speculative_num_draft_tokens: int | None = _opt(None, "tokens verified per round, the root included (steps + 1 for chains)")
     speculative_use_rejection_sampling: bool | None = _opt(None, "draft models: sample drafts from q and verify with the real q (True), or draft greedily / top-k with one-hot q (False); unset = per step, sampled when any request samples (measured better at T>0)")
+    speculative_adaptive: bool = _opt(False, "switch the draft tier (steps, or a tree shape) per batch size and measured acceptance")
+    speculative_adaptive_config: str | None = _opt(None, "JSON file in SGLang's adaptive format (slots keyed by batch size); default: SGLang's")
     speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix that may match")
     speculative_ngram_max_match_window_size: int = _opt(12, "NGRAM: longest suffix tried first")
 

@@ -54,6 +54,15 @@ def load_tokenizer(args: EngineArgs):
         raise ValueError(f"cannot load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True to run from token ids") from e
 
 
+def _configure_logging(level: str) -> None:
+    log = logging.getLogger("hyperdraft")
+    log.setLevel(level.upper())
+    if not log.handlers:  # without a handler, INFO lines (e.g. adaptive tier switches) would be dropped
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[hyperdraft %(levelname)s] %(message)s"))
+        log.addHandler(handler)
+
+
 def _kv_bytes_per_slot(model) -> int:
     """Per-token K/V bytes of one model, from its OWN dimensions (a draft's are not the target's)."""
     cfg = model.config
@@ -76,7 +85,7 @@ class Engine:
     def __init__(self, args: EngineArgs):
         if args.model_path is None:
             raise ValueError("model_path is required (pass model=PATH)")
-        logging.getLogger("hyperdraft").setLevel(args.log_level.upper())
+        _configure_logging(args.log_level)
         self.args = args
         self.device = resolve_device(args.device)
         model = load_model(args.model_path, args.dtype, self.device)
@@ -201,9 +210,13 @@ class Engine:
     def internal_state(self) -> dict:
         spec = {}
         if self.spec is not None:
-            spec = {"speculative_algorithm": self.spec.algorithm, "speculative_num_steps": self.spec.num_steps,
-                    "speculative_eagle_topk": self.spec.topk, "speculative_num_draft_tokens": self.spec.num_draft_tokens,
+            tier = self.worker.last_tier  # under adaptive speculation: the tier used most recently
+            spec = {"speculative_algorithm": self.spec.algorithm, "speculative_num_steps": tier.steps,
+                    "speculative_eagle_topk": tier.topk, "speculative_num_draft_tokens": tier.num_draft_tokens,
                     **self.worker.metrics.summary()}
+            if self.spec.adaptive is not None:
+                spec["speculative_adaptive_strategy"] = self.spec.adaptive.strategy
+                spec["speculative_adaptive_slots"] = self.worker.tiers.state()
             if self.worker.timer.enabled:
                 spec["spec_phase_seconds"] = dict(self.worker.timer.seconds)
         return {

@@ -13,6 +13,16 @@ class SpecMetrics:
         self.proposed_by_position = [0] * max_draft_tokens
         self.accepted_by_position = [0] * max_draft_tokens
         self.accept_length_hist = [0] * (max_draft_tokens + 2)  # index = tokens emitted by one verify
+        self.steps_per_tier: dict[str, int] = {}  # engine steps run with each tier (adaptive)
+        self.tier_switches = 0
+        self._last_tier = None
+
+    def observe_tier(self, tier) -> None:
+        key = tier.describe()
+        self.steps_per_tier[key] = self.steps_per_tier.get(key, 0) + 1
+        if self._last_tier is not None and tier != self._last_tier:
+            self.tier_switches += 1
+        self._last_tier = tier
 
     def observe(self, lens: list[int], num_accepted: list[int], proposed: list[int] | None = None) -> None:
         """lens: draft depth per request (chain length, or tree depth); proposed: draft tokens verified per
@@ -38,6 +48,8 @@ class SpecMetrics:
             "spec_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
             "spec_acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position)],
             "spec_accept_length_histogram": list(self.accept_length_hist),
+            "spec_steps_per_tier": dict(self.steps_per_tier),
+            "spec_tier_switches": self.tier_switches,
         }
 
 

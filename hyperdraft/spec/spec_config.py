@@ -30,6 +30,7 @@ class SpecConfig:
     use_rejection_sampling: bool | None  # drafts drawn from q (True), one-hot q (False), or per step (None: auto)
     ngram_min_window: int
     ngram_max_window: int
+    adaptive: "AdaptiveConfig | None" = None  # set when speculative_adaptive: the tier ladder per batch-size slot
 
     @property
     def is_tree(self) -> bool:
@@ -38,8 +39,17 @@ class SpecConfig:
     @property
     def max_verify_tokens(self) -> int:
         """K/V room a round can need past the committed tokens: the verify tree (root included), or the draft's
-        own tree nodes (root + (steps-1)*topk fed nodes), whichever is larger. Sizes the per-round reservation."""
-        return max(self.num_draft_tokens, 1 + (self.num_steps - 1) * self.topk)
+        own tree nodes (root + (steps-1)*topk fed nodes), whichever is larger. Under adaptive speculation it is
+        the maximum over every tier that can run, never the initial one: pools are never resized mid-run."""
+        static = max(self.num_draft_tokens, 1 + (self.num_steps - 1) * self.topk)
+        return max(static, self.adaptive.max_reserve_tokens()) if self.adaptive is not None else static
+
+    @property
+    def max_steps(self) -> int:
+        """The deepest draft any tier can run: sizes the per-position acceptance counters."""
+        if self.adaptive is None:
+            return self.num_steps
+        return max([self.num_steps] + [t.steps for t in self.adaptive.candidate_union()])
 
 
 def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None) -> SpecConfig | None:
@@ -52,6 +62,18 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
     if algo not in SUPPORTED:
         raise ValueError(f"speculative_algorithm must be one of {', '.join(SUPPORTED)}, got {args.speculative_algorithm!r}")
     steps, topk, draft_tokens = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    adaptive = None
+    if args.speculative_adaptive:
+        from hyperdraft.spec.adaptive import load_adaptive_config, resolve_initial_steps
+
+        adaptive = load_adaptive_config(args.speculative_adaptive_config, topk or 1, draft_tokens)
+        steps = resolve_initial_steps(adaptive, steps)  # SGLang: the middle of the candidate union when unset
+        initial = next(t for t in adaptive.candidate_union() if t.steps == steps)
+        topk, draft_tokens = initial.topk, initial.num_draft_tokens
+        if algo == "NGRAM" and any(t.is_tree for t in adaptive.candidate_union()):
+            raise ValueError("speculative_adaptive_config: tree tiers (topk > 1) are not supported for NGRAM")
+    elif args.speculative_adaptive_config:
+        raise ValueError("speculative_adaptive_config is given but speculative_adaptive is off")
     if algo in ("STANDALONE", "EAGLE", "EAGLE3"):
         if not args.speculative_draft_model_path:
             raise ValueError(f"speculative_draft_model_path is required for speculative_algorithm {algo}")
@@ -67,7 +89,7 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
             raise ValueError("speculative_use_rejection_sampling needs a draft model; NGRAM drafts are deterministic")
     if steps is None:
         raise ValueError("speculative_num_steps must be set when speculative_eagle_topk or speculative_num_draft_tokens is")
-    if steps < 1:
+    if steps < 1 and not (adaptive is not None and steps == 0):  # adaptive may start at step 0 (no speculation)
         raise ValueError(f"speculative_num_steps must be >= 1, got {steps}")
     topk = 1 if topk is None else topk
     if topk < 1:
@@ -86,11 +108,16 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
                              f"got {draft_tokens}")
     if not 1 <= args.speculative_ngram_min_match_window_size <= args.speculative_ngram_max_match_window_size:
         raise ValueError("speculative_ngram_min_match_window_size must be >= 1 and <= speculative_ngram_max_match_window_size")
+    return _finish(algo, args, steps, topk, draft_tokens, adaptive)
+
+
+def _finish(algo, args, steps, topk, draft_tokens, adaptive) -> SpecConfig:
     return SpecConfig(
         algorithm=algo,
         num_steps=steps,
         topk=topk,
         num_draft_tokens=draft_tokens,
+        adaptive=adaptive,
         draft_model_path=args.speculative_draft_model_path,
         use_rejection_sampling=False if algo == "NGRAM" else args.speculative_use_rejection_sampling,
         ngram_min_window=args.speculative_ngram_min_match_window_size,

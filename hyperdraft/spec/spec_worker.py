@@ -11,6 +11,8 @@ One device-to-host copy per step carries every request's tokens, accept counts a
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
@@ -24,6 +26,7 @@ from hyperdraft.spec.metrics import PhaseTimer, SpecMetrics
 from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.rejection import verify_chain
 from hyperdraft.spec.spec_config import SpecConfig
+from hyperdraft.spec.tier import Tier
 from hyperdraft.spec.tree import build_tree
 from hyperdraft.spec.tree_verify import verify_tree
 
@@ -33,7 +36,9 @@ class SpecWorker:
         self.runner, self.proposer, self.spec = runner, proposer, spec
         self.sampler = Sampler()
         self.decode_reserve = spec.max_verify_tokens  # the scheduler reserves the widest round, never less
-        self.metrics = SpecMetrics(spec.num_steps)
+        self.tiers = make_tier_source(spec)  # static, or the adaptive controller
+        self.metrics = SpecMetrics(spec.max_steps)
+        self.last_tier = self.tiers.tier_for(1)
         self.timer = PhaseTimer(runner.device)
         if hasattr(proposer, "timer"):
             proposer.timer = self.timer
@@ -46,9 +51,12 @@ class SpecWorker:
         reqs = [it.req for it in decodes]
         sb = sampling_batch(decodes, self.vocab_size, self.device) if decodes else None
         round_ = None
+        start = time.perf_counter()
         if decodes:
+            tier = self.last_tier = self.tiers.tier_for(len(decodes))
+            self.metrics.observe_tier(tier)
             with self.timer.phase("draft"):
-                round_ = TreeRound(self, reqs, sb) if self.spec.is_tree else ChainRound(self, reqs, sb)
+                round_ = TreeRound(self, reqs, sb, tier) if tier.is_tree else ChainRound(self, reqs, sb, tier)
 
         inputs = (round_.inputs() if round_ else []) + [forward_input(it) for it in prefills]
         prefill_ids = torch.tensor([t for it in inputs[len(reqs):] for t in it.token_ids], dtype=torch.int64, device=self.device)
@@ -73,6 +81,9 @@ class SpecWorker:
             pieces += list(self.sampler.sample(out.logits[num_verify_rows:], sbp))
         host = torch.cat([x.double().flatten() for x in pieces]).tolist() if pieces else []  # the one D2H copy
         results, pos = (round_.results(host) if round_ else ([], 0))
+        if round_ is not None:  # the step's wall time includes its one sync, so it is the real cost of the tier
+            self.tiers.observe(len(decodes), [r.num_accepted for r in results], drafted=[r.num_drafted for r in results],
+                               step_seconds=time.perf_counter() - start)
         return results + self._prefill_results(prefills, host[pos:])
 
     @staticmethod
@@ -106,9 +117,9 @@ def _last_tokens(reqs, device) -> torch.Tensor:
 class ChainRound:
     """Drafts form a chain; verify rows are [last, d_0 .. d_{len-1}] per request (lengths may differ)."""
 
-    def __init__(self, worker: SpecWorker, reqs, sb):
-        self.w, self.reqs, self.sb = worker, reqs, sb
-        self.proposal: Proposal = worker.proposer.propose(reqs, worker.spec.num_steps, sb)
+    def __init__(self, worker: SpecWorker, reqs, sb, tier: Tier):
+        self.w, self.reqs, self.sb, self.tier = worker, reqs, sb, tier
+        self.proposal: Proposal = worker.proposer.propose(reqs, tier.steps, sb)
         self.proposal.lens = [min(k, m) for k, m in zip(self.proposal.lens, worker.room(reqs))]
         k1 = self.proposal.max_len + 1
         self.flat_index = torch.tensor([b * k1 + j for b, k in enumerate(self.proposal.lens) for j in range(k + 1)],
@@ -158,10 +169,9 @@ class TreeRound:
     """Drafts form a tree of N nodes per request (node 0 = the last committed token), verified in one forward
     with an ancestor mask; the accepted path is then compacted to contiguous indices."""
 
-    def __init__(self, worker: SpecWorker, reqs, sb):
-        spec = worker.spec
-        self.w, self.reqs, self.sb, self.n = worker, reqs, sb, spec.num_draft_tokens
-        self.proposal: TreeProposal = worker.proposer.propose_tree(reqs, spec.num_steps, spec.topk, self.n, sb)
+    def __init__(self, worker: SpecWorker, reqs, sb, tier: Tier):
+        self.w, self.reqs, self.sb, self.tier, self.n = worker, reqs, sb, tier, tier.num_draft_tokens
+        self.proposal: TreeProposal = worker.proposer.propose_tree(reqs, tier.steps, tier.topk, self.n, sb)
         room = worker.room(reqs)
         self.num_nodes = [min(self.n, m + 1) for m in room]  # fewer only when a lone request fills the pool
         # The beam writes offsets up to (steps-1)*topk whatever the room; past the room they land in the padding
@@ -186,10 +196,9 @@ class TreeRound:
         sbt = self.sb.for_tree(self.tree.tokens, self.tree.mask, self.tree.depth)
         logits = penalised_logits(verify_logits, sbt)
         p = probs_from_logits(logits, sbt).view(bsz, n, -1)
-        spec = self.w.spec
         sampled = self.proposal.q is not None  # children drawn from q without replacement (tree_sampled.py)
         num_accepted, path, tokens = verify_tree(p, self.tree, self.sb.seeds, self.sb.positions, sampled,
-                                                 max_depth=spec.num_steps, max_children=spec.topk)
+                                                 max_depth=self.tier.steps, max_children=self.tier.topk)
         self._compact(num_accepted, path)
         rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
         logprobs = torch.log_softmax(logits, -1)[rows.flatten(), tokens.clamp_min(0).flatten()].view_as(tokens)
@@ -220,5 +229,34 @@ class TreeRound:
             row = slice(b * d1, b * d1 + a + 1)
             results.append(RequestResult(a + 1, [int(t) for t in tokens[row]], logprobs[row], nodes[b] - 1, a))
         self.w.proposer.commit_tree(self.reqs, valid_draft)
-        self.w.metrics.observe([self.w.spec.num_steps] * bsz, accepted, proposed=[k - 1 for k in nodes])
+        self.w.metrics.observe([self.tier.steps] * bsz, accepted, proposed=[k - 1 for k in nodes])
         return results, 2 * bsz + 2 * bsz * d1
+
+
+class StaticTiers:
+    """The tier source without adaptive speculation: one fixed tier."""
+
+    def __init__(self, tier: Tier):
+        self.tier = tier
+
+    def tier_for(self, batch_size: int) -> Tier:
+        return self.tier
+
+    def observe(self, batch_size: int, accepted_drafts: list[int], **kw) -> None:
+        pass
+
+    def state(self) -> dict:
+        return {}
+
+
+def make_tier_source(spec: SpecConfig):
+    if spec.adaptive is None:
+        return StaticTiers(Tier(spec.num_steps, spec.topk, spec.num_draft_tokens))
+    from hyperdraft.spec.adaptive import AdaptiveController
+
+    factory = None
+    if spec.adaptive.strategy == "goodput":
+        from hyperdraft.spec.goodput import goodput_slot_factory
+
+        factory = goodput_slot_factory(spec.adaptive)
+    return AdaptiveController(spec.adaptive, spec.num_steps, None, slot_factory=factory)

@@ -1,0 +1,162 @@
+"""Adaptive speculation inside the engine (CPU, fp32): tiers move with measured acceptance, outputs never change,
+and every buffer was sized for the largest tier before the first switch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+from hyperdraft.testing.tiny import make_tiny_model
+from tests.conftest import assert_engine_clean
+
+torch.set_num_threads(1)
+
+FAST = {"ema_alpha": 0.5, "warmup_batches": 2, "update_interval": 2,
+        "1": {"candidate_steps": [1, 3, 5, 7], "down_hysteresis": -0.25},
+        "8": {"candidate_steps": [0, 1, 3]}}
+REPETITIVE = [[5, 6, 7] * 6, [9, 8] * 8, [1, 2, 3, 4] * 4, [20, 21] * 9]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    target = make_tiny_model(str(root / "target"), "llama", num_hidden_layers=4)
+    draft = make_tiny_model(str(root / "draft"), "qwen3", seed=5, hidden_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64)
+    head = write_random_eagle_checkpoint(str(root / "e3"), target, kind="eagle3", draft_vocab_size=200)
+    return {"target": target, "draft": draft, "eagle3": head, "root": root, "bigram": _bigram_copy(target, root / "bigram")}
+
+
+def _bigram_copy(src: str, dst) -> str:
+    """The target with every attention output zeroed: the next token depends only on the current one, so greedy
+    text falls into a short cycle -- genuinely repetitive text that prompt lookup predicts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model.save_pretrained(str(dst))
+    AutoTokenizer.from_pretrained(src).save_pretrained(str(dst))
+    return str(dst)
+
+
+def _config(models, name: str, cfg: dict) -> str:
+    path = models["root"] / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _run(models, prompts, n_new=64, target="target", **engine_args):
+    llm = LLM(models[target], device="cpu", dtype="float32", **engine_args)
+    outs = llm.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=n_new, ignore_eos=True),
+                        use_tqdm=False)
+    state = llm.get_server_info()["internal_states"][0]
+    assert_engine_clean(llm)
+    return [o.token_ids for o in outs], state
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    cache = {}
+
+    def get(prompts, n_new=64):
+        key = (tuple(map(tuple, prompts)), n_new)
+        if key not in cache:
+            cache[key] = _run(models, prompts, n_new)[0]
+        return cache[key]
+
+    return get
+
+
+def test_self_draft_rises_to_the_top_tier(models, plain):
+    cfg = _config(models, "fast", FAST)
+    outs, state = _run(models, REPETITIVE, speculative_algorithm="STANDALONE", speculative_draft_model_path=models["target"],
+                       speculative_adaptive=True, speculative_adaptive_config=cfg)
+    assert outs == plain(REPETITIVE)
+    assert state["speculative_num_steps"] == 7 and state["speculative_adaptive_slots"]["1"]["steps"] == 7
+    assert state["spec_tier_switches"] >= 2 and state["spec_steps_per_tier"].get("7", 0) > 0
+
+
+def test_random_draft_falls_to_the_lowest_tier(models, plain):
+    cfg = _config(models, "fast", FAST)
+    outs, state = _run(models, REPETITIVE, speculative_algorithm="STANDALONE", speculative_draft_model_path=models["draft"],
+                       speculative_adaptive=True, speculative_adaptive_config=cfg)
+    assert outs == plain(REPETITIVE)
+    assert state["speculative_num_steps"] == 1 and state["speculative_adaptive_slots"]["1"]["steps"] == 1
+
+
+def test_ngram_follows_the_text(models, plain):
+    cfg = _config(models, "fast", FAST)
+    g = torch.Generator().manual_seed(3)
+    random_prompts = [torch.randint(0, 384, (40,), generator=g).tolist() for _ in range(4)]
+    rep_plain, _ = _run(models, REPETITIVE, target="bigram")
+    rep, rep_state = _run(models, REPETITIVE, target="bigram", speculative_algorithm="NGRAM", speculative_adaptive=True,
+                          speculative_adaptive_config=cfg)
+    rnd, rnd_state = _run(models, random_prompts, speculative_algorithm="NGRAM", speculative_adaptive=True,
+                          speculative_adaptive_config=cfg)
+    assert rep == rep_plain and rnd == plain(random_prompts)
+    assert rep_state["speculative_num_steps"] >= 5, rep_state  # rose from the initial 3 (the cycle starts after a few tokens)
+    assert rep_state["speculative_num_steps"] > rnd_state["speculative_num_steps"], (rep_state, rnd_state)
+    assert rnd_state["speculative_num_steps"] == 1
+
+
+def test_large_batches_route_to_their_own_slot_and_may_stop_speculating(models, plain):
+    cfg = _config(models, "fast", FAST)
+    prompts = REPETITIVE * 3  # 12 requests: slot "8", ladder [0, 1, 3]
+    outs, state = _run(models, prompts, n_new=40, speculative_algorithm="STANDALONE", speculative_draft_model_path=models["draft"],
+                       speculative_adaptive=True, speculative_adaptive_config=cfg)
+    assert outs == plain(prompts, 40)
+    assert state["spec_steps_per_tier"].get("0", 0) > 0, state  # the random draft drove slot 8 to no speculation
+    assert state["speculative_adaptive_slots"]["8"]["counted"] > 0
+
+
+@pytest.mark.parametrize("algo", ["STANDALONE", "EAGLE3"])
+def test_adaptive_trees(models, plain, algo):
+    tree_cfg = {"ema_alpha": 0.5, "warmup_batches": 1, "update_interval": 1,
+                "1": {"candidate_steps": [1, {"steps": 3, "topk": 2, "num_draft_tokens": 6},
+                                          {"steps": 5, "topk": 4, "num_draft_tokens": 16}]}}
+    draft = models["draft"] if algo == "STANDALONE" else models["eagle3"]  # weak drafts: the tree tier drops to the chain
+    outs, state = _run(models, REPETITIVE, speculative_algorithm=algo, speculative_draft_model_path=draft,
+                       speculative_adaptive=True, speculative_adaptive_config=_config(models, "tree", tree_cfg))
+    assert outs == plain(REPETITIVE)
+    assert len(state["spec_steps_per_tier"]) >= 2, state  # it really switched between chain and tree tiers
+
+
+def test_first_update_jumps_from_smallest_to_largest_tier_within_the_sized_buffers(models, plain):
+    """Start at 1 step; alpha 1, no warmup, interval 1 and a self-draft force 1 -> 7 on the very first decision.
+    Every pool and buffer was sized at start-up for 7 steps (8 tokens), never for the initial tier."""
+    cfg = _config(models, "jump", {"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1,
+                                   "1": {"candidate_steps": [1, 7], "up_hysteresis": -10.0}})
+    llm = LLM(models["target"], device="cpu", dtype="float32", speculative_algorithm="STANDALONE",
+              speculative_draft_model_path=models["target"], speculative_adaptive=True, speculative_adaptive_config=cfg,
+              speculative_num_steps=1, page_size=4)
+    assert llm.engine.spec.max_verify_tokens == 8 and llm.engine.scheduler.decode_reserve == 8
+    outs = llm.generate(input_ids=REPETITIVE, sampling_params=SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True),
+                        use_tqdm=False)
+    state = llm.get_server_info()["internal_states"][0]
+    assert [o.token_ids for o in outs] == plain(REPETITIVE)
+    assert state["spec_steps_per_tier"]["1"] <= 2 and state["spec_steps_per_tier"]["7"] > 0, state
+    assert_engine_clean(llm)
+
+
+def test_adaptive_eagle_pools_sized_for_the_largest_tier(models):
+    llm = LLM(models["target"], device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"],
+              speculative_adaptive=True)  # SGLang's default ladder: up to 7 steps
+    assert llm.engine.spec.num_steps == 3  # the middle of [0, 1, 3, 5, 7]
+    assert llm.engine.worker.proposer.hidden_buf.shape[1] >= 8 + 1
+    assert llm.engine.scheduler.decode_reserve == 8
+
+
+def test_adaptive_errors_use_sglang_wording(models, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"1": {"candidate_steps": "x"}}))
+    with pytest.raises(ValueError, match="BS 1: candidate_steps must be a list of non-negative ints"):
+        LLM(models["target"], device="cpu", speculative_algorithm="NGRAM", speculative_adaptive=True,
+            speculative_adaptive_config=str(bad))
+    with pytest.raises(ValueError, match="is not in the adaptive config candidate_steps"):
+        LLM(models["target"], device="cpu", speculative_algorithm="NGRAM", speculative_adaptive=True, speculative_num_steps=4)
