@@ -160,3 +160,14 @@ def test_adaptive_errors_use_sglang_wording(models, tmp_path):
             speculative_adaptive_config=str(bad))
     with pytest.raises(ValueError, match="is not in the adaptive config candidate_steps"):
         LLM(models["target"], device="cpu", speculative_algorithm="NGRAM", speculative_adaptive=True, speculative_num_steps=4)
+
+
+def test_goodput_turns_speculation_off_for_a_useless_draft(models, plain):
+    cfg = _config(models, "goodput", {"strategy": "goodput", "goodput": {"warmup": 2, "decide_every": 2, "explore_every": 5},
+                                      "1": {"candidate_steps": [0, 1, 3, 5]}})
+    outs, state = _run(models, REPETITIVE, n_new=80, speculative_algorithm="STANDALONE",
+                       speculative_draft_model_path=models["draft"], speculative_adaptive=True, speculative_adaptive_config=cfg)
+    assert outs == plain(REPETITIVE, 80)
+    tiers = state["spec_steps_per_tier"]
+    assert state["speculative_adaptive_strategy"] == "goodput"
+    assert tiers.get("0", 0) > sum(tiers.values()) / 2, tiers  # a draft that is never accepted only costs time

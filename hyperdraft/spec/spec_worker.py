@@ -256,7 +256,11 @@ def make_tier_source(spec: SpecConfig):
 
     factory = None
     if spec.adaptive.strategy == "goodput":
-        from hyperdraft.spec.goodput import goodput_slot_factory
+        from hyperdraft.spec.goodput import GoodputSlot
 
-        factory = goodput_slot_factory(spec.adaptive)
+        options = dict(spec.adaptive.goodput)  # GoodputSlot keyword arguments from the config's "goodput" object
+
+        def factory(slot_key, slot_cfg, start_steps):
+            return GoodputSlot(list(slot_cfg.tiers), start_steps, **options)
+
     return AdaptiveController(spec.adaptive, spec.num_steps, None, slot_factory=factory)
