@@ -270,7 +270,7 @@ def test_pluggable_slot_factory_gets_keywords():
     ctl = AdaptiveController(load_adaptive_config({"1": [1, 3], "8": [1, 5]}), 3, slot_factory=Fixed)
     assert ctl.tier_for(9) == Tier(5)
     assert ctl.observe(9, [1], drafted=[5], step_seconds=0.5) == (Tier(5), Tier(1))
-    assert seen == [(8, [1], {"drafted": [5], "step_seconds": 0.5})]
+    assert seen == [(8, [1], {"batch_size": 9, "drafted": [5], "step_seconds": 0.5})]  # the batch size is forwarded
     assert ctl.state() == {"1": {"steps": 3}, "8": {"steps": 1}}
 
 

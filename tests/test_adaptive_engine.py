@@ -171,3 +171,16 @@ def test_goodput_turns_speculation_off_for_a_useless_draft(models, plain):
     tiers = state["spec_steps_per_tier"]
     assert state["speculative_adaptive_strategy"] == "goodput"
     assert tiers.get("0", 0) > sum(tiers.values()) / 2, tiers  # a draft that is never accepted only costs time
+
+
+def test_draft_state_survives_step_zero(models, plain):
+    """A self-draft alternating 3, 0, 3, 0 (a huge down-hysteresis drops it after every fully accepted round; the
+    probe brings it back) must still accept everything: a step run at 0 right after a fully accepted round must not
+    leave a hole in the draft's K/V (the draft catches up on the next speculating round)."""
+    cfg = _config(models, "zero", {"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1,
+                                   "1": {"candidate_steps": [0, 3], "down_hysteresis": 10.0}})
+    outs, state = _run(models, REPETITIVE, speculative_algorithm="STANDALONE", speculative_draft_model_path=models["target"],
+                       speculative_adaptive=True, speculative_adaptive_config=cfg, speculative_num_steps=0)
+    assert outs == plain(REPETITIVE)
+    assert state["spec_steps_per_tier"].get("0", 0) > 5 and state["spec_steps_per_tier"].get("3", 0) > 5, state
+    assert state["spec_acceptance_rate"] > 0.99, state

@@ -270,7 +270,7 @@ class AdaptiveController:
         key = self.route(batch_size)
         slot = self.slots[key]
         old = slot.tier
-        slot.observe(accepted_drafts, **kw)
+        slot.observe(accepted_drafts, batch_size=batch_size, **kw)
         new = slot.tier
         if new == old:
             return None

@@ -53,6 +53,8 @@ class DraftModelProposer:
 
     def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
         device = self.runner.device
+        if steps == 0:
+            return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=device), [0] * len(reqs))
         tokens = torch.zeros(len(reqs), steps, dtype=torch.int64, device=device)
         qs = []
         catch_up = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len), 1) for r in reqs]
@@ -107,7 +109,10 @@ class DraftModelProposer:
             req.draft_num_computed = req.num_computed + 1 + m
 
     def commit(self, reqs: list[Request], steps: int, num_accepted: list[int]) -> None:
-        """Called before the scheduler's commit, so req.num_computed is still n."""
+        """Called before the scheduler's commit, so req.num_computed is still n. At steps 0 (adaptive, no
+        speculation) the draft ran nothing: its state stays as it was and the next round's catch-up fills in."""
+        if steps == 0:
+            return
         for req, a in zip(reqs, num_accepted):
             req.draft_num_computed = min(req.num_computed + steps, req.num_computed + a + 1)
 

@@ -31,6 +31,8 @@ class NgramProposer:
         pass  # nothing to keep in sync
 
     def propose(self, reqs: list[Request], steps: int, sampling) -> Proposal:
+        if steps == 0:  # adaptive step 0: no speculation, and no drafter state to keep warm
+            return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.device), [0] * len(reqs))
         drafts = [ngram_match(np.asarray(r.prompt_ids + r.output_ids), steps, self.min_window, self.max_window) for r in reqs]
         padded = np.zeros((len(reqs), steps), dtype=np.int64)
         for b, d in enumerate(drafts):

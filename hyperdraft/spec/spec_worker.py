@@ -81,9 +81,11 @@ class SpecWorker:
             pieces += list(self.sampler.sample(out.logits[num_verify_rows:], sbp))
         host = torch.cat([x.double().flatten() for x in pieces]).tolist() if pieces else []  # the one D2H copy
         results, pos = (round_.results(host) if round_ else ([], 0))
-        if round_ is not None:  # the step's wall time includes its one sync, so it is the real cost of the tier
+        if round_ is not None:  # the step's wall time includes its one sync, so it is the real cost of the tier;
+            # a step that also ran prefill chunks is not the tier's cost, so it is not timed
+            seconds = None if prefills else time.perf_counter() - start
             self.tiers.observe(len(decodes), [r.num_accepted for r in results], drafted=[r.num_drafted for r in results],
-                               step_seconds=time.perf_counter() - start)
+                               step_seconds=seconds)
         return results + self._prefill_results(prefills, host[pos:])
 
     @staticmethod
