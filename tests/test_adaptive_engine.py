@@ -28,7 +28,9 @@ def models(tmp_path_factory):
     draft = make_tiny_model(str(root / "draft"), "qwen3", seed=5, hidden_size=32, num_hidden_layers=1,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64)
     head = write_random_eagle_checkpoint(str(root / "e3"), target, kind="eagle3", draft_vocab_size=200)
-    return {"target": target, "draft": draft, "eagle3": head, "root": root, "bigram": _bigram_copy(target, root / "bigram")}
+    head1 = write_random_eagle_checkpoint(str(root / "e1"), target, kind="eagle")
+    return {"target": target, "draft": draft, "eagle3": head, "eagle": head1, "root": root,
+            "bigram": _bigram_copy(target, root / "bigram")}
 
 
 def _bigram_copy(src: str, dst) -> str:
@@ -115,12 +117,12 @@ def test_large_batches_route_to_their_own_slot_and_may_stop_speculating(models, 
     assert state["speculative_adaptive_slots"]["8"]["counted"] > 0
 
 
-@pytest.mark.parametrize("algo", ["STANDALONE", "EAGLE3"])
+@pytest.mark.parametrize("algo", ["STANDALONE", "EAGLE3", "EAGLE"])
 def test_adaptive_trees(models, plain, algo):
     tree_cfg = {"ema_alpha": 0.5, "warmup_batches": 1, "update_interval": 1,
                 "1": {"candidate_steps": [1, {"steps": 3, "topk": 2, "num_draft_tokens": 6},
                                           {"steps": 5, "topk": 4, "num_draft_tokens": 16}]}}
-    draft = models["draft"] if algo == "STANDALONE" else models["eagle3"]  # weak drafts: the tree tier drops to the chain
+    draft = {"STANDALONE": models["draft"], "EAGLE3": models["eagle3"], "EAGLE": models["eagle"]}[algo]  # weak drafts
     outs, state = _run(models, REPETITIVE, speculative_algorithm=algo, speculative_draft_model_path=draft,
                        speculative_adaptive=True, speculative_adaptive_config=_config(models, "tree", tree_cfg))
     assert outs == plain(REPETITIVE)
