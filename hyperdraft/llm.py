@@ -98,6 +98,32 @@ class LLM:
             for rid in pending:  # the consumer stopped early: do not leave orphans holding KV
                 self.engine.abort(rid)
 
+    # ---- chat ---------------------------------------------------------------------------------------------------
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             **template_kwargs) -> list[GenerateOutput] | GenerateOutput:
+        """Generate the assistant's reply to one conversation (a list of {"role", "content"} dicts) or to a batch
+        of them (a list of such lists): one GenerateOutput, or a list. Extra keyword arguments go to the chat
+        template (e.g. tools=...)."""
+        batch = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)
+        ids = [self.apply_chat_template(conv, **template_kwargs) for conv in (messages if batch else [messages])]
+        outputs = self.generate(input_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        return outputs if batch else outputs[0]
+
+    def apply_chat_template(self, messages: Sequence[dict], **template_kwargs) -> list[int]:
+        """Token ids of one conversation rendered by the tokenizer's chat template, ending with the generation prompt."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer, but skip_tokenizer_init=True")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template, so chat() cannot format messages; "
+                             "use generate() with a prompt you format yourself")
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} dicts')
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                  **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template already wrote any BOS
+
+    # ---- internals ----------------------------------------------------------------------------------------------
     def _submit(self, prompts, sampling_params, input_ids) -> list[Request]:
         if (prompts is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompts or input_ids")

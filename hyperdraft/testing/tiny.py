@@ -1,8 +1,8 @@
 """Tiny random Hugging Face models with a real byte-level BPE tokenizer.
 
-Used by the tests, the CPU benchmarks and the interim demo. Each model is a
-genuine transformers checkpoint (config.json + safetensors + tokenizer files),
-so transformers itself serves as the reference implementation.
+Used by the tests and the CPU benchmarks. Each model is a genuine transformers
+checkpoint (config.json + safetensors + tokenizer files), so transformers itself
+serves as the reference implementation.
 """
 
 from __future__ import annotations
