@@ -47,9 +47,11 @@ def load_tokenizer(args: EngineArgs):
         return None
     from transformers import AutoTokenizer
 
+    from hyperdraft.models.gguf import is_gguf, load_gguf_tokenizer
+
     path = args.tokenizer_path or args.model_path
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return load_gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many types for a missing tokenizer
         raise ValueError(f"cannot load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True to run from token ids") from e
 

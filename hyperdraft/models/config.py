@@ -128,6 +128,10 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
 
 
 def load_model_config(model_path: str) -> ModelConfig:
+    from hyperdraft.models.gguf import gguf_config_dict, is_gguf
+
+    if is_gguf(model_path):
+        return model_config_from_dict(gguf_config_dict(model_path))
     if not os.path.isdir(model_path):
         raise ValueError(f"model path {model_path!r} does not exist or is not a directory")
     path = os.path.join(model_path, "config.json")

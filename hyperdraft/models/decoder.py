@@ -57,7 +57,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported; allowed values: default, linear, llama3")
+    if kind == "freq_factors":  # per-frequency divisors, as llama.cpp's rope_freqs tensor stores Llama 3 scaling
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; allowed values: default, linear, llama3, freq_factors")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

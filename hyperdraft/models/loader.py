@@ -1,4 +1,4 @@
-"""Load a Hugging Face directory: config.json plus one or several *.safetensors shards."""
+"""Load a Hugging Face directory (config.json plus one or several *.safetensors shards) or a Llama .gguf file."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from hyperdraft.models.config import ModelConfig, load_model_config
 from hyperdraft.models.decoder import DecoderLM, rope_inv_freq
+from hyperdraft.models.gguf import is_gguf, load_gguf_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,7 +68,7 @@ def load_model(model_path: str, dtype: str, device: torch.device) -> DecoderLM:
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, model_path)
+    (load_gguf_weights if is_gguf(model_path) else load_weights)(model, model_path)
     model.to(torch_dtype)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in fp32 whatever the weights' dtype
     return model.eval()

@@ -1,0 +1,216 @@
+"""Load Llama-architecture GGUF files (llama.cpp's format) as hyperdraft models.
+
+A .gguf file carries the config (as `llama.*` metadata), the weights (possibly quantized) and the tokenizer.
+The config becomes an HF-style dict for model_config_from_dict, the weights are dequantized to fp32 with
+`gguf.quants.dequantize` and renamed to Hugging Face's module names, and the tokenizer is rebuilt by
+transformers' own GGUF conversion (chat template included).
+
+The catch: llama.cpp's HF->GGUF converter permutes the rows of attn_q and attn_k so that its RoPE, which rotates
+adjacent pairs (2i, 2i+1), matches HF's rotate-half RoPE (pairs i, i + d/2). The loader undoes that permutation,
+so the decoder keeps its rotate-half RoPE. llama.cpp stores Llama 3 RoPE scaling not as metadata but as a
+`rope_freqs` tensor of per-frequency divisors; it becomes the "freq_factors" rope type.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def is_gguf(path: Any) -> bool:
+    """True for an existing file whose name ends in .gguf."""
+    return isinstance(path, (str, os.PathLike)) and str(path).lower().endswith(".gguf") and os.path.isfile(path)
+
+
+_last_reader: dict = {}  # one parsed file, so load_model parses its GGUF once for the config and the weights
+
+
+def _open(path: str):
+    """A GGUFReader over path; a corrupt, truncated or non-GGUF file raises ValueError."""
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path!r} does not exist")
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    if key in _last_reader:
+        return _last_reader[key]
+    try:
+        reader = GGUFReader(path)
+        size = os.path.getsize(path)
+        for t in reader.tensors:  # the reader maps lazily: check the header's promises against the file's size
+            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+                raise ValueError(f"tensor {t.name} runs past the end of the file")
+    except Exception as e:  # the reader raises ValueError, IndexError, UnicodeDecodeError, ... on bad bytes
+        raise ValueError(f"{path!r} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    _last_reader.clear()
+    _last_reader[key] = reader
+    return reader
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _check_architecture(reader, path: str) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} of {path!r} is not supported; "
+                         f"supported GGUF architectures: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    return arch
+
+
+def _dequantize(t) -> torch.Tensor:
+    """One GGUF tensor as an fp32 torch tensor in PyTorch's [rows, cols] order."""
+    from gguf.quants import dequantize
+
+    kind = t.tensor_type.name
+    if kind not in SUPPORTED_GGML_TYPES:
+        raise ValueError(f"GGUF tensor {t.name} has GGML type {kind}, which is not supported; "
+                         f"supported types: {', '.join(SUPPORTED_GGML_TYPES)}")
+    values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy: the reader maps read-only
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions innermost first
+    return torch.from_numpy(values).reshape(shape)
+
+
+def _rope_scaling(reader, arch: str, tensors: dict) -> dict | None:
+    if "rope_freqs.weight" in tensors:  # how llama.cpp's converter writes Llama 3 scaling
+        factors = _dequantize(tensors["rope_freqs.weight"])
+        return {"rope_type": "freq_factors", "factors": tuple(float(x) for x in factors.tolist())}
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor", _field(reader, f"{arch}.rope.scale_linear"))
+    if kind in (None, "none") and factor in (None, 1.0):
+        return None
+    if kind in (None, "linear"):
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported; supported: none, linear, rope_freqs factors")
+
+
+def _config_dict(reader, path: str) -> dict:
+    arch = _check_architecture(reader, path)
+
+    def get(key: str, default: Any = None, required: bool = True) -> Any:
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None and required:
+            raise ValueError(f"GGUF file {path!r} lacks the metadata key {arch}.{key}")
+        if isinstance(value, list):
+            raise ValueError(f"GGUF metadata {arch}.{key} varies per layer, which is not supported")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim or int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"GGUF file {path!r}: value length or RoPE dimension differs from the head dimension "
+                         f"{head_dim} (partial rotary embeddings are not supported)")
+    if "token_embd.weight" in tensors:
+        vocab = int(tensors["token_embd.weight"].shape[-1])
+    else:
+        vocab = int(get("vocab_size", None, False) or len(_field(reader, "tokenizer.ggml.tokens", [])))
+    eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": "float32",
+    }
+    rope = _rope_scaling(reader, arch, tensors)
+    if rope is not None:
+        config["rope_scaling"] = rope
+    return config
+
+
+def gguf_config_dict(path: str) -> dict:
+    """An HF-style config dict (for model_config_from_dict) from a Llama GGUF file's metadata."""
+    return _config_dict(_open(path), path)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor, or None for a name this loader does not know."""
+    m = _BLOCK.fullmatch(gguf_name)
+    if m:
+        part = _LAYER_NAMES.get(m.group(2))
+        return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+    stem, _, suffix = gguf_name.rpartition(".")
+    return f"{_TOP_NAMES[stem]}.{suffix}" if stem in _TOP_NAMES and suffix in ("weight", "bias") else None
+
+
+def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K permutation: per head, rows [head_dim/2, 2] -> [2, head_dim/2] (pairs -> halves)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def load_gguf_weights(model: torch.nn.Module, path: str) -> None:
+    """Dequantize path's tensors into model (a DecoderLM built from gguf_config_dict(path))."""
+    reader = _open(path)
+    _check_architecture(reader, path)
+    cfg = model.config
+    params = dict(model.named_parameters())
+    loaded = set()
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # already in the config's rope scaling
+        name = hf_name(t.name)
+        if name is None or name not in params or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            raise ValueError(f"GGUF tensor {t.name!r} has no place in this Llama model")
+        w = _dequantize(t)
+        if ".attn_q." in t.name or ".attn_k." in t.name:
+            heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
+            if w.shape[0] != heads * cfg.head_dim:
+                raise ValueError(f"GGUF tensor {t.name} has {w.shape[0]} rows, expected {heads} heads x {cfg.head_dim}")
+            w = unpermute_rows(w, heads)
+        if w.shape != params[name].shape:
+            raise ValueError(f"GGUF tensor {t.name} has shape {tuple(w.shape)}, model expects {tuple(params[name].shape)}")
+        with torch.no_grad():
+            params[name].copy_(w)
+        loaded.add(name)
+    _last_reader.clear()  # the weights are in: release the file's mapping and parsed metadata
+    missing = set(params) - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    if missing:
+        raise ValueError(f"GGUF file {path!r} lacks weights: {sorted(missing)[:5]}")
+
+
+def load_gguf_tokenizer(path: str):
+    """The tokenizer embedded in a GGUF file, converted by transformers (chat template kept)."""
+    from transformers import AutoTokenizer
+
+    path = os.path.abspath(path)
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
