@@ -23,7 +23,7 @@ def _opt(default: Any, help: str, **extra) -> Any:
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model_path: str | None = _opt(None, "Hugging Face model directory (alias: --model)")
+    model_path: str | None = _opt(None, "Hugging Face model directory or a Llama .gguf file (alias: --model); the CLI defaults to the embedded SmolLM2-135M-Instruct")
     tokenizer_path: str | None = _opt(None, "tokenizer directory; defaults to the model directory")
     skip_tokenizer_init: bool = _opt(False, "run from token ids only; no tokenizer is loaded")
     dtype: str = _opt("auto", "weight and activation dtype", choices=DTYPE_CHOICES)
