@@ -204,3 +204,26 @@ def spec_off_reference(cache: dict, spec_models, prompts, params, key) -> list:
         cache[key] = gen(llm, prompts, params)
         assert_clean(llm)
     return cache[key]
+
+
+def step_until_done(engine, reqs, page_size: int, max_steps: int, check_draft: bool = False) -> tuple[list[int], int]:
+    """Step the engine to completion, asserting after every step that the running requests hold K/V for exactly
+    their committed tokens (rejected drafts and reservations went back to the pool), and, with check_draft, that
+    no draft is ahead of its target. -> (retractions seen per request, retractions of requests already verified)."""
+    seen = [0] * len(reqs)
+    while_speculating = 0
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        held = sum(-(-r.num_computed // page_size) * page_size for r in engine.scheduler.running)
+        assert engine.kv_capacity_slots - engine.kv_free_slots == held
+        if check_draft:
+            for r in engine.scheduler.running:
+                assert r.draft_num_computed <= r.num_computed
+        for i, r in enumerate(reqs):
+            if r.num_retractions > seen[i]:
+                seen[i] = r.num_retractions
+                while_speculating += r.spec_verify_ct > 0
+    assert not engine.has_unfinished(), "engine did not finish"
+    return seen, while_speculating

@@ -17,7 +17,7 @@ import pytest
 
 from hyperdraft import LLM
 from hyperdraft.llm import meta_info
-from spec_fixtures import spec_off_reference  # noqa: F401
+from spec_fixtures import spec_off_reference, step_until_done  # noqa: F401
 from spec_fixtures import (_single_torch_thread, assert_clean, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
                            spec_models, spec_state)
 
@@ -97,23 +97,7 @@ def test_greedy_tree_spec_equals_spec_off_with_retraction(spec_models, llm_facto
                       **tree_args(spec_models, "draft_wide_noisy", topk, n, steps))
     engine = llm.engine
     reqs = [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts, params)]
-    seen_retractions = [0] * len(reqs)
-    retracted_while_speculating = 0
-    for _ in range(3000):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-        # Between steps a request holds K/V for exactly its committed tokens: the slots of rejected tree nodes (and
-        # of the verify reservation) went back to the pool.
-        held = sum(-(-r.num_computed // page_size) * page_size for r in engine.scheduler.running)
-        assert engine.kv_capacity_slots - engine.kv_free_slots == held
-        for r in engine.scheduler.running:
-            assert r.draft_num_computed <= r.num_computed
-        for i, r in enumerate(reqs):
-            if r.num_retractions > seen_retractions[i]:
-                seen_retractions[i] = r.num_retractions
-                retracted_while_speculating += r.spec_verify_ct > 0
-    assert not engine.has_unfinished(), "engine did not finish"
+    _, retracted_while_speculating = step_until_done(engine, reqs, page_size, 3000, check_draft=True)
     for i, (r, ref) in enumerate(zip(reqs, refs)):
         assert r.output_ids == ref.token_ids, (f"topk={topk} n={n} page_size={page_size} request {i} "
                                                f"(retractions: {r.num_retractions})")

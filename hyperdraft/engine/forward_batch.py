@@ -116,3 +116,17 @@ def _stack_tail_masks(inputs: list[ForwardInput], device) -> torch.Tensor:
         out[b, :n, w - m.shape[1] :] = m
         out[b, :n, : w - m.shape[1]] = True  # keys before this request's own tail are visible
     return out
+
+
+def leading_tail_mask(leading: torch.Tensor, extend_lens: list[int], device) -> torch.Tensor:
+    """One [B, Q, W] tail mask, built without a per-request loop: the first leading.shape[0] requests use
+    `leading` ([b, n, n], over their n new tokens), the rest plain causal rows over their own new tokens."""
+    b, n = leading.shape[0], leading.shape[1]
+    q = max(extend_lens)
+    w = max(q, n)
+    lens = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+    rows = torch.arange(q, device=device)[None, :, None]
+    rel = torch.arange(w, device=device)[None, None, :] - (w - lens)[:, None, None]  # key index within own tail
+    mask = rel <= rows  # causal within the tail, everything before the tail visible
+    mask[:b, :n, w - n :] = leading
+    return mask

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch, leading_tail_mask
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.model_worker import forward_input, sampling_batch
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
@@ -65,7 +65,9 @@ class SpecWorker:
         if round_ is not None and round_.positions() is not None:
             positions = torch.cat([round_.positions(), _default_positions(inputs[len(reqs):], self.device)])
         mode = ForwardMode.TARGET_VERIFY if not prefills else ForwardMode.EXTEND
-        fb = build_forward_batch(mode, inputs, self.runner.page_table, self.device, input_ids=ids, positions=positions)
+        mask = round_.tail_mask([len(inp.token_ids) for inp in inputs]) if round_ is not None else None
+        fb = build_forward_batch(mode, inputs, self.runner.page_table, self.device, input_ids=ids, positions=positions,
+                                 tail_mask=mask)
         with self.timer.phase("verify"):
             out = self.runner.forward(fb, capture_layers=getattr(self.proposer, "capture_layers", ()))
         target_hidden = self.proposer.target_hidden(out) if hasattr(self.proposer, "target_hidden") else None
@@ -138,6 +140,9 @@ class ChainRound:
     def positions(self):
         return None
 
+    def tail_mask(self, extend_lens: list[int]):
+        return None  # chains are causal
+
     def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> list[torch.Tensor]:
         bsz, k = len(self.reqs), self.proposal.max_len
         grid = verify_logits.new_zeros(bsz * (k + 1), verify_logits.shape[1])
@@ -185,7 +190,11 @@ class TreeRound:
         self.base = torch.tensor([r.num_computed for r in reqs], dtype=torch.int64, device=worker.device)
 
     def inputs(self) -> list[ForwardInput]:
-        return [ForwardInput(r.row, r.num_computed, [0] * self.n, self.n, mask=self.tree.mask[b]) for b, r in enumerate(self.reqs)]
+        return [ForwardInput(r.row, r.num_computed, [0] * self.n, self.n) for r in self.reqs]
+
+    def tail_mask(self, extend_lens: list[int]) -> torch.Tensor:
+        """The ancestor masks of every tree, with causal rows for the prefill chunks riding along."""
+        return leading_tail_mask(self.tree.mask, extend_lens, self.w.device)
 
     def packed_ids(self) -> torch.Tensor:
         return self.tree.tokens.flatten()
