@@ -17,6 +17,7 @@ Nothing here is global: a ForwardBatch is built, consumed and dropped.
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,15 @@ class ForwardBatch:
     # Tree drafting and tree verification put their ancestor masks here; W = the whole length gives an
     # arbitrary mask. Q = the longest extend in the batch (shorter requests' extra rows are ignored).
     tail_mask: torch.Tensor | None = None
+    # Device copies of the per-request lengths, for backends that must not read host lists (Triton, and every
+    # backend under CUDA-graph capture, where the same tensors are refilled in place before each replay).
+    seq_lens_t: torch.Tensor | None = None  # [B] int32, prefix + extend
+    extend_starts_t: torch.Tensor | None = None  # [B] int32, packed row of each request's first new token
+    extend_lens_t: torch.Tensor | None = None  # [B] int32
+    # Static upper bounds a kernel may size its launch grid from. Eager batches use the true maxima; a captured
+    # graph uses the bounds it was captured for, so one graph serves every batch that fits under them.
+    max_extend_len: int = 0
+    max_seq_len: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -76,33 +86,54 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
                         positions: torch.Tensor | None = None) -> ForwardBatch:
     """Pack inputs into one ForwardBatch. input_ids, when given, replaces the packed token ids with a device
     tensor (draft tokens that never visit the host); the inputs' token_ids then only count tokens. positions, when
-    given, likewise replaces the packed RoPE positions (tree nodes sit at root + depth, known on the device)."""
-    override_positions = positions
-    ids, positions, seq_index, row_of_token, logits_idx = [], [], [], [], []
-    for b, inp in enumerate(inputs):
-        n = len(inp.token_ids)
-        start = len(ids)
-        ids += inp.token_ids
-        positions += inp.positions if inp.positions is not None else range(inp.prefix_len, inp.prefix_len + n)
+    given, likewise replaces the packed RoPE positions (tree nodes sit at root + depth, known on the device).
+
+    Every integer the forward needs travels in ONE host-to-device copy (pinned on CUDA, so it does not block)."""
+    ext = [len(inp.token_ids) for inp in inputs]
+    prefix = [inp.prefix_len for inp in inputs]
+    seq = [p + e for p, e in zip(prefix, ext)]
+    starts = list(itertools.accumulate(ext, initial=0))[:-1]
+    ids, pos, seq_index, row_of_token, logits_idx = [], [], [], [], []
+    for inp, n, start in zip(inputs, ext, starts):
+        if input_ids is None:
+            ids += inp.token_ids
+        if positions is None:
+            pos += inp.positions if inp.positions is not None else range(inp.prefix_len, inp.prefix_len + n)
         seq_index += range(inp.prefix_len, inp.prefix_len + n)
         row_of_token += [inp.row] * n
         logits_idx += range(start + n - inp.num_logits, start + n)
-    as_long = dict(dtype=torch.int64, device=device)
-    rows = torch.tensor([inp.row for inp in inputs], **as_long)
-    out_slots = page_table.slots(torch.tensor(row_of_token, **as_long), torch.tensor(seq_index, **as_long)[:, None])[:, 0]
+    rows = [inp.row for inp in inputs]
+    packed = _to_device([ids, pos, seq_index, row_of_token, logits_idx, rows, seq, starts, ext], device)
+    d_ids, d_pos, d_seq_index, d_row_of_token, d_logits, d_rows, d_seq, d_starts, d_ext = packed
+    out_slots = page_table.slots(d_row_of_token, d_seq_index[:, None])[:, 0]
     if tail_mask is None and any(inp.mask is not None for inp in inputs):
         tail_mask = _stack_tail_masks(inputs, device)
     return ForwardBatch(
         mode=mode,
-        input_ids=torch.tensor(ids, **as_long) if input_ids is None else input_ids,
-        positions=torch.tensor(positions, **as_long) if override_positions is None else override_positions,
+        input_ids=d_ids if input_ids is None else input_ids,
+        positions=d_pos if positions is None else positions,
         out_slots=out_slots,
-        req_rows=rows,
-        prefix_lens=[inp.prefix_len for inp in inputs],
-        extend_lens=[len(inp.token_ids) for inp in inputs],
-        logits_indices=torch.tensor(logits_idx, **as_long),
+        req_rows=d_rows,
+        prefix_lens=prefix,
+        extend_lens=ext,
+        logits_indices=d_logits,
         tail_mask=tail_mask,
+        seq_lens_t=d_seq.to(torch.int32),
+        extend_starts_t=d_starts.to(torch.int32),
+        extend_lens_t=d_ext.to(torch.int32),
+        max_extend_len=max(ext, default=0),
+        max_seq_len=max(seq, default=0),
     )
+
+
+def _to_device(parts: list[list[int]], device) -> list[torch.Tensor]:
+    """Several int lists -> int64 device tensors through one (pinned, non-blocking on CUDA) copy."""
+    flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)  # the caching host allocator reuses pinned blocks
+    else:
+        flat = flat.to(device)
+    return list(flat.split([len(p) for p in parts]))
 
 
 def _stack_tail_masks(inputs: list[ForwardInput], device) -> torch.Tensor:
