@@ -15,6 +15,7 @@ from typing import Any
 ALIASES = {"model": "model_path", "tokenizer": "tokenizer_path", "speculative_draft_model": "speculative_draft_model_path"}
 ATTENTION_BACKENDS = ("torch",)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _opt(default: Any, help: str, **extra) -> Any:
@@ -46,6 +47,8 @@ class EngineArgs:
     speculative_use_rejection_sampling: bool | None = _opt(None, "draft models: sample drafts from q and verify with the real q (True), or draft greedily / top-k with one-hot q (False); unset = per step, sampled when any request samples (measured better at T>0)")
     speculative_adaptive: bool = _opt(False, "switch the draft tier (steps, or a tree shape) per batch size and measured acceptance")
     speculative_adaptive_config: str | None = _opt(None, "JSON file in SGLang's adaptive format (slots keyed by batch size); default: SGLang's")
+    speculative_simulate_accept_rate: float | None = _opt(None, "BENCHMARK ONLY, LOSSY: accept each draft token with this probability instead of verifying it (every kernel still runs); env HYPERDRAFT_SIMULATE_ACCEPT_RATE")
+    load_format: str = _opt("auto", "auto: read the checkpoint's weights; dummy: random weights of the checkpoint's shapes (benchmarks)", choices=LOAD_FORMATS)
     speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix that may match")
     speculative_ngram_max_match_window_size: int = _opt(12, "NGRAM: longest suffix tried first")
 
@@ -67,6 +70,12 @@ class EngineArgs:
             bad("context_length", "an integer >= 2")
         if self.dtype not in DTYPE_CHOICES:
             bad("dtype", f"one of {DTYPE_CHOICES}")
+        if self.speculative_simulate_accept_rate is not None and not 0 <= self.speculative_simulate_accept_rate <= 1:
+            bad("speculative_simulate_accept_rate", "a probability in [0, 1]")
+        if self.speculative_simulate_accept_rate is not None and self.speculative_algorithm is None:
+            raise ValueError("speculative_simulate_accept_rate needs speculative_algorithm (it replaces verification)")
+        if self.load_format not in LOAD_FORMATS:
+            bad("load_format", f"one of {LOAD_FORMATS}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", f"one of {ATTENTION_BACKENDS}")
 

@@ -175,7 +175,10 @@ class LLM:
         text = detok.push(new_ids, final=req.finished)
         output = None
         if req.finished:
-            output = GenerateOutput(detok.text, list(req.output_ids), req.finish_reason, meta_info(req))
+            info = meta_info(req)
+            if self.engine.spec is not None and self.engine.spec.simulate_accept_rate is not None:
+                info["simulated_accept_rate"] = self.engine.spec.simulate_accept_rate  # lossy benchmark mode
+            output = GenerateOutput(detok.text, list(req.output_ids), req.finish_reason, info)
         return StreamDelta(index, text, list(new_ids), req.finished, req.finish_reason, output)
 
     # ---- server-style introspection -----------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class Engine:
         _configure_logging(args.log_level)
         self.args = args
         self.device = resolve_device(args.device)
-        model = load_model(args.model_path, args.dtype, self.device)
+        model = load_model(args.model_path, args.dtype, self.device, args.load_format)
         self.model_config = model.config
         self.tokenizer = load_tokenizer(args)
         self.context_len = args.context_length or self.model_config.max_position_embeddings
@@ -128,12 +128,12 @@ class Engine:
 
     def _load_draft(self, target):
         if self.spec.algorithm in ("EAGLE", "EAGLE3"):
-            head = load_eagle_head(self.spec.draft_model_path, target)
+            head = load_eagle_head(self.spec.draft_model_path, target, load_format=self.args.load_format)
             if head.config.kind != self.spec.algorithm.lower():
                 raise ValueError(f"speculative_draft_model_path holds an {head.config.kind.upper()} head "
                                  f"({head.config.architecture}), but speculative_algorithm is {self.spec.algorithm}")
             return head
-        draft = load_model(self.spec.draft_model_path, self.args.dtype, self.device)
+        draft = load_model(self.spec.draft_model_path, self.args.dtype, self.device, self.args.load_format)
         if draft.config.vocab_size != self.model_config.vocab_size:
             raise ValueError(
                 f"speculative_draft_model_path: the draft vocabulary has {draft.config.vocab_size} tokens, the target's "
@@ -219,6 +219,8 @@ class Engine:
             if self.spec.adaptive is not None:
                 spec["speculative_adaptive_strategy"] = self.spec.adaptive.strategy
                 spec["speculative_adaptive_slots"] = self.worker.tiers.state()
+            if self.spec.simulate_accept_rate is not None:
+                spec["speculative_simulate_accept_rate"] = self.spec.simulate_accept_rate  # outputs are NOT lossless
             if self.worker.timer.enabled:
                 spec["spec_phase_seconds"] = dict(self.worker.timer.seconds)
         return {

@@ -287,7 +287,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None) -> EagleHead | Eagle3Head:
+                    device: torch.device | str | None = None, load_format: str = "auto") -> EagleHead | Eagle3Head:
     """Load an EAGLE-1/EAGLE-3 head for `target`; dtype/device default to the target's ("auto" = the target's dtype)."""
     cfg, tcfg = load_eagle_config(path), target.config
     param = next(target.parameters())
@@ -308,8 +308,13 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
         if not all(0 <= i < tcfg.num_layers for i in ids):
             raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)} must lie in [0, {tcfg.num_layers}) "
                              f"(the target has num_layers={tcfg.num_layers})")
-    weights = _read_weights(path)
-    own_embed, own_lm_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
+    if load_format == "dummy":  # random weights (benchmarks); own embeddings / lm_head only where sharing is impossible
+        weights = None
+        own_embed = cfg.hidden_size != tcfg.hidden_size
+        own_lm_head = (cfg.hidden_size, cfg.draft_vocab_size) != (tcfg.hidden_size, tcfg.vocab_size)
+    else:
+        weights = _read_weights(path)
+        own_embed, own_lm_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
     if not own_embed and cfg.hidden_size != tcfg.hidden_size:
         raise ValueError(f"the draft has no embed_tokens.weight, and with hidden_size={cfg.hidden_size} it cannot share "
                          f"the target's (hidden_size={tcfg.hidden_size})")
@@ -324,13 +329,13 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
     if cfg.kind == "eagle3":
         state["d2t"].zero_()  # identity defaults for a full-vocabulary head that ships no d2t/t2d
         state["t2d"].fill_(True)
-    optional = {"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set()
-    unexpected = sorted(n for n in weights if n not in state and not n.endswith("rotary_emb.inv_freq"))
-    if unexpected:
-        raise ValueError(f"draft checkpoint {path!r} has weights the {cfg.architecture} layout lacks: {unexpected[:5]}")
-    missing = sorted(set(state) - set(weights) - optional)
-    if missing:
-        raise ValueError(f"draft checkpoint {path!r} lacks weights: {missing[:5]}")
+    if weights is None:
+        from hyperdraft.models.loader import fill_dummy_weights
+
+        fill_dummy_weights(head)
+        weights = {}
+    else:
+        _check_weight_names(path, cfg, state, weights)
     with torch.no_grad():
         for name, tensor in weights.items():
             if name not in state:
@@ -342,3 +347,13 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
     head.inv_freq = rope_inv_freq(cfg.layer).to(device)  # RoPE frequencies stay fp32 whatever the weights' dtype
     head.finish_loading()
     return head.eval()
+
+
+def _check_weight_names(path: str, cfg, state: dict, weights: dict) -> None:
+    optional = {"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set()
+    unexpected = sorted(n for n in weights if n not in state and not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"draft checkpoint {path!r} has weights the {cfg.architecture} layout lacks: {unexpected[:5]}")
+    missing = sorted(set(state) - set(weights) - optional)
+    if missing:
+        raise ValueError(f"draft checkpoint {path!r} lacks weights: {missing[:5]}")

@@ -60,7 +60,21 @@ def load_weights(model: torch.nn.Module, model_path: str) -> None:
         raise ValueError(f"checkpoint {model_path!r} lacks weights: {sorted(missing)[:5]}")
 
 
-def load_model(model_path: str, dtype: str, device: torch.device) -> DecoderLM:
+def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes (load_format="dummy"): a forward costs what it costs with real weights.
+    Norm weights are ones and the rest N(0, 0.02), so activations stay finite through deep stacks in bf16."""
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if not param.is_floating_point():
+                continue
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(model_path: str, dtype: str, device: torch.device, load_format: str = "auto") -> DecoderLM:
     cfg = load_model_config(model_path)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
@@ -68,7 +82,10 @@ def load_model(model_path: str, dtype: str, device: torch.device) -> DecoderLM:
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    (load_gguf_weights if is_gguf(model_path) else load_weights)(model, model_path)
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    else:
+        (load_gguf_weights if is_gguf(model_path) else load_weights)(model, model_path)
     model.to(torch_dtype)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in fp32 whatever the weights' dtype
     return model.eval()

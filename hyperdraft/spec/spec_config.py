@@ -8,6 +8,7 @@ frozen object, so nothing is ever mutated after start-up.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from hyperdraft.config import EngineArgs
@@ -18,6 +19,7 @@ SUPPORTED = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 ALIASES = {"NEXTN": "EAGLE"}
 NOT_YET = ("MTP",)
 NGRAM_DEFAULT_DRAFT_TOKENS = 8
+SIMULATE_ENV = "HYPERDRAFT_SIMULATE_ACCEPT_RATE"
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class SpecConfig:
     ngram_min_window: int
     ngram_max_window: int
     adaptive: "AdaptiveConfig | None" = None  # set when speculative_adaptive: the tier ladder per batch-size slot
+    simulate_accept_rate: float | None = None  # benchmark-only LOSSY accept decision (spec/simulated.py)
 
     @property
     def is_tree(self) -> bool:
@@ -111,8 +114,27 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
     return _finish(algo, args, steps, topk, draft_tokens, adaptive)
 
 
+def simulated_accept_rate(args: EngineArgs) -> float | None:
+    """speculative_simulate_accept_rate, or the HYPERDRAFT_SIMULATE_ACCEPT_RATE environment variable."""
+    value = args.speculative_simulate_accept_rate
+    env = os.environ.get(SIMULATE_ENV)
+    if value is None and env:
+        try:
+            value = float(env)
+        except ValueError:
+            raise ValueError(f"{SIMULATE_ENV} must be a number in [0, 1], got {env!r}") from None
+        if not 0 <= value <= 1:
+            raise ValueError(f"{SIMULATE_ENV} must be in [0, 1], got {value}")
+    return value
+
+
 def _finish(algo, args, steps, topk, draft_tokens, adaptive) -> SpecConfig:
+    alpha = simulated_accept_rate(args)
+    if alpha is not None:
+        logger.warning("speculative_simulate_accept_rate=%s: verification is SIMULATED; outputs are not the target "
+                       "model's (benchmark mode)", alpha)
     return SpecConfig(
+        simulate_accept_rate=alpha,
         algorithm=algo,
         num_steps=steps,
         topk=topk,

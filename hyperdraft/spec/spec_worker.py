@@ -25,6 +25,7 @@ from hyperdraft.spec.compaction import compact_accepted, leading_fed_count
 from hyperdraft.spec.metrics import PhaseTimer, SpecMetrics
 from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.rejection import verify_chain
+from hyperdraft.spec.simulated import simulate_chain, simulate_tree
 from hyperdraft.spec.spec_config import SpecConfig
 from hyperdraft.spec.tier import Tier
 from hyperdraft.spec.tree import build_tree
@@ -151,7 +152,11 @@ class ChainRound:
         logits = penalised_logits(grid, sbv)
         p = probs_from_logits(logits, sbv).view(bsz, k + 1, -1)
         lens = torch.tensor(self.proposal.lens, dtype=torch.int64, device=grid.device)
-        num_accepted, tokens = verify_chain(p, self.proposal.tokens, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
+        alpha = self.w.spec.simulate_accept_rate
+        if alpha is None:
+            num_accepted, tokens = verify_chain(p, self.proposal.tokens, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
+        else:  # benchmark-only, lossy (see spec/simulated.py)
+            num_accepted, tokens = simulate_chain(p, self.proposal.tokens, lens, alpha, self.sb.seeds, self.sb.positions)
         logprobs = torch.log_softmax(logits, -1).gather(1, tokens.view(-1, 1)).view(bsz, k + 1)
         if target_hidden is not None:  # verify row j of request b sits at packed row start_b + j
             starts = torch.tensor([0] + [1 + k for k in self.proposal.lens[:-1]], device=grid.device).cumsum(0)
@@ -208,8 +213,13 @@ class TreeRound:
         logits = penalised_logits(verify_logits, sbt)
         p = probs_from_logits(logits, sbt).view(bsz, n, -1)
         sampled = self.proposal.q is not None  # children drawn from q without replacement (tree_sampled.py)
-        num_accepted, path, tokens = verify_tree(p, self.tree, self.sb.seeds, self.sb.positions, sampled,
-                                                 max_depth=self.tier.steps, max_children=self.tier.topk)
+        alpha = self.w.spec.simulate_accept_rate
+        if alpha is None:
+            num_accepted, path, tokens = verify_tree(p, self.tree, self.sb.seeds, self.sb.positions, sampled,
+                                                     max_depth=self.tier.steps, max_children=self.tier.topk)
+        else:  # benchmark-only, lossy (see spec/simulated.py)
+            num_accepted, path, tokens = simulate_tree(p, self.tree, alpha, self.sb.seeds, self.sb.positions,
+                                                       max_depth=self.tier.steps)
         self._compact(num_accepted, path)
         rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
         logprobs = torch.log_softmax(logits, -1)[rows.flatten(), tokens.clamp_min(0).flatten()].view_as(tokens)

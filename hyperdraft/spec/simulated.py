@@ -1,0 +1,73 @@
+"""Simulated acceptance: a LOSSY, benchmark-only replacement for the accept decision.
+
+System speed at a known acceptance is what a speculative-decoding benchmark wants to measure, but random-weight
+models (or a draft that does not match its target) accept almost nothing. With a simulated accept rate alpha,
+every draft and verify kernel still runs exactly as usual; only the decision changes:
+
+  chain  draft j is accepted iff coin_j < alpha and drafts 0 .. j-1 were accepted (so E[accepted] follows the
+         geometric law of a per-token acceptance alpha), then one token is drawn from the target's p at the first
+         unaccepted row, exactly like a bonus token
+  tree   the walk follows the FIRST child of each node with probability alpha per level (a tree then costs what
+         a tree costs, but accepts like a chain at alpha)
+
+Accepted drafts are NOT checked against the target, so outputs differ from the target model's. The engine
+therefore refuses this mode unless asked for explicitly, and marks every output produced under it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyperdraft.sample.rng import DOMAIN_ACCEPT, DOMAIN_SAMPLE, sample_from_probs, uniform
+from hyperdraft.spec.tree import DraftTree
+
+
+def simulate_chain(
+    p: torch.Tensor,  # [B, K+1, V] target distributions per verify row
+    draft: torch.Tensor,  # [B, K] int64 draft tokens
+    draft_len: torch.Tensor,  # [B] int64 real drafts per request
+    alpha: float,
+    seeds: torch.Tensor,  # [B] int64
+    seq_lens: torch.Tensor,  # [B] int64, sequence index of d_0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as verify_chain: -> (num_accepted [B], tokens [B, K+1])."""
+    bsz, k = draft.shape
+    idx = torch.arange(k, device=draft.device)
+    coins = uniform(seeds.repeat_interleave(k), (seq_lens[:, None] + idx).flatten(), DOMAIN_ACCEPT).view(bsz, k)
+    passed = (coins < alpha) & (idx < draft_len[:, None])
+    num_accepted = passed.long().cumprod(1).sum(1)
+    rows = torch.arange(bsz, device=draft.device)
+    last = sample_from_probs(p[rows, num_accepted], seeds, seq_lens + num_accepted, DOMAIN_SAMPLE)
+    tokens = torch.cat([draft, draft.new_zeros(bsz, 1)], 1)
+    tokens[rows, num_accepted] = last
+    return num_accepted, tokens
+
+
+def simulate_tree(
+    p: torch.Tensor,  # [B, N, V]
+    tree: DraftTree,
+    alpha: float,
+    seeds: torch.Tensor,  # [B] int64
+    seq_lens: torch.Tensor,  # [B] int64
+    max_depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as verify_tree: -> (num_accepted [B], path [B, D+1], tokens [B, D+1])."""
+    bsz = p.shape[0]
+    rows = torch.arange(bsz, device=p.device)
+    cur = torch.zeros(bsz, dtype=torch.int64, device=p.device)
+    going = torch.ones(bsz, dtype=torch.bool, device=p.device)
+    num_accepted = torch.zeros_like(cur)
+    path = torch.full((bsz, max_depth + 1), -1, dtype=torch.int64, device=p.device)
+    path[:, 0] = 0
+    out = torch.full_like(path, -1)
+    for d in range(max_depth):
+        child = tree.first_child[rows, cur]
+        coin = uniform(seeds, seq_lens + d, DOMAIN_ACCEPT)[:, 0]
+        going &= (child >= 0) & (coin < alpha)
+        child = child.clamp_min(0)
+        num_accepted += going.long()
+        path[:, d + 1] = torch.where(going, child, -1)
+        out[:, d] = torch.where(going, tree.tokens[rows, child], out[:, d])
+        cur = torch.where(going, child, cur)
+    out[rows, num_accepted] = sample_from_probs(p[rows, cur].float(), seeds, seq_lens + num_accepted, DOMAIN_SAMPLE)
+    return num_accepted, path, out
