@@ -1,0 +1,213 @@
+"""The FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /server_info, /metrics.
+
+Every generation route parses and checks its input before anything reaches the engine, so bad input is a 400
+naming the field and never touches engine state. Once the engine accepted a request, a client that goes away
+aborts it: a stream through the response's close, a non-stream answer through a disconnect watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import asdict
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hyperdraft import __version__
+from hyperdraft.config import EngineArgs
+from hyperdraft.server.generation import Generation, ServerContext
+from hyperdraft.server.metrics import engine_snapshot
+from hyperdraft.server.options import ServeOptions
+from hyperdraft.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+
+logger = logging.getLogger("hyperdraft.server")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+ENGINE_CALL_TIMEOUT_S = 60.0
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+class _ClosingStream(StreamingResponse):
+    """SSE response that aborts its generation however the response ends (finished, client gone, shutdown)."""
+
+    def __init__(self, gen: Generation):
+        super().__init__(gen.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.abort()
+
+
+def create_app(ctx: ServerContext, args: EngineArgs, opts: ServeOptions) -> FastAPI:
+    app = FastAPI(title="hyperdraft", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    expected_auth = f"Bearer {opts.api_key}".encode() if opts.api_key else None
+
+    def error(e: APIError) -> JSONResponse:
+        ctx.metrics.error(e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def authorize(request: Request) -> None:
+        if expected_auth is None:
+            return
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected_auth):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
+                           "invalid_api_key")
+
+    async def engine_call(fn):
+        if not ctx.engine_loop.alive:
+            raise APIError(503, "the engine thread is not running", None, "engine_dead")
+        return await asyncio.wait_for(asyncio.wrap_future(ctx.engine_loop.call(fn)), ENGINE_CALL_TIMEOUT_S)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
+        return error(APIError(exc.status_code, str(exc.detail), None, None))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, ChatCompletionRequest)
+
+    async def generate(request: Request, model: type) -> Response:
+        start = time.perf_counter()
+        try:
+            authorize(request)
+            req = parse_request(model, await _read_body(request))
+            if req.model is not None and req.model != ctx.model_name:
+                raise APIError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
+                               "model", "model_not_found")
+            req.check_supported()
+            gen = _build(ctx, req, start)
+            await gen.submit()
+        except APIError as e:
+            return error(e)
+        except Exception as e:  # noqa: BLE001 - this request fails; the server goes on
+            logger.exception("request failed before reaching the engine")
+            return error(APIError(500, f"internal server error: {type(e).__name__}: {e}", None, "internal_error"))
+        if req.stream:
+            return _ClosingStream(gen)
+        return await answer(request, gen)
+
+    async def answer(request: Request, gen: Generation) -> Response:
+        collect = asyncio.ensure_future(gen.collect())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client went away (or the server is stopping): free the engine now
+                collect.cancel()
+                gen.abort()
+        if collect.cancelled():
+            return Response(status_code=499)
+        try:
+            return JSONResponse(collect.result())
+        except APIError as e:
+            return error(e)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("request failed while collecting its output")
+            gen.abort()
+            return error(APIError(500, f"internal server error: {type(e).__name__}: {e}", None, "internal_error"))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        try:
+            authorize(request)
+        except APIError as e:
+            return error(e)
+        card = {"id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "hyperdraft",
+                "root": args.model_path, "max_model_len": ctx.context_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if not ctx.engine_loop.alive:
+            return error(APIError(503, "the engine thread is not running", None, "engine_dead"))
+        return {"status": "ok"}
+
+    @app.get("/server_info")
+    async def server_info(request: Request):
+        try:
+            authorize(request)
+            states = await engine_call(lambda engine: [engine.internal_state()])
+        except APIError as e:
+            return error(e)
+        return {**asdict(args), "internal_states": states, "served_model_name": ctx.model_name,
+                "max_queued_requests": opts.max_queued_requests, "lossy_benchmark_mode": ctx.lossy,
+                "version": __version__}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        try:
+            authorize(request)
+            snap = await engine_call(lambda engine: engine_snapshot(engine, ctx.lossy))
+        except APIError as e:
+            return error(e)
+        return PlainTextResponse(ctx.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _build(ctx: ServerContext, req, start: float) -> Generation:
+    """Tokenize (or apply the chat template) and make one SamplingParams per choice."""
+    tok, n = ctx.tokenizer, req.num_choices
+    want_logprobs = req.logprobs is not None and req.logprobs is not False
+    echo = None
+    if isinstance(req, ChatCompletionRequest):
+        inputs = [_chat_ids(tok, req)]
+        max_new = req.requested_max_tokens or max(1, ctx.context_len - len(inputs[0]))
+    else:
+        prompts = req.prompts()
+        if isinstance(prompts[0], str):
+            if tok is None:
+                raise APIError(400, "text prompts need a tokenizer, but the server runs with --skip-tokenizer-init; "
+                                    "send token ids", "prompt", "invalid_type")
+            inputs = [tok.encode(p) for p in prompts]
+            echo = list(prompts) if req.echo else None
+        else:
+            inputs = prompts
+            if req.echo:
+                echo = [tok.decode(p) if tok is not None else "" for p in prompts]
+        max_new = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+    params = [req.sampling_params(max_new, i % n, want_logprobs) for i in range(len(inputs) * n)]
+    return Generation(ctx, req, inputs, params, start, echo)
+
+
+def _chat_ids(tok, req: ChatCompletionRequest) -> list[int]:
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages",
+                       "unsupported_parameter")
+    messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                       **(req.chat_template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateError and the like: the messages do not fit the template
+        raise APIError(400, f"the chat template rejected the messages: {e}", "messages", "invalid_value") from None
+    return tok.encode(text, add_special_tokens=False)  # the template already wrote any BOS
+
+
+async def _read_body(request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", None, "body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read, so only http.disconnect is left)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,230 @@
+"""EngineLoop: the one thread that owns the Engine.
+
+The Engine is single-threaded. Every add_request, abort and step runs on this thread, which takes commands from
+a thread-safe queue, runs a step whenever the engine has work, and sleeps on the queue when it has none (no busy
+spin). Concurrent HTTP requests therefore batch together: whatever arrived before a step joins it.
+
+Outputs go back through each request's sink, which the caller makes thread-safe (the server uses
+loop.call_soon_threadsafe). A failure while handling one request's output fails that request only. A failure
+inside a batched step cannot be pinned on one request, so it fails the requests that were running in that step;
+either way the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hyperdraft.engine.engine import Engine
+from hyperdraft.llm import meta_info
+from hyperdraft.request import Request
+from hyperdraft.sampling_params import SamplingParams
+
+logger = logging.getLogger("hyperdraft.server")
+
+
+@dataclass
+class Event:
+    """What one engine step did for one request (or how it ended)."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # of token_ids, when the request asked for logprobs
+    time: float  # time.perf_counter() on the engine thread
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    meta: dict | None = None  # hyperdraft.llm.meta_info, on the finishing event
+    error: str | None = None  # set when the request failed inside the server
+
+
+Sink = Callable[[int, Event], None]  # (choice index, event); called on the engine thread
+
+
+@dataclass
+class Submission:
+    """One HTTP request's engine requests (its choices), queued or refused together."""
+
+    input_ids: list[list[int]]
+    params: list[SamplingParams]
+    sink: Sink
+    tag: str | None = None  # the client's `user` field; only the test fault hook reads it
+
+
+class QueueFull(Exception):
+    """The request would queue beyond --max-queued-requests."""
+
+
+@dataclass
+class _Tracked:
+    req: Request
+    index: int
+    sink: Sink
+    tag: str | None
+
+
+@dataclass
+class _Command:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future | None = field(default=None)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, max_queued_requests: int | None = None,
+                 fault_hook: Callable[[str | None], None] | None = None):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.fault_hook = fault_hook  # tests: raises for a chosen tag, to check one request's failure stays isolated
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._rids = itertools.count()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="hyperdraft-engine", daemon=True)
+
+    # ---- the caller's side (any thread) -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Fail whatever is still in flight (freeing its KV), then end the thread."""
+        if self._thread.is_alive():
+            self._commands.put(_Command(self._stop))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, sub: Submission) -> concurrent.futures.Future:
+        """-> Future of the request ids; fails with ValueError (bad input) or QueueFull, having queued nothing."""
+        return self.call(lambda engine: self._add(sub))
+
+    def abort(self, rids: list[str]) -> None:
+        """Abort the given requests (a client went away); their KV is freed before the next step."""
+        self._commands.put(_Command(lambda: self._abort(rids)))
+
+    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread, between steps (engine reads for /server_info and /metrics)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Command(lambda: fn(self.engine), future))
+        if not self._thread.is_alive() and not future.done():
+            future.set_exception(RuntimeError("the engine thread is not running"))
+        return future
+
+    # ---- the engine thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            for cmd in self._next_commands(block=not self.engine.has_unfinished()):
+                self._execute(cmd)
+            if self.engine.has_unfinished() and not self._stopping:
+                self._step()
+        for t in list(self._tracked.values()):
+            self._fail(t, "the server is shutting down")
+
+    def _next_commands(self, block: bool) -> list[_Command]:
+        cmds = [self._commands.get()] if block else []  # idle: sleep here until a command arrives
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    @staticmethod
+    def _execute(cmd: _Command) -> None:
+        try:
+            result = cmd.fn()
+        except Exception as e:  # noqa: BLE001 - handed to the caller, or logged: never kills the loop
+            if cmd.future is not None:
+                cmd.future.set_exception(e)
+            else:
+                logger.exception("engine command failed")
+            return
+        if cmd.future is not None:
+            cmd.future.set_result(result)
+
+    def _stop(self) -> None:
+        self._stopping = True
+
+    def _add(self, sub: Submission) -> list[str]:
+        engine = self.engine
+        # Validate every choice before queueing any, so a refused request leaves nothing behind.
+        for ids, params in zip(sub.input_ids, sub.params):
+            params.validate(engine.model_config.vocab_size)
+            engine._check_prompt(ids)
+        self._check_queue(len(sub.input_ids))
+        added: list[Request] = []
+        try:
+            for ids, params in zip(sub.input_ids, sub.params):
+                added.append(engine.add_request(params=params, input_ids=ids, rid=f"srv-{next(self._rids)}"))
+        except Exception:
+            for req in added:
+                engine.abort(req.rid)
+            raise
+        for index, req in enumerate(added):
+            self._tracked[req.rid] = _Tracked(req, index, sub.sink, sub.tag)
+        return [req.rid for req in added]
+
+    def _check_queue(self, count: int) -> None:
+        """Requests beyond the free running slots queue; refuse the submission if that queue would exceed the limit."""
+        if self.max_queued_requests is None:
+            return
+        sched = self.engine.scheduler
+        free_slots = max(0, self.engine.args.effective_max_running_requests - len(sched.running))
+        queued = max(0, len(sched.waiting) + count - free_slots)
+        if queued > self.max_queued_requests:
+            raise QueueFull(f"the server is saturated: {len(sched.running)} requests running and {len(sched.waiting)} "
+                            f"waiting; accepting this one would queue {queued} > --max-queued-requests="
+                            f"{self.max_queued_requests}. Retry later.")
+
+    def _abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            if self._tracked.pop(rid, None) is not None:
+                self.engine.abort(rid)
+
+    def _step(self) -> None:
+        running = set(r.rid for r in self.engine.scheduler.running)
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001
+            logger.exception("engine step failed; failing the requests it ran")
+            running |= set(r.rid for r in self.engine.scheduler.running)
+            for t in [t for rid, t in self._tracked.items() if rid in running]:
+                self._fail(t, f"internal error in an engine step: {type(e).__name__}: {e}")
+            return
+        now = time.perf_counter()
+        for out in outputs:
+            t = self._tracked.get(out.req.rid)
+            if t is not None:
+                self._deliver(t, out.new_token_ids, now)
+        for t in [t for t in self._tracked.values() if t.req.finished]:  # finished outside a step's outputs
+            self._deliver(t, [], now)
+
+    def _deliver(self, t: _Tracked, new_ids: list[int], now: float) -> None:
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(t.tag)
+            req = t.req
+            logprobs = list(req.output_logprobs[-len(new_ids):]) if new_ids and req.params.return_logprob else []
+            event = Event(list(new_ids), logprobs, now, req.finished, req.finish_reason,
+                          meta_info(req) if req.finished else None)
+            if req.finished:
+                del self._tracked[req.rid]
+            t.sink(t.index, event)
+        except Exception as e:  # noqa: BLE001 - this request fails; the others go on
+            logger.exception("handling the output of %s failed", t.req.rid)
+            self._fail(t, f"internal error: {type(e).__name__}: {e}")
+
+    def _fail(self, t: _Tracked, message: str) -> None:
+        self._tracked.pop(t.req.rid, None)
+        try:
+            self.engine.abort(t.req.rid)  # frees its KV now
+        except Exception:  # noqa: BLE001
+            logger.exception("aborting %s failed", t.req.rid)
+        try:
+            t.sink(t.index, Event([], [], time.perf_counter(), True, "error", error=message))
+        except Exception:  # noqa: BLE001 - the receiving side is gone (shutdown)
+            pass

@@ -1,0 +1,64 @@
+"""Start the server: build the engine, start its thread, run uvicorn until SIGINT / SIGTERM, then stop cleanly."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+
+from hyperdraft.config import EngineArgs
+from hyperdraft.server.options import ServeOptions, check_lossy, lossy_requested
+
+logger = logging.getLogger("hyperdraft.server")
+
+# Tests only: a request whose OpenAI `user` field equals this variable's value fails inside the engine thread when
+# its first output is handled (while it holds KV), to check that one request's internal error stays its own.
+FAULT_ENV = "HYPERDRAFT_TEST_FAULT_USER"
+
+
+def _fault_hook():
+    marker = os.environ.get(FAULT_ENV)
+    if not marker:
+        return None
+
+    def hook(tag: str | None) -> None:
+        if tag == marker:
+            raise RuntimeError(f"fault injected for user={marker!r} (${FAULT_ENV})")
+
+    return hook
+
+
+def serve(args: EngineArgs, opts: ServeOptions) -> None:
+    try:
+        import uvicorn
+
+        from hyperdraft.server.app import create_app
+    except ImportError as e:
+        raise ValueError(f"`hyperdraft serve` needs fastapi and uvicorn ({e}); install them with "
+                         "pip install 'hyperdraft[serve]'") from None
+    from hyperdraft.engine.engine import Engine
+    from hyperdraft.server.engine_loop import EngineLoop
+    from hyperdraft.server.generation import ServerContext
+    from hyperdraft.server.metrics import ServerMetrics
+
+    check_lossy(lossy_requested(args), opts)  # before loading anything
+    engine = Engine(args)
+    lossy = getattr(engine.spec, "simulate_accept_rate", None) is not None
+    check_lossy(lossy, opts)
+    loop = EngineLoop(engine, opts.max_queued_requests, _fault_hook())
+    ctx = ServerContext(loop, copy.deepcopy(engine.tokenizer), ServerMetrics(),
+                        opts.served_model_name or args.model_path, engine.context_len, lossy or lossy_requested(args))
+    app = create_app(ctx, args, opts)
+    config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=args.log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    loop.start()
+    print(f"hyperdraft: serving {ctx.model_name} at http://{opts.host}:{opts.port}"
+          + (" (LOSSY BENCHMARK MODE)" if ctx.lossy else ""), file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        loop.stop()
+    if not server.started:
+        raise OSError(f"could not serve on {opts.host}:{opts.port} (see the log above)")

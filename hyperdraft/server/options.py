@@ -1,0 +1,59 @@
+"""The `serve` flags (besides every engine flag) and the lossy-benchmark-mode guard. No fastapi import here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+SIMULATE_ENV = "HYPERDRAFT_SIMULATE_ACCEPT_RATE"  # the engine's environment switch for simulated acceptance
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    served_model_name: str | None = None
+    allow_lossy_benchmark_mode: bool = False
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    group.add_argument("--port", type=int, default=30000, help="port to bind (default: 30000)")
+    group.add_argument("--api-key", metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise)")
+    group.add_argument("--max-queued-requests", type=int, metavar="N",
+                       help="answer 503 to a request that would make more than N requests wait for a running slot "
+                            "(default: no limit)")
+    group.add_argument("--served-model-name", metavar="NAME",
+                       help="the model id clients must name (default: the model path)")
+    group.add_argument("--allow-lossy-benchmark-mode", action="store_true",
+                       help="allow --speculative-simulate-accept-rate (or $%s): simulated acceptance changes the "
+                            "outputs, so the server refuses it unless this is given, and marks every answer "
+                            "with \"lossy_benchmark_mode\": true" % SIMULATE_ENV)
+
+
+def serve_options_from_namespace(ns: argparse.Namespace) -> ServeOptions:
+    if not 1 <= ns.port <= 65535:
+        raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
+    if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
+    if ns.api_key is not None and not ns.api_key:
+        raise ValueError("--api-key must not be empty")
+    return ServeOptions(ns.host, ns.port, ns.api_key, ns.max_queued_requests, ns.served_model_name,
+                        ns.allow_lossy_benchmark_mode)
+
+
+def lossy_requested(args) -> bool:
+    """Simulated acceptance asked for, by the engine flag (when this build has it) or its environment variable."""
+    return getattr(args, "speculative_simulate_accept_rate", None) is not None or bool(os.environ.get(SIMULATE_ENV))
+
+
+def check_lossy(lossy: bool, opts: ServeOptions) -> None:
+    if lossy and not opts.allow_lossy_benchmark_mode:
+        raise ValueError("speculative_simulate_accept_rate (or $%s) simulates acceptance, so outputs are not the "
+                         "model's: the server refuses to start with it unless --allow-lossy-benchmark-mode is given"
+                         % SIMULATE_ENV)

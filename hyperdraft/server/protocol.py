@@ -1,0 +1,233 @@
+"""Request models of the OpenAI API subset we serve, their validation, and OpenAI's error shape.
+
+Requests are parsed strictly (no "5" -> 5 coercion), so a wrong type is a 400 naming the field, as is a value
+out of range. Range checks mirror SamplingParams.validate, which the engine runs again as the backstop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hyperdraft.sampling_params import SamplingParams
+
+MAX_N = 64  # choices per request: n samples of each prompt
+# SamplingParams field -> the OpenAI request field a client set, for engine errors that name the former
+ENGINE_TO_API_FIELD = {"max_new_tokens": "max_tokens", "return_logprob": "logprobs", "input_ids": "prompt"}
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Model(BaseModel):
+    # Unknown fields are ignored (clients send newer OpenAI fields); unsupported known ones are refused below.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Sampling(_Model):
+    """Fields shared by /v1/completions and /v1/chat/completions. None means "the default"."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def sampling_params(self, max_new_tokens: int, choice: int, logprobs: bool) -> SamplingParams:
+        """The engine parameters of one choice. With a seed and n > 1, choice i uses seed + i, so the n samples
+        differ (one shared seed would make them identical) and each stays reproducible."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        values = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                      frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                      repetition_penalty=self.repetition_penalty, stop_token_ids=self.stop_token_ids)
+        values = {k: v for k, v in values.items() if v is not None}
+        seed = None if self.seed is None else self.seed + choice
+        return SamplingParams(max_new_tokens=max_new_tokens, stop=stop or None, seed=seed, ignore_eos=self.ignore_eos,
+                              skip_special_tokens=self.skip_special_tokens, return_logprob=logprobs, **values)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise unsupported("logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
+        if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
+            raise APIError(400, "stop strings must be non-empty", "stop", "invalid_value")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise unsupported("suffix")
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise unsupported("best_of", "best_of must equal n (or be omitted): choices are not ranked")
+        if self.logprobs:
+            raise unsupported("logprobs", "logprobs must be 0 or omitted: the engine returns the chosen token's "
+                                          "logprob only, not the top alternatives")
+        if self.echo and self.logprobs is not None:
+            raise unsupported("echo", "echo with logprobs is not supported: prompt logprobs are not computed")
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """A list of text prompts or a list of token-id prompts."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        if not p:
+            raise APIError(400, "prompt is empty", "prompt", "invalid_value")
+        return list(p)
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, name, ...: handed to the chat template
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def template_dict(self, index: int) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise APIError(400, "only text content parts are supported", f"messages[{index}].content",
+                               "unsupported_parameter")
+            content = "".join(part.text for part in content)
+        return {**(self.model_extra or {}), "role": self.role, "content": content if content is not None else ""}
+
+
+class ResponseFormat(_Model):
+    type: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs:
+            raise unsupported("top_logprobs", "top_logprobs must be 0 or omitted: the engine returns the chosen "
+                                              "token's logprob only")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs", "invalid_value")
+        if self.tools:
+            raise unsupported("tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise unsupported("response_format", "response_format must be {\"type\": \"text\"}")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def unsupported(field: str, message: str | None = None) -> APIError:
+    return APIError(400, message or f"{field} is not supported by this server", field, "unsupported_parameter")
+
+
+def parse_request(model: type[_Model], body: bytes) -> Any:
+    """Parse and validate a JSON body; every failure is an APIError(400) naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _to_api_error(e) from None
+
+
+def _to_api_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    kind, loc = err["type"], err["loc"]
+    if kind == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err['msg']}", None, "invalid_json")
+    if not loc:
+        return APIError(400, "the request body must be a JSON object", None, "invalid_type")
+    param = _param(loc)
+    if kind == "missing":
+        return APIError(400, f"{param} is required", param, "missing_required_parameter")
+    if param == "prompt":
+        return APIError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of "
+                             "token-id lists", param, "invalid_type")
+    got = err.get("input")
+    got_text = "" if isinstance(got, (dict, list)) else f", got {got!r}"
+    code = "invalid_value" if kind in _RANGE_ERRORS else "invalid_type"
+    return APIError(400, f"{param}: {err['msg']}{got_text}", param, code)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long"}
+
+
+def _param(loc: tuple) -> str:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content'; pydantic's union-member tags are dropped."""
+    out = str(loc[0])
+    for part in loc[1:]:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}"
+        else:
+            break  # a union member tag such as 'list[int]': the field path ends here
+    return out
+
+
+def engine_error(e: ValueError, prompt_field: str) -> APIError:
+    """An engine ValueError ("<field> must be ...", "prompt has N tokens ...") as a 400 naming the API field."""
+    message = str(e)
+    first = message.split(" ", 1)[0].strip(":,")
+    if first in ("prompt", "input_ids"):
+        too_long = "context length" in message or "max_total_tokens" in message
+        return APIError(400, message, prompt_field, "context_length_exceeded" if too_long else "invalid_value")
+    return APIError(400, message, ENGINE_TO_API_FIELD.get(first, first if first.isidentifier() else None),
+                    "invalid_value")
+
