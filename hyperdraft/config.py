@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 ALIASES = {"model": "model_path", "tokenizer": "tokenizer_path", "speculative_draft_model": "speculative_draft_model_path"}
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -36,8 +36,10 @@ class EngineArgs:
     max_running_requests: int | None = _opt(None, "most requests decoding at once (default 256)")
     chunked_prefill_size: int | None = _opt(None, "prefill tokens per step; -1 disables chunking (default 8192)")
     random_seed: int = _opt(0, "seed for requests that set no seed of their own")
-    attention_backend: str | None = _opt(None, "attention implementation", choices=ATTENTION_BACKENDS)
+    attention_backend: str | None = _opt(None, "attention implementation: triton (the default on CUDA) or torch (the default on CPU, and the reference)", choices=ATTENTION_BACKENDS)
     log_level: str = _opt("warning", "logging level")
+    disable_cuda_graph: bool = _opt(False, "run every forward eagerly (no CUDA graphs)")
+    cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default 64, capped by max_running_requests)")
     # ---- speculative decoding (SGLang names) ----
     speculative_algorithm: str | None = _opt(None, "NGRAM or STANDALONE (EAGLE, EAGLE3, NEXTN: not yet supported)")
     speculative_draft_model_path: str | None = _opt(None, "draft model directory for STANDALONE (alias: --speculative-draft-model)")
@@ -66,6 +68,8 @@ class EngineArgs:
             bad("max_running_requests", "an integer >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             bad("chunked_prefill_size", "-1 (disabled) or an integer >= 1")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            bad("cuda_graph_max_bs", "an integer >= 1")
         if self.context_length is not None and self.context_length < 2:
             bad("context_length", "an integer >= 2")
         if self.dtype not in DTYPE_CHOICES:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 
 import torch
 
 from hyperdraft.config import EngineArgs
+from hyperdraft.engine.graph_runner import EMULATE_GRAPHS_ENV, GraphRunner, default_batch_sizes, graph_plan
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.scheduler import Scheduler, StepOutput
@@ -28,6 +30,7 @@ from hyperdraft.spec.spec_worker import SpecWorker
 logger = logging.getLogger("hyperdraft")
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+DEFAULT_GRAPH_MAX_BS = 64
 
 
 def resolve_device(name: str) -> torch.device:
@@ -110,9 +113,10 @@ class Engine:
             max_pages_per_row=-(-(self.context_len + decode_reserve) // args.page_size),
             device=self.device,
         )
-        backend = args.attention_backend or "torch"
+        backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.runner = ModelRunner(model, self.page_table, backend)
         self.worker = self._make_worker(draft, backend)
+        self._capture_graphs(backend)
         eos = self.model_config.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ())
         chunk = args.effective_chunked_prefill_size
         self.scheduler = Scheduler(
@@ -152,6 +156,24 @@ class Engine:
         else:
             proposer = NgramProposer(self.spec.ngram_min_window, self.spec.ngram_max_window, self.device)
         return SpecWorker(self.runner, proposer, self.spec)
+
+    def _capture_graphs(self, backend: str) -> None:
+        """CUDA graphs for every runner and shape the configured tiers can run (engine/graph_runner.py)."""
+        emulate = self.device.type == "cpu" and os.environ.get(EMULATE_GRAPHS_ENV) == "1"
+        if self.args.disable_cuda_graph or not (emulate or self.device.type == "cuda"):
+            return
+        if not emulate and backend != "triton":
+            logger.warning("CUDA graphs need attention_backend='triton' (the torch backend builds its metadata on "
+                           "the host); running eagerly")
+            return
+        max_bs = min(self.args.cuda_graph_max_bs or DEFAULT_GRAPH_MAX_BS, self.args.effective_max_running_requests)
+        sizes = default_batch_sizes(max_bs)
+        if self.spec is not None and self.spec.adaptive is not None:
+            self.worker.tiers.graph_batch_sizes = sizes  # route each batch by the graph that will run it
+        for runner, mode_shapes, layers in graph_plan(self.spec, self.worker, sizes):
+            runner.graphs = GraphRunner(runner, sizes, emulate=emulate)
+            for mode, shapes in mode_shapes.items():
+                runner.graphs.capture(shapes, mode, layers)
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -36,9 +36,20 @@ class ModelRunner:
         num_slots = page_table.num_pages * page_table.page_size
         self.pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.backend = make_attention_backend(attention_backend, self.pool, page_table)
+        self.graphs = None  # a GraphRunner once CUDA graphs are captured (engine/graph_runner.py)
+
+    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Replay a captured graph when one fits the batch, else run eagerly. Either way the caller gets the
+        outputs of the path that ran, and nothing else."""
+        if self.graphs is not None:
+            key = self.graphs.match(fb, capture_layers)
+            if key is not None:
+                with torch.inference_mode():
+                    return self.graphs.replay(fb, key)
+        return self.forward_eager(fb, capture_layers)
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
         meta = self.backend.plan(fb)
 
         def attn(layer_id, q, k, v):

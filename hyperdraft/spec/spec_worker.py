@@ -46,6 +46,11 @@ class SpecWorker:
         self.vocab_size = runner.config.vocab_size
         self.device = runner.device
 
+    def uniform_chain_rows(self, batch_size: int) -> bool:
+        """Feed every chain request the tier's full width, so the verify forward has a captured graph's shape."""
+        graphs = self.runner.graphs
+        return graphs is not None and graphs.sizes and batch_size <= graphs.batch_sizes[-1]
+
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
         decodes, prefills = batch.decodes, batch.prefills
         assert all(a is b for a, b in zip(batch.items, decodes + prefills)), "the scheduler puts decodes first"
@@ -126,13 +131,20 @@ class ChainRound:
         self.w, self.reqs, self.sb, self.tier = worker, reqs, sb, tier
         self.proposal: Proposal = worker.proposer.propose(reqs, tier.steps, sb)
         self.proposal.lens = [min(k, m) for k, m in zip(self.proposal.lens, worker.room(reqs))]
+        # Rows fed per request: each request's own drafts, or, where a captured verify graph can run the batch,
+        # every request the tier's full width (the rows past a request's drafts are verified and ignored; past
+        # its reserved room they write to the padding page).
+        uniform = worker.uniform_chain_rows(len(reqs))
+        if uniform and self.proposal.max_len < tier.steps:
+            self.proposal.tokens = torch.nn.functional.pad(self.proposal.tokens, (0, tier.steps - self.proposal.max_len))
         k1 = self.proposal.max_len + 1
-        self.flat_index = torch.tensor([b * k1 + j for b, k in enumerate(self.proposal.lens) for j in range(k + 1)],
+        self.rows_fed = [k1 - 1] * len(reqs) if uniform else self.proposal.lens
+        self.flat_index = torch.tensor([b * k1 + j for b, k in enumerate(self.rows_fed) for j in range(k + 1)],
                                        dtype=torch.int64, device=worker.device)
         self.num_rows = self.flat_index.shape[0]
 
     def inputs(self) -> list[ForwardInput]:
-        return [ForwardInput(r.row, r.num_computed, [0] * (1 + k), 1 + k) for r, k in zip(self.reqs, self.proposal.lens)]
+        return [ForwardInput(r.row, r.num_computed, [0] * (1 + k), 1 + k) for r, k in zip(self.reqs, self.rows_fed)]
 
     def packed_ids(self) -> torch.Tensor:
         grid = torch.cat([_last_tokens(self.reqs, self.w.device)[:, None], self.proposal.tokens], 1)  # [B, K+1]
@@ -159,7 +171,7 @@ class ChainRound:
             num_accepted, tokens = simulate_chain(p, self.proposal.tokens, lens, alpha, self.sb.seeds, self.sb.positions)
         logprobs = torch.log_softmax(logits, -1).gather(1, tokens.view(-1, 1)).view(bsz, k + 1)
         if target_hidden is not None:  # verify row j of request b sits at packed row start_b + j
-            starts = torch.tensor([0] + [1 + k for k in self.proposal.lens[:-1]], device=grid.device).cumsum(0)
+            starts = torch.tensor([0] + [1 + k for k in self.rows_fed[:-1]], device=grid.device).cumsum(0)
             rows = (starts[:, None] + torch.arange(k + 1, device=grid.device)).clamp_max(self.num_rows - 1)
             self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
         return [num_accepted, tokens, logprobs]

@@ -1,0 +1,222 @@
+"""GraphRunner: captured forwards of one ModelRunner, replayed for batches that fit a captured shape.
+
+A graph is captured per GraphShape (tokens per request q, tail-mask width W, padded batch size). It runs the
+ModelRunner's whole forward (attention plan, every layer, logits) on static input buffers. A batch fits when
+every request feeds exactly q tokens, every token's logits are wanted, its tail mask has width W (0 = causal),
+and its batch size is at most the largest captured size; it is padded up to the next captured size. Anything
+else runs eagerly.
+
+Where outputs live (the bug class of SGLang's graph/eager disagreements): ModelRunner.forward returns ONE
+ForwardOutput, taken from whichever path ran, and every consumer reads only that. Graph outputs are views of
+static buffers: they stay valid until this runner's next forward, and callers that keep them longer copy them.
+
+Padding rows (batch entries past the real ones) read page-table row 0 (reads are harmless) and write their K/V to
+slot 0, the padding page; their inputs are reset on every replay, so a larger previous batch never leaves real
+slots in them.
+
+emulate=True (CPU tests, HYPERDRAFT_EMULATE_CUDA_GRAPH=1) keeps the static buffers, padding and output slicing but
+runs the forward eagerly on the static buffers: the graph bookkeeping is tested where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hyperdraft.engine.forward_batch import ForwardBatch
+
+logger = logging.getLogger("hyperdraft")
+EMULATE_GRAPHS_ENV = "HYPERDRAFT_EMULATE_CUDA_GRAPH"
+
+
+@dataclass(frozen=True, order=True)
+class GraphShape:
+    tokens_per_req: int  # q: 1 for decode, the verify width for target verify
+    mask_width: int  # W of the [B, q, W] tail mask; 0 = plain causal (no mask)
+
+
+def default_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8 up to max_bs (and max_bs itself)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_bs] + list(range(8, max_bs + 1, 8))
+    return sorted(set(sizes + [max_bs]))
+
+
+class _StaticInputs:
+    """Input buffers for the largest batch of one GraphShape; smaller graphs use leading views."""
+
+    def __init__(self, shape: GraphShape, max_bs: int, device):
+        q, n = shape.tokens_per_req, max_bs * shape.tokens_per_req
+        as_long = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(n, **as_long)
+        self.positions = torch.zeros(n, **as_long)
+        self.out_slots = torch.zeros(n, **as_long)
+        self.req_rows = torch.zeros(max_bs, **as_long)
+        self.seq_lens = torch.full((max_bs,), q, dtype=torch.int32, device=device)
+        self.extend_starts = torch.arange(0, n, q, dtype=torch.int32, device=device)
+        self.extend_lens = torch.full((max_bs,), q, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(n, **as_long)
+        self.tail_mask = None
+        if shape.mask_width:
+            self.causal_rows = torch.ones(q, shape.mask_width, dtype=torch.bool, device=device).tril(shape.mask_width - q)
+            self.tail_mask = self.causal_rows.repeat(max_bs, 1, 1)
+
+    def batch(self, mode, bs: int, q: int, max_seq_len: int, prefix_lens: list[int]) -> ForwardBatch:
+        n = bs * q
+        return ForwardBatch(
+            mode=mode, input_ids=self.input_ids[:n], positions=self.positions[:n], out_slots=self.out_slots[:n],
+            req_rows=self.req_rows[:bs], prefix_lens=prefix_lens, extend_lens=[q] * bs,
+            logits_indices=self.logits_indices[:n], tail_mask=None if self.tail_mask is None else self.tail_mask[:bs],
+            seq_lens_t=self.seq_lens[:bs], extend_starts_t=self.extend_starts[:bs], extend_lens_t=self.extend_lens[:bs],
+            max_extend_len=q, max_seq_len=max_seq_len,
+        )
+
+    def fill(self, fb: ForwardBatch, bs: int, q: int) -> None:
+        """Copy the real batch in and reset the padding rows (device-to-device copies, no sync)."""
+        real, n = fb.batch_size, fb.batch_size * q
+        self.input_ids[:n].copy_(fb.input_ids)
+        self.positions[:n].copy_(fb.positions)
+        self.out_slots[:n].copy_(fb.out_slots)
+        self.req_rows[:real].copy_(fb.req_rows)
+        self.seq_lens[:real].copy_(fb.seq_lens_t)
+        if fb.tail_mask is not None:
+            self.tail_mask[:real].copy_(fb.tail_mask)
+        if bs > real:
+            self.input_ids[n : bs * q].zero_()
+            self.positions[n : bs * q].zero_()
+            self.out_slots[n : bs * q].zero_()  # padding writes land in the padding page, never a real slot
+            self.req_rows[real:bs].zero_()
+            self.seq_lens[real:bs].fill_(q)
+            if self.tail_mask is not None:
+                self.tail_mask[real:bs] = self.causal_rows
+
+
+class GraphRunner:
+    def __init__(self, runner, batch_sizes: list[int], emulate: bool = False):
+        self.runner = runner
+        self.batch_sizes = sorted(batch_sizes)
+        self.emulate = emulate
+        self.max_seq_len = runner.page_table.max_pages_per_row * runner.page_table.page_size
+        self.inputs: dict[GraphShape, _StaticInputs] = {}
+        self.sizes: dict[GraphShape, list[int]] = {}
+        self.graphs: dict[tuple[GraphShape, int], object] = {}
+        self.outputs: dict[tuple[GraphShape, int], object] = {}
+        self.capture_layers: tuple[int, ...] = ()
+        self.pool = None
+        self.num_replays = 0  # tests and logs: how many forwards a graph served
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    # ---- capture ------------------------------------------------------------------------------------------------
+    def capture(self, shapes: dict[GraphShape, list[int]], mode, capture_layers: tuple[int, ...] = ()) -> None:
+        """Capture every (shape, batch size); sizes per shape (adaptive tiers route only some sizes to a tier)."""
+        self.capture_layers = capture_layers
+        device = self.runner.device
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(device)[0] if not self.emulate else 0
+        for shape, sizes in sorted(shapes.items()):
+            sizes = sorted(s for s in sizes if s <= self.batch_sizes[-1])
+            if not sizes:
+                continue
+            self.sizes[shape] = sizes
+            self.inputs[shape] = _StaticInputs(shape, sizes[-1], device)
+            for bs in reversed(sizes):  # largest first, so smaller graphs reuse its pool memory
+                self._capture_one(shape, bs, mode)
+        if not self.emulate:
+            torch.cuda.synchronize(device)
+            self.capture_bytes += free_before - torch.cuda.mem_get_info(device)[0]
+        self.capture_seconds += time.perf_counter() - start
+        logger.info("%s graphs of %s (%s): %d captured in %.1f s, %.1f MiB so far", "emulated" if self.emulate else "CUDA",
+                    type(self.runner.model).__name__, mode.value, len(self.outputs), self.capture_seconds,
+                    self.capture_bytes / 2**20)
+
+    def _capture_one(self, shape: GraphShape, bs: int, mode) -> None:
+        static = self.inputs[shape]
+        fb = static.batch(mode, bs, shape.tokens_per_req, self.max_seq_len, [0] * bs)
+        key = (shape, bs)
+        if self.emulate:
+            self.outputs[key] = None
+            return
+        stream = torch.cuda.Stream(self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: lazy initialisation and Triton compilation happen outside the graph
+                self.runner.forward_eager(fb, self.capture_layers)
+        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            self.outputs[key] = self.runner.forward_eager(fb, self.capture_layers)
+        self.graphs[key] = graph
+
+    # ---- replay -------------------------------------------------------------------------------------------------
+    def match(self, fb: ForwardBatch, capture_layers: tuple[int, ...]) -> tuple[GraphShape, int] | None:
+        """The (shape, padded batch size) that can run fb, or None (run it eagerly)."""
+        if not self.sizes or capture_layers != self.capture_layers or fb.batch_size == 0:
+            return None
+        q = fb.max_extend_len
+        if fb.num_tokens != fb.batch_size * q or fb.logits_indices.shape[0] != fb.num_tokens:
+            return None  # ragged (prefill chunks, variable drafts) or logits for only some tokens
+        width = 0 if fb.tail_mask is None else fb.tail_mask.shape[2]
+        if fb.tail_mask is not None and fb.tail_mask.shape[1] != q:
+            return None
+        shape = GraphShape(q, width)
+        sizes = self.sizes.get(shape)
+        if sizes is None or fb.batch_size > sizes[-1]:
+            return None
+        return shape, sizes[bisect.bisect_left(sizes, fb.batch_size)]
+
+    def replay(self, fb: ForwardBatch, key: tuple[GraphShape, int]):
+        shape, bs = key
+        q, real = shape.tokens_per_req, fb.batch_size
+        static = self.inputs[shape]
+        static.fill(fb, bs, q)
+        self.num_replays += 1
+        if self.emulate:  # the same buffers and padding, run eagerly; the torch backend reads the host lists
+            padded = static.batch(fb.mode, bs, q, self.max_seq_len, fb.prefix_lens + [0] * (bs - real))
+            fresh = self.runner.forward_eager(padded, self.capture_layers)
+            out = self.outputs[key]
+            if out is None:  # the first replay's tensors become this key's static outputs ...
+                out = self.outputs[key] = fresh
+            else:  # ... which later replays overwrite in place, as a graph does: a consumer keeping a view is caught
+                for dst, src in zip([out.logits, out.hidden, *out.captured], [fresh.logits, fresh.hidden, *fresh.captured]):
+                    dst.copy_(src)
+        else:
+            self.graphs[key].replay()
+            out = self.outputs[key]
+        n = real * q
+        return type(out)(out.logits[:n], out.hidden[:n], [c[:n] for c in out.captured])
+
+
+def graph_plan(spec, worker, sizes: list[int]) -> list[tuple[object, dict, tuple[int, ...]]]:
+    """-> [(runner, {mode: {GraphShape: batch sizes}}, capture_layers)]: what to capture, per model.
+
+    Target: one-token decodes without speculation (or for a steps-0 tier); otherwise each tier's verify width,
+    for the batch sizes that can route to that tier. A STANDALONE draft model: its one-token draft steps."""
+    from hyperdraft.engine.forward_batch import ForwardMode
+
+    if spec is None:
+        return [(worker.runner, {ForwardMode.DECODE: {GraphShape(1, 0): sizes}}, ())]
+    tiers = spec.adaptive.candidate_union() if spec.adaptive is not None else [worker.tiers.tier]
+    verify: dict[GraphShape, list[int]] = {}
+    decode: dict[GraphShape, list[int]] = {}
+    for tier in tiers:
+        tier_sizes = sizes
+        if spec.adaptive is not None:
+            tier_sizes = worker.tiers.graph_sizes_for_steps(tier.steps) or []
+        if tier.steps == 0:
+            decode[GraphShape(1, 0)] = sorted(set(decode.get(GraphShape(1, 0), [])) | set(tier_sizes))
+            continue
+        q = tier.num_draft_tokens
+        shape = GraphShape(q, q if tier.is_tree else 0)
+        verify[shape] = sorted(set(verify.get(shape, [])) | set(tier_sizes))
+    layers = tuple(getattr(worker.proposer, "capture_layers", ()))
+    plan = [(worker.runner, {ForwardMode.DECODE: decode, ForwardMode.TARGET_VERIFY: verify}, layers)]
+    draft_runner = getattr(worker.proposer, "runner", None)
+    if draft_runner is not None and any(t.steps > 0 for t in tiers):
+        plan.append((draft_runner, {ForwardMode.DECODE: {GraphShape(1, 0): sizes}}, ()))
+    return plan

@@ -1,0 +1,150 @@
+"""CUDA-graph bookkeeping, tested on CPU through emulation (HYPERDRAFT_EMULATE_CUDA_GRAPH=1).
+
+Emulated graphs keep everything a real graph has except the capture itself: static input buffers sized per shape,
+padding up to the next captured batch size, padding rows reset on every replay, and static OUTPUT buffers that
+each replay overwrites in place. So a consumer that reads from the wrong path, or keeps a view of a graph output
+past the next forward, gives wrong tokens here as it would on a GPU.
+
+Each case runs batches that start above cuda_graph_max_bs (eager) and shrink below it as requests finish (graph
+replays at padded sizes), and checks greedy output token for token against plain decoding without graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperdraft.engine.forward_batch import ForwardMode, build_forward_batch, ForwardInput
+from hyperdraft.engine.graph_runner import EMULATE_GRAPHS_ENV, GraphRunner, GraphShape, default_batch_sizes
+from hyperdraft import LLM
+from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+from hyperdraft.testing.tiny import make_tiny_model
+from spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
+
+NEW_TOKENS = [2, 17, 5, 11, 24, 8, 14, 3, 20, 9]  # requests finish at different steps: batch sizes 10 .. 1
+_REF: dict = {}
+
+CASES = {
+    "plain": {},
+    "ngram": dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5),
+    "standalone-chain": dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, draft="draft_wide_noisy"),
+    "standalone-tree": dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, speculative_eagle_topk=2,
+                            speculative_num_draft_tokens=6, draft="draft_wide_noisy"),
+    "eagle3-chain": dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1, draft="eagle3",
+                         target="target6"),
+    "eagle3-tree": dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=2,
+                        speculative_num_draft_tokens=6, draft="eagle3", target="target6"),
+    "adaptive": dict(speculative_algorithm="STANDALONE", speculative_adaptive=True, draft="draft_wide_noisy"),
+}
+
+
+@pytest.fixture(scope="module")
+def models(spec_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("graph_models")
+    target6 = make_tiny_model(str(root / "target6"), "llama", num_hidden_layers=6)  # EAGLE-3 reads 3 target layers
+    return dict(spec_models, target6=target6, eagle3=write_random_eagle_checkpoint(str(root / "e3"), target6, kind="eagle3"))
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+
+
+def _engine_args(models, case: dict, **extra) -> dict:
+    args = {k: v for k, v in case.items() if k not in ("draft", "target")}
+    if "draft" in case:
+        args["speculative_draft_model_path"] = models[case["draft"]]
+    return {**args, **extra}
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_graphs_match_eager_and_spec_off(models, llm_factory, emulated_graphs, name, page_size):
+    prompts, params = mixed_prompts(len(NEW_TOKENS), seed=31, max_len=60), [greedy(n) for n in NEW_TOKENS]
+    target = CASES[name].get("target", "target")
+    if target not in _REF:
+        _REF[target] = gen(LLM(models[target], device="cpu", dtype="float32"), prompts, params)
+    refs = _REF[target]
+    llm = llm_factory(models[target], page_size=page_size, cuda_graph_max_bs=4, **_engine_args(models, CASES[name]))
+    outs = gen(llm, prompts, params)
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert o.token_ids == r.token_ids, f"{name} request {i}"
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.num_replays > 0, "no forward ran through a graph"
+    assert max(graphs.batch_sizes) == 4
+    draft_runner = getattr(llm.engine.worker, "proposer", None)
+    draft_runner = getattr(draft_runner, "runner", None)
+    if draft_runner is not None:  # STANDALONE: the draft model's one-token steps run from its own graphs
+        assert draft_runner.graphs is not None and draft_runner.graphs.num_replays > 0
+
+
+def test_disable_cuda_graph(models, llm_factory, emulated_graphs):
+    llm = llm_factory(models["target"], disable_cuda_graph=True)
+    assert llm.engine.runner.graphs is None
+
+
+def test_without_emulation_cpu_runs_eagerly(models, llm_factory):
+    assert llm_factory(models["target"]).engine.runner.graphs is None
+
+
+def test_verify_graph_buffers_follow_each_tier(models, llm_factory, emulated_graphs):
+    # Adaptive (SGLang's default ladder, chains, steps 0 for large batches): one shape per tier, captured only for the
+    # batch sizes whose slot can run that tier; the largest shape's buffers exist from the start.
+    llm = llm_factory(models["target"], cuda_graph_max_bs=16, max_running_requests=16,
+                      **_engine_args(models, CASES["adaptive"]))
+    graphs, tiers = llm.engine.runner.graphs, llm.engine.worker.tiers
+    expected = {}
+    for tier in llm.engine.spec.adaptive.candidate_union():
+        sizes = tiers.graph_sizes_for_steps(tier.steps)
+        if sizes:  # steps 0 = no speculation: a one-token decode graph
+            expected[GraphShape(tier.num_draft_tokens if tier.steps else 1, 0)] = sizes
+    assert graphs.sizes == expected
+    widest = max(expected, key=lambda s: s.tokens_per_req)
+    assert graphs.inputs[widest].input_ids.shape[0] == max(expected[widest]) * widest.tokens_per_req
+
+
+def test_padding_rows_are_reset_between_replays(models, llm_factory, emulated_graphs):
+    """A batch of 4 then a batch of 3 padded to 4: the padding row must write to slot 0 (the padding page), never
+    to the slot the previous batch's 4th request used."""
+    llm = llm_factory(models["target"], cuda_graph_max_bs=4, max_total_tokens=256)
+    engine = llm.engine
+    graphs: GraphRunner = engine.runner.graphs
+    rows = [engine.page_table.acquire_row() for _ in range(4)]
+    try:
+        for r in rows:
+            assert engine.page_table.reserve(r, 8)
+        inputs = [ForwardInput(r, 3, [5], 1) for r in rows]
+        four = build_forward_batch(ForwardMode.DECODE, inputs, engine.page_table, engine.device)
+        three = build_forward_batch(ForwardMode.DECODE, inputs[:3], engine.page_table, engine.device)
+        assert graphs.match(four, ())[1] == 4 and graphs.match(three, ())[1] == 4
+        engine.runner.forward(four)
+        slot_of_fourth = four.out_slots[3].item()
+        before = engine.runner.pool.k[:, slot_of_fourth].clone()
+        out = engine.runner.forward(three)
+        static = graphs.inputs[GraphShape(1, 0)]
+        assert static.out_slots[3].item() == 0 and static.req_rows[3].item() == 0
+        assert torch.equal(engine.runner.pool.k[:, slot_of_fourth], before)
+        assert out.logits.shape[0] == 3 and out.hidden.shape[0] == 3
+    finally:
+        for r in rows:
+            engine.page_table.release_row(r)
+
+
+def test_batches_that_do_not_fit_run_eagerly(models, llm_factory, emulated_graphs):
+    llm = llm_factory(models["target"], cuda_graph_max_bs=2, max_total_tokens=256)
+    engine = llm.engine
+    graphs = engine.runner.graphs
+    rows = [engine.page_table.acquire_row() for _ in range(3)]
+    try:
+        for r in rows:
+            assert engine.page_table.reserve(r, 8)
+        decode3 = build_forward_batch(ForwardMode.DECODE, [ForwardInput(r, 3, [5], 1) for r in rows], engine.page_table,
+                                      engine.device)
+        ragged = build_forward_batch(ForwardMode.EXTEND, [ForwardInput(rows[0], 0, [1, 2, 3], 1),
+                                                          ForwardInput(rows[1], 3, [5], 1)], engine.page_table, engine.device)
+        assert graphs.match(decode3, ()) is None  # above the largest captured size
+        assert graphs.match(ragged, ()) is None  # a prefill chunk beside a decode
+        assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    finally:
+        for r in rows:
+            engine.page_table.release_row(r)
