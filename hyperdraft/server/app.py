@@ -8,8 +8,10 @@ aborts it: a stream through the response's close, a non-stream answer through a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
+import sys
 import time
 from dataclasses import asdict
 
@@ -46,7 +48,17 @@ class _ClosingStream(StreamingResponse):
 
 
 def create_app(ctx: ServerContext, args: EngineArgs, opts: ServeOptions) -> FastAPI:
-    app = FastAPI(title="hyperdraft", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # The engine thread lives exactly as long as the app: uvicorn runs this shutdown on SIGINT / SIGTERM, so
+        # in-flight requests are failed and their KV freed before the process exits.
+        ctx.engine_loop.start()
+        yield
+        await asyncio.to_thread(ctx.engine_loop.stop)
+        print("hyperdraft: server stopped", file=sys.stderr, flush=True)
+
+    app = FastAPI(title="hyperdraft", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
     expected_auth = f"Bearer {opts.api_key}".encode() if opts.api_key else None
 
     def error(e: APIError) -> JSONResponse:

@@ -53,12 +53,11 @@ def serve(args: EngineArgs, opts: ServeOptions) -> None:
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=args.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    loop.start()
     print(f"hyperdraft: serving {ctx.model_name} at http://{opts.host}:{opts.port}"
           + (" (LOSSY BENCHMARK MODE)" if ctx.lossy else ""), file=sys.stderr, flush=True)
+    # The app's lifespan starts and stops the engine thread. After a graceful shutdown on SIGTERM, uvicorn raises
+    # the signal again, so the process ends as SIGTERM's default would (exit status -15 / 143).
     try:
         server.run()
     finally:
-        loop.stop()
-    if not server.started:
-        raise OSError(f"could not serve on {opts.host}:{opts.port} (see the log above)")
+        loop.stop()  # normally a no-op: the lifespan already stopped it
