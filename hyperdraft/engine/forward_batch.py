@@ -55,6 +55,8 @@ class ForwardBatch:
     # graph uses the bounds it was captured for, so one graph serves every batch that fits under them.
     max_extend_len: int = 0
     max_seq_len: int = 0
+    # [T, H] per-token hidden states fed beside the tokens (EAGLE heads); H is the CONSUMING model's hidden size
+    input_hidden: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

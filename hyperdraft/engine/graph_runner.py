@@ -48,8 +48,10 @@ def default_batch_sizes(max_bs: int) -> list[int]:
 class _StaticInputs:
     """Input buffers for the largest batch of one GraphShape; smaller graphs use leading views."""
 
-    def __init__(self, shape: GraphShape, max_bs: int, device):
+    def __init__(self, shape: GraphShape, max_bs: int, device, hidden_size: int | None, dtype: torch.dtype):
         q, n = shape.tokens_per_req, max_bs * shape.tokens_per_req
+        # Sized from the model that consumes it (a head's hidden size is not the target's).
+        self.input_hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device) if hidden_size else None
         as_long = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(n, **as_long)
         self.positions = torch.zeros(n, **as_long)
@@ -72,6 +74,7 @@ class _StaticInputs:
             logits_indices=self.logits_indices[:n], tail_mask=None if self.tail_mask is None else self.tail_mask[:bs],
             seq_lens_t=self.seq_lens[:bs], extend_starts_t=self.extend_starts[:bs], extend_lens_t=self.extend_lens[:bs],
             max_extend_len=q, max_seq_len=max_seq_len,
+            input_hidden=None if self.input_hidden is None else self.input_hidden[:n],
         )
 
     def fill(self, fb: ForwardBatch, bs: int, q: int) -> None:
@@ -84,11 +87,15 @@ class _StaticInputs:
         self.seq_lens[:real].copy_(fb.seq_lens_t)
         if fb.tail_mask is not None:
             self.tail_mask[:real].copy_(fb.tail_mask)
+        if self.input_hidden is not None:
+            self.input_hidden[:n].copy_(fb.input_hidden)
         if bs > real:
             self.input_ids[n : bs * q].zero_()
             self.positions[n : bs * q].zero_()
             self.out_slots[n : bs * q].zero_()  # padding writes land in the padding page, never a real slot
             self.req_rows[real:bs].zero_()
+            if self.input_hidden is not None:
+                self.input_hidden[n : bs * q].zero_()
             self.seq_lens[real:bs].fill_(q)
             if self.tail_mask is not None:
                 self.tail_mask[real:bs] = self.causal_rows
@@ -122,7 +129,7 @@ class GraphRunner:
             if not sizes:
                 continue
             self.sizes[shape] = sizes
-            self.inputs[shape] = _StaticInputs(shape, sizes[-1], device)
+            self.inputs[shape] = _StaticInputs(shape, sizes[-1], device, self.runner.input_hidden_size, self.runner.dtype)
             for bs in reversed(sizes):  # largest first, so smaller graphs reuse its pool memory
                 self._capture_one(shape, bs, mode)
         if not self.emulate:
@@ -157,6 +164,8 @@ class GraphRunner:
     def match(self, fb: ForwardBatch, capture_layers: tuple[int, ...]) -> tuple[GraphShape, int] | None:
         """The (shape, padded batch size) that can run fb, or None (run it eagerly)."""
         if not self.sizes or capture_layers != self.capture_layers or fb.batch_size == 0:
+            return None
+        if (fb.input_hidden is None) != (self.runner.input_hidden_size is None):
             return None
         q = fb.max_extend_len
         if fb.num_tokens != fb.batch_size * q or fb.logits_indices.shape[0] != fb.num_tokens:
@@ -196,7 +205,8 @@ def graph_plan(spec, worker, sizes: list[int]) -> list[tuple[object, dict, tuple
     """-> [(runner, {mode: {GraphShape: batch sizes}}, capture_layers)]: what to capture, per model.
 
     Target: one-token decodes without speculation (or for a steps-0 tier); otherwise each tier's verify width,
-    for the batch sizes that can route to that tier. A STANDALONE draft model: its one-token draft steps."""
+    for the batch sizes that can route to that tier. A draft model or EAGLE head: its one-token (chain) draft
+    steps; tree steps and ragged catch-up extends run eagerly."""
     from hyperdraft.engine.forward_batch import ForwardMode
 
     if spec is None:
@@ -216,7 +226,7 @@ def graph_plan(spec, worker, sizes: list[int]) -> list[tuple[object, dict, tuple
         verify[shape] = sorted(set(verify.get(shape, [])) | set(tier_sizes))
     layers = tuple(getattr(worker.proposer, "capture_layers", ()))
     plan = [(worker.runner, {ForwardMode.DECODE: decode, ForwardMode.TARGET_VERIFY: verify}, layers)]
-    draft_runner = getattr(worker.proposer, "runner", None)
+    draft_runner = getattr(worker.proposer, "runner", None)  # STANDALONE: a ModelRunner; EAGLE: a HeadRunner
     if draft_runner is not None and any(t.steps > 0 for t in tiers):
         plan.append((draft_runner, {ForwardMode.DECODE: {GraphShape(1, 0): sizes}}, ()))
     return plan

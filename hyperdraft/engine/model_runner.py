@@ -25,7 +25,26 @@ class ForwardOutput:
     captured: list[torch.Tensor]  # per requested layer, [T, H] input hidden states
 
 
-class ModelRunner:
+class GraphedRunner:
+    """Forward dispatch shared by every runner: a captured graph when one fits the batch, else eager."""
+
+    graphs = None  # a GraphRunner once CUDA graphs are captured (engine/graph_runner.py)
+    input_hidden_size: int | None = None  # per-token hidden inputs (fb.input_hidden) this model consumes, if any
+
+    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Either way the caller gets the outputs of the path that ran, and nothing else."""
+        if self.graphs is not None:
+            key = self.graphs.match(fb, capture_layers)
+            if key is not None:
+                with torch.inference_mode():
+                    return self.graphs.replay(fb, key)
+        return self.forward_eager(fb, capture_layers)
+
+    def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        raise NotImplementedError
+
+
+class ModelRunner(GraphedRunner):
     def __init__(self, model: DecoderLM, page_table: PageTable, attention_backend: str):
         self.model = model
         self.page_table = page_table
@@ -36,17 +55,6 @@ class ModelRunner:
         num_slots = page_table.num_pages * page_table.page_size
         self.pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.backend = make_attention_backend(attention_backend, self.pool, page_table)
-        self.graphs = None  # a GraphRunner once CUDA graphs are captured (engine/graph_runner.py)
-
-    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """Replay a captured graph when one fits the batch, else run eagerly. Either way the caller gets the
-        outputs of the path that ran, and nothing else."""
-        if self.graphs is not None:
-            key = self.graphs.match(fb, capture_layers)
-            if key is not None:
-                with torch.inference_mode():
-                    return self.graphs.replay(fb, key)
-        return self.forward_eager(fb, capture_layers)
 
     @torch.inference_mode()
     def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:

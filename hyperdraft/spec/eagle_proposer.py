@@ -22,6 +22,7 @@ import torch
 
 from hyperdraft.attention.base import make_attention_backend
 from hyperdraft.engine.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.engine.model_runner import ForwardOutput, GraphedRunner
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.eagle import target_capture_layers
@@ -31,6 +32,28 @@ from hyperdraft.spec.draft_choice import choose_draft, draws_from_q
 from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.tree_draft import grow_tree
 from hyperdraft.spec.tree_sampled import draft_q, grow_sampled_tree
+
+
+class HeadRunner(GraphedRunner):
+    """The head's forward over a ForwardBatch (tokens + fb.input_hidden), with its own KV pool: what the graph
+    runner captures and replays for draft steps. Every size here is the head's own."""
+
+    def __init__(self, head, page_table: PageTable, attention_backend: str):
+        self.model = head
+        self.page_table = page_table
+        param = next(head.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        num_slots = page_table.num_pages * page_table.page_size
+        self.pool = KVPool(head.num_layers, num_slots, head.num_kv_heads, head.head_dim, self.dtype, self.device)
+        self.backend = make_attention_backend(attention_backend, self.pool, page_table)
+        self.input_hidden_size = head.hidden_size
+
+    @torch.inference_mode()
+    def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        meta = self.backend.plan(fb)
+        g = self.model(fb.input_ids, fb.positions, fb.input_hidden,
+                       lambda i, q, k, v: self.backend.forward(i, q, k, v, fb, meta))
+        return ForwardOutput(self.model.compute_logits(g[fb.logits_indices]), g, [])
 
 
 class EagleProposer:
@@ -43,20 +66,19 @@ class EagleProposer:
         self.device, self.dtype = param.device, param.dtype
         self.page_table = page_table
         num_slots = page_table.num_pages * page_table.page_size
-        self.pool = KVPool(head.num_layers, num_slots, head.num_kv_heads, head.head_dim, self.dtype, self.device)
-        self.backend = make_attention_backend(attention_backend, self.pool, page_table)
+        self.runner = HeadRunner(head, page_table, attention_backend)
+        self.pool = self.runner.pool
         self.capture_layers = target_capture_layers(head)
         self.hidden_buf = torch.zeros(max_rows, max_round_tokens + 1, head.hidden_size, dtype=self.dtype, device=self.device)
         self.sample_drafts = sample_drafts
         self.timer = None  # set by the SpecWorker (PhaseTimer)
 
     # ---- the head -----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (head outputs [T, H], logits over the target vocab at fb.logits_indices)."""
-        meta = self.backend.plan(fb)
-        g = self.head(fb.input_ids, fb.positions, hidden.to(self.dtype), lambda i, q, k, v: self.backend.forward(i, q, k, v, fb, meta))
-        return g, self.head.compute_logits(g[fb.logits_indices])
+        """-> (head outputs [T, H], logits over the target vocab at fb.logits_indices), from a graph or eagerly."""
+        fb.input_hidden = hidden.to(self.dtype)
+        out = self.runner.forward(fb)
+        return out.hidden, out.logits
 
     def target_hidden(self, out) -> torch.Tensor:
         """What the head consumes from a target forward: [T, H] (EAGLE-3 projects its 3 aux states through fc)."""

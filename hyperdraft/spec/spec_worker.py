@@ -45,6 +45,8 @@ class SpecWorker:
             proposer.timer = self.timer
         self.vocab_size = runner.config.vocab_size
         self.device = runner.device
+        # Benchmark-only (lossy) accept rate; a benchmark may sweep it on a live engine that started in that mode.
+        self.simulate_accept_rate = spec.simulate_accept_rate
 
     def uniform_chain_rows(self, batch_size: int) -> bool:
         """Feed every chain request the tier's full width, so the verify forward has a captured graph's shape."""
@@ -164,7 +166,7 @@ class ChainRound:
         logits = penalised_logits(grid, sbv)
         p = probs_from_logits(logits, sbv).view(bsz, k + 1, -1)
         lens = torch.tensor(self.proposal.lens, dtype=torch.int64, device=grid.device)
-        alpha = self.w.spec.simulate_accept_rate
+        alpha = self.w.simulate_accept_rate
         if alpha is None:
             num_accepted, tokens = verify_chain(p, self.proposal.tokens, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
         else:  # benchmark-only, lossy (see spec/simulated.py)
@@ -225,7 +227,7 @@ class TreeRound:
         logits = penalised_logits(verify_logits, sbt)
         p = probs_from_logits(logits, sbt).view(bsz, n, -1)
         sampled = self.proposal.q is not None  # children drawn from q without replacement (tree_sampled.py)
-        alpha = self.w.spec.simulate_accept_rate
+        alpha = self.w.simulate_accept_rate
         if alpha is None:
             num_accepted, path, tokens = verify_tree(p, self.tree, self.sb.seeds, self.sb.positions, sampled,
                                                      max_depth=self.tier.steps, max_children=self.tier.topk)
