@@ -334,6 +334,9 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
 
         fill_dummy_weights(head)
         weights = {}
+        if cfg.kind == "eagle3":  # the draft vocabulary is the first draft_vocab_size target ids
+            state["t2d"].zero_()
+            state["t2d"][: cfg.draft_vocab_size] = True
     else:
         _check_weight_names(path, cfg, state, weights)
     with torch.no_grad():

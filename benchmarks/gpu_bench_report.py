@@ -1,0 +1,119 @@
+"""Render gpu_bench.json into a markdown report and PNG plots (see benchmarks/gpu_bench.py).
+
+Derived numbers:
+  roofline      weight bytes / measured bandwidth: the fastest a batch-1 decode step can be
+  E             expected tokens per verify step at per-token acceptance alpha with k drafts: (1 - a^(k+1)) / (1 - a);
+                for the tree (simulated as a walk down first children) the measured accept length is used
+  c             draft cost ratio: one draft step / one plain decode step at the same batch size
+  v             verify overhead: verify forward / plain decode step - 1
+  ideal         E / (1 + k*c + v): the speedup if nothing but drafting and verifying cost time
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _plain(result: dict) -> dict[int, dict]:
+    return {r["batch"]: r for r in result["plain"]}
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def derive(result: dict) -> list[dict]:
+    plain = _plain(result)
+    rows = []
+    for r in result["spec"]:
+        bs, k = r["batch"], r["steps"]
+        base = plain[bs]
+        split = result["split"][r["setting"]].get(str(bs)) or result["split"][r["setting"]].get(bs)
+        e = expected_tokens(r["alpha"], k) if not r["setting"].startswith("tree") else (r["accept_length"] or 1.0)
+        c = split["draft_steps"] / k / base["step_ms"]
+        v = split["verify"] / base["step_ms"] - 1
+        ideal = e / (1 + k * c + v)
+        speedup = r["tok_per_s"] / base["tok_per_s"]
+        rows.append({**r, "E": e, "c": c, "v": v, "ideal": ideal, "speedup": speedup, "of_ideal": speedup / ideal})
+    return rows
+
+
+def render(result: dict, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    rows = derive(result)
+    plain = _plain(result)
+    lines = [f"# GPU benchmark: Llama-3.1-8B-shaped target (random bf16), EAGLE-3-shaped head", "",
+             f"- device: {result['device']}, torch {result['torch']}",
+             f"- input {result['input_len']} tokens, output {result['output_len']} tokens, greedy, ignore_eos", ""]
+    ceil = result.get("ceilings")
+    if ceil:
+        roof = ceil["bandwidth_GBps"] * 1e9 / result["weight_bytes"]
+        lines += ["## 1. Ceilings", "", f"- memory bandwidth (2 GiB copy): {ceil['bandwidth_GBps']:.0f} GB/s",
+                  f"- bf16 matmul (8192^3): {ceil['bf16_matmul_TFLOPS']:.0f} TFLOPS",
+                  f"- weights read per step: {result['weight_bytes'] / 1e9:.2f} GB -> batch-1 roofline {roof:.1f} tok/s", ""]
+    lines += ["## 2. Plain decode (CUDA graphs)", "", "| batch | tok/s | step ms | % of roofline (batch 1) |", "|---|---|---|---|"]
+    for bs, r in sorted(plain.items()):
+        pct = f"{100 * r['tok_per_s'] / roof:.0f}%" if ceil and bs == 1 else ""
+        lines.append(f"| {bs} | {r['tok_per_s']:.1f} | {r['step_ms']:.2f} | {pct} |")
+    lines += ["", "## 3. Speculative decode, simulated acceptance (EAGLE-3 head)", "",
+              "| setting | alpha | batch | tok/s | accept len | E | c | v | ideal | speedup | of ideal |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['setting']} | {r['alpha']} | {r['batch']} | {r['tok_per_s']:.1f} | {r['accept_length']:.2f} | "
+                     f"{r['E']:.2f} | {r['c']:.3f} | {r['v']:.3f} | {r['ideal']:.2f}x | {r['speedup']:.2f}x | "
+                     f"{100 * r['of_ideal']:.0f}% |")
+    lines += ["", "Per-step time split at alpha 0.8 (ms; phases synced, so their sum exceeds the free-running step):", "",
+              "| setting | batch | draft steps | draft extend | verify | accept+commit | host overhead |", "|---|---|---|---|---|---|---|"]
+    for name, by_bs in result["split"].items():
+        for bs, s in by_bs.items():
+            lines.append(f"| {name} | {bs} | {s['draft_steps']:.2f} | {s['draft_extend']:.2f} | {s['verify']:.2f} | "
+                         f"{s['accept_commit']:.2f} | {s['host_overhead']:.2f} |")
+    if result.get("transformers"):
+        lines += ["", "## 4. transformers generate (static cache, not compiled)", "", "| batch | tok/s | hyperdraft plain / transformers |", "|---|---|---|"]
+        for t in result["transformers"]:
+            ours = plain.get(t["batch"])
+            ratio = f"{ours['tok_per_s'] / t['tok_per_s']:.2f}x" if ours else "(no plain run at this batch)"
+            lines.append(f"| {t['batch']} | {t['tok_per_s']:.1f} | {ratio} |")
+    lines += ["", "## 5. CUDA-graph capture", "", "| engine | graphs | capture s | graph MiB | engine build s |", "|---|---|---|---|---|"]
+    for name, e in result["engines"].items():
+        lines.append(f"| {name} | {e['graphs']} | {e['capture_s']:.1f} | {e['capture_MiB']:.0f} | {e['engine_build_s']:.1f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "gpu_bench_report.md"), "w") as f:
+        f.write(text)
+    _plots(rows, result, out_dir)
+    return text
+
+
+def _plots(rows: list[dict], result: dict, out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(result["split"]), figsize=(5 * len(result["split"]), 4), sharey=True)
+    for ax, name in zip(axes, result["split"]):
+        for alpha in sorted({r["alpha"] for r in rows}):
+            sel = sorted((r for r in rows if r["setting"] == name and r["alpha"] == alpha), key=lambda r: r["batch"])
+            line, = ax.plot([r["batch"] for r in sel], [r["speedup"] for r in sel], marker="o", label=f"alpha {alpha}")
+            ax.plot([r["batch"] for r in sel], [r["ideal"] for r in sel], ls="--", color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{name} (dashed: ideal)")
+        ax.set_xlabel("batch size")
+        ax.axhline(1, color="grey", lw=0.5)
+    axes[0].set_ylabel("speedup over plain decode")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "gpu_bench_speedup.png"), dpi=120)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    parts = ["draft_steps", "draft_extend", "verify", "accept_commit", "host_overhead"]
+    labels = [f"{n}\nbs {bs}" for n, by in result["split"].items() for bs in by]
+    bottoms = [0.0] * len(labels)
+    for part in parts:
+        vals = [s[part] for by in result["split"].values() for s in by.values()]
+        ax.bar(labels, vals, bottom=bottoms, label=part)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax.set_ylabel("ms per step (alpha 0.8)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "gpu_bench_split.png"), dpi=120)
