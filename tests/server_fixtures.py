@@ -6,7 +6,9 @@ crash of the server is visible (the process exits) instead of hiding in a thread
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -105,8 +107,39 @@ class ServerProcess:
         self.stop()
 
 
+def scrape_metrics(url: str, headers: dict | None = None) -> dict[str, float]:
+    """GET /metrics, parsed by prometheus_client's parser: {'name' or 'name{"label": "value"}': value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    return {s.name + json.dumps(s.labels, sort_keys=True) * bool(s.labels): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def engine_state(url: str, headers: dict | None = None) -> dict:
     return httpx.get(url + "/server_info", headers=headers, timeout=30).json()["internal_states"][0]
+
+
+def client_aborts(url: str, headers: dict | None = None) -> int:
+    return httpx.get(url + "/server_info", headers=headers, timeout=30).json()["server_state"]["client_aborts"]
+
+
+def wait_client_aborts(url: str, count: int, headers: dict | None = None, timeout: float = 30.0) -> dict:
+    """Poll /server_info until the server has aborted `count` requests whose client left; return the engine state
+    read in the same engine-thread call, i.e. right after those aborts ran."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(url + "/server_info", headers=headers, timeout=30).json()
+        if info["server_state"]["client_aborts"] >= count:
+            return info["internal_states"][0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{count} client aborts expected, {info['server_state']} after {timeout} s")
+        time.sleep(0.02)
+
+
+def assert_idle(state: dict) -> None:
+    assert (state["num_running_reqs"], state["num_waiting_reqs"]) == (0, 0), state
+    assert state["kv_free_tokens"] == state["kv_capacity_tokens"], state
 
 
 def wait_engine_idle(url: str, headers: dict | None = None, timeout: float = 30.0) -> dict:
@@ -121,3 +154,34 @@ def wait_engine_idle(url: str, headers: dict | None = None, timeout: float = 30.
         if time.monotonic() > deadline:
             raise AssertionError(f"the engine is not idle {timeout} s later: {state}")
         time.sleep(0.05)
+
+
+# ---- prompts and stream helpers -------------------------------------------------------------------------------
+
+WORDS = ["你好", "世界", "今天", "天气", "很好", "🙂", "🚀", "naïve", "café", "hello", "fox", "the", "quick", "1 2 3"]
+
+
+def prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8))) for _ in range(n)]
+
+
+def stream_text(stream) -> tuple[str, str | None]:
+    text, reason = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.text
+            reason = choice.finish_reason or reason
+    return text, reason
+
+
+def split_characters(tok, ids: list[int]) -> list[str]:
+    """Non-ASCII characters of decode(ids) whose bytes straddle a token boundary."""
+    full, found = tok.decode(ids), []
+    for j in range(1, len(ids)):
+        head = tok.decode(ids[:j])
+        if head.endswith("\ufffd") and full.startswith(head.rstrip("\ufffd")):
+            nxt = full[len(head.rstrip("\ufffd")):][:1]
+            if nxt and nxt != "\ufffd" and ord(nxt) > 127:
+                found.append(nxt)
+    return found

@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import shutil
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import assert_engine_clean
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.server.launch import FAULT_ENV
-from server_fixtures import API_KEY, ServerProcess, add_chat_template, wait_engine_idle
+from server_fixtures import (API_KEY, ServerProcess, add_chat_template, assert_idle, client_aborts, prompts,
+                             scrape_metrics, split_characters, stream_text, wait_client_aborts, wait_engine_idle)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FAULT_USER = "inject-a-fault"
 MAX_RUNNING = 16
-WORDS = ["你好", "世界", "今天", "天气", "很好", "🙂", "🚀", "naïve", "café", "hello", "fox", "the", "quick", "1 2 3"]
+
 
 
 @pytest.fixture(scope="module")
@@ -69,24 +68,8 @@ def _idle_after(request):
         wait_engine_idle(srv.url, AUTH)
 
 
-def prompts(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8))) for _ in range(n)]
-
-
-def stream_text(stream) -> tuple[str, str | None]:
-    text, reason = "", None
-    for chunk in stream:
-        for choice in chunk.choices:
-            text += choice.text
-            reason = choice.finish_reason or reason
-    return text, reason
-
-
 def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", headers=AUTH, timeout=30).text
-    return {s.name + json.dumps(s.labels, sort_keys=True) * bool(s.labels): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return scrape_metrics(url, AUTH)
 
 
 # ---- basics -------------------------------------------------------------------------------------------------------
@@ -164,18 +147,6 @@ def test_multibyte_characters_split_across_tokens_stream_intact(client, offline,
         assert stream_text(streamed)[0] == ref.text
 
 
-def split_characters(tok, ids: list[int]) -> list[str]:
-    """Non-ASCII characters of decode(ids) whose bytes straddle a token boundary."""
-    full, found = tok.decode(ids), []
-    for j in range(1, len(ids)):
-        head = tok.decode(ids[:j])
-        if head.endswith("\ufffd") and full.startswith(head.rstrip("\ufffd")):
-            nxt = full[len(head.rstrip("\ufffd")):][:1]
-            if nxt and nxt != "\ufffd" and ord(nxt) > 127:
-                found.append(nxt)
-    return found
-
-
 def test_chat_stream_equals_nonstream_and_offline_with_logprobs(client, offline, chat_model):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "你好, how are you?"}]
     ref = offline.chat(messages, SamplingParams(temperature=0, max_new_tokens=20, return_logprob=True), use_tqdm=False)
@@ -228,7 +199,7 @@ def test_64_concurrent_requests_half_streaming_match_offline(server, offline, ch
 
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, offline, chat_model):
-    before = metrics(server.url)
+    before, aborts = metrics(server.url), client_aborts(server.url, AUTH)
     body = {"model": chat_model, "prompt": "hello", "max_tokens": 450, "ignore_eos": True, "temperature": 0,
             "stream": True}
     with httpx.Client(timeout=60) as http:
@@ -241,7 +212,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, offline, chat
         # leaving the block closed the connection mid-stream
     ref = offline.generate("the quick", SamplingParams(temperature=0, max_new_tokens=8), use_tqdm=False)
     assert other.choices[0].text == ref.text
-    wait_engine_idle(server.url, AUTH)
+    assert_idle(wait_client_aborts(server.url, aborts + 1, AUTH))  # KV freed by the abort itself
     after = metrics(server.url)
     aborted = 'hyperdraft_requests_finished_total{"reason": "abort"}'
     assert after[aborted] == before[aborted] + 1
@@ -249,11 +220,11 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, offline, chat
 
 
 def test_disconnect_before_a_nonstream_answer_aborts(server, chat_model):
-    before = metrics(server.url)
+    before, aborts = metrics(server.url), client_aborts(server.url, AUTH)
     body = {"model": chat_model, "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "n": 4}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 4 x 500 tokens are done
         httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=0.3))
-    wait_engine_idle(server.url, AUTH)
+    assert_idle(wait_client_aborts(server.url, aborts + 4, AUTH))  # all four choices, KV freed by the aborts
     after = metrics(server.url)
     aborted = 'hyperdraft_requests_finished_total{"reason": "abort"}'
     assert after[aborted] == before[aborted] + 4

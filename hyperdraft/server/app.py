@@ -150,11 +150,11 @@ def create_app(ctx: ServerContext, args: EngineArgs, opts: ServeOptions) -> Fast
     async def server_info(request: Request):
         try:
             authorize(request)
-            states = await engine_call(lambda engine: [engine.internal_state()])
+            states, loop_state = await engine_call(lambda engine: ([engine.internal_state()], ctx.engine_loop.state()))
         except APIError as e:
             return error(e)
-        return {**asdict(args), "internal_states": states, "served_model_name": ctx.model_name,
-                "max_queued_requests": opts.max_queued_requests, "lossy_benchmark_mode": ctx.lossy,
+        return {**asdict(args), "internal_states": states, "server_state": loop_state,
+                "served_model_name": ctx.model_name, "max_queued_requests": opts.max_queued_requests, "lossy_benchmark_mode": ctx.lossy,
                 "version": __version__}
 
     @app.get("/metrics")

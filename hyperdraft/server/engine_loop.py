@@ -83,6 +83,7 @@ class EngineLoop:
         self._tracked: dict[str, _Tracked] = {}
         self._rids = itertools.count()
         self._stopping = False
+        self.client_aborts = 0  # requests the engine aborted because their client went away
         self._thread = threading.Thread(target=self._run, name="hyperdraft-engine", daemon=True)
 
     # ---- the caller's side (any thread) -------------------------------------------------------------------------
@@ -182,8 +183,12 @@ class EngineLoop:
 
     def _abort(self, rids: list[str]) -> None:
         for rid in rids:
-            if self._tracked.pop(rid, None) is not None:
-                self.engine.abort(rid)
+            if self._tracked.pop(rid, None) is not None and self.engine.abort(rid) is not None:
+                self.client_aborts += 1
+
+    def state(self) -> dict:
+        """The loop's own counters (engine thread; through call())."""
+        return {"in_flight_requests": len(self._tracked), "client_aborts": self.client_aborts}
 
     def _step(self) -> None:
         running = set(r.rid for r in self.engine.scheduler.running)
