@@ -180,6 +180,36 @@ def phase_split(engine, bs: int, input_len: int, output_len: int) -> dict:
     return split
 
 
+def profile_steps(engine, bs: int, input_len: int, num_steps: int) -> dict:
+    """torch.profiler over num_steps decode steps: device-to-host copies and host syncs per step (the target is one
+    D2H copy per step), host-to-device copies per step and how many of them came from pinned memory."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hyperdraft.sampling_params import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_new_tokens=num_steps * 8 + 8, ignore_eos=True)
+    reqs = [engine.add_request(input_ids=torch.randint(10, vocab - 10, (input_len,)).tolist(), params=params)
+            for _ in range(bs)]
+    while any(not r.output_ids for r in reqs):
+        engine.step()
+    sync(engine)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        sync(engine)
+    for r in reqs:
+        engine.abort(r.rid)
+    counts: dict[str, int] = {}
+    for ev in prof.events():
+        name = ev.name
+        for key in ("Memcpy DtoH", "Memcpy HtoD", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
+            if name.startswith(key):
+                label = key + (" (pinned)" if "Pinned" in name else " (pageable)" if "Pageable" in name else "")
+                counts[label] = counts.get(label, 0) + 1
+    return {"batch": bs, "steps": num_steps, "per_step": {k: v / num_steps for k, v in sorted(counts.items())}}
+
+
 def free(engine) -> None:
     engine.runner.graphs = None
     del engine
@@ -260,6 +290,8 @@ def main() -> None:
     result["engines"]["plain"] = info
     decode_run(engine, 1, 32, 8, seed=0)  # warm-up (Triton compilation of the prefill shapes)
     result["plain"] = [decode_run(engine, bs, a.input_len, a.output_len, seed=bs) for bs in (1, 8, 32, 64)]
+    if device == "cuda":
+        result["profile"] = {"plain": profile_steps(engine, 8, a.input_len, 10)}
     print("plain", [(r["batch"], round(r["tok_per_s"], 1)) for r in result["plain"]], flush=True)
     free(engine)
 
@@ -278,6 +310,8 @@ def main() -> None:
                 print(name, alpha, bs, round(run["tok_per_s"], 1), round(run["accept_length"] or 0, 2), flush=True)
         engine.worker.simulate_accept_rate = 0.8
         result["split"][name] = {bs: phase_split(engine, bs, a.input_len, min(a.output_len, 64)) for bs in (1, 8, 32)}
+        if device == "cuda":
+            result.setdefault("profile", {})[name] = profile_steps(engine, 8, a.input_len, 10)
         free(engine)
 
     if not a.skip_transformers:

@@ -74,6 +74,10 @@ def render(result: dict, out_dir: str) -> str:
             ours = plain.get(t["batch"])
             ratio = f"{ours['tok_per_s'] / t['tok_per_s']:.2f}x" if ours else "(no plain run at this batch)"
             lines.append(f"| {t['batch']} | {t['tok_per_s']:.1f} | {ratio} |")
+    if result.get("profile"):
+        lines += ["", "## Host work per engine step (torch.profiler, batch 8, 10 steps)", "", "| engine | events per step |", "|---|---|"]
+        for name, p in result["profile"].items():
+            lines.append(f"| {name} | " + ", ".join(f"{k}: {v:.1f}" for k, v in p["per_step"].items()) + " |")
     lines += ["", "## 5. CUDA-graph capture", "", "| engine | graphs | capture s | graph MiB | engine build s |", "|---|---|---|---|---|"]
     for name, e in result["engines"].items():
         lines.append(f"| {name} | {e['graphs']} | {e['capture_s']:.1f} | {e['capture_MiB']:.0f} | {e['engine_build_s']:.1f} |")
