@@ -1,0 +1,268 @@
+"""Online serving benchmark, in the manner of `sglang.bench_serving`: N chat requests with Poisson arrivals at a given
+rate, streamed over HTTP, against `hyperdraft serve`. Reports request and token throughput, TTFT, ITL and TPOT
+percentiles, and the speculative accept length (from /server_info, over the benchmark's requests only).
+
+By default it starts the server itself, once per configuration (no speculation, then NGRAM), runs the same
+workload against each, checks the outputs are identical (greedy; speculation is lossless), and writes a table:
+
+  python benchmarks/serving.py                          # SmolLM2 default model, CPU -> benchmarks/results/serving_cpu.md
+  python benchmarks/serving.py --num-prompts 64 --request-rate 4 --max-tokens 128
+  python benchmarks/serving.py --base-url http://127.0.0.1:30000   # a server you started; prints one row
+
+Prompts: first turns of MT-bench (shared/data/mt_bench_questions.jsonl beside the checkout).
+TTFT: request sent -> first content chunk. ITL: gap between consecutive content chunks (a speculative step may
+deliver several tokens in one chunk). TPOT: (e2e - TTFT) / (completion tokens - 1), per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+MT_BENCH = os.path.join(ROOT, "..", "shared", "data", "mt_bench_questions.jsonl")
+CONFIGS = {
+    "none": [],
+    "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", "8"],
+}
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    text: str = ""
+    completion_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def load_questions(n: int) -> list[str]:
+    with open(MT_BENCH) as f:
+        questions = [json.loads(line)["turns"][0] for line in f]
+    return [questions[i % len(questions)] for i in range(n)]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, question: str, max_tokens: int) -> RequestResult:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    res, last = RequestResult(ok=False), None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    return res
+                if chunk.get("usage"):
+                    res.completion_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk["choices"]:
+                    content = choice["delta"].get("content")
+                    if content:
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft = now - start
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                        res.text += content
+        res.e2e = time.perf_counter() - start
+        res.ok = True
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_load(url: str, model: str, questions: list[str], rate: float, max_tokens: int, seed: int):
+    """Send every question once, with exponential inter-arrival gaps (Poisson process) at `rate` requests/s."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=len(questions) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        await one_request(client, url, model, "Hello", 4)  # warm-up, not measured
+        tasks, start = [], time.perf_counter()
+        for q in questions:
+            tasks.append(asyncio.create_task(one_request(client, url, model, q, max_tokens)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def spec_counters(url: str) -> tuple[float, float]:
+    """(request-verifies, tokens they emitted) so far; (0, 0) without speculation."""
+    state = httpx.get(url + "/server_info", timeout=60).json()["internal_states"][0]
+    verifies = state.get("spec_verifies", 0)
+    return verifies, verifies * state.get("avg_spec_accept_length", 0.0)
+
+
+def summarize(results: list[RequestResult], seconds: float, accept: float | None) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.completion_tokens for r in ok)
+    ttft = np.array([r.ttft for r in ok]) * 1000
+    itl = np.array([g for r in ok for g in r.itl]) * 1000
+    tpot = np.array([(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]) * 1000
+    e2e = np.array([r.e2e for r in ok]) * 1000
+
+    def pct(a, q):
+        return float(np.percentile(a, q)) if len(a) else float("nan")
+
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "seconds": seconds, "output_tokens": out_tokens,
+        "request_throughput": len(ok) / seconds, "output_throughput": out_tokens / seconds,
+        "ttft_mean": float(ttft.mean()) if len(ttft) else float("nan"), "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99), "itl_mean": float(itl.mean()) if len(itl) else float("nan"),
+        "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95), "itl_p99": pct(itl, 99),
+        "tpot_mean": float(tpot.mean()) if len(tpot) else float("nan"), "tpot_p50": pct(tpot, 50),
+        "e2e_mean": float(e2e.mean()) if len(e2e) else float("nan"), "e2e_p99": pct(e2e, 99),
+        "accept_length": accept, "errors": sorted({r.error for r in results if not r.ok})[:3],
+    }
+
+
+def benchmark(url: str, args) -> tuple[dict, list[str]]:
+    model = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
+    questions = load_questions(args.num_prompts)
+    v0, e0 = spec_counters(url)
+    results, seconds = asyncio.run(run_load(url, model, questions, args.request_rate, args.max_tokens, args.seed))
+    v1, e1 = spec_counters(url)
+    accept = (e1 - e0) / (v1 - v0) if v1 > v0 else None
+    return summarize(results, seconds, accept), [r.text for r in results]
+
+
+class LaunchedServer:
+    """`hyperdraft serve` on a free loopback port, stopped with SIGTERM."""
+
+    def __init__(self, model: str, flags: list[str], device: str):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, "-m", "hyperdraft", "serve", "--model", model, "--port", str(port), "--device", device,
+               "--dtype", "float32", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"server exited during start-up:\n{self.log.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError("server did not start within 300 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def row(name: str, s: dict, base: dict | None) -> str:
+    ratio = f"{s['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
+    accept = f"{s['accept_length']:.2f}" if s["accept_length"] else "-"
+    return (f"| {name} | {s['completed']}/{s['completed'] + s['failed']} | {s['output_tokens']} | {s['seconds']:.1f} | "
+            f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {ratio} | {s['ttft_mean']:.0f} / "
+            f"{s['ttft_p50']:.0f} / {s['ttft_p99']:.0f} | {s['itl_mean']:.0f} / {s['itl_p50']:.0f} / {s['itl_p95']:.0f}"
+            f" / {s['itl_p99']:.0f} | {s['tpot_mean']:.0f} / {s['tpot_p50']:.0f} | {s['e2e_mean']:.0f} / "
+            f"{s['e2e_p99']:.0f} | {accept} |")
+
+
+HEADER = ("| config | ok | output tokens | seconds | req/s | output tok/s | vs none | TTFT ms mean / p50 / p99 | "
+          "ITL ms mean / p50 / p95 / p99 | TPOT ms mean / p50 | E2E ms mean / p99 | accept length |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base-url", help="benchmark this running server instead of launching one per configuration")
+    ap.add_argument("--model", help="model for launched servers (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--configs", default="none,ngram", help=f"launched configurations, from {sorted(CONFIGS)}")
+    ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--request-rate", type=float, default=1.0, help="requests/s, Poisson arrivals; inf = all at once")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "serving_cpu.md"))
+    args = ap.parse_args()
+
+    if args.base_url:
+        summary, _ = benchmark(args.base_url.rstrip("/"), args)
+        print(HEADER)
+        print(row(args.base_url, summary, None))
+        return
+
+    from hyperdraft.models.default_model import ensure_default_model
+
+    model = args.model or ensure_default_model()
+    summaries, texts = {}, {}
+    for name in args.configs.split(","):
+        server = LaunchedServer(model, CONFIGS[name], args.device)
+        try:
+            summaries[name], texts[name] = benchmark(server.url, args)
+        finally:
+            server.stop()
+        print(row(name, summaries[name], summaries.get("none")), flush=True)
+    names = list(summaries)
+    same = all(texts[n] == texts[names[0]] for n in names)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    cmd = "python benchmarks/serving.py " + " ".join(sys.argv[1:])
+    lines = [
+        f"# Online serving on CPU: {os.path.basename(model)}, MT-bench chat, Poisson arrivals",
+        "",
+        f"- device: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared); server: fp32, "
+        "`hyperdraft serve` on 127.0.0.1",
+        f"- date: {datetime.date.today().isoformat()}",
+        f"- commit: {commit}",
+        f"- command: `{cmd.strip()}`",
+        f"- workload: {args.num_prompts} MT-bench first turns via /v1/chat/completions (streamed), "
+        f"{args.request_rate} req/s Poisson (seed {args.seed}), temperature 0, max_tokens {args.max_tokens}",
+        f"- configs: " + "; ".join(f"{n}: `{' '.join(CONFIGS[n]) or 'no speculation'}`" for n in names),
+        f"- outputs identical across configs: {'yes' if same else 'NO'}",
+        "",
+        HEADER,
+        *(row(n, summaries[n], summaries.get("none")) for n in names),
+        "",
+        "TTFT: request sent to first content chunk. ITL: gap between content chunks (one chunk per engine step; a "
+        "speculative step can carry several tokens). TPOT: (E2E - TTFT) / (tokens - 1). Accept length: tokens "
+        "emitted per request-verify over this run's requests (/server_info).",
+    ]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}; outputs identical: {same}")
+
+
+if __name__ == "__main__":
+    main()
