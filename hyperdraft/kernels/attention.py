@@ -1,0 +1,268 @@
+"""Paged attention for every forward mode, as one Triton kernel plus a split merge, beside its torch reference.
+
+Decode, extend over a cached prefix, and tree-masked target verify are the same computation: request b's
+extend_lens[b] new queries (packed from row extend_starts[b]) attend over its seq_lens[b] keys, read from the
+paged pool through its page-table row. New keys are already in the pool (the backend stores them first).
+Query i sits at sequence index prefix + i (prefix = seq_len - ext) and sees keys <= prefix + i, or, with a tail
+mask [B, Q, W], every key before the last W and those of the last W its row allows (query rows >= Q see none of
+them). So one kernel serves all modes; what differs is only the tiling:
+
+- a program owns one (request, kv head, row tile, key split). Its rows are (query, q head) pairs of that kv
+  head's GQA group, so every key block read from the pool serves all the group's heads (decode: 1 query x G
+  heads, padded to the 16 rows a tensor-core dot needs);
+- split-K (flash-decoding): when request x kv head x row tile leaves the GPU idle (decode, small verifies),
+  the keys are cut into num_splits ranges; each program writes its normalised partial output and log-sum-exp,
+  and a second kernel merges them. The split count is a launch constant derived from the static bounds only,
+  so a captured CUDA graph stays valid for every seq_len under its bound (surplus splits find no keys).
+
+Rows with no visible key (graph-padding entries with seq_len 0) get zeros, never NaN. Every row of every
+request is written, so an output poisoned with NaN comes back clean.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: only the reference is usable
+    triton = tl = None
+
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write, merge) outweighs its keys
+MAX_SPLITS = 32
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _attn_stage1(
+    Q, K, V, Out, PartO, PartLse, Table, ReqRows, SeqLens, ExtStarts, ExtLens, Tail,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_row,
+    stride_tb, stride_tq, stride_tw, tail_q, tail_w, num_heads, head_dim, num_splits, scale_log2,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAIL: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tile = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    seq_len = tl.load(SeqLens + b)
+    ext = tl.load(ExtLens + b)
+    if tile * BLOCK_M >= ext * GROUP:
+        return
+    start = tl.load(ExtStarts + b)
+    row = tl.load(ReqRows + b)
+    prefix = seq_len - ext
+
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = r // GROUP  # query index within the request
+    head = kvh * GROUP + r % GROUP
+    row_ok = qi < ext
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    tok = (start + qi).to(tl.int64)
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    if HAS_TAIL:  # a tail mask may open any key of the sequence
+        kv_end = seq_len
+    else:  # causal: nothing past this tile's last query
+        last_q = (tl.minimum(tile * BLOCK_M + BLOCK_M, ext * GROUP) - 1) // GROUP
+        kv_end = tl.minimum(seq_len, prefix + last_q + 1)
+    kv_end = tl.maximum(kv_end, 0)
+    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q_seq = prefix + qi
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(Table + row * stride_row + n // PAGE_SIZE, mask=n_ok, other=0)
+        slot = page * PAGE_SIZE + n % PAGE_SIZE
+        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # [N, D]: each key's head row is contiguous, so the loads are 16 bytes wide
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        visible = row_ok[:, None] & n_ok[None, :]
+        if HAS_TAIL:
+            rel = n - (seq_len - tail_w)  # index into the tail; < 0 before it, where every key is visible
+            picked = tl.load(Tail + b * stride_tb + qi[:, None] * stride_tq + rel[None, :] * stride_tw,
+                             mask=visible & (rel >= 0)[None, :] & (qi < tail_q)[:, None], other=0)
+            visible = visible & ((rel < 0)[None, :] | (picked != 0))
+        else:
+            visible = visible & (n[None, :] <= q_seq[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # masked: a stray NaN in an unused slot must not meet p == 0
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    mask = row_ok[:, None] & d_ok[None, :]
+    if not SPLIT:
+        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
+                 mask=mask)
+    else:
+        part = (tok * num_heads + head) * num_splits + split
+        tl.store(PartO + part[:, None] * head_dim + d[None, :], o, mask=mask)
+        tl.store(PartLse + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
+
+
+@_jit
+def _attn_merge(
+    Out, PartO, PartLse, ExtStarts, ExtLens, stride_ot, stride_oh, num_heads, head_dim, num_splits,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tile = tl.program_id(2)
+    ext = tl.load(ExtLens + b)
+    if tile * BLOCK_M >= ext * GROUP:
+        return
+    start = tl.load(ExtStarts + b)
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = qi < ext
+    d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (d < head_dim)[None, :]
+    tok = (start + qi).to(tl.int64)
+    base = (tok * num_heads + head) * num_splits
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(PartLse + base + s, mask=row_ok, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key: every weight is 0 and the row is 0
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(PartLse + base + s, mask=row_ok, other=float("-inf")) - m)
+        acc += w[:, None] * tl.load(PartO + (base + s)[:, None] * head_dim + d[None, :], mask=mask, other=0.0)
+        den += w
+    o = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
+             mask=mask)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def tile_config(group: int, max_extend_len: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D). A bf16/fp16 K or V tile stays near 16 KB so two pipeline stages fit easily.
+    float32 runs its dots as exact FMA loops (no tf32), whose operands live in registers: smaller tiles, no spills."""
+    block_d = max(16, _next_pow2(head_dim))
+    if dtype == torch.float32:
+        return 16, max(16, min(64, 2048 // block_d)), block_d
+    block_m = min(max(16, _next_pow2(max_extend_len * group)), 64 if block_d <= 128 else 32)
+    block_n = max(16, min(64, 8192 // block_d))
+    return block_m, block_n, block_d
+
+
+def num_row_tiles(group: int, max_extend_len: int, block_m: int) -> int:
+    return max(1, -(-max_extend_len * group // block_m))
+
+
+def num_kv_splits(batch: int, num_kv_heads: int, row_tiles: int, max_seq_len: int, num_sms: int) -> int:
+    """Key splits per program, from static sizes only: enough programs for ~4 per SM, each >= MIN_KEYS_PER_SPLIT keys."""
+    programs = max(1, batch * num_kv_heads * row_tiles)
+    want = -(-4 * num_sms // programs)
+    return max(1, min(want, -(-max_seq_len // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+
+
+def attention_workspace(num_tokens: int, num_heads: int, head_dim: int, num_splits: int, device) -> tuple:
+    """Partial outputs and log-sum-exps of the splits (None when there is one split)."""
+    if num_splits == 1:
+        return None
+    part_o = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device)
+    return part_o, part_lse
+
+
+def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_starts, extend_lens, *,
+                    page_size: int, max_extend_len: int, tail_mask=None, num_splits: int = 1, out=None, workspace=None):
+    """q: [T, Hq, D]; k_cache/v_cache: [slots, Hkv, D]; page_table: [rows, pages] int64; req_rows: [B] int64;
+    seq_lens/extend_starts/extend_lens: [B] int32; tail_mask: optional [B, Q, W] bool -> out [T, Hq, D].
+    Launch sizes come from tensor shapes, max_extend_len and num_splits only (CUDA-graph safe)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    batch = req_rows.shape[0]
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0 or max_extend_len == 0:
+        return out
+    block_m, block_n, block_d = tile_config(group, max_extend_len, head_dim, q.dtype)
+    tiles = num_row_tiles(group, max_extend_len, block_m)
+    if num_splits > 1 and workspace is None:
+        workspace = attention_workspace(num_tokens, num_heads, head_dim, num_splits, q.device)
+    part_o, part_lse = workspace if num_splits > 1 else (out, out)  # unused when there is one split
+    tail = tail_mask.view(torch.uint8) if tail_mask is not None else seq_lens  # any pointer; HAS_TAIL=False
+    tail_strides = tail.stride() if tail_mask is not None else (0, 0, 0)
+    tail_q, tail_w = (tail_mask.shape[1], tail_mask.shape[2]) if tail_mask is not None else (0, 0)
+    _attn_stage1[(batch, num_kv_heads, tiles * num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, page_table, req_rows, seq_lens, extend_starts, extend_lens, tail,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), page_table.stride(0), *tail_strides, tail_q, tail_w, num_heads, head_dim,
+        num_splits, head_dim ** -0.5 * math.log2(math.e),
+        GROUP=group, PAGE_SIZE=page_size, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_TAIL=tail_mask is not None, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _attn_merge[(batch, num_kv_heads, tiles)](
+            out, part_o, part_lse, extend_starts, extend_lens, out.stride(0), out.stride(1), num_heads, head_dim,
+            num_splits, GROUP=group, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def paged_attention_reference(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_starts, extend_lens, *,
+                              page_size: int, max_extend_len: int = 0, tail_mask=None, num_splits: int = 1, out=None,
+                              workspace=None):
+    """Plain torch, one request at a time, in float32; same arguments as paged_attention (the launch-shape ones
+    are ignored). A query with no visible key gets zeros."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // k_cache.shape[1]
+    res = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    lens, starts, exts, rows = (t.tolist() for t in (seq_lens, extend_starts, extend_lens, req_rows))
+    for b, (seq_len, start, ext, row) in enumerate(zip(lens, starts, exts, rows)):
+        if ext == 0 or seq_len <= 0:
+            continue
+        idx = torch.arange(seq_len, device=q.device)
+        slots = page_table[row, idx // page_size] * page_size + idx % page_size
+        keys = k_cache[slots].float().repeat_interleave(group, 1)  # [L, Hq, D]
+        values = v_cache[slots].float().repeat_interleave(group, 1)
+        scores = torch.einsum("ehd,lhd->hel", q[start:start + ext].float(), keys) * head_dim ** -0.5
+        if tail_mask is None:
+            visible = idx[None, :] <= (seq_len - ext + torch.arange(ext, device=q.device))[:, None]
+        else:
+            n_rows, width = tail_mask.shape[1], tail_mask.shape[2]
+            rows_mask = torch.zeros(ext, width, dtype=torch.bool, device=q.device)
+            rows_mask[: min(ext, n_rows)] = tail_mask[b, : min(ext, n_rows)]
+            rel = idx - (seq_len - width)
+            visible = torch.where(rel[None, :] < 0, True, rows_mask[:, rel.clamp(0, width - 1)])
+        probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), -1).nan_to_num(0.0)
+        res[start:start + ext] = torch.einsum("hel,lhd->ehd", probs, values)
+    if out is None:
+        return res.to(q.dtype)
+    out.copy_(res)
+    return out

@@ -1,0 +1,223 @@
+"""Each Triton kernel against its plain-torch reference, on fresh random inputs; then the triton backend against
+the torch backend end to end. Run on a GPU machine: `python3 -m pytest tests/gpu/test_triton_kernels.py -q`.
+Not part of CI. (With TRITON_INTERPRET=1 and triton installed, the kernel tests also run on the CPU, slowly.)
+
+Outputs (and split workspaces) are poisoned with NaN first, so an unwritten element fails; pool pages no request
+owns hold NaN too, so a read outside a request's keys fails. Every batch carries CUDA-graph padding entries
+(seq_len 0 or 1 on a dummy row whose pages are all the padding page 0, and an entry with no tokens).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hyperdraft.kernels.attention import (attention_workspace, num_kv_splits, num_row_tiles, paged_attention,
+                                          paged_attention_reference, tile_config)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device")
+HKV = 2
+LONG = 8200 if not INTERPRET else 700  # > 8192: many key splits
+DTYPES = [torch.float32, torch.bfloat16]
+# Every kernel variant is a separate compile (~1 s): decode crosses everything, the others pair head_dim with dtype.
+HEAD_DTYPE_PAIRS = [(64, torch.float32), (128, torch.bfloat16)]
+REL_TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}  # |out - ref| / |ref|: fp32 math vs bf16 operands
+
+
+def _num_sms() -> int:
+    return 132 if INTERPRET else torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def _batch(page_size, ratio, head_dim, dtype, specs, seed):
+    """specs: (prefix, extend) per real request. Appends padding entries. Returns the kernel's arguments."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [p + e for p, e in specs]
+    pages_per_row = max(-(-n // page_size) for n in lens) + 1
+    num_pages = sum(-(-n // page_size) for n in lens) + 8
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()  # page 0 is the padding page
+    table = torch.zeros(len(specs) + 1, pages_per_row, dtype=torch.int64)
+    for b, n in enumerate(lens):
+        need = -(-n // page_size)
+        table[b, :need] = torch.tensor([perm.pop() for _ in range(need)])
+    dummy = len(specs)  # its row stays all zeros: every index maps into page 0
+    shape = (num_pages * page_size, HKV, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for b, n in enumerate(lens):
+        idx = torch.arange(n)
+        slots = table[b, idx // page_size] * page_size + idx % page_size
+        k_cache[slots] = torch.randn(n, HKV, head_dim, generator=g).to(dtype)
+        v_cache[slots] = torch.randn(n, HKV, head_dim, generator=g).to(dtype)
+    k_cache[:page_size] = torch.randn(page_size, HKV, head_dim, generator=g).to(dtype)  # padding tokens wrote here
+    v_cache[:page_size] = torch.randn(page_size, HKV, head_dim, generator=g).to(dtype)
+    rows = list(range(len(specs))) + [dummy, dummy, dummy]
+    seq = lens + [0, 1, 0]
+    ext = [e for _, e in specs] + [1, 1, 0]
+    starts = torch.tensor([0] + ext[:-1]).cumsum(0).tolist()
+    q = torch.randn(sum(ext), HKV * ratio, head_dim, generator=g).to(dtype)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    i32 = lambda xs: dev(torch.tensor(xs, dtype=torch.int32))  # noqa: E731
+    return dict(q=dev(q), k_cache=dev(k_cache), v_cache=dev(v_cache), page_table=dev(table),
+                req_rows=dev(torch.tensor(rows)), seq_lens=i32(seq), extend_starts=i32(starts), extend_lens=i32(ext),
+                page_size=page_size, max_extend_len=max(ext))
+
+
+def _tree_masks(specs, width_extra, seed):
+    """Per request a random tree over its extend nodes (parent before child): row i sees its ancestors and itself.
+    The tail is width_extra earlier nodes (visible to all, like a drafting step's root and earlier frontier) + nodes."""
+    g = torch.Generator().manual_seed(seed)
+    q = max(e for _, e in specs)
+    w = q + width_extra
+    mask = torch.zeros(len(specs) + 3, q, w, dtype=torch.bool)
+    for b, (_, ext) in enumerate(specs):
+        anc = torch.zeros(ext, ext, dtype=torch.bool)
+        for i in range(ext):
+            parent = int(torch.randint(0, i, (1,), generator=g)) if i > 0 and torch.rand(1, generator=g) < 0.8 else -1
+            if parent >= 0:
+                anc[i] = anc[parent]
+            anc[i, i] = True
+        mask[b, :ext, : w - ext] = True
+        mask[b, :ext, w - ext :] = anc
+    mask[len(specs):, :1, -1] = True  # padding entries: themselves
+    return mask.to(DEVICE)
+
+
+def _check(args, num_splits, tail_mask=None):
+    q = args["q"]
+    out = torch.full_like(q, float("nan"))
+    workspace = attention_workspace(q.shape[0], q.shape[1], q.shape[2], num_splits, q.device)
+    if workspace is not None:
+        for t in workspace:
+            t.fill_(float("nan"))
+    paged_attention(**args, tail_mask=tail_mask, num_splits=num_splits, out=out, workspace=workspace)
+    ref = paged_attention_reference(**args, tail_mask=tail_mask).float()
+    assert torch.isfinite(out).all(), "unwritten or NaN output rows"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < REL_TOL[q.dtype], err
+    return out
+
+
+def _auto_splits(args):
+    q = args["q"]
+    group = q.shape[1] // HKV
+    block_m, _, _ = tile_config(group, args["max_extend_len"], q.shape[2], q.dtype)
+    tiles = num_row_tiles(group, args["max_extend_len"], block_m)
+    return num_kv_splits(args["req_rows"].shape[0], HKV, tiles, int(args["seq_lens"].max()), _num_sms())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_decode(page_size, ratio, head_dim, dtype):
+    args = _batch(page_size, ratio, head_dim, dtype, [(0, 1), (6, 1), (299, 1), (LONG - 1, 1)], seed=page_size + ratio)
+    splits = _auto_splits(args)
+    assert splits > 1  # the long request is cut into key splits (one split: the extend tests)
+    _check(args, splits)
+
+
+@pytest.mark.parametrize("head_dim,dtype", HEAD_DTYPE_PAIRS, ids=["64-fp32", "128-bf16"])
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_extend_over_cached_prefix(page_size, ratio, head_dim, dtype):
+    # fresh prefill, chunk over a prefix, a decode riding along, a long chunk over a long prefix
+    specs = [(0, 7), (293, 7), (5, 1), (0, 300), (40, 300)]
+    args = _batch(page_size, ratio, head_dim, dtype, specs, seed=7 * page_size + ratio)
+    _check(args, _auto_splits(args))
+    _check(args, 3)  # key splits under causal row tiles
+
+
+@pytest.mark.parametrize("head_dim,dtype", HEAD_DTYPE_PAIRS, ids=["64-fp32", "128-bf16"])
+@pytest.mark.parametrize("ratio", [1, 8])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_tree_and_chain_verify(page_size, ratio, head_dim, dtype):
+    specs = [(1, 8), (7, 8), (300, 8), (LONG, 8), (20, 5)]
+    args = _batch(page_size, ratio, head_dim, dtype, specs, seed=3 * page_size + ratio)
+    splits = _auto_splits(args)
+    assert splits > 1
+    tree = _check(args, splits, tail_mask=_tree_masks(specs, 0, seed=ratio))
+    chain = _check(args, splits)  # chains: plain causal
+    assert not torch.allclose(tree.float(), chain.float(), atol=1e-2)  # the masks mattered
+    _check(args, 1, tail_mask=_tree_masks(specs, 0, seed=ratio))
+    # A drafting step: the tail also covers earlier nodes (root + previous frontier), W > extend.
+    _check(args, splits, tail_mask=_tree_masks(specs, 5, seed=ratio + 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,head_dim", [(1, 64), (8, 128), (2, 16)])
+def test_kv_store(heads, head_dim, dtype):
+    from hyperdraft.kernels.kv_store import kv_store, kv_store_reference
+
+    g = torch.Generator().manual_seed(heads)
+    cache = [torch.randn(200, heads, head_dim, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    slots = torch.cat([torch.randperm(199, generator=g)[:37] + 1, torch.zeros(3, dtype=torch.int64)]).to(DEVICE)
+    k = torch.randn(40, heads, head_dim, generator=g).to(DEVICE)  # fp32 activations: the store casts
+    v = torch.randn(40, heads, 2 * head_dim, generator=g).to(DEVICE)[:, :, :head_dim]  # strided
+    ref = [c.clone() for c in cache]
+    kv_store(*cache, slots, k, v)
+    kv_store_reference(*ref, slots, k, v)
+    # Slot 0 takes three padding tokens: which one lands is unspecified in both, so it is left out.
+    assert torch.equal(cache[0][1:], ref[0][1:]) and torch.equal(cache[1][1:], ref[1][1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_kv_move_with_overlapping_slots(dtype):
+    from hyperdraft.kernels.kv_move import kv_move, kv_move_reference
+
+    g = torch.Generator().manual_seed(5)
+    pools = [torch.randn(3, 300, 2, 64, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    # Two requests' accepted paths compacted (sources overlap destinations), plus identity entries.
+    dst = torch.tensor([100, 101, 102, 103, 200, 201, 202, 150])
+    src = torch.tensor([100, 102, 105, 107, 203, 204, 209, 150])
+    ref = [p.clone() for p in pools]
+    kv_move(*pools, dst.to(DEVICE), src.to(DEVICE))
+    kv_move_reference(*ref, dst.to(DEVICE), src.to(DEVICE))
+    assert torch.equal(pools[0], ref[0]) and torch.equal(pools[1], ref[1])
+
+
+# ---- end to end: the triton backend gives the torch backend's greedy tokens --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("triton_models")
+    return {kind: make_tiny_model(str(root / kind), kind, seed=1) for kind in ("llama", "qwen3")}
+
+
+E2E_CASES = {
+    "plain": dict(page_size=16),
+    "plain-qwen3": dict(page_size=64, target="qwen3"),  # GQA 4:1, head_dim 32, q/k norm
+    "ngram": dict(page_size=1, speculative_algorithm="NGRAM", speculative_num_steps=4),
+    "standalone-tree": dict(page_size=4, speculative_algorithm="STANDALONE", speculative_draft_model="llama",
+                            speculative_num_steps=4, speculative_eagle_topk=2, speculative_num_draft_tokens=6),
+}
+
+
+@pytest.mark.skipif(INTERPRET, reason="end to end runs on CUDA only")
+@pytest.mark.parametrize("case", list(E2E_CASES))
+def test_triton_backend_matches_torch_backend_end_to_end(tiny, case):
+    from hyperdraft import LLM, SamplingParams
+    from hyperdraft.attention.triton_backend import TritonAttentionBackend
+
+    opts = {k: (tiny[v] if k == "speculative_draft_model" else v) for k, v in E2E_CASES[case].items()}
+    target = tiny[opts.pop("target", "llama")]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 7, 33, 100, 200, 5, 64, 150)]
+    prompts += [p[: len(p) // 2] * 2 for p in prompts[2:5]]  # repeats, so NGRAM finds matches
+    sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", None):  # None: the CUDA default, triton
+        llm = LLM(target, device="cuda", dtype="float32", max_total_tokens=1 << 15, attention_backend=backend,
+                  chunked_prefill_size=64, **opts)
+        if backend is None:
+            assert isinstance(llm.engine.runner.backend, TritonAttentionBackend)
+        outs[backend] = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=sp, use_tqdm=False)]
+        assert llm.engine.kv_free_slots == llm.engine.kv_capacity_slots
+        llm.shutdown()
+    assert outs[None] == outs["torch"]
