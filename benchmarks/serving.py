@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
 MT_BENCH = os.path.join(ROOT, "..", "shared", "data", "mt_bench_questions.jsonl")
 CONFIGS = {
@@ -189,6 +189,14 @@ class LaunchedServer:
         self.log.close()
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def row(name: str, s: dict, base: dict | None) -> str:
     ratio = f"{s['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
     accept = f"{s['accept_length']:.2f}" if s["accept_length"] else "-"
@@ -241,7 +249,7 @@ def main() -> None:
     lines = [
         f"# Online serving on CPU: {os.path.basename(model)}, MT-bench chat, Poisson arrivals",
         "",
-        f"- device: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared); server: fp32, "
+        f"- device: {cpu_name()}, {os.cpu_count()} cores (shared); server: fp32, "
         "`hyperdraft serve` on 127.0.0.1",
         f"- date: {datetime.date.today().isoformat()}",
         f"- commit: {commit}",
