@@ -5,7 +5,7 @@ percentiles, and the speculative accept length (from /server_info, over the benc
 By default it starts the server itself, once per configuration (no speculation, then NGRAM), runs the same
 workload against each, checks the outputs are identical (greedy; speculation is lossless), and writes a table:
 
-  python benchmarks/serving.py                          # SmolLM2 default model, CPU -> benchmarks/results/serving_cpu.md
+  python benchmarks/serving.py                  # SmolLM2 default model, CPU -> benchmarks/results/serving_cpu.md
   python benchmarks/serving.py --num-prompts 64 --request-rate 4 --max-tokens 128
   python benchmarks/serving.py --base-url http://127.0.0.1:30000   # a server you started; prints one row
 
@@ -244,7 +244,8 @@ def main() -> None:
         print(row(name, summaries[name], summaries.get("none")), flush=True)
     names = list(summaries)
     same = all(texts[n] == texts[names[0]] for n in names)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    commit = git.stdout.strip()
     cmd = "python benchmarks/serving.py " + " ".join(sys.argv[1:])
     lines = [
         f"# Online serving on CPU: {os.path.basename(model)}, MT-bench chat, Poisson arrivals",

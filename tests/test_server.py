@@ -106,9 +106,8 @@ def test_completions_batch_prompts_token_ids_n_and_echo(client, offline, chat_mo
     texts = prompts(2, seed=2)
     ids = offline.tokenizer.encode(texts[0])
     out = client.completions.create(model=chat_model, prompt=texts, max_tokens=12, temperature=0.9, seed=5, n=2)
-    refs = offline.generate([t for t in texts for _ in range(2)],
-                            [SamplingParams(temperature=0.9, seed=5 + s, max_new_tokens=12) for _ in texts for s in (0, 1)],
-                            use_tqdm=False)
+    params = [SamplingParams(temperature=0.9, seed=5 + s, max_new_tokens=12) for _ in texts for s in (0, 1)]
+    refs = offline.generate([t for t in texts for _ in range(2)], params, use_tqdm=False)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert [c.text for c in out.choices] == [r.text for r in refs]
     assert out.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
@@ -238,7 +237,8 @@ def test_internal_error_fails_only_its_request(server, offline, chat_model):
     async def run():
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as c:
             async def good(t):
-                return (await c.completions.create(model=chat_model, prompt=t, max_tokens=16, temperature=0)).choices[0].text
+                out = await c.completions.create(model=chat_model, prompt=t, max_tokens=16, temperature=0)
+                return out.choices[0].text
 
             async def bad_stream():
                 stream = await c.completions.create(model=chat_model, prompt="x", max_tokens=16, user=FAULT_USER,

@@ -154,8 +154,8 @@ def create_app(ctx: ServerContext, args: EngineArgs, opts: ServeOptions) -> Fast
         except APIError as e:
             return error(e)
         return {**asdict(args), "internal_states": states, "server_state": loop_state,
-                "served_model_name": ctx.model_name, "max_queued_requests": opts.max_queued_requests, "lossy_benchmark_mode": ctx.lossy,
-                "version": __version__}
+                "served_model_name": ctx.model_name, "max_queued_requests": opts.max_queued_requests,
+                "lossy_benchmark_mode": ctx.lossy, "version": __version__}
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -85,7 +85,8 @@ def _render_spec(w: "_Writer", s: dict) -> None:
     w.counter("spec_verifies_total", "request-verifies (one per decoding request per step)", s["verifies"])
     w.counter("spec_draft_tokens_total", "draft tokens proposed", s["draft_tokens"])
     w.counter("spec_accepted_tokens_total", "draft tokens accepted", s["accepted_tokens"])
-    w.counter("spec_emitted_tokens_total", "tokens emitted by verifies (accepted + bonus/recovered)", s["emitted_tokens"])
+    w.counter("spec_emitted_tokens_total", "tokens emitted by verifies (accepted + bonus or recovered)",
+              s["emitted_tokens"])
     w.gauge("spec_avg_accept_length", "emitted tokens per request-verify", s["emitted_tokens"] / max(1, s["verifies"]))
     # accept length = tokens one verify emits (1 .. K+1); histogram buckets are cumulative
     hist = s["accept_length_hist"]
