@@ -54,12 +54,15 @@ class SamplingParams:
         check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1")
         check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0), "top_k", "-1 (disabled) or an integer >= 0")
+        # seed and top_k become int64 tensors inside a step: a larger value would fail the whole batch there
+        check(_is_int(self.top_k) and (self.top_k == -1 or 0 <= self.top_k < 2**63), "top_k",
+              "-1 (disabled) or an integer in [0, 2**63)")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
         check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
         check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
         check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "a number > 0")
-        check(self.seed is None or _is_int(self.seed), "seed", "an integer or None")
+        check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
+              "an integer in [-2**63, 2**63) or None")
         check(self.stop is None or all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
         ids_ok = self.stop_token_ids is None or all(
             _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in self.stop_token_ids

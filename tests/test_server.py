@@ -267,6 +267,8 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
     ({"prompt": "a", "n": 0}, 400, "n", "invalid_value"),
     ({"prompt": "a", "stream": "yes"}, 400, "stream", "invalid_type"),
     ({"prompt": "a", "stop_token_ids": [100000]}, 400, "stop_token_ids", "invalid_value"),
+    ({"prompt": "a", "seed": 2**70}, 400, "seed", "invalid_value"),  # would overflow an int64 inside the step
+    ({"prompt": "a", "top_k": 10**30}, 400, "top_k", "invalid_value"),
     ({"prompt": [5, 100000]}, 400, "prompt", "invalid_value"),
     ({"prompt": []}, 400, "prompt", "invalid_value"),
     ({"prompt": {"text": "a"}}, 400, "prompt", "invalid_type"),
