@@ -112,8 +112,8 @@ class EngineLoop:
         """Run fn(engine) on the engine thread, between steps (engine reads for /server_info and /metrics)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Command(lambda: fn(self.engine), future))
-        if not self._thread.is_alive() and not future.done():
-            future.set_exception(RuntimeError("the engine thread is not running"))
+        if not self._thread.is_alive():
+            _fail_future(future, RuntimeError("the engine thread is not running"))
         return future
 
     # ---- the engine thread --------------------------------------------------------------------------------------
@@ -125,6 +125,9 @@ class EngineLoop:
                 self._step()
         for t in list(self._tracked.values()):
             self._fail(t, "the server is shutting down")
+        for cmd in self._next_commands(block=False):  # nobody will run these: answer their callers now
+            if cmd.future is not None:
+                _fail_future(cmd.future, RuntimeError("the server is shutting down"))
 
     def _next_commands(self, block: bool) -> list[_Command]:
         cmds = [self._commands.get()] if block else []  # idle: sleep here until a command arrives
@@ -233,3 +236,10 @@ class EngineLoop:
             t.sink(t.index, Event([], [], time.perf_counter(), True, "error", error=message))
         except Exception:  # noqa: BLE001 - the receiving side is gone (shutdown)
             pass
+
+
+def _fail_future(future: concurrent.futures.Future, exc: Exception) -> None:
+    try:
+        future.set_exception(exc)
+    except concurrent.futures.InvalidStateError:  # the other side got there first
+        pass
