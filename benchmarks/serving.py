@@ -257,7 +257,7 @@ def main() -> None:
         f"- command: `{cmd.strip()}`",
         f"- workload: {args.num_prompts} MT-bench first turns via /v1/chat/completions (streamed), "
         f"{args.request_rate} req/s Poisson (seed {args.seed}), temperature 0, max_tokens {args.max_tokens}",
-        f"- configs: " + "; ".join(f"{n}: `{' '.join(CONFIGS[n]) or 'no speculation'}`" for n in names),
+        "- configs: " + "; ".join(f"{n}: `{' '.join(CONFIGS[n]) or 'no speculation'}`" for n in names),
         f"- outputs identical across configs: {'yes' if same else 'NO'}",
         "",
         HEADER,
