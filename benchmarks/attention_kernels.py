@@ -19,6 +19,7 @@ import torch
 from hyperdraft.attention.torch_backend import TorchAttentionBackend
 from hyperdraft.attention.triton_backend import TritonAttentionBackend
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.kernels.attention import Tiles, num_kv_splits, num_row_tiles, paged_attention, tile_config
 from hyperdraft.kernels.kv_move import kv_move, kv_move_reference
 from hyperdraft.kernels.kv_store import kv_store, kv_store_reference
 from hyperdraft.kvcache.kv_pool import KVPool
@@ -117,6 +118,33 @@ def attention_rows(bw: float) -> list[str]:
     return out
 
 
+def ablation_rows() -> list[str]:
+    """Attention launch only (no store), graph time: key splits by min keys per split, pipeline stages, tiles."""
+    out = []
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = [("decode", 1, 1024, 1, False), ("decode", 1, 8192, 1, False), ("decode", 32, 8192, 1, False),
+             ("tree verify", 1, 8192, 8, True), ("tree verify", 32, 8192, 8, True), ("prefill", 1, 0, 4096, False)]
+    for name, batch, prefix, ext, tree in cases:
+        table, pool, fb, q, k, v = _setup(batch, prefix, ext, tree)
+        group = HQ // HKV
+        base = tile_config(group, ext, D, DTYPE)
+        variants = [(f"min keys {mk}", base, mk) for mk in (64, 128, 256)]
+        variants += [("3 stages", base._replace(stages=3), 128)]
+        if name == "prefill":
+            variants += [("tiles 64x64, 4 warps", Tiles(64, 64, D, 4, 2), 128)]
+        cells = []
+        for label, tiles, mk in variants:
+            splits = num_kv_splits(batch, HKV, num_row_tiles(group, ext, tiles.m), prefix + ext, num_sms, mk)
+            fn = lambda: paged_attention(q, pool.k[0], pool.v[0], table.table, fb.req_rows, fb.seq_lens_t,  # noqa: E731
+                                         fb.extend_starts_t, fb.extend_lens_t, page_size=PAGE, max_extend_len=ext,
+                                         tail_mask=fb.tail_mask, num_splits=splits, tiles=tiles)
+            cells.append(f"{label} (S={splits}): {_time_graph(fn):.1f}")
+        out.append(f"| {name} | {batch} | {prefix + ext} | {base} | " + "; ".join(cells) + " |")
+        del table, pool, fb, q, k, v
+        torch.cuda.empty_cache()
+    return out
+
+
 def store_move_rows() -> list[str]:
     out = []
     for t in (32, 4096):
@@ -162,6 +190,12 @@ def main() -> None:
         "| case | batch | seq | triton eager | triton graph | torch eager | speed-up | floor | max abs diff |",
         "|---|---|---|---|---|---|---|---|---|",
         *attention_rows(bw),
+        "",
+        "Tuning (attention launch only, graph time in microseconds; S = key splits):",
+        "",
+        "| case | batch | seq | default tiles | variants |",
+        "|---|---|---|---|---|",
+        *ablation_rows(),
         "",
         "KV store (one layer, Triton: one launch for K and V; reference: two index_copy_) and the compaction move",
         "(all layers; Triton: gather + scatter launches; reference: advanced indexing), microseconds:",

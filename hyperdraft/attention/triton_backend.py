@@ -60,7 +60,6 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = self.pool.k.shape[2]
         group = num_heads // num_kv_heads
-        block_m, _, _ = tile_config(group, meta.max_extend_len, head_dim, q.dtype)
-        tiles = num_row_tiles(group, meta.max_extend_len, block_m)
+        tiles = num_row_tiles(group, meta.max_extend_len, tile_config(group, meta.max_extend_len, head_dim, q.dtype).m)
         meta.num_splits = num_kv_splits(meta.req_rows.shape[0], num_kv_heads, tiles, meta.max_seq_len, self.num_sms)
         meta.workspace = attention_workspace(num_tokens, num_heads, head_dim, meta.num_splits, q.device)

@@ -22,6 +22,7 @@ request is written, so an output poisoned with NaN comes back clean.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -31,12 +32,59 @@ try:
 except ImportError:  # CPU machines: only the reference is usable
     triton = tl = None
 
-MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write, merge) outweighs its keys
-MAX_SPLITS = 32
+MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) outweighs its keys
+MAX_SPLITS = 64
 
 
 def _jit(fn):
     return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _attend_keys(
+    acc, l_i, m_i, q, K, V, Table, Tail, row, kvh, b, lo, hi, qi, prefix, row_ok, d, d_ok, seq_len,
+    stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq, stride_tw, tail_q, tail_w, scale_log2,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_TAIL: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi) of one page-table row. MASKED applies the causal or tail mask per element;
+    otherwise only the range end is masked."""
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(Table + row * stride_row + n // PAGE_SIZE, mask=n_ok, other=0)
+        slot = page * PAGE_SIZE + n % PAGE_SIZE
+        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # [N, D]: each key's head row is contiguous, so the loads are 16 bytes wide
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        if MASKED:
+            visible = row_ok[:, None] & n_ok[None, :]
+            if HAS_TAIL:
+                rel = n - (seq_len - tail_w)  # index into the tail; < 0 before it, where every key is visible
+                picked = tl.load(Tail + b * stride_tb + qi[:, None] * stride_tq + rel[None, :] * stride_tw,
+                                 mask=visible & (rel >= 0)[None, :] & (qi < tail_q)[:, None], other=0)
+                visible = visible & ((rel < 0)[None, :] | (picked != 0))
+            else:
+                visible = visible & (n[None, :] <= (prefix + qi)[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        else:
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # masked: a stray NaN in an unused slot must not meet p == 0
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @_jit
@@ -79,43 +127,23 @@ def _attn_stage1(
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_end)
 
+    # Keys before mask_start are visible to every row of this tile (causal: up to the tile's first query; tail
+    # mask: everything before the tail), so that stretch skips the per-element mask.
+    if HAS_TAIL:
+        mask_start = seq_len - tail_w
+    else:
+        mask_start = prefix + (tile * BLOCK_M) // GROUP + 1
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    q_seq = prefix + qi
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        page = tl.load(Table + row * stride_row + n // PAGE_SIZE, mask=n_ok, other=0)
-        slot = page * PAGE_SIZE + n % PAGE_SIZE
-        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                    other=0.0)  # [N, D]: each key's head row is contiguous, so the loads are 16 bytes wide
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2
-        visible = row_ok[:, None] & n_ok[None, :]
-        if HAS_TAIL:
-            rel = n - (seq_len - tail_w)  # index into the tail; < 0 before it, where every key is visible
-            picked = tl.load(Tail + b * stride_tb + qi[:, None] * stride_tq + rel[None, :] * stride_tw,
-                             mask=visible & (rel >= 0)[None, :] & (qi < tail_q)[:, None], other=0)
-            visible = visible & ((rel < 0)[None, :] | (picked != 0))
-        else:
-            visible = visible & (n[None, :] <= q_seq[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                    other=0.0)  # masked: a stray NaN in an unused slot must not meet p == 0
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, K, V, Table, Tail, row, kvh, b, lo, tl.minimum(hi, mask_start), qi, prefix, row_ok, d, d_ok,
+        seq_len, stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq, stride_tw, tail_q, tail_w,
+        scale_log2, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASKED=False, HAS_TAIL=HAS_TAIL, IEEE=IEEE)
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, K, V, Table, Tail, row, kvh, b, tl.maximum(lo, mask_start), hi, qi, prefix, row_ok, d, d_ok,
+        seq_len, stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq, stride_tw, tail_q, tail_w,
+        scale_log2, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASKED=True, HAS_TAIL=HAS_TAIL, IEEE=IEEE)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
@@ -168,26 +196,37 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def tile_config(group: int, max_extend_len: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D). A bf16/fp16 K or V tile stays near 16 KB so two pipeline stages fit easily.
-    float32 runs its dots as exact FMA loops (no tf32), whose operands live in registers: smaller tiles, no spills."""
+class Tiles(NamedTuple):
+    m: int  # rows: (query, q head) pairs of one kv head's group
+    n: int  # keys per block
+    d: int  # head_dim padded to a power of two
+    warps: int
+    stages: int
+
+
+def tile_config(group: int, max_extend_len: int, head_dim: int, dtype: torch.dtype) -> Tiles:
+    """A bf16/fp16 K or V tile stays near 16 KB so the pipeline stages fit easily; prefill-sized row counts take
+    128-row tiles over 8 warps. float32 runs its dots as exact FMA loops (no tf32), whose operands live in
+    registers: small tiles, so nothing spills. (Register counts checked in the sm_90 compiler's report.)"""
     block_d = max(16, _next_pow2(head_dim))
     if dtype == torch.float32:
-        return 16, max(16, min(64, 2048 // block_d)), block_d
-    block_m = min(max(16, _next_pow2(max_extend_len * group)), 64 if block_d <= 128 else 32)
-    block_n = max(16, min(64, 8192 // block_d))
-    return block_m, block_n, block_d
+        return Tiles(16, max(16, min(64, 2048 // block_d)), block_d, 4, 2)
+    rows = max(16, _next_pow2(max_extend_len * group))
+    if rows >= 128 and block_d <= 128:
+        return Tiles(128, 64, block_d, 8, 2)
+    return Tiles(min(rows, 64 if block_d <= 128 else 32), max(16, min(64, 8192 // block_d)), block_d, 4, 2)
 
 
 def num_row_tiles(group: int, max_extend_len: int, block_m: int) -> int:
     return max(1, -(-max_extend_len * group // block_m))
 
 
-def num_kv_splits(batch: int, num_kv_heads: int, row_tiles: int, max_seq_len: int, num_sms: int) -> int:
-    """Key splits per program, from static sizes only: enough programs for ~4 per SM, each >= MIN_KEYS_PER_SPLIT keys."""
+def num_kv_splits(batch: int, num_kv_heads: int, row_tiles: int, max_seq_len: int, num_sms: int,
+                  min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
+    """Key splits per program, from static sizes only: enough programs for ~4 per SM, each >= min_keys keys."""
     programs = max(1, batch * num_kv_heads * row_tiles)
     want = -(-4 * num_sms // programs)
-    return max(1, min(want, -(-max_seq_len // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    return max(1, min(want, -(-max_seq_len // min_keys), MAX_SPLITS))
 
 
 def attention_workspace(num_tokens: int, num_heads: int, head_dim: int, num_splits: int, device) -> tuple:
@@ -200,10 +239,12 @@ def attention_workspace(num_tokens: int, num_heads: int, head_dim: int, num_spli
 
 
 def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_starts, extend_lens, *,
-                    page_size: int, max_extend_len: int, tail_mask=None, num_splits: int = 1, out=None, workspace=None):
+                    page_size: int, max_extend_len: int, tail_mask=None, num_splits: int = 1, out=None, workspace=None,
+                    tiles: Tiles | None = None):
     """q: [T, Hq, D]; k_cache/v_cache: [slots, Hkv, D]; page_table: [rows, pages] int64; req_rows: [B] int64;
     seq_lens/extend_starts/extend_lens: [B] int32; tail_mask: optional [B, Q, W] bool -> out [T, Hq, D].
-    Launch sizes come from tensor shapes, max_extend_len and num_splits only (CUDA-graph safe)."""
+    Launch sizes come from tensor shapes, max_extend_len and num_splits only (CUDA-graph safe). tiles overrides
+    tile_config (benchmarks)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -211,26 +252,26 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
     out = torch.empty_like(q) if out is None else out
     if batch == 0 or max_extend_len == 0:
         return out
-    block_m, block_n, block_d = tile_config(group, max_extend_len, head_dim, q.dtype)
-    tiles = num_row_tiles(group, max_extend_len, block_m)
+    cfg = tiles or tile_config(group, max_extend_len, head_dim, q.dtype)
+    row_tiles = num_row_tiles(group, max_extend_len, cfg.m)
     if num_splits > 1 and workspace is None:
         workspace = attention_workspace(num_tokens, num_heads, head_dim, num_splits, q.device)
     part_o, part_lse = workspace if num_splits > 1 else (out, out)  # unused when there is one split
     tail = tail_mask.view(torch.uint8) if tail_mask is not None else seq_lens  # any pointer; HAS_TAIL=False
     tail_strides = tail.stride() if tail_mask is not None else (0, 0, 0)
     tail_q, tail_w = (tail_mask.shape[1], tail_mask.shape[2]) if tail_mask is not None else (0, 0)
-    _attn_stage1[(batch, num_kv_heads, tiles * num_splits)](
+    _attn_stage1[(batch, num_kv_heads, row_tiles * num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, page_table, req_rows, seq_lens, extend_starts, extend_lens, tail,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), *tail_strides, tail_q, tail_w, num_heads, head_dim,
         num_splits, head_dim ** -0.5 * math.log2(math.e),
-        GROUP=group, PAGE_SIZE=page_size, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_TAIL=tail_mask is not None, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        GROUP=group, PAGE_SIZE=page_size, SPLIT=num_splits > 1, BLOCK_M=cfg.m, BLOCK_N=cfg.n, BLOCK_D=cfg.d,
+        HAS_TAIL=tail_mask is not None, IEEE=q.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if num_splits > 1:
-        _attn_merge[(batch, num_kv_heads, tiles)](
+        _attn_merge[(batch, num_kv_heads, row_tiles)](
             out, part_o, part_lse, extend_starts, extend_lens, out.stride(0), out.stride(1), num_heads, head_dim,
-            num_splits, GROUP=group, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
+            num_splits, GROUP=group, BLOCK_M=cfg.m, BLOCK_D=cfg.d, num_warps=4,
         )
     return out
 

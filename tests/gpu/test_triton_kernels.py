@@ -104,8 +104,7 @@ def _check(args, num_splits, tail_mask=None):
 def _auto_splits(args):
     q = args["q"]
     group = q.shape[1] // HKV
-    block_m, _, _ = tile_config(group, args["max_extend_len"], q.shape[2], q.dtype)
-    tiles = num_row_tiles(group, args["max_extend_len"], block_m)
+    tiles = num_row_tiles(group, args["max_extend_len"], tile_config(group, args["max_extend_len"], q.shape[2], q.dtype).m)
     return num_kv_splits(args["req_rows"].shape[0], HKV, tiles, int(args["seq_lens"].max()), _num_sms())
 
 
