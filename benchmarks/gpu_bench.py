@@ -249,6 +249,15 @@ def transformers_baseline(target_cfg: dict, device: str, batches, input_len: int
     return out
 
 
+def save(result: dict, out: str) -> str:
+    """Written after every section, so a run cut short still leaves its numbers."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "gpu_bench.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
 def sync_dev(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -293,6 +302,7 @@ def main() -> None:
     if device == "cuda":
         result["profile"] = {"plain": profile_steps(engine, 8, a.input_len, 10)}
     print("plain", [(r["batch"], round(r["tok_per_s"], 1)) for r in result["plain"]], flush=True)
+    save(result, a.out)
     free(engine)
 
     result["spec"], result["split"] = [], {}
@@ -312,6 +322,7 @@ def main() -> None:
         result["split"][name] = {bs: phase_split(engine, bs, a.input_len, min(a.output_len, 64)) for bs in (1, 8, 32)}
         if device == "cuda":
             result.setdefault("profile", {})[name] = profile_steps(engine, 8, a.input_len, 10)
+        save(result, a.out)
         free(engine)
 
     if not a.skip_transformers:
@@ -322,11 +333,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         result["transformers"] = transformers_baseline(target_cfg, device, (1, 16), a.input_len, a.output_len)
         print("transformers", result["transformers"], flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "gpu_bench.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", path)
+    print("wrote", save(result, a.out))
     try:
         from benchmarks.gpu_bench_report import render
 
