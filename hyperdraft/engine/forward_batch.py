@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hyperdraft.engine.host_copy import to_device
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"
@@ -157,7 +159,7 @@ def leading_tail_mask(leading: torch.Tensor, extend_lens: list[int], device) -> 
     b, n = leading.shape[0], leading.shape[1]
     q = max(extend_lens)
     w = max(q, n)
-    lens = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+    lens = to_device(extend_lens, torch.int64, device)
     rows = torch.arange(q, device=device)[None, :, None]
     rel = torch.arange(w, device=device)[None, None, :] - (w - lens)[:, None, None]  # key index within own tail
     mask = rel <= rows  # causal within the tail, everything before the tail visible

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from hyperdraft.engine.host_copy import to_device
+
 
 class PageTable:
     def __init__(self, num_pages: int, page_size: int, max_rows: int, max_pages_per_row: int, device: torch.device):
@@ -65,7 +67,7 @@ class PageTable:
         if len(pages) + need > self.max_pages_per_row:
             raise ValueError(f"request needs {num_tokens} tokens, more than the page table row holds")
         new = [self._free_pages.pop() for _ in range(need)]
-        self.table[row, len(pages) : len(pages) + need] = torch.tensor(new, dtype=torch.int64)
+        self.table[row, len(pages) : len(pages) + need] = to_device(new, torch.int64, self.table.device)
         pages.extend(new)
         return True
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hyperdraft.engine.host_copy import to_device
 from hyperdraft.sampling_params import SamplingParams
 
 
@@ -43,15 +44,14 @@ class SamplingBatch:
         penalties = None
         if any(p.has_penalties for p in params):
             penalties = Penalties.build(params, prompts, outputs, vocab_size, device)
-        f32 = dict(dtype=torch.float32, device=device)
         return cls(
-            temperature=torch.tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)], **f32),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], **f32),
-            min_p=torch.tensor([p.min_p for p in params], **f32),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            temperature=to_device([0.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device),
+            top_k=to_device(top_k, torch.int64, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            min_p=to_device([p.min_p for p in params], torch.float32, device),
+            greedy=to_device(greedy, torch.bool, device),
+            seeds=to_device(seeds, torch.int64, device),
+            positions=to_device(positions, torch.int64, device),
             penalties=penalties,
             need_top_k=any(k < vocab_size for k, g in zip(top_k, greedy) if not g),
             need_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy) if not g),

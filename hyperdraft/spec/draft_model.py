@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from hyperdraft.engine.host_copy import to_device
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.scheduler import ScheduledRequest
@@ -118,4 +119,4 @@ class DraftModelProposer:
 
 
 def _last_tokens(reqs: list[Request], device) -> torch.Tensor:
-    return torch.tensor([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], dtype=torch.int64, device=device)
+    return to_device([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], torch.int64, device)

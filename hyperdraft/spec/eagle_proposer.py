@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from hyperdraft.engine.host_copy import to_device
 from hyperdraft.attention.base import make_attention_backend
 from hyperdraft.engine.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.engine.model_runner import ForwardOutput, GraphedRunner
@@ -65,7 +66,6 @@ class EagleProposer:
         param = next(head.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.page_table = page_table
-        num_slots = page_table.num_pages * page_table.page_size
         self.runner = HeadRunner(head, page_table, attention_backend)
         self.pool = self.runner.pool
         self.capture_layers = target_capture_layers(head)
@@ -122,7 +122,7 @@ class EagleProposer:
         inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len), 1) for r in reqs]
         counts = [r.num_computed - r.draft_num_computed for r in reqs]
         assert all(c >= 1 for c in counts), "every decoding request has at least its last position to feed"
-        flat = torch.tensor([(r.row, j) for r, c in zip(reqs, counts) for j in range(c)], device=self.device)
+        flat = to_device([(r.row, j) for r, c in zip(reqs, counts) for j in range(c)], torch.int64, self.device)
         hidden = self.hidden_buf[flat[:, 0], flat[:, 1]]
         fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device)
         g, logits = self._forward(fb, hidden)
@@ -163,7 +163,7 @@ class EagleProposer:
             logq = torch.log_softmax(penalised_logits(step_logits, siblings), -1)
             return logq.view(len(reqs), k, -1), hidden
 
-        roots = torch.tensor([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], dtype=torch.int64, device=self.device)
+        roots = to_device([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], torch.int64, self.device)
         if draws_from_q(self.sample_drafts, sampling):  # children drawn from q, verified with the real q
             out = grow_sampled_tree(draft_q(logits, sampling, topk), g, step, steps, topk, roots, num_nodes,
                                     sampling.seeds, sampling.positions)
@@ -175,7 +175,7 @@ class EagleProposer:
     def store_accepted_hidden(self, reqs: list[Request], accepted_hidden: torch.Tensor) -> None:
         """accepted_hidden: [B, D+1, H] target hidden states of the root and accepted nodes, in path order (rows
         past each request's accepted count are ignored by the next catch-up)."""
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
+        rows = to_device([r.row for r in reqs], torch.int64, self.device)
         self.hidden_buf[rows, : accepted_hidden.shape[1]] = accepted_hidden.to(self.dtype)
 
     def commit(self, reqs: list[Request], steps: int, num_accepted: list[int]) -> None:

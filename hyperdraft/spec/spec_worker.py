@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from hyperdraft.engine.host_copy import to_device
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch, leading_tail_mask
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.model_worker import forward_input, sampling_batch
@@ -67,7 +68,7 @@ class SpecWorker:
                 round_ = TreeRound(self, reqs, sb, tier) if tier.is_tree else ChainRound(self, reqs, sb, tier)
 
         inputs = (round_.inputs() if round_ else []) + [forward_input(it) for it in prefills]
-        prefill_ids = torch.tensor([t for it in inputs[len(reqs):] for t in it.token_ids], dtype=torch.int64, device=self.device)
+        prefill_ids = to_device([t for it in inputs[len(reqs):] for t in it.token_ids], torch.int64, self.device)
         ids = torch.cat([round_.packed_ids(), prefill_ids]) if round_ else prefill_ids
         positions = None
         if round_ is not None and round_.positions() is not None:
@@ -119,11 +120,11 @@ class SpecWorker:
 
 def _default_positions(inputs: list[ForwardInput], device) -> torch.Tensor:
     pos = [p for inp in inputs for p in range(inp.prefix_len, inp.prefix_len + len(inp.token_ids))]
-    return torch.tensor(pos, dtype=torch.int64, device=device)
+    return to_device(pos, torch.int64, device)
 
 
 def _last_tokens(reqs, device) -> torch.Tensor:
-    return torch.tensor([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], dtype=torch.int64, device=device)
+    return to_device([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], torch.int64, device)
 
 
 class ChainRound:
@@ -141,8 +142,8 @@ class ChainRound:
             self.proposal.tokens = torch.nn.functional.pad(self.proposal.tokens, (0, tier.steps - self.proposal.max_len))
         k1 = self.proposal.max_len + 1
         self.rows_fed = [k1 - 1] * len(reqs) if uniform else self.proposal.lens
-        self.flat_index = torch.tensor([b * k1 + j for b, k in enumerate(self.rows_fed) for j in range(k + 1)],
-                                       dtype=torch.int64, device=worker.device)
+        self.flat_index = to_device([b * k1 + j for b, k in enumerate(self.rows_fed) for j in range(k + 1)], torch.int64,
+                                    worker.device)
         self.num_rows = self.flat_index.shape[0]
 
     def inputs(self) -> list[ForwardInput]:
@@ -165,7 +166,7 @@ class ChainRound:
         sbv = self.sb.for_verify(self.proposal.tokens)
         logits = penalised_logits(grid, sbv)
         p = probs_from_logits(logits, sbv).view(bsz, k + 1, -1)
-        lens = torch.tensor(self.proposal.lens, dtype=torch.int64, device=grid.device)
+        lens = to_device(self.proposal.lens, torch.int64, grid.device)
         alpha = self.w.simulate_accept_rate
         if alpha is None:
             num_accepted, tokens = verify_chain(p, self.proposal.tokens, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
@@ -173,7 +174,7 @@ class ChainRound:
             num_accepted, tokens = simulate_chain(p, self.proposal.tokens, lens, alpha, self.sb.seeds, self.sb.positions)
         logprobs = torch.log_softmax(logits, -1).gather(1, tokens.view(-1, 1)).view(bsz, k + 1)
         if target_hidden is not None:  # verify row j of request b sits at packed row start_b + j
-            starts = torch.tensor([0] + [1 + k for k in self.rows_fed[:-1]], device=grid.device).cumsum(0)
+            starts = to_device([0] + [1 + k for k in self.rows_fed[:-1]], torch.int64, grid.device).cumsum(0)
             rows = (starts[:, None] + torch.arange(k + 1, device=grid.device)).clamp_max(self.num_rows - 1)
             self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
         return [num_accepted, tokens, logprobs]
@@ -202,11 +203,11 @@ class TreeRound:
         self.num_nodes = [min(self.n, m + 1) for m in room]  # fewer only when a lone request fills the pool
         # The beam writes offsets up to (steps-1)*topk whatever the room; past the room they land in the padding
         # page, so such nodes have no draft K/V to keep.
-        self.room = torch.tensor(room, dtype=torch.int64, device=worker.device)
-        num_nodes = torch.tensor(self.num_nodes, dtype=torch.int64, device=worker.device)
+        self.room = to_device(room, torch.int64, worker.device)
+        num_nodes = to_device(self.num_nodes, torch.int64, worker.device)
         self.tree = build_tree(self.proposal.tokens, self.proposal.parents, q=self.proposal.q, num_nodes=num_nodes)
         self.num_rows = len(reqs) * self.n
-        self.base = torch.tensor([r.num_computed for r in reqs], dtype=torch.int64, device=worker.device)
+        self.base = to_device([r.num_computed for r in reqs], torch.int64, worker.device)
 
     def inputs(self) -> list[ForwardInput]:
         return [ForwardInput(r.row, r.num_computed, [0] * self.n, self.n) for r in self.reqs]
@@ -243,7 +244,7 @@ class TreeRound:
         return [num_accepted, tokens, logprobs, self.valid_draft]
 
     def _compact(self, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
-        rows = torch.tensor([r.row for r in self.reqs], dtype=torch.int64, device=path.device)
+        rows = to_device([r.row for r in self.reqs], torch.int64, path.device)
         count = num_accepted + 1
         compact_accepted(self.w.runner.pool, self.w.runner.page_table, rows, self.base, path.clamp_min(0), count)
         fed_on_path = self.proposal.fed.gather(1, path.clamp_min(0))
