@@ -129,9 +129,9 @@ def ablation_rows() -> list[str]:
         group = HQ // HKV
         base = tile_config(group, ext, D, DTYPE)
         variants = [(f"min keys {mk}", base, mk) for mk in (64, 128, 256)]
-        variants += [("3 stages", base._replace(stages=3), 128)]
+        variants += [("2 stages" if base.stages == 3 else "3 stages", base._replace(stages=5 - base.stages), 128)]
         if name == "prefill":
-            variants += [("tiles 64x64, 4 warps", Tiles(64, 64, D, 4, 2), 128)]
+            variants += [("tiles 128x64, 8 warps", Tiles(128, 64, D, 8, 2), 128)]
         cells = []
         for label, tiles, mk in variants:
             splits = num_kv_splits(batch, HKV, num_row_tiles(group, ext, tiles.m), prefix + ext, num_sms, mk)
