@@ -1,0 +1,60 @@
+"""Where a batch-1 decode step's time goes: GPU kernel time vs wall time, top kernels (8B-shaped dummy target).
+
+Run on a GPU machine: python3 benchmarks/gpu_profile.py [--spec] ; prints a table (and writes $OUT/gpu_profile.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from benchmarks.gpu_bench import LLAMA_8B, make_engine, write_configs  # noqa: E402
+from hyperdraft.sampling_params import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", action="store_true", help="EAGLE-3 chain 5 at simulated alpha 0.8 instead of plain decode")
+    ap.add_argument("--steps", type=int, default=30)
+    a = ap.parse_args()
+    target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
+    spec = None
+    if a.spec:
+        spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=5,
+                    speculative_eagle_topk=1, speculative_num_draft_tokens=6, speculative_simulate_accept_rate=0.8)
+    engine, _ = make_engine(target, "cuda", 8, spec, 8 * 2048)
+    params = SamplingParams(temperature=0.0, max_new_tokens=a.steps * 8 + 16, ignore_eos=True)
+    req = engine.add_request(input_ids=torch.randint(10, 120000, (512,)).tolist(), params=params)
+    while len(req.output_ids) < 8:
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(a.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    engine.abort(req.rid)
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    gpu_total = sum(e.self_device_time_total for e in kernels) / 1e3  # ms
+    lines = [f"{'spec' if a.spec else 'plain'} batch 1: wall {1000 * wall / a.steps:.2f} ms/step, "
+             f"GPU kernel time {gpu_total / a.steps:.2f} ms/step",
+             f"{'kernel':<90} {'ms/step':>8} {'calls/step':>10}"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
+        lines.append(f"{e.key[:90]:<90} {e.self_device_time_total / 1e3 / a.steps:8.3f} {e.count / a.steps:10.1f}")
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(os.environ.get("OUT", "."), f"gpu_profile_{'spec' if a.spec else 'plain'}.txt"), "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
