@@ -123,7 +123,7 @@ class GraphRunner:
         self.capture_layers = capture_layers
         device = self.runner.device
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(device)[0] if not self.emulate else 0
+        reserved_before = torch.cuda.memory_reserved(device) if not self.emulate else 0
         for shape, sizes in sorted(shapes.items()):
             sizes = sorted(s for s in sizes if s <= self.batch_sizes[-1])
             if not sizes:
@@ -134,7 +134,7 @@ class GraphRunner:
                 self._capture_one(shape, bs, mode)
         if not self.emulate:
             torch.cuda.synchronize(device)
-            self.capture_bytes += free_before - torch.cuda.mem_get_info(device)[0]
+            self.capture_bytes += torch.cuda.memory_reserved(device) - reserved_before  # graph pool + static buffers
         self.capture_seconds += time.perf_counter() - start
         logger.info("%s graphs of %s (%s): %d captured in %.1f s, %.1f MiB so far", "emulated" if self.emulate else "CUDA",
                     type(self.runner.model).__name__, mode.value, len(self.outputs), self.capture_seconds,
