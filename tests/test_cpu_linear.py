@@ -76,3 +76,50 @@ def test_decoder_projections_use_it(tiny_models):
     projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, model.lm_head]
     assert all(isinstance(p, Linear) for p in projections)
+    attn, mlp = layer.self_attn, layer.mlp  # a CPU model runs q/k/v and gate/up as one product each
+    assert cpu_linear._pointers([attn.q_proj, attn.k_proj, attn.v_proj]) == attn.q_proj.fused_rows.ptrs
+    assert cpu_linear._pointers([mlp.gate_proj, mlp.up_proj]) == mlp.gate_proj.fused_rows.ptrs
+
+
+def _linears(gen, sizes, in_f, bias):
+    lins = [Linear(in_f, n, bias=bias) for n in sizes]
+    with torch.no_grad():
+        for lin in lins:
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+            if bias:
+                lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
+    return lins
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projection_equals_separate_products(bias):
+    gen = torch.Generator().manual_seed(2)
+    lins = _linears(gen, [48, 16, 16], 32, bias)
+    x = torch.randn(3, 32, generator=gen)
+    with torch.inference_mode():
+        separate = [F.linear(x, lin.weight, lin.bias) for lin in lins]
+    cpu_linear.fuse_rows(*lins)
+    assert lins[0].fused_rows is not None
+    assert set(lins[1].state_dict()) == ({"weight", "bias"} if bias else {"weight"})
+    with torch.inference_mode():
+        for m in [1, 3, 8, 20]:  # the fused product, and F.linear per projection past the skinny widths
+            xm = torch.randn(m, 32, generator=gen)
+            for got, lin in zip(cpu_linear.project(xm, *lins), lins):
+                _close(got, F.linear(xm, lin.weight, lin.bias))
+        for got, want in zip(cpu_linear.project(x, *lins), separate):
+            _close(got, want)
+
+
+def test_fused_buffer_tracks_loads_and_notices_swaps():
+    gen = torch.Generator().manual_seed(3)
+    lins = _linears(gen, [8, 8], 16, True)
+    cpu_linear.fuse_rows(*lins)
+    x = torch.randn(2, 16, generator=gen)
+    with torch.no_grad():  # an in-place load (load_state_dict, the loaders) writes through to the buffer
+        lins[1].weight.copy_(torch.randn(8, 16, generator=gen))
+        lins[1].bias.copy_(torch.randn(8, generator=gen))
+    with torch.inference_mode():
+        _close(cpu_linear.project(x, *lins)[1], F.linear(x, lins[1].weight, lins[1].bias))
+    lins[1].weight = torch.nn.Parameter(torch.randn(8, 16, generator=gen))  # a swapped parameter leaves the buffer
+    with torch.inference_mode():
+        _close(cpu_linear.project(x, *lins)[1], F.linear(x, lins[1].weight, lins[1].bias))

@@ -10,9 +10,15 @@ row is the exception: `W @ x^T` with M = 1 becomes a gemv as slow as F.linear, s
 From M = 12 up both calls run the same kernel (bit-identical results), so wider inputs keep F.linear. Only CPU
 float32 takes this path: CUDA, half precision and autograd callers get plain F.linear. Results differ from
 F.linear by float32 rounding only (another summation order), the same order of difference as between two M.
+
+`fuse_rows` packs projections that read the same input (q/k/v, gate/up) into one weight buffer whose row
+slices become the modules' own parameters, so `project` runs them as one product: fewer, larger products
+stream the weights faster and cost fewer parallel regions per layer (about 1.2 ms of a 17 ms SmolLM2 decode).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,3 +55,54 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.bias)
+
+
+@dataclass
+class FusedRows:
+    """One weight buffer [sum(sizes), in] whose row blocks are the parameters of several projections."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: list[int]
+    ptrs: list[int]  # where each projection's weight and bias start inside the buffers, to notice a swap
+
+
+def fuse_rows(*linears: nn.Linear) -> None:
+    """Re-point the projections' weights (and biases) at row blocks of one fresh contiguous buffer. The modules
+    keep their parameters and state-dict names; only the storage is shared. Does nothing unless every
+    projection has the same input width, device and dtype, and all or none have a bias."""
+    weights = [lin.weight for lin in linears]
+    biases = [lin.bias for lin in linears]
+    if len({(w.shape[1], w.device, w.dtype) for w in weights}) != 1 or len({b is None for b in biases}) != 1:
+        return
+    with torch.no_grad():
+        weight = torch.cat([w.detach() for w in weights]).contiguous()
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    sizes = [w.shape[0] for w in weights]
+    for i, lin in enumerate(linears):
+        rows = slice(sum(sizes[:i]), sum(sizes[: i + 1]))
+        lin.weight = nn.Parameter(weight[rows], requires_grad=lin.weight.requires_grad)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[rows], requires_grad=lin.bias.requires_grad)
+    linears[0].fused_rows = FusedRows(weight, bias, sizes, _pointers(linears))
+
+
+def _pointers(linears) -> list[int]:
+    return [t.data_ptr() for lin in linears for t in (lin.weight, lin.bias) if t is not None]
+
+
+def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """(lin(x) for lin in linears), as one product when fuse_rows packed them and they still share that buffer
+    (a later .to() or parameter swap gives them their own storage again; then each runs alone)."""
+    fused: FusedRows | None = getattr(linears[0], "fused_rows", None)
+    if fused is not None and uses_skinny_path(x, linears[0].weight) and _pointers(linears) == fused.ptrs:
+        return skinny_linear(x, fused.weight, fused.bias).split(fused.sizes, -1)
+    return tuple(lin(x) for lin in linears)
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """fuse_rows over every decoder layer's q/k/v and gate/up projections (CPU models: see the module doc)."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj)
+        fuse_rows(mlp.gate_proj, mlp.up_proj)

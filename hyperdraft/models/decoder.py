@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperdraft.models.config import ModelConfig
-from hyperdraft.models.cpu_linear import Linear
+from hyperdraft.models.cpu_linear import Linear, project
 
 # (layer_id, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -83,9 +83,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attn: AttentionFn):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
@@ -102,7 +103,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

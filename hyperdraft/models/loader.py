@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from hyperdraft.models.config import ModelConfig, load_model_config
+from hyperdraft.models.cpu_linear import fuse_projections
 from hyperdraft.models.decoder import DecoderLM, rope_inv_freq
 from hyperdraft.models.gguf import is_gguf, load_gguf_weights
 
@@ -87,5 +88,7 @@ def load_model(model_path: str, dtype: str, device: torch.device, load_format: s
     else:
         (load_gguf_weights if is_gguf(model_path) else load_weights)(model, model_path)
     model.to(torch_dtype)
+    if device.type == "cpu":
+        fuse_projections(model)  # q/k/v and gate/up as one product each (models/cpu_linear.py)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in fp32 whatever the weights' dtype
     return model.eval()
