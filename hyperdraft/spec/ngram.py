@@ -1,43 +1,98 @@
 """NgramProposer: prompt lookup. No model: the draft is what followed the most recent earlier occurrence of
-the sequence's own suffix (longest suffix first, from max_window down to min_window)."""
+the sequence's own suffix (longest suffix first, from max_window down to min_window).
+
+With a history (history_tokens > 0), the sequences of finished requests are kept too (the newest
+history_tokens tokens of them), and a request whose own sequence has no match as long as the history's longest
+one drafts from the history instead: chat answers share phrasing ("Here are some", "I hope this helps"), so
+earlier answers predict later ones. Drafts only decide what gets verified, so this never changes outputs.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from hyperdraft.request import Request
 from hyperdraft.spec.proposal import Proposal
 
+HISTORY_TOKENS = 1 << 16  # finished requests' tokens kept for matching (512 KiB)
+SEPARATOR = -1  # between sequences in the history; no token id equals it, so no match or draft crosses it
 
-def ngram_match(tokens: np.ndarray, k: int, min_window: int, max_window: int) -> np.ndarray:
-    """tokens: the whole sequence -> up to k tokens that followed the latest earlier match of its suffix."""
-    n = len(tokens)
-    for w in range(min(max_window, n - 1), min_window - 1, -1):
-        # Windows of tokens[:-1] all have a successor, and none of them is the suffix itself.
-        hits = np.flatnonzero((sliding_window_view(tokens[:-1], w) == tokens[n - w :]).all(axis=1))
-        if len(hits):
-            start = hits[-1] + w
-            return tokens[start : start + k]
-    return tokens[:0]
+
+def longest_match(haystack: np.ndarray, suffix: np.ndarray, max_window: int) -> tuple[int, int]:
+    """-> (w, e): the longest w <= max_window with haystack[e - w : e] == suffix[-w:] and e < len(haystack) (so a
+    continuation exists), the latest such e; (0, 0) when the last token never occurs. Candidates are the places
+    that match the last token, extended backwards together: one pass over the haystack, not one per window."""
+    ends = np.flatnonzero(haystack[:-1] == suffix[-1]) + 1
+    if not len(ends):
+        return 0, 0
+    width = min(max_window, len(suffix))
+    at = ends[:, None] - 1 - np.arange(width)  # [candidates, width]: haystack index of suffix[-1 - j]
+    same = (haystack[np.maximum(at, 0)] == suffix[::-1][:width]) & (at >= 0)
+    length = np.cumprod(same, axis=1).sum(axis=1)
+    best = int(length.max())
+    return best, int(ends[np.flatnonzero(length == best)[-1]])
+
+
+def ngram_match(tokens: np.ndarray, k: int, min_window: int, max_window: int,
+                history: np.ndarray | None = None) -> np.ndarray:
+    """tokens: the whole sequence -> up to k tokens that followed the latest earlier match of its longest suffix
+    (min_window..max_window tokens) in the sequence itself, or in the history when the history holds a strictly
+    longer match."""
+    w, e = longest_match(tokens, tokens, max_window)  # e < len(tokens): the suffix never matches itself
+    source = tokens
+    if history is not None and len(history) > 1:
+        hw, he = longest_match(history, tokens, max_window)
+        if hw > w:
+            w, e, source = hw, he, history
+    if w < min_window:
+        return tokens[:0]
+    draft = source[e : e + k]
+    cut = np.flatnonzero(draft == SEPARATOR)
+    return draft[: cut[0]] if len(cut) else draft
+
+
+class NgramHistory:
+    """The newest `capacity` tokens of finished requests' sequences, SEPARATOR between them."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.tokens = np.zeros(0, dtype=np.int64)
+
+    def add(self, seq: list[int]) -> None:
+        self.tokens = np.concatenate([self.tokens, np.asarray(seq, dtype=np.int64), [SEPARATOR]])[-self.capacity:]
 
 
 class NgramProposer:
-    def __init__(self, min_window: int, max_window: int, device: torch.device):
+    def __init__(self, min_window: int, max_window: int, device: torch.device, history_tokens: int = HISTORY_TOKENS):
         self.min_window, self.max_window, self.device = min_window, max_window, device
+        self.history = NgramHistory(history_tokens) if history_tokens > 0 else None
+        self.live: dict[str, Request] = {}  # requests drafted for and not yet finished
 
     def prefill(self, items, target_hidden=None) -> None:
         pass  # nothing to keep in sync
 
     def propose(self, reqs: list[Request], steps: int, sampling) -> Proposal:
+        self._collect_finished(reqs)
         if steps == 0:  # adaptive step 0: no speculation, and no drafter state to keep warm
             return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.device), [0] * len(reqs))
-        drafts = [ngram_match(np.asarray(r.prompt_ids + r.output_ids), steps, self.min_window, self.max_window) for r in reqs]
+        history = self.history.tokens if self.history is not None else None
+        drafts = [ngram_match(np.asarray(r.prompt_ids + r.output_ids), steps, self.min_window, self.max_window, history)
+                  for r in reqs]
         padded = np.zeros((len(reqs), steps), dtype=np.int64)
         for b, d in enumerate(drafts):
             padded[b, : len(d)] = d
         return Proposal(torch.from_numpy(padded).to(self.device), [len(d) for d in drafts])
+
+    def _collect_finished(self, reqs: list[Request]) -> None:
+        """Finished requests' sequences join the history (noticed lazily: at the next propose after they finish)."""
+        if self.history is None:
+            return
+        for rid, req in list(self.live.items()):
+            if req.finished:
+                self.history.add(req.prompt_ids + req.output_ids)
+                del self.live[rid]
+        self.live.update((r.rid, r) for r in reqs)
 
     def commit(self, reqs: list[Request], steps: int, num_accepted: list[int]) -> None:
         pass
