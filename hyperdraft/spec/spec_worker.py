@@ -169,7 +169,8 @@ class ChainRound:
         lens = to_device(self.proposal.lens, torch.int64, grid.device)
         alpha = self.w.simulate_accept_rate
         if alpha is None:
-            num_accepted, tokens = verify_chain(p, self.proposal.tokens, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
+            num_accepted, tokens = verify_chain(p, self.proposal.tokens, lens, self.proposal.q, self.sb.seeds, self.sb.positions,
+                                                all_greedy=self.sb.all_greedy)
         else:  # benchmark-only, lossy (see spec/simulated.py)
             num_accepted, tokens = simulate_chain(p, self.proposal.tokens, lens, alpha, self.sb.seeds, self.sb.positions)
         logprobs = torch.log_softmax(logits, -1).gather(1, tokens.view(-1, 1)).view(bsz, k + 1)
