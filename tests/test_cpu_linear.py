@@ -11,7 +11,7 @@ from hyperdraft.models import cpu_linear
 from hyperdraft.models.cpu_linear import Linear, skinny_linear, uses_skinny_path
 
 SHAPES = [(96, 64), (33, 130), (5, 7)]  # (out, in): square-ish, wide input, tiny and odd
-ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 64]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 16, 64]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -36,8 +36,8 @@ def test_matches_f_linear_for_every_row_count(out_f, in_f, bias):
 def test_fast_path_covers_few_rows_only():
     w = torch.randn(16, 8)
     with torch.inference_mode():
-        # decode (1 row) and chain verifies of up to 7 drafts (8 rows) are the widths the fast kernel is for
-        assert all(uses_skinny_path(torch.randn(m, 8), w) for m in range(1, 9))
+        # decode (1 row) and chain verifies of up to 10 drafts (11 rows) are the widths the fast kernel is for
+        assert all(uses_skinny_path(torch.randn(m, 8), w) for m in range(1, 12))
         assert not uses_skinny_path(torch.randn(cpu_linear.SKINNY_MAX_ROWS + 1, 8), w)
         assert not uses_skinny_path(torch.randn(0, 8), w)
         assert not uses_skinny_path(torch.randn(2, 8, dtype=torch.bfloat16), w.bfloat16())

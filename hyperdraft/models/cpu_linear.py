@@ -1,15 +1,19 @@
 """Linear layers that pick a fast MKL kernel for the few-token products of decoding and verifying on CPU.
 
 `F.linear(x, W)` with x [M, in] asks MKL for sgemm(W, x^T) with the token count M as the *narrow output
-dimension*; for M = 1..8 MKL then runs a kernel that reaches only 8-20 GB/s of memory bandwidth on fp32 weights
-(measured on AMD EPYC with 2 threads, SmolLM2-135M: 34 ms per token at M = 1, 50-65 ms at M = 2..8). The same
+dimension*; for M = 1..11 MKL then runs a kernel that reaches only 8-20 GB/s of memory bandwidth on fp32 weights
+(measured on AMD EPYC with 2 threads, SmolLM2-135M: 34 ms per token at M = 1, 50-65 ms at M = 2..11). The same
 product written as `W @ x^T` puts M on the *other* side of the call, and MKL's kernel for that case streams the
-weights at 30-38 GB/s for M = 2..4, so a 4-token verify costs about half of today's 1-token decode. A single
+weights at 30-38 GB/s for M = 2..4, so a 4-token verify costs about half of a 1-token F.linear decode. A single
 row is the exception: `W @ x^T` with M = 1 becomes a gemv as slow as F.linear, so it is padded to two rows.
 
 From M = 12 up both calls run the same kernel (bit-identical results), so wider inputs keep F.linear. Only CPU
 float32 takes this path: CUDA, half precision and autograd callers get plain F.linear. Results differ from
 F.linear by float32 rounding only (another summation order), the same order of difference as between two M.
+
+Caveat: MKL's gemv for M = 1 runs on one thread, this path on all intra-op threads. When another process keeps a
+core busy, every product then waits for a descheduled OpenMP thread (measured: 15 ms -> 0.2-2 s per forward with
+a busy-loop on one of two cores), where F.linear's single-thread decode only loses its share of the core.
 
 `fuse_rows` packs projections that read the same input (q/k/v, gate/up) into one weight buffer whose row
 slices become the modules' own parameters, so `project` runs them as one product: fewer, larger products
@@ -24,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Up to this many rows, `W @ x^T` beats F.linear; above it MKL picks the same kernel for both.
-SKINNY_MAX_ROWS = 8
+# Up to this many rows, `W @ x^T` beats F.linear (by 1.2-3x at 2..8 rows, 1.2-1.4x at 9..11); from 12 rows on MKL
+# picks the same kernel for both.
+SKINNY_MAX_ROWS = 11
 ENABLED = True  # a switch for A/B measurements against plain F.linear
 
 
