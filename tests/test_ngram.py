@@ -103,3 +103,17 @@ def test_engine_history_is_lossless_and_drafts_from_earlier_answers(spec_models,
     assert [o.token_ids for o in first] == want and [o.token_ids for o in again] == want
     for a, b in zip(first, again):
         assert b.meta_info["spec_accepted_tokens"] > a.meta_info["spec_accepted_tokens"]
+
+
+def test_saved_history_restores_collected_and_pending_requests():
+    proposer = NgramProposer(1, 12, torch.device("cpu"), history_tokens=100)
+    first = _request("a", [10, 11, 12], [13, 14, 15])
+    proposer.propose([first], 3, None)
+    saved = proposer.save_history()  # "a" is live, not yet in the history
+    first.finish_reason = "stop"
+    second = _request("b", [20, 12, 13], [])
+    assert proposer.propose([second], 3, None).lens == [2]  # "a" collected: "12 13" drafts "14 15"
+    proposer.restore_history((proposer.history.tokens[:0], {}))
+    assert proposer.propose([second], 3, None).lens == [0]  # an emptied history drafts nothing
+    proposer.restore_history(saved)
+    assert proposer.propose([second], 3, None).lens == [2]  # "a", pending in the saved state, is collected again

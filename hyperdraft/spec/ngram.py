@@ -96,3 +96,14 @@ class NgramProposer:
 
     def commit(self, reqs: list[Request], steps: int, num_accepted: list[int]) -> None:
         pass
+
+    def save_history(self) -> tuple:
+        """The history as it stands, including finished requests not yet collected (for benchmarks that repeat a
+        prompt: a repeat must not find its own earlier answer)."""
+        return (None if self.history is None else self.history.tokens.copy()), dict(self.live)
+
+    def restore_history(self, saved: tuple) -> None:
+        tokens, live = saved
+        if self.history is not None:
+            self.history.tokens = tokens.copy()
+        self.live = dict(live)
