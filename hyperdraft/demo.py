@@ -82,7 +82,7 @@ def _run(model: str, prompts: list[str], params, spec: dict, device: str, show: 
                 accept=state.get("avg_spec_accept_length"))
 
 
-def run_demo(model: str, max_new_tokens: int = 128, num_prompts: int = 3, num_steps: int = 8,
+def run_demo(model: str, max_new_tokens: int = 128, num_prompts: int = 3, num_steps: int = 3,
              compare: bool = True, device: str = "auto") -> int:
     import torch
 

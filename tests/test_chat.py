@@ -91,5 +91,5 @@ def test_demo_on_tiny_model(chat_path, monkeypatch, tmp_path, capsys):
         torch.set_num_threads(threads)  # the demo uses every core; the rest of the suite runs on one thread
     out = capsys.readouterr().out
     assert out.count("### Answer") == 2 and demo.BUILTIN_PROMPTS[0] in out
-    assert "NGRAM speculation (8 draft tokens)" in out and "no speculation" in out and "speed-up:" in out
+    assert "NGRAM speculation (3 draft tokens)" in out and "no speculation" in out and "speed-up:" in out
     assert "lossless: identical token ids with and without speculation (2/2 prompts)" in out
