@@ -115,8 +115,10 @@ class Engine:
         )
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.runner = ModelRunner(model, self.page_table, backend)
-        self.worker = self._make_worker(draft, backend)
-        self._capture_graphs(backend)
+        graph_sizes = self._graph_batch_sizes(backend)
+        self.worker = self._make_worker(draft, backend, graph_sizes)
+        if graph_sizes:
+            self._capture_graphs(graph_sizes)
         eos = self.model_config.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ())
         chunk = args.effective_chunked_prefill_size
         self.scheduler = Scheduler(
@@ -145,7 +147,7 @@ class Engine:
             )
         return draft
 
-    def _make_worker(self, draft, backend: str):
+    def _make_worker(self, draft, backend: str, graph_sizes: list[int] | None):
         if self.spec is None:
             return ModelWorker(self.runner)
         if self.spec.algorithm in ("EAGLE", "EAGLE3"):
@@ -155,23 +157,24 @@ class Engine:
             proposer = DraftModelProposer(ModelRunner(draft, self.page_table, backend), self.spec.use_rejection_sampling)
         else:
             proposer = NgramProposer(self.spec.ngram_min_window, self.spec.ngram_max_window, self.device)
-        return SpecWorker(self.runner, proposer, self.spec)
+        return SpecWorker(self.runner, proposer, self.spec, graph_sizes)
 
-    def _capture_graphs(self, backend: str) -> None:
-        """CUDA graphs for every runner and shape the configured tiers can run (engine/graph_runner.py)."""
+    def _graph_batch_sizes(self, backend: str) -> list[int] | None:
+        """The batch sizes to capture CUDA graphs for, or None when every forward runs eagerly."""
         emulate = self.device.type == "cpu" and os.environ.get(EMULATE_GRAPHS_ENV) == "1"
         if self.args.disable_cuda_graph or not (emulate or self.device.type == "cuda"):
-            return
+            return None
         if not emulate and backend != "triton":
             logger.warning("CUDA graphs need attention_backend='triton' (the torch backend builds its metadata on "
                            "the host); running eagerly")
-            return
-        max_bs = min(self.args.cuda_graph_max_bs or DEFAULT_GRAPH_MAX_BS, self.args.effective_max_running_requests)
-        sizes = default_batch_sizes(max_bs)
-        if self.spec is not None and self.spec.adaptive is not None:
-            self.worker.tiers.graph_batch_sizes = sizes  # route each batch by the graph that will run it
+            return None
+        return default_batch_sizes(min(self.args.cuda_graph_max_bs or DEFAULT_GRAPH_MAX_BS,
+                                       self.args.effective_max_running_requests))
+
+    def _capture_graphs(self, sizes: list[int]) -> None:
+        """CUDA graphs for every runner and shape the configured tiers can run (engine/graph_runner.py)."""
         for runner, mode_shapes, layers in graph_plan(self.spec, self.worker, sizes):
-            runner.graphs = GraphRunner(runner, sizes, emulate=emulate)
+            runner.graphs = GraphRunner(runner, sizes, emulate=self.device.type == "cpu")
             for mode, shapes in mode_shapes.items():
                 runner.graphs.capture(shapes, mode, layers)
 

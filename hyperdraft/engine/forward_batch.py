@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device
+from hyperdraft.engine.host_copy import to_device, to_device_many
 
 
 class ForwardMode(enum.Enum):
@@ -107,7 +107,7 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
         row_of_token += [inp.row] * n
         logits_idx += range(start + n - inp.num_logits, start + n)
     rows = [inp.row for inp in inputs]
-    packed = _to_device([ids, pos, seq_index, row_of_token, logits_idx, rows, seq, starts, ext], device)
+    packed = to_device_many([ids, pos, seq_index, row_of_token, logits_idx, rows, seq, starts, ext], torch.int64, device)
     d_ids, d_pos, d_seq_index, d_row_of_token, d_logits, d_rows, d_seq, d_starts, d_ext = packed
     out_slots = page_table.slots(d_row_of_token, d_seq_index[:, None])[:, 0]
     if tail_mask is None and any(inp.mask is not None for inp in inputs):
@@ -128,16 +128,6 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
         max_extend_len=max(ext, default=0),
         max_seq_len=max(seq, default=0),
     )
-
-
-def _to_device(parts: list[list[int]], device) -> list[torch.Tensor]:
-    """Several int lists -> int64 device tensors through one (pinned, non-blocking on CUDA) copy."""
-    flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64)
-    if torch.device(device).type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)  # the caching host allocator reuses pinned blocks
-    else:
-        flat = flat.to(device)
-    return list(flat.split([len(p) for p in parts]))
 
 
 def _stack_tail_masks(inputs: list[ForwardInput], device) -> torch.Tensor:

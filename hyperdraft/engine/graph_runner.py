@@ -174,10 +174,15 @@ class GraphRunner:
         if fb.tail_mask is not None and fb.tail_mask.shape[1] != q:
             return None
         shape = GraphShape(q, width)
-        sizes = self.sizes.get(shape)
-        if sizes is None or fb.batch_size > sizes[-1]:
+        if not self.fits(shape, fb.batch_size):
             return None
+        sizes = self.sizes[shape]
         return shape, sizes[bisect.bisect_left(sizes, fb.batch_size)]
+
+    def fits(self, shape: GraphShape, batch_size: int) -> bool:
+        """A graph of this shape exists for batch_size (after padding up to a captured size)."""
+        sizes = self.sizes.get(shape)
+        return sizes is not None and batch_size <= sizes[-1]
 
     def replay(self, fb: ForwardBatch, key: tuple[GraphShape, int]):
         shape, bs = key

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device
+from hyperdraft.engine.host_copy import to_device_many
 from hyperdraft.sampling_params import SamplingParams
 
 
@@ -44,14 +44,18 @@ class SamplingBatch:
         penalties = None
         if any(p.has_penalties for p in params):
             penalties = Penalties.build(params, prompts, outputs, vocab_size, device)
+        temperature, top_p, min_p = to_device_many(
+            [[0.0 if g else p.temperature for p, g in zip(params, greedy)], [p.top_p for p in params],
+             [p.min_p for p in params]], torch.float32, device)
+        top_k_t, seeds_t, positions_t, greedy_t = to_device_many([top_k, seeds, positions, greedy], torch.int64, device)
         return cls(
-            temperature=to_device([0.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device),
-            top_k=to_device(top_k, torch.int64, device),
-            top_p=to_device([p.top_p for p in params], torch.float32, device),
-            min_p=to_device([p.min_p for p in params], torch.float32, device),
-            greedy=to_device(greedy, torch.bool, device),
-            seeds=to_device(seeds, torch.int64, device),
-            positions=to_device(positions, torch.int64, device),
+            temperature=temperature,
+            top_k=top_k_t,
+            top_p=top_p,
+            min_p=min_p,
+            greedy=greedy_t.bool(),
+            seeds=seeds_t,
+            positions=positions_t,
             penalties=penalties,
             need_top_k=any(k < vocab_size for k, g in zip(top_k, greedy) if not g),
             need_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy) if not g),

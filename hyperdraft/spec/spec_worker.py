@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch, leading_tail_mask
+from hyperdraft.engine.graph_runner import GraphShape
+from hyperdraft.engine.host_copy import to_device
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.model_worker import forward_input, sampling_batch
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
@@ -34,11 +35,11 @@ from hyperdraft.spec.tree_verify import verify_tree
 
 
 class SpecWorker:
-    def __init__(self, runner: ModelRunner, proposer, spec: SpecConfig):
+    def __init__(self, runner: ModelRunner, proposer, spec: SpecConfig, graph_sizes: list[int] | None = None):
         self.runner, self.proposer, self.spec = runner, proposer, spec
         self.sampler = Sampler()
         self.decode_reserve = spec.max_verify_tokens  # the scheduler reserves the widest round, never less
-        self.tiers = make_tier_source(spec)  # static, or the adaptive controller
+        self.tiers = make_tier_source(spec, graph_sizes)  # static, or the adaptive controller (routes by graph size)
         self.metrics = SpecMetrics(spec.max_steps)
         self.last_tier = self.tiers.tier_for(1)
         self.timer = PhaseTimer(runner.device)
@@ -49,10 +50,11 @@ class SpecWorker:
         # Benchmark-only (lossy) accept rate; a benchmark may sweep it on a live engine that started in that mode.
         self.simulate_accept_rate = spec.simulate_accept_rate
 
-    def uniform_chain_rows(self, batch_size: int) -> bool:
-        """Feed every chain request the tier's full width, so the verify forward has a captured graph's shape."""
+    def uniform_chain_rows(self, batch_size: int, steps: int) -> bool:
+        """Feed every chain request the tier's full width when a captured verify graph of that width can run the
+        batch (otherwise variable widths verify fewer rows)."""
         graphs = self.runner.graphs
-        return graphs is not None and graphs.sizes and batch_size <= graphs.batch_sizes[-1]
+        return graphs is not None and graphs.fits(GraphShape(steps + 1, 0), batch_size)
 
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
         decodes, prefills = batch.decodes, batch.prefills
@@ -137,7 +139,7 @@ class ChainRound:
         # Rows fed per request: each request's own drafts, or, where a captured verify graph can run the batch,
         # every request the tier's full width (the rows past a request's drafts are verified and ignored; past
         # its reserved room they write to the padding page).
-        uniform = worker.uniform_chain_rows(len(reqs))
+        uniform = worker.uniform_chain_rows(len(reqs), tier.steps)
         if uniform and self.proposal.max_len < tier.steps:
             self.proposal.tokens = torch.nn.functional.pad(self.proposal.tokens, (0, tier.steps - self.proposal.max_len))
         k1 = self.proposal.max_len + 1
@@ -286,7 +288,7 @@ class StaticTiers:
         return {}
 
 
-def make_tier_source(spec: SpecConfig):
+def make_tier_source(spec: SpecConfig, graph_sizes: list[int] | None = None):
     if spec.adaptive is None:
         return StaticTiers(Tier(spec.num_steps, spec.topk, spec.num_draft_tokens))
     from hyperdraft.spec.adaptive import AdaptiveController
@@ -300,4 +302,4 @@ def make_tier_source(spec: SpecConfig):
         def factory(slot_key, slot_cfg, start_steps):
             return GoodputSlot(list(slot_cfg.tiers), start_steps, **options)
 
-    return AdaptiveController(spec.adaptive, spec.num_steps, None, slot_factory=factory)
+    return AdaptiveController(spec.adaptive, spec.num_steps, graph_sizes, slot_factory=factory)
