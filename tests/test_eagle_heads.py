@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from hyperdraft.models.config import load_model_config
-from hyperdraft.models.decoder import rotate_half
+from hyperdraft.kernels.rope import rotate_half
 from hyperdraft.models.eagle import (
     Eagle3Head,
     EagleHead,
@@ -151,10 +151,10 @@ def test_eagle3_shapes_and_reference(tmp_path, target_path, target):
     _, captured = target(ids[:T], pos, causal_attn, target_capture_layers(head))
     # capture index i + 1 is the output of target layer i
     x, cos, sin = target.model.embed_tokens(ids[:T]), *target.rope(pos, torch.float32)
-    outs = []
+    outs, residual = [], None
     for layer in target.model.layers:
-        x = layer(x, cos, sin, causal_attn)
-        outs.append(x)
+        x, residual = layer(x, residual, cos, sin, causal_attn)
+        outs.append(x + residual)
     for got, i in zip(captured, aux_layer_ids(head)):
         torch.testing.assert_close(got, outs[i])
     h = head.project_target_hidden(captured)

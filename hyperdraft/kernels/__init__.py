@@ -6,11 +6,13 @@ must work there. Each kernel module imports it inside its launcher; the referenc
 - attention.py: paged attention (decode, extend over a cached prefix, tree-masked verify), split-K + merge
 - kv_store.py: new K/V into the paged pool (one launch for K and V)
 - kv_move.py: the accepted-path compaction copy, every layer, gather-then-scatter
+- norm.py, activation.py, rope.py: RMSNorm (+ residual add), SiLU(gate) * up, rotary embedding in place
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 
 @functools.cache
@@ -20,3 +22,13 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+# The fused elementwise kernels (norm.py, activation.py, rope.py) replace eager torch on CUDA unless this is off;
+# set from HYPERDRAFT_DISABLE_FUSED_KERNELS=1, or flip it before building an engine, for A/B measurements.
+FUSED_ENABLED = os.environ.get("HYPERDRAFT_DISABLE_FUSED_KERNELS") != "1"
+
+
+def use_fused_kernels(x) -> bool:
+    """Whether the model should run the Triton elementwise kernels on this tensor (else the torch references)."""
+    return FUSED_ENABLED and x.is_cuda and triton_available()

@@ -14,9 +14,12 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
+from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
+from hyperdraft.kernels.rope import apply_rope, apply_rope_reference
 from hyperdraft.models.config import ModelConfig
 from hyperdraft.models.cpu_linear import Linear, project
 
@@ -31,11 +34,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the HF reference does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.add_norm(x, None)[0]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (RMSNorm(x + residual), x + residual); residual None means x alone. Normalised in fp32 and cast back
+        before the weight, as the HF reference does; on CUDA one fused kernel (kernels/norm.py)."""
+        if use_fused_kernels(x):
+            return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm_reference(x, self.weight, self.eps, residual)
+
+
+class IdentityNorm(nn.Module):
+    """No normalisation (EAGLE-1's first layer), with RMSNorm's add_norm interface."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x if residual is None else x + residual
+        return total, total
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -63,11 +80,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope_scaling type {kind!r} is not supported; allowed values: default, linear, llama3, freq_factors")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -89,8 +101,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = (apply_rope if use_fused_kernels(q) else apply_rope_reference)(q, k, cos, sin)
         out = attn(self.layer_id, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -104,7 +115,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((silu_mul if use_fused_kernels(gate) else silu_mul_reference)(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -115,9 +126,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn: AttentionFn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, attn: AttentionFn):
+        """x: the previous layer's MLP output (the embeddings at layer 0); residual: the running sum before it
+        (None at layer 0). -> (this layer's MLP output, running sum before it): the layer's output is their sum,
+        left unformed so that the next norm adds it in the same kernel."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(h, cos, sin, attn)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderBody(nn.Module):
@@ -151,14 +167,14 @@ class DecoderLM(nn.Module):
         the last layer's output, before the final norm."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        captured = []
+        captured, residual = [], None
         for i, layer in enumerate(self.model.layers):
             if i in capture_layers:
-                captured.append(x)
-            x = layer(x, cos, sin, attn)
+                captured.append(x if residual is None else x + residual)
+            x, residual = layer(x, residual, cos, sin, attn)
         if len(self.model.layers) in capture_layers:
-            captured.append(x)
-        return self.model.norm(x), captured
+            captured.append(x + residual)
+        return self.model.norm.add_norm(x, residual)[0], captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -50,7 +50,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hyperdraft.models.config import ModelConfig, model_config_from_dict
-from hyperdraft.models.decoder import MLP, AttentionFn, Attention, DecoderLayer, DecoderLM, RMSNorm, rope_inv_freq
+from hyperdraft.models.decoder import MLP, AttentionFn, Attention, DecoderLayer, DecoderLM, IdentityNorm, RMSNorm, rope_inv_freq
 from hyperdraft.models.loader import DTYPES
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
@@ -180,15 +180,16 @@ class EagleHead(_Head):
         super().__init__(cfg, target, own_embed, own_lm_head, cfg.vocab_size)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(cfg.layer, i) for i in range(cfg.num_layers))
-        self.layers[0].input_layernorm = nn.Identity()
+        self.layers[0].input_layernorm = IdentityNorm()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionFn):
         self._check_hidden(hidden)
         x = self.fc(torch.cat((self._embed(input_ids, hidden.dtype), hidden), dim=-1))
         cos, sin = self._rope(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return x
+            x, residual = layer(x, residual, cos, sin, attn)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm_head(hidden)
@@ -213,8 +214,8 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, emb, hidden, cos, sin, attn: AttentionFn):
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), hidden)
+        return self.mlp(h) + residual
 
 
 class Eagle3Head(_Head):

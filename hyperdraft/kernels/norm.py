@@ -1,0 +1,81 @@
+"""RMSNorm, optionally fused with the residual add before it: one Triton launch instead of the ~8 elementwise
+kernels (cast, square, mean, add eps, rsqrt, scale, cast, weight) plus the add that eager torch runs.
+
+Rounding follows the reference step by step, so bf16 results match eager torch up to the reduction order: the
+residual sum is rounded to the activation dtype (as `x + residual` in that dtype is), the normalised value is
+rounded to the activation dtype before the weight multiplies it (as Hugging Face's LlamaRMSNorm does).
+
+Rows may be strided: x is [N, M, D] with any strides on N and M and a contiguous last dim (q/k heads viewed
+inside a fused q/k/v projection output), or [N, D]; the outputs are fresh contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: only the reference is usable
+    triton = tl = None
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _rms_norm(X, R, W, Out, ResOut, stride_xn, stride_xm, stride_rn, num_inner, dim, eps,
+              HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1).to(tl.int64)
+    row = n * num_inner + m  # row index into the contiguous outputs
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    x = tl.load(X + n * stride_xn + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + n * stride_rn + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(ResOut.dtype.element_ty)
+        tl.store(ResOut + row * dim + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+    normed = (x * inv_rms).to(Out.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * dim + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [N, D] or [N, M, D] (last dim contiguous); residual: None or [N, D] -> (normed, new residual).
+
+    With a residual: new residual = x + residual, normed = RMSNorm(new residual). Without: normed = RMSNorm(x)
+    and the new residual is x itself (the caller's running sum starts there)."""
+    dim = x.shape[-1]
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    num_rows, num_inner = x3.shape[0], x3.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert x.dim() == 2 and residual.shape == x.shape and residual.stride(-1) == 1
+        new_residual = torch.empty_like(out)
+    else:
+        new_residual = x
+    if x.numel() == 0:
+        return out, new_residual
+    assert x3.stride(-1) == 1, "the last dim must be contiguous"
+    block = triton.next_power_of_2(dim)
+    _rms_norm[(num_rows, num_inner)](
+        x3, residual if residual is not None else x3, weight, out, new_residual, x3.stride(0), x3.stride(1),
+        residual.stride(0) if residual is not None else 0, num_inner, dim, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=min(16, max(1, block // 256)),
+    )
+    return out, new_residual
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(dtype), x

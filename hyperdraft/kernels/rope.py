@@ -1,0 +1,74 @@
+"""Rotary position embedding applied in place to q and k, one Triton launch for both (eager torch runs about
+six kernels per tensor: two products, a negation, a concatenation, a sum, and the copies between them).
+
+Rounding follows `x * cos + rotate_half(x) * sin` in the activation dtype: each product is rounded, then the sum.
+q: [T, Hq, D], k: [T, Hkv, D] with any token and head strides and a contiguous last dim (views into a fused
+q/k/v output); cos, sin: [T, D] in the activation dtype, as DecoderLM.rope builds them (two equal halves).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: only the reference is usable
+    triton = tl = None
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _rotate_heads(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < num_heads) & (d < half)
+    c1 = tl.load(Cos + t * 2 * half + d, mask=d < half, other=0.0).to(tl.float32)
+    c2 = tl.load(Cos + t * 2 * half + half + d, mask=d < half, other=0.0).to(tl.float32)
+    s1 = tl.load(Sin + t * 2 * half + d, mask=d < half, other=0.0).to(tl.float32)
+    s2 = tl.load(Sin + t * 2 * half + half + d, mask=d < half, other=0.0).to(tl.float32)
+    ptr = X + t * stride_t + h * stride_h + d
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + half, mask=mask, other=0.0).to(tl.float32)
+    dt = X.dtype.element_ty
+    first = (x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)
+    second = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(ptr, first.to(dt), mask=mask)
+    tl.store(ptr + half, second.to(dt), mask=mask)
+
+
+@_jit
+def _rope(Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, half,
+          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    _rotate_heads(Q, Cos, Sin, t, stride_qt, stride_qh, num_q_heads, half, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(K, Cos, Sin, t, stride_kt, stride_kh, num_k_heads, half, BLOCK_HK, BLOCK_HALF)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k in place; returns them. cos/sin: [T, D] (or [T, 1, D]), contiguous."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    cos, sin = cos.reshape(num_tokens, head_dim), sin.reshape(num_tokens, head_dim)
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous() and head_dim % 2 == 0
+    if num_tokens:
+        half = head_dim // 2
+        _rope[(num_tokens,)](
+            q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q_heads, k.shape[1], half,
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        )
+    return q, k
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out of place. cos/sin: [T, 1, D] (or [T, D])."""
+    cos, sin = cos.reshape(cos.shape[0], 1, -1), sin.reshape(sin.shape[0], 1, -1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

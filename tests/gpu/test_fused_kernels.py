@@ -1,0 +1,125 @@
+"""The fused elementwise kernels (RMSNorm with the residual add, SiLU * up, RoPE) against their torch references,
+then a whole model with them against the same model on the references. Run on a GPU machine:
+`python3 -m pytest tests/gpu/test_fused_kernels.py`. (With TRITON_INTERPRET=1 and triton installed they also run
+on the CPU, slowly, without the allocator poisoning.)
+
+The launchers allocate their outputs with torch.empty; each test first fills and frees a NaN block of the same
+size, so the caching allocator hands that block back and an element the kernel leaves unwritten stays NaN.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import hyperdraft.kernels as kernels
+from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
+from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
+from hyperdraft.kernels.rope import apply_rope, apply_rope_reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device")
+DTYPES = [torch.float32, torch.bfloat16]
+# |out - ref| <= ATOL + RTOL * |ref|. fp32: another reduction order / rsqrt. bf16: up to three bf16 steps (2^-7
+# relative each), which only the interpreter's truncating casts need; on a GPU the kernels round as torch does.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2.5e-2)}
+# One rounding of one add is exact on a GPU; the interpreter truncates to bf16 instead of rounding to nearest.
+EXACT = {torch.float32: dict(atol=0, rtol=0), torch.bfloat16: TOL[torch.bfloat16] if INTERPRET else dict(atol=0, rtol=0)}
+
+
+def _poison(*shapes, dtype):
+    if DEVICE == "cuda":
+        for shape in shapes:
+            torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)  # freed at once: its block is reused next
+
+
+def _randn(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,dim", [(1, 4096), (7, 64), (300, 896), (5, 5120)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, num_tokens, dim, with_residual):
+    x = _randn(num_tokens, dim, dtype=dtype, seed=1) * 3
+    residual = _randn(num_tokens, dim, dtype=dtype, seed=2) if with_residual else None
+    weight = _randn(dim, dtype=dtype, seed=3)
+    _poison((num_tokens, dim), (num_tokens, dim), dtype=dtype)
+    out, new_residual = rms_norm(x, weight, 1e-6, residual)
+    ref, ref_residual = rms_norm_reference(x, weight, 1e-6, residual)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(new_residual, ref_residual, **EXACT[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_heads(dtype):
+    """q heads viewed inside a fused q/k/v output (Qwen3's per-head q/k norm)."""
+    t, heads, kv_heads, d = 9, 4, 2, 128
+    qkv = _randn(t, (heads + 2 * kv_heads) * d, dtype=dtype, seed=4)
+    q = qkv[:, : heads * d].view(t, heads, d)
+    weight = _randn(d, dtype=dtype, seed=5)
+    _poison((t, heads, d), dtype=dtype)
+    out, _ = rms_norm(q, weight, 1e-6)
+    torch.testing.assert_close(out, rms_norm_reference(q, weight, 1e-6)[0], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,width", [(1, 14336), (6, 64), (300, 4864)])
+def test_silu_mul(dtype, num_tokens, width):
+    gate_up = _randn(num_tokens, 2 * width, dtype=dtype, seed=6) * 4
+    gate, up = gate_up.split(width, -1)
+    _poison((num_tokens, width), dtype=dtype)
+    torch.testing.assert_close(silu_mul(gate, up), silu_mul_reference(gate, up), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,heads,kv_heads,head_dim", [(1, 32, 8, 128), (5, 4, 1, 64), (300, 14, 2, 64)])
+def test_rope(dtype, num_tokens, heads, kv_heads, head_dim):
+    qkv = _randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=7)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    positions = torch.randint(0, 131072, (num_tokens,), generator=torch.Generator().manual_seed(8))
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), -1).to(DEVICE)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    ref_q, ref_k = apply_rope_reference(q.clone(), k.clone(), cos, sin)
+    out_q, out_k = apply_rope(q, k, cos, sin)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place, into the q/k/v buffer
+    torch.testing.assert_close(out_q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(out_k, ref_k, **TOL[dtype])
+    torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim:], v_before, atol=0, rtol=0)  # v untouched
+
+
+@pytest.mark.skipif(INTERPRET, reason="a whole model under the interpreter is too slow")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_model_fused_equals_reference(tmp_path, arch, monkeypatch):
+    """A tiny fp32 model's logits and captured states with the fused kernels == with the torch references."""
+    from hyperdraft.models.loader import load_model
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / arch), arch, with_tokenizer=False)
+    model = load_model(path, "float32", torch.device(DEVICE))
+    ids = torch.randint(0, model.config.vocab_size, (37,), device=DEVICE)
+    pos = torch.arange(37, device=DEVICE)
+
+    def causal(_layer, q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1),
+            is_causal=True)
+        return out.transpose(0, 1)
+
+    layers = (1, model.config.num_layers)
+    with torch.inference_mode():
+        hidden, captured = model(ids, pos, causal, layers)
+        monkeypatch.setattr(kernels, "FUSED_ENABLED", False)
+        ref_hidden, ref_captured = model(ids, pos, causal, layers)
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
+    for got, want in zip(captured, ref_captured):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
