@@ -50,6 +50,10 @@ def main() -> None:
              f"{'kernel':<90} {'ms/step':>8} {'calls/step':>10}"]
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
         lines.append(f"{e.key[:90]:<90} {e.self_device_time_total / 1e3 / a.steps:8.3f} {e.count / a.steps:10.1f}")
+    host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    lines += ["", f"{'host op (self CPU time)':<90} {'ms/step':>8} {'calls/step':>10}"]
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:25]:
+        lines.append(f"{e.key[:90]:<90} {e.self_cpu_time_total / 1e3 / a.steps:8.3f} {e.count / a.steps:10.1f}")
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(os.environ.get("OUT", "."), f"gpu_profile_{'spec' if a.spec else 'plain'}.txt"), "w") as f:
