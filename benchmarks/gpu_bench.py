@@ -219,7 +219,10 @@ def free(engine) -> None:
 
 
 # ---- 4. transformers ------------------------------------------------------------------------------------------------
-def transformers_baseline(target_cfg: dict, device: str, batches, input_len: int, output_len: int) -> list[dict]:
+def transformers_baseline(target_cfg: dict, device: str, batches, input_len: int, output_len: int,
+                          compiled: bool = False) -> list[dict]:
+    """generate() with a static cache; compiled=True lets transformers torch.compile the decode step (its default
+    for static caches), timed after a warm-up generate that pays the compilation."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**{k: v for k, v in target_cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
@@ -236,14 +239,15 @@ def transformers_baseline(target_cfg: dict, device: str, batches, input_len: int
             sync_dev(device)
             start = time.perf_counter()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, cache_implementation="static", disable_compile=True)
+                           do_sample=False, cache_implementation="static", disable_compile=not compiled)
             sync_dev(device)
             return time.perf_counter() - start
 
-        gen(4)  # warm-up
+        warm = gen(8)  # warm-up (and compilation)
         prefill = gen(1)
         total = gen(output_len)
-        out.append({"batch": bs, "tok_per_s": bs * (output_len - 1) / (total - prefill), "seconds": total - prefill})
+        out.append({"batch": bs, "tok_per_s": bs * (output_len - 1) / (total - prefill), "seconds": total - prefill,
+                    "compiled": compiled, "warmup_s": warm})
     del model
     gc.collect()
     return out
@@ -305,6 +309,18 @@ def main() -> None:
     save(result, a.out)
     free(engine)
 
+    # The same engine with the torch elementwise ops instead of the fused Triton kernels: the fusion's gain.
+    import hyperdraft.kernels as kernels
+
+    kernels.FUSED_ENABLED = False
+    engine, _ = make_engine(target, device, 64, None, capacity)
+    decode_run(engine, 1, 32, 8, seed=0)
+    result["plain_unfused"] = [decode_run(engine, bs, a.input_len, a.output_len, seed=bs) for bs in (1, 8)]
+    kernels.FUSED_ENABLED = True
+    print("plain unfused", [(r["batch"], round(r["tok_per_s"], 1)) for r in result["plain_unfused"]], flush=True)
+    save(result, a.out)
+    free(engine)
+
     result["spec"], result["split"] = [], {}
     for name, (steps, topk, n) in SETTINGS.items():
         spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=steps,
@@ -333,6 +349,14 @@ def main() -> None:
             torch.cuda.empty_cache()
         result["transformers"] = transformers_baseline(target_cfg, device, (1, 16), a.input_len, a.output_len)
         print("transformers", result["transformers"], flush=True)
+        save(result, a.out)
+        if not a.tiny:  # compilation is minutes on a GPU and pointless on the CPU smoke test
+            try:
+                result["transformers_compiled"] = transformers_baseline(target_cfg, device, (1, 16), a.input_len,
+                                                                        a.output_len, compiled=True)
+            except Exception as e:  # report what failed rather than lose the run
+                result["transformers_compiled_error"] = repr(e)[:500]
+            print("transformers compiled", result.get("transformers_compiled", result.get("transformers_compiled_error")), flush=True)
     print("wrote", save(result, a.out))
     try:
         from benchmarks.gpu_bench_report import render

@@ -55,6 +55,11 @@ def render(result: dict, out_dir: str) -> str:
     for bs, r in sorted(plain.items()):
         pct = f"{100 * r['tok_per_s'] / roof:.0f}%" if ceil and bs == 1 else ""
         lines.append(f"| {bs} | {r['tok_per_s']:.1f} | {r['step_ms']:.2f} | {pct} |")
+    if result.get("plain_unfused"):
+        lines += ["", "Same engine with eager torch elementwise ops instead of the fused Triton kernels (same run):", "",
+                  "| batch | tok/s unfused | fused / unfused |", "|---|---|---|"]
+        for r in result["plain_unfused"]:
+            lines.append(f"| {r['batch']} | {r['tok_per_s']:.1f} | {plain[r['batch']]['tok_per_s'] / r['tok_per_s']:.2f}x |")
     lines += ["", "## 3. Speculative decode, simulated acceptance (EAGLE-3 head)", "",
               "| setting | alpha | batch | tok/s | accept len | E | c | v | ideal | speedup | of ideal |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -69,11 +74,14 @@ def render(result: dict, out_dir: str) -> str:
             lines.append(f"| {name} | {bs} | {s['draft_steps']:.2f} | {s['draft_extend']:.2f} | {s['verify']:.2f} | "
                          f"{s['accept_commit']:.2f} | {s['host_overhead']:.2f} |")
     if result.get("transformers"):
-        lines += ["", "## 4. transformers generate (static cache, not compiled)", "", "| batch | tok/s | hyperdraft plain / transformers |", "|---|---|---|"]
-        for t in result["transformers"]:
+        lines += ["", "## 4. transformers generate (static cache)", "",
+                  "| batch | compiled | tok/s | hyperdraft plain / transformers |", "|---|---|---|---|"]
+        for t in result["transformers"] + result.get("transformers_compiled", []):
             ours = plain.get(t["batch"])
             ratio = f"{ours['tok_per_s'] / t['tok_per_s']:.2f}x" if ours else "(no plain run at this batch)"
-            lines.append(f"| {t['batch']} | {t['tok_per_s']:.1f} | {ratio} |")
+            lines.append(f"| {t['batch']} | {'yes' if t.get('compiled') else 'no'} | {t['tok_per_s']:.1f} | {ratio} |")
+        if result.get("transformers_compiled_error"):
+            lines.append(f"\nCompiled run failed: `{result['transformers_compiled_error']}`")
     if result.get("profile"):
         lines += ["", "## Host work per engine step (torch.profiler, batch 8, 10 steps)", "", "| engine | events per step |", "|---|---|"]
         for name, p in result["profile"].items():
