@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.uniform import uniform as uniform_kernel
+
 DOMAIN_SAMPLE = 1  # token sampling (Gumbel / exponential race)
 DOMAIN_ACCEPT = 2  # accept/reject coins of speculative verification
 DOMAIN_RESIDUAL = 3  # sampling from the residual distribution after a rejection
@@ -48,7 +51,10 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, domain: int, width: in
     """-> [N, width] float32 uniforms strictly inside (0, 1), 23 bits of resolution.
 
     23 bits, not 24: (2^24 - 0.5) / 2^24 rounds to exactly 1.0 in float32, and a uniform of 1.0 makes the
-    exponential race divide zero probabilities by zero. Every (k + 0.5) / 2^23 is exact in float32."""
+    exponential race divide zero probabilities by zero. Every (k + 0.5) / 2^23 is exact in float32.
+    On CUDA one Triton launch computes the same bits (kernels/uniform.py)."""
+    if use_fused_kernels(seeds):
+        return uniform_kernel(seeds.contiguous(), positions.contiguous(), domain, width)
     keys = row_keys(seeds, positions, domain)
     index = hash_u32(torch.arange(width, device=seeds.device, dtype=torch.int64) + 0x632BE5AB)
     bits = hash_u32(keys[:, None] ^ index[None, :]) >> 9

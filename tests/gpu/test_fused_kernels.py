@@ -123,3 +123,19 @@ def test_model_fused_equals_reference(tmp_path, arch, monkeypatch):
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
     for got, want in zip(captured, ref_captured):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width", [1, 7, 1024, 128256])
+def test_uniform_bit_identical(width):
+    """The kernel's counter-based uniforms == sample.rng.uniform's, bit for bit (seeds past 2^32 included)."""
+    from hyperdraft.kernels.uniform import uniform
+    from hyperdraft.sample.rng import DOMAIN_ACCEPT, DOMAIN_SAMPLE, uniform as uniform_reference
+
+    g = torch.Generator().manual_seed(9)
+    seeds = torch.cat([torch.randint(0, 2**62, (5,), generator=g), torch.tensor([0, 1, 2**32 - 1, 2**32, 2**63 - 1])])
+    positions = torch.randint(0, 2**20, (seeds.shape[0],), generator=g)
+    seeds, positions = seeds.to(DEVICE), positions.to(DEVICE)
+    for domain in (DOMAIN_SAMPLE, DOMAIN_ACCEPT):
+        _poison((seeds.shape[0], width), dtype=torch.float32)
+        got = uniform(seeds, positions, domain, width)
+        assert torch.equal(got, uniform_reference(seeds, positions, domain, width))

@@ -1,0 +1,66 @@
+"""Counter-based uniforms (sample/rng.py's `uniform`) in one Triton launch instead of about 60 int64 torch ops.
+
+The hash runs in uint32 arithmetic, where the reference masks int64 products to 32 bits: both compute the same
+lowbias32 mixer, so the kernel's numbers are bit-identical to the reference's (the sampling contract: a seeded
+request draws the same numbers on any device and through either path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: only the reference is usable
+    triton = tl = None
+
+BLOCK = 1024
+_M32 = 0xFFFFFFFF
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _hash(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@_jit
+def _uniform(Seeds, Positions, Out, domain_hash, width, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    seed = tl.load(Seeds + n)
+    pos = tl.load(Positions + n)
+    h = _hash(domain_hash.to(tl.uint32) ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+    h = _hash(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    key = _hash(h ^ (pos & 0xFFFFFFFF).to(tl.uint32))
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    index = _hash(cols.to(tl.uint32) + 0x632BE5AB)
+    bits = _hash(key ^ index) >> 9
+    u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    tl.store(Out + n * width + cols, u, mask=cols < width)
+
+
+def _hash_int(x: int) -> int:
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, domain: int, width: int = 1) -> torch.Tensor:
+    """seeds, positions: [N] int64 -> [N, width] float32 in (0, 1); the same numbers as sample.rng.uniform."""
+    out = torch.empty((seeds.shape[0], width), dtype=torch.float32, device=seeds.device)
+    if out.numel():
+        domain_hash = _hash_int(domain * 0x9E3779B9)  # the seed-independent first round, folded on the host
+        _uniform[(seeds.shape[0], triton.cdiv(width, BLOCK))](seeds, positions, out, domain_hash, width,
+                                                             BLOCK=BLOCK, num_warps=4)
+    return out
