@@ -55,6 +55,11 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, domain: int, width: in
     On CUDA one Triton launch computes the same bits (kernels/uniform.py)."""
     if use_fused_kernels(seeds):
         return uniform_kernel(seeds.contiguous(), positions.contiguous(), domain, width)
+    return uniform_reference(seeds, positions, domain, width)
+
+
+def uniform_reference(seeds: torch.Tensor, positions: torch.Tensor, domain: int, width: int = 1) -> torch.Tensor:
+    """uniform() in plain torch int64 ops (the CPU path, and the kernel's reference)."""
     keys = row_keys(seeds, positions, domain)
     index = hash_u32(torch.arange(width, device=seeds.device, dtype=torch.int64) + 0x632BE5AB)
     bits = hash_u32(keys[:, None] ^ index[None, :]) >> 9

@@ -129,7 +129,7 @@ def test_model_fused_equals_reference(tmp_path, arch, monkeypatch):
 def test_uniform_bit_identical(width):
     """The kernel's counter-based uniforms == sample.rng.uniform's, bit for bit (seeds past 2^32 included)."""
     from hyperdraft.kernels.uniform import uniform
-    from hyperdraft.sample.rng import DOMAIN_ACCEPT, DOMAIN_SAMPLE, uniform as uniform_reference
+    from hyperdraft.sample.rng import DOMAIN_ACCEPT, DOMAIN_SAMPLE, uniform_reference
 
     g = torch.Generator().manual_seed(9)
     seeds = torch.cat([torch.randint(0, 2**62, (5,), generator=g), torch.tensor([0, 1, 2**32 - 1, 2**32, 2**63 - 1])])
