@@ -1,0 +1,260 @@
+"""Host (Python) time per engine step outside the model forwards, on CPU with a tiny random model.
+
+On a GPU a decode step is one graph replay; everything else in Engine.step (schedule, building the forward batch
+and the sampling batch, dispatching the sampling / verify ops, the result copy, commit) is host time the GPU may sit
+idle through. This measures that host time on CPU: each step's wall time minus the time spent inside
+GraphedRunner.forward (target, draft model and EAGLE head forwards), through a timing wrapper installed here only.
+The model is tiny (3 layers, hidden 32), so the ops outside the forwards run at their dispatch cost.
+
+Cases: plain decode, EAGLE-3 chain, NGRAM chain (and EAGLE-3 tree), at batch 1 and 16, greedy. Speculative cases use
+a simulated accept rate (0.8 by default, as benchmarks/gpu_bench.py does), so a step commits several tokens the way a
+trained drafter's would.
+
+  python benchmarks/host_overhead.py                                 # this tree, one table
+  python benchmarks/host_overhead.py --compare /tmp/base --repeats 5 --write   # old tree vs this one, interleaved
+  python benchmarks/host_overhead.py --profile eagle3-chain --bs 16  # cProfile of the measured steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16)
+CASES = {
+    "plain": {},
+    "eagle3-chain": dict(speculative_algorithm="EAGLE3", speculative_num_steps=5, speculative_eagle_topk=1,
+                         speculative_num_draft_tokens=6, draft="eagle3"),
+    "ngram-chain": dict(speculative_algorithm="NGRAM", speculative_num_steps=5, speculative_num_draft_tokens=6),
+    "eagle3-tree": dict(speculative_algorithm="EAGLE3", speculative_num_steps=4, speculative_eagle_topk=4,
+                        speculative_num_draft_tokens=8, draft="eagle3"),
+}
+DEFAULT_CASES = ("plain", "eagle3-chain", "ngram-chain", "eagle3-tree")
+PROMPT_LEN = 64
+
+
+def build_models(root: str) -> dict[str, str]:
+    sys.path.insert(0, ROOT)
+    from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    target = make_tiny_model(os.path.join(root, "target"), "llama", seed=0, **SHAPE)
+    return {"target": target, "eagle3": write_random_eagle_checkpoint(os.path.join(root, "eagle3"), target, "eagle3")}
+
+
+# ---- worker: one case on one tree ------------------------------------------------------------------------------
+def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int, alpha: float,
+             profile_top: int = 0) -> dict:
+    import torch
+
+    from hyperdraft.config import EngineArgs
+    from hyperdraft.engine.engine import Engine
+    from hyperdraft.engine.model_runner import GraphedRunner
+    from hyperdraft.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    spec = dict(CASES[case])
+    draft = spec.pop("draft", None)
+    if draft:
+        spec["speculative_draft_model_path"] = models[draft]
+    if spec:
+        spec["speculative_simulate_accept_rate"] = alpha
+    total = warmup + steps
+    ctx = PROMPT_LEN + 8 * (total + 4) + 64
+    engine = Engine(EngineArgs.from_kwargs(
+        model_path=models["target"], device="cpu", dtype="float32", skip_tokenizer_init=True,
+        max_running_requests=bs, max_total_tokens=bs * (ctx + 64), context_length=ctx, log_level="warning", **spec))
+
+    inside = [0.0]
+    original = GraphedRunner.forward
+    prof = cProfile.Profile() if profile_top else None
+    profiling = [False]
+
+    def timed_forward(self, *args, **kwargs):
+        if profiling[0]:
+            prof.disable()  # the profile shows host work outside the forwards only
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - start
+            if profiling[0]:
+                prof.enable()
+
+    GraphedRunner.forward = timed_forward
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_new_tokens=8 * (total + 4), ignore_eos=True)
+    for b in range(bs):
+        pattern = torch.randint(0, vocab, (5 + b % 3,), generator=g).tolist()  # repetitive: NGRAM finds matches
+        engine.add_request(input_ids=(pattern * PROMPT_LEN)[:PROMPT_LEN], params=params)
+    while any(r.num_computed == 0 or not r.output_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill
+    for _ in range(warmup):
+        engine.step()
+    assert len(engine.scheduler.running) == bs and not engine.scheduler.waiting
+    walls, forwards, tokens = [], [], 0
+    for _ in range(steps):
+        inside[0] = 0.0
+        if prof:
+            profiling[0] = True
+            prof.enable()
+        start = time.perf_counter()
+        outs = engine.step()
+        wall = time.perf_counter() - start
+        if prof:
+            prof.disable()
+            profiling[0] = False
+        walls.append(wall)
+        forwards.append(inside[0])
+        tokens += sum(len(o.new_token_ids) for o in outs)
+        assert len(outs) == bs and not any(o.finished for o in outs), "a request finished inside the measured steps"
+    GraphedRunner.forward = original
+    host = [w - f for w, f in zip(walls, forwards)]
+    result = {"case": case, "bs": bs, "steps": steps, "host_ms": 1e3 * statistics.median(host),
+              "host_ms_mean": 1e3 * statistics.fmean(host), "wall_ms": 1e3 * statistics.median(walls),
+              "forward_ms": 1e3 * statistics.median(forwards), "tokens_per_step": tokens / steps}
+    if prof:
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats("tottime").print_stats(profile_top)
+        stats.sort_stats("cumulative").print_stats(profile_top)
+        result["profile"] = out.getvalue()
+    for r in list(engine.scheduler.running):
+        engine.abort(r.rid)
+    return result
+
+
+def worker_main(a) -> None:
+    sys.path.insert(0, a.tree)
+    import hyperdraft
+
+    assert os.path.abspath(hyperdraft.__file__).startswith(os.path.abspath(a.tree)), "imported the wrong tree"
+    models = json.loads(a.models)
+    print(json.dumps(run_case(models, a.worker, a.bs[0], a.steps, a.warmup, a.alpha)))
+
+
+def run_in(tree: str, models: dict, case: str, bs: int, a) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", case, "--tree", tree, "--models", json.dumps(models),
+           "--bs", str(bs), "--steps", str(a.steps), "--warmup", str(a.warmup), "--alpha", str(a.alpha)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
+    if proc.returncode:
+        raise RuntimeError(f"{case} bs {bs} on {tree} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- driver -----------------------------------------------------------------------------------------------------
+def commit_of(tree: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=list(CASES))
+    ap.add_argument("--bs", type=int, nargs="*", default=[1, 16])
+    ap.add_argument("--steps", type=int, default=60, help="measured steps per run")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--alpha", type=float, default=0.8, help="simulated accept rate of the speculative cases")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per (tree, case, batch); the minimum median is reported")
+    ap.add_argument("--compare", metavar="OLD_TREE", help="also run an older source tree, interleaved with this one")
+    ap.add_argument("--base-commit", default=None, help="commit the --compare tree was exported from (for the report)")
+    ap.add_argument("--profile", metavar="CASE", help="cProfile the measured steps of one case (this tree, in process)")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--write", action="store_true", help="write benchmarks/results/host_overhead_cpu.md")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--tree", default=ROOT, help=argparse.SUPPRESS)
+    ap.add_argument("--models", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker_main(a)
+    models = build_models(tempfile.mkdtemp(prefix="host_overhead_"))
+    if a.profile:
+        sys.path.insert(0, ROOT)
+        for bs in a.bs:
+            r = run_case(models, a.profile, bs, a.steps, a.warmup, a.alpha, profile_top=a.top)
+            print(f"== {a.profile} bs {bs}: host {r['host_ms']:.3f} ms/step (median), forward {r['forward_ms']:.3f} ms")
+            print(r["profile"])
+        return
+    trees = [("new", ROOT)] + ([("old", os.path.abspath(a.compare))] if a.compare else [])
+    best: dict[tuple, dict] = {}
+    for rep in range(a.repeats):
+        for case in a.cases:
+            for bs in a.bs:
+                order = trees if rep % 2 == 0 else trees[::-1]  # alternate which tree runs first
+                for name, tree in order:
+                    r = run_in(tree, models, case, bs, a)
+                    key = (name, case, bs)
+                    if key not in best or r["host_ms"] < best[key]["host_ms"]:
+                        best[key] = r
+                    print(f"rep {rep} {name:>3} {case:<13} bs {bs:>2}: host {r['host_ms']:.3f} ms/step, "
+                          f"forward {r['forward_ms']:.3f} ms, {r['tokens_per_step']:.2f} tok/step", flush=True)
+    lines = table(best, a, trees)
+    print("\n".join(lines))
+    if a.write:
+        write_report(lines, a)
+
+
+def table(best: dict, a, trees) -> list[str]:
+    with_old = len(trees) > 1
+    head = "| case | batch | host ms/step (new) | forward ms/step | tokens/step |"
+    sep = "|---|---:|---:|---:|---:|"
+    if with_old:
+        head = "| case | batch | host ms/step (old) | host ms/step (new) | new / old | forward ms/step | tokens/step |"
+        sep = "|---|---:|---:|---:|---:|---:|---:|"
+    lines = [head, sep]
+    for case in a.cases:
+        for bs in a.bs:
+            new = best[("new", case, bs)]
+            if with_old:
+                old = best[("old", case, bs)]
+                lines.append(f"| {case} | {bs} | {old['host_ms']:.3f} | {new['host_ms']:.3f} | "
+                             f"{new['host_ms'] / old['host_ms']:.2f} | {new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} |")
+            else:
+                lines.append(f"| {case} | {bs} | {new['host_ms']:.3f} | {new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} |")
+    return lines
+
+
+def write_report(lines: list[str], a) -> None:
+    cmd = "python benchmarks/host_overhead.py " + " ".join(sys.argv[1:])
+    text = [
+        "# Host time per engine step, outside the model forwards (CPU)",
+        "",
+        f"- date: {datetime.date(2026, 11, 22)}; device: CPU ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, 1 torch thread), load average {os.getloadavg()[0]:.2f} at the end",
+        f"- command: `{cmd}`",
+        f"- new tree: commit {commit_of(ROOT)} (plus uncommitted changes, if any)"
+        + (f"; old tree: {a.base_commit or 'see command'}" if a.compare else ""),
+        f"- model: tiny random llama ({SHAPE}), vocab 384, fp32; EAGLE-3 head random; prompts of {PROMPT_LEN} tokens; "
+        f"greedy; speculative cases at simulated accept rate {a.alpha}",
+        f"- host ms/step = median over {a.steps} steps of (step wall time - time inside GraphedRunner.forward), "
+        f"best of {a.repeats} runs per tree, the two trees' runs interleaved",
+        "",
+        *lines,
+        "",
+    ]
+    path = os.path.join(HERE, "results", "host_overhead_cpu.md")
+    with open(path, "w") as f:
+        f.write("\n".join(text))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
