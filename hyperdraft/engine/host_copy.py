@@ -14,7 +14,13 @@ import torch
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def host_to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor (e.g. torch.from_numpy) -> device, through pinned memory on CUDA (never a pageable, blocking copy)."""
     if torch.device(device).type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

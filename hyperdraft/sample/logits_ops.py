@@ -12,7 +12,7 @@ all share that request's parameters).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,51 +30,65 @@ class SamplingBatch:
     seeds: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64, sequence index of the token each row samples
     penalties: "Penalties | None"
+    # Host copies of batch-wide facts, so the transform never reads the device to decide which ops to run.
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
     all_greedy: bool
+    any_greedy: bool
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int, device,
               prompts: list[list[int]] | None = None, outputs: list[list[int]] | None = None) -> "SamplingBatch":
-        """One entry per row. prompts/outputs (per row) are needed only when some row has penalties."""
+        """One entry per row. prompts/outputs (per row) are needed only when some row has penalties.
+        Every value travels in two host-to-device copies (one float32, one int64)."""
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         greedy = [p.is_greedy for p in params]
+        floats = [[0.0 if g else p.temperature for p, g in zip(params, greedy)], [p.top_p for p in params],
+                  [p.min_p for p in params]]
+        ints = [top_k, seeds, positions, greedy]
+        penalised = any(p.has_penalties for p in params)
+        if penalised:
+            floats += [[p.frequency_penalty for p in params], [p.presence_penalty for p in params],
+                       [p.repetition_penalty for p in params]]
+            ints += [flat_token_index(outputs, vocab_size),
+                     flat_token_index([p + o for p, o in zip(prompts, outputs)], vocab_size)]
+        f = to_device_many(floats, torch.float32, device)
+        i = to_device_many(ints, torch.int64, device)
         penalties = None
-        if any(p.has_penalties for p in params):
-            penalties = Penalties.build(params, prompts, outputs, vocab_size, device)
-        temperature, top_p, min_p = to_device_many(
-            [[0.0 if g else p.temperature for p, g in zip(params, greedy)], [p.top_p for p in params],
-             [p.min_p for p in params]], torch.float32, device)
-        top_k_t, seeds_t, positions_t, greedy_t = to_device_many([top_k, seeds, positions, greedy], torch.int64, device)
+        if penalised:
+            penalties = Penalties.from_flat(len(params), vocab_size, i[4], i[5], f[3], f[4], f[5])
         return cls(
-            temperature=temperature,
-            top_k=top_k_t,
-            top_p=top_p,
-            min_p=min_p,
-            greedy=greedy_t.bool(),
-            seeds=seeds_t,
-            positions=positions_t,
+            temperature=f[0],
+            top_k=i[0],
+            top_p=f[1],
+            min_p=f[2],
+            greedy=i[3].bool(),
+            seeds=i[1],
+            positions=i[2],
             penalties=penalties,
             need_top_k=any(k < vocab_size for k, g in zip(top_k, greedy) if not g),
             need_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy) if not g),
             need_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy) if not g),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
         )
+
+    def _rows(self, rep, penalties: "Penalties | None") -> "SamplingBatch":
+        """Every per-row tensor through rep (the host flags are the same for repeated rows)."""
+        return replace(self, temperature=rep(self.temperature), top_k=rep(self.top_k), top_p=rep(self.top_p),
+                       min_p=rep(self.min_p), greedy=rep(self.greedy), seeds=rep(self.seeds),
+                       positions=rep(self.positions), penalties=penalties)
 
     def for_verify(self, draft: torch.Tensor) -> "SamplingBatch":
         """B request rows -> B*(K+1) verify rows: row (b, j) samples the token after draft j-1 of request b,
         so it sits at position + j and its penalties also count drafts 0..j-1. draft: [B, K]."""
         k1 = draft.shape[1] + 1
-        rep = lambda t: t.repeat_interleave(k1, 0)  # noqa: E731
+        rows = self._rows(lambda t: t.repeat_interleave(k1, 0),
+                          self.penalties.for_verify(draft) if self.penalties is not None else None)
         offsets = torch.arange(k1, device=self.positions.device).repeat(self.positions.shape[0])
-        return SamplingBatch(
-            temperature=rep(self.temperature), top_k=rep(self.top_k), top_p=rep(self.top_p), min_p=rep(self.min_p),
-            greedy=rep(self.greedy), seeds=rep(self.seeds), positions=rep(self.positions) + offsets,
-            penalties=self.penalties.for_verify(draft) if self.penalties is not None else None,
-            need_top_k=self.need_top_k, need_top_p=self.need_top_p, need_min_p=self.need_min_p, all_greedy=self.all_greedy,
-        )
+        rows.positions = rows.positions + offsets
+        return rows
 
     def repeat_rows(self, k: int) -> "SamplingBatch":
         """Each row repeated k times (same position): for k sibling nodes that share a request's parameters."""
@@ -82,11 +96,7 @@ class SamplingBatch:
         pen = self.penalties
         if pen is not None:
             pen = Penalties(rep(pen.output_counts), rep(pen.seen), rep(pen.frequency), rep(pen.presence), rep(pen.repetition))
-        return SamplingBatch(
-            temperature=rep(self.temperature), top_k=rep(self.top_k), top_p=rep(self.top_p), min_p=rep(self.min_p),
-            greedy=rep(self.greedy), seeds=rep(self.seeds), positions=rep(self.positions), penalties=pen,
-            need_top_k=self.need_top_k, need_top_p=self.need_top_p, need_min_p=self.need_min_p, all_greedy=self.all_greedy,
-        )
+        return self._rows(rep, pen)
 
     def for_tree(self, tokens: torch.Tensor, ancestor_mask: torch.Tensor, depth: torch.Tensor) -> "SamplingBatch":
         """Rows for the N nodes of each request's tree (B*N rows). Node i samples the token after it, at position
@@ -110,11 +120,7 @@ class SamplingBatch:
         if pen is not None and j:
             counts = pen.output_counts.clone().scatter_add_(1, draft_prefix, torch.ones_like(draft_prefix, dtype=torch.float32))
             pen = Penalties(counts, pen.seen | (counts > 0), pen.frequency, pen.presence, pen.repetition)
-        return SamplingBatch(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, greedy=self.greedy,
-            seeds=self.seeds, positions=self.positions + j, penalties=pen, need_top_k=self.need_top_k,
-            need_top_p=self.need_top_p, need_min_p=self.need_min_p, all_greedy=self.all_greedy,
-        )
+        return replace(self, positions=self.positions + j, penalties=pen)
 
 
 @dataclass
@@ -126,22 +132,21 @@ class Penalties:
     repetition: torch.Tensor  # [N]
 
     @classmethod
-    def build(cls, params, prompts, outputs, vocab_size, device) -> "Penalties":
-        n = len(params)
-        counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
-        seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-        out_ids, out_rows = _flatten(outputs)
-        all_ids, all_rows = _flatten([p + o for p, o in zip(prompts, outputs)])
-        counts.index_put_((out_rows.to(device), out_ids.to(device)), torch.ones(len(out_ids), device=device), accumulate=True)
-        seen[all_rows.to(device), all_ids.to(device)] = True
-        f32 = dict(dtype=torch.float32, device=device)
-        return cls(
-            counts,
-            seen,
-            torch.tensor([p.frequency_penalty for p in params], **f32),
-            torch.tensor([p.presence_penalty for p in params], **f32),
-            torch.tensor([p.repetition_penalty for p in params], **f32),
-        )
+    def from_flat(cls, n: int, vocab_size: int, outputs: torch.Tensor, seen: torch.Tensor, frequency: torch.Tensor,
+                  presence: torch.Tensor, repetition: torch.Tensor) -> "Penalties":
+        """outputs / seen: flat indices row * V + token (flat_token_index) of the output tokens / of prompt and
+        output tokens, already on the device. Scatters only: no host sync, no data-dependent shape."""
+        device = frequency.device
+        pen = cls(torch.zeros(n, vocab_size, dtype=torch.float32, device=device),
+                  torch.zeros(n, vocab_size, dtype=torch.bool, device=device), frequency, presence, repetition)
+        pen.seen.view(-1).index_fill_(0, seen, True)
+        pen.add_outputs(outputs)
+        return pen
+
+    def add_outputs(self, flat: torch.Tensor) -> None:
+        """Count more output tokens (flat indices row * V + token), in place."""
+        self.output_counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
+        self.seen.view(-1).index_fill_(0, flat, True)
 
     def for_verify(self, draft: torch.Tensor) -> "Penalties":
         bsz, k = draft.shape
@@ -161,10 +166,9 @@ class Penalties:
         return logits - self.presence[:, None] * (self.output_counts > 0).float()
 
 
-def _flatten(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = [t for lst in lists for t in lst]
-    rows = [r for r, lst in enumerate(lists) for _ in lst]
-    return torch.tensor(ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
+def flat_token_index(lists: list[list[int]], vocab_size: int, first_row: int = 0) -> list[int]:
+    """Row r's tokens t -> (first_row + r) * vocab_size + t, all rows in one list."""
+    return [(first_row + r) * vocab_size + t for r, lst in enumerate(lists) for t in lst]
 
 
 def penalised_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -177,7 +181,7 @@ def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     if sb.need_top_k or sb.need_top_p or sb.need_min_p:
         probs = _filter(probs, sb)
-    if sb.greedy.any():
+    if sb.any_greedy:  # a host flag: `if sb.greedy.any()` would be a device-to-host sync
         onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(sb.greedy[:, None], onehot, probs)
     return probs

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hyperdraft.engine.host_copy import host_to_device
 from hyperdraft.request import Request
 from hyperdraft.spec.proposal import Proposal
 
@@ -82,7 +83,7 @@ class NgramProposer:
         padded = np.zeros((len(reqs), steps), dtype=np.int64)
         for b, d in enumerate(drafts):
             padded[b, : len(d)] = d
-        return Proposal(torch.from_numpy(padded).to(self.device), [len(d) for d in drafts])
+        return Proposal(host_to_device(torch.from_numpy(padded), self.device), [len(d) for d in drafts])
 
     def _collect_finished(self, reqs: list[Request]) -> None:
         """Finished requests' sequences join the history (noticed lazily: at the next propose after they finish)."""

@@ -84,8 +84,9 @@ def build_tree(
     par = parents.clamp_min(0)  # [B, N]
     rows = torch.arange(bsz, device=device)
     depth = torch.zeros(bsz, n, dtype=torch.int64, device=device)
-    mask = torch.zeros(bsz, n, n, dtype=torch.bool, device=device)
-    mask[:, idx, idx] = True
+    # (not `mask[:, idx, idx] = True`: a Python scalar stored through tensor indices is a synchronous host-to-device
+    # copy on CUDA)
+    mask = torch.eye(n, dtype=torch.bool, device=device).repeat(bsz, 1, 1)
     for i in range(1, n):
         hp = has_parent[:, i]  # [B]
         depth[:, i] = torch.where(hp, depth[rows, par[:, i]] + 1, 0)

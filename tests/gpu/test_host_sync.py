@@ -1,0 +1,121 @@
+"""One device-to-host sync per engine step on a GPU, in steady state: the copy of the step's results.
+
+Counted two ways over steady decode steps (every request decoding, graphs captured, kernels compiled):
+  - torch.cuda.set_sync_debug_mode("warn"): PyTorch warns at every synchronizing call it makes (item, tolist, nonzero,
+    blocking copies in either direction, stream/device synchronize); exactly one warning per step;
+  - torch.profiler: exactly one device-to-host memcpy per step, and no host-to-device copy from pageable memory
+    (a pageable copy blocks the host even when nothing warns).
+Plain decode, EAGLE-3 chain and tree, sampled trees, NGRAM and STANDALONE; greedy, sampled and penalised requests;
+tiny random models, fp32, CUDA graphs on (the default). tests/test_host_sync.py finds the same transfers on CPU.
+
+Run: `PYTHONPATH=. python3 -m pytest tests/gpu/test_host_sync.py -q`. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+from hyperdraft.testing.tiny import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+CASES = {
+    "plain": {},
+    "eagle3-chain": dict(speculative_algorithm="EAGLE3", draft="eagle3", **CHAIN),
+    "eagle3-tree": dict(speculative_algorithm="EAGLE3", draft="eagle3", **TREE),
+    "eagle3-tree-sampled": dict(speculative_algorithm="EAGLE3", draft="eagle3", speculative_use_rejection_sampling=True,
+                                **TREE),
+    "eagle3-chain-simulated": dict(speculative_algorithm="EAGLE3", draft="eagle3", speculative_simulate_accept_rate=0.8,
+                                   **CHAIN),
+    "ngram": dict(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=4),
+    "standalone-tree": dict(speculative_algorithm="STANDALONE", draft="draft", **TREE),
+}
+PARAMS = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=0.8, top_k=20, top_p=0.9),
+    "penalties": dict(temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.3),
+}
+RUNS = [(case, params) for case in CASES for params in ("greedy", "sampled")]
+RUNS += [(case, "penalties") for case in ("plain", "eagle3-chain", "eagle3-tree")]
+WARMUP_STEPS = 4
+MEASURED_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("host_sync_gpu")
+    target = make_tiny_model(str(root / "target"), "llama", num_hidden_layers=3)
+    return {"target": target, "eagle3": write_random_eagle_checkpoint(str(root / "e3"), target, kind="eagle3"),
+            "draft": make_tiny_model(str(root / "draft"), "qwen3", seed=2, with_tokenizer=False, hidden_size=32,
+                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=16)}
+
+
+def _steady_engine(models, case: str, params: dict):
+    args = dict(CASES[case])
+    if "draft" in args:
+        args["speculative_draft_model_path"] = models[args.pop("draft")]
+    llm = LLM(models["target"], device="cuda", dtype="float32", skip_tokenizer_init=True, max_total_tokens=8192,
+              cuda_graph_max_bs=4, **args)
+    engine = llm.engine
+    sp = SamplingParams(max_new_tokens=400, ignore_eos=True, seed=1, **params)
+    for prompt in ([5, 6, 7, 8] * 6, list(range(10, 40)), [9] * 11):
+        engine.add_request(input_ids=prompt, params=sp)
+    while engine.scheduler.waiting or any(r.num_computed < r.seq_len - 1 for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    torch.cuda.synchronize()
+    return llm
+
+
+def _syncs_per_step(engine) -> list[int]:
+    counts = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(MEASURED_STEPS):
+                before = len(caught)
+                outs = engine.step()
+                assert len(outs) == 3 and not any(o.finished for o in outs)
+                counts.append(sum("synchronizing" in str(w.message) for w in caught[before:]))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return counts
+
+
+def _copies(engine) -> tuple[int, int, list[str]]:
+    """-> (device-to-host memcpys, pageable host-to-device memcpys, all memcpy names) over MEASURED_STEPS steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(MEASURED_STEPS):
+            engine.step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.name.startswith("Memcpy")]
+    d2h = sum(n.startswith("Memcpy DtoH") for n in names)
+    pageable_h2d = sum(n.startswith("Memcpy HtoD") and "Pageable" in n for n in names)
+    return d2h, pageable_h2d, names
+
+
+@pytest.mark.parametrize("case,params", RUNS, ids=[f"{c}-{p}" for c, p in RUNS])
+def test_one_sync_per_step(models, case, params):
+    llm = _steady_engine(models, case, PARAMS[params])
+    engine = llm.engine
+    syncs = _syncs_per_step(engine)
+    assert syncs == [1] * MEASURED_STEPS, f"{case} {params}: synchronizing calls per step {syncs}"
+    d2h, pageable, names = _copies(engine)
+    assert d2h == MEASURED_STEPS, f"{case} {params}: {d2h} device-to-host copies in {MEASURED_STEPS} steps: {names}"
+    assert pageable == 0, f"{case} {params}: pageable host-to-device copies: {names}"
+    for r in list(engine.scheduler.running):
+        engine.abort(r.rid)
+    assert engine.kv_free_slots == engine.kv_capacity_slots
+    llm.shutdown()
