@@ -1,10 +1,11 @@
 """GraphRunner: captured forwards of one ModelRunner, replayed for batches that fit a captured shape.
 
-A graph is captured per GraphShape (tokens per request q, tail-mask width W, padded batch size). It runs the
-ModelRunner's whole forward (attention plan, every layer, logits) on static input buffers. A batch fits when
-every request feeds exactly q tokens, every token's logits are wanted, its tail mask has width W (0 = causal),
-and its batch size is at most the largest captured size; it is padded up to the next captured size. Anything
-else runs eagerly.
+A graph is captured per GraphShape (tokens per request q, tail-mask width W, which logits rows) and padded batch
+size. It runs the ModelRunner's whole forward (attention plan, every layer, logits) on static input buffers. A batch
+fits when every request feeds exactly q tokens, its tail mask has width W (0 = causal), it wants the logits of
+every token (or, for a one_logit shape, exactly one row per request, at an index the batch gives: a draft extend
+padded to q tokens wants its last real one), and its batch size is at most the largest captured size; it is padded
+up to the next captured size. Anything else runs eagerly.
 
 Where outputs live (the bug class of SGLang's graph/eager disagreements): ModelRunner.forward returns ONE
 ForwardOutput, taken from whichever path ran, and every consumer reads only that. Graph outputs are views of
@@ -23,6 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +37,11 @@ EMULATE_GRAPHS_ENV = "HYPERDRAFT_EMULATE_CUDA_GRAPH"
 
 @dataclass(frozen=True, order=True)
 class GraphShape:
-    tokens_per_req: int  # q: 1 for decode, the verify width for target verify
+    tokens_per_req: int  # q: 1 for decode, the verify width for target verify, the frontier size of a tree draft step
     mask_width: int  # W of the [B, q, W] tail mask; 0 = plain causal (no mask)
+    # False: logits for every token. True: one logits row per request, at fb.logits_indices (a static [B] buffer
+    # refilled per replay): the draft extend, whose requests feed 1..q real tokens and are padded to q.
+    one_logit: bool = False
 
 
 def default_batch_sizes(max_bs: int) -> list[int]:
@@ -60,7 +65,10 @@ class _StaticInputs:
         self.seq_lens = torch.full((max_bs,), q, dtype=torch.int32, device=device)
         self.extend_starts = torch.arange(0, n, q, dtype=torch.int32, device=device)
         self.extend_lens = torch.full((max_bs,), q, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(n, **as_long)
+        self.one_logit = shape.one_logit
+        # every token's row (never refilled), or one row per request: each request's last token until filled
+        self.default_logits = torch.arange(q - 1, n, q, **as_long) if shape.one_logit else None
+        self.logits_indices = self.default_logits.clone() if shape.one_logit else torch.arange(n, **as_long)
         self.tail_mask = None
         if shape.mask_width:
             self.causal_rows = torch.ones(q, shape.mask_width, dtype=torch.bool, device=device).tril(shape.mask_width - q)
@@ -71,7 +79,8 @@ class _StaticInputs:
         return ForwardBatch(
             mode=mode, input_ids=self.input_ids[:n], positions=self.positions[:n], out_slots=self.out_slots[:n],
             req_rows=self.req_rows[:bs], prefix_lens=prefix_lens, extend_lens=[q] * bs,
-            logits_indices=self.logits_indices[:n], tail_mask=None if self.tail_mask is None else self.tail_mask[:bs],
+            logits_indices=self.logits_indices[: bs if self.one_logit else n],
+            tail_mask=None if self.tail_mask is None else self.tail_mask[:bs],
             seq_lens_t=self.seq_lens[:bs], extend_starts_t=self.extend_starts[:bs], extend_lens_t=self.extend_lens[:bs],
             max_extend_len=q, max_seq_len=max_seq_len,
             input_hidden=None if self.input_hidden is None else self.input_hidden[:n],
@@ -89,6 +98,8 @@ class _StaticInputs:
             self.tail_mask[:real].copy_(fb.tail_mask)
         if self.input_hidden is not None:
             self.input_hidden[:n].copy_(fb.input_hidden)
+        if self.one_logit:
+            self.logits_indices[:real].copy_(fb.logits_indices)
         if bs > real:
             self.input_ids[n : bs * q].zero_()
             self.positions[n : bs * q].zero_()
@@ -97,6 +108,8 @@ class _StaticInputs:
             if self.input_hidden is not None:
                 self.input_hidden[n : bs * q].zero_()
             self.seq_lens[real:bs].fill_(q)
+            if self.one_logit:
+                self.logits_indices[real:bs].copy_(self.default_logits[real:bs])
             if self.tail_mask is not None:
                 self.tail_mask[real:bs] = self.causal_rows
 
@@ -114,6 +127,7 @@ class GraphRunner:
         self.capture_layers: tuple[int, ...] = ()
         self.pool = None
         self.num_replays = 0  # tests and logs: how many forwards a graph served
+        self.replays: Counter[tuple[GraphShape, int]] = Counter()  # the same, per (shape, padded batch size)
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -168,12 +182,15 @@ class GraphRunner:
         if (fb.input_hidden is None) != (self.runner.input_hidden_size is None):
             return None
         q = fb.max_extend_len
-        if fb.num_tokens != fb.batch_size * q or fb.logits_indices.shape[0] != fb.num_tokens:
-            return None  # ragged (prefill chunks, variable drafts) or logits for only some tokens
+        if fb.num_tokens != fb.batch_size * q:
+            return None  # ragged (prefill chunks, variable drafts)
+        num_logits = fb.logits_indices.shape[0]
+        if num_logits != fb.num_tokens and num_logits != fb.batch_size:
+            return None  # logits for only some tokens (prefill chunks)
         width = 0 if fb.tail_mask is None else fb.tail_mask.shape[2]
         if fb.tail_mask is not None and fb.tail_mask.shape[1] != q:
             return None
-        shape = GraphShape(q, width)
+        shape = GraphShape(q, width, num_logits != fb.num_tokens)
         if not self.fits(shape, fb.batch_size):
             return None
         sizes = self.sizes[shape]
@@ -184,12 +201,28 @@ class GraphRunner:
         sizes = self.sizes.get(shape)
         return sizes is not None and batch_size <= sizes[-1]
 
+    def extend_width(self, batch_size: int, max_count: int) -> int | None:
+        """Tokens per request to pad a one-logit-per-request extend to (every request feeds 1..max_count real
+        tokens), so a captured graph runs it: the captured width that fits with the fewest padded tokens, or None
+        (run the ragged batch eagerly). Width 1 is the one-token decode graph."""
+        best = None
+        for shape, sizes in self.sizes.items():
+            q = shape.tokens_per_req
+            usable = shape.one_logit or q == 1
+            if not usable or shape.mask_width or q < max_count or batch_size > sizes[-1]:
+                continue
+            cost = q * sizes[bisect.bisect_left(sizes, batch_size)]
+            if best is None or cost < best[0]:
+                best = (cost, q)
+        return None if best is None else best[1]
+
     def replay(self, fb: ForwardBatch, key: tuple[GraphShape, int]):
         shape, bs = key
         q, real = shape.tokens_per_req, fb.batch_size
         static = self.inputs[shape]
         static.fill(fb, bs, q)
         self.num_replays += 1
+        self.replays[key] += 1
         if self.emulate:  # the same buffers and padding, run eagerly; the torch backend reads the host lists
             padded = static.batch(fb.mode, bs, q, self.max_seq_len, fb.prefix_lens + [0] * (bs - real))
             fresh = self.runner.forward_eager(padded, self.capture_layers)
@@ -203,15 +236,14 @@ class GraphRunner:
             self.graphs[key].replay()
             out = self.outputs[key]
         n = real * q
-        return type(out)(out.logits[:n], out.hidden[:n], [c[:n] for c in out.captured])
+        return type(out)(out.logits[: real if shape.one_logit else n], out.hidden[:n], [c[:n] for c in out.captured])
 
 
 def graph_plan(spec, worker, sizes: list[int]) -> list[tuple[object, dict, tuple[int, ...]]]:
     """-> [(runner, {mode: {GraphShape: batch sizes}}, capture_layers)]: what to capture, per model.
 
     Target: one-token decodes without speculation (or for a steps-0 tier); otherwise each tier's verify width,
-    for the batch sizes that can route to that tier. A draft model or EAGLE head: its one-token (chain) draft
-    steps; tree steps and ragged catch-up extends run eagerly."""
+    for the batch sizes that can route to that tier. A draft model or EAGLE head: see _draft_plan."""
     from hyperdraft.engine.forward_batch import ForwardMode
 
     if spec is None:
@@ -220,18 +252,53 @@ def graph_plan(spec, worker, sizes: list[int]) -> list[tuple[object, dict, tuple
     verify: dict[GraphShape, list[int]] = {}
     decode: dict[GraphShape, list[int]] = {}
     for tier in tiers:
-        tier_sizes = sizes
-        if spec.adaptive is not None:
-            tier_sizes = worker.tiers.graph_sizes_for_steps(tier.steps) or []
+        tier_sizes = _tier_sizes(spec, worker, tier, sizes)
         if tier.steps == 0:
-            decode[GraphShape(1, 0)] = sorted(set(decode.get(GraphShape(1, 0), [])) | set(tier_sizes))
+            _add(decode, GraphShape(1, 0), tier_sizes)
             continue
         q = tier.num_draft_tokens
-        shape = GraphShape(q, q if tier.is_tree else 0)
-        verify[shape] = sorted(set(verify.get(shape, [])) | set(tier_sizes))
+        _add(verify, GraphShape(q, q if tier.is_tree else 0), tier_sizes)
     layers = tuple(getattr(worker.proposer, "capture_layers", ()))
     plan = [(worker.runner, {ForwardMode.DECODE: decode, ForwardMode.TARGET_VERIFY: verify}, layers)]
     draft_runner = getattr(worker.proposer, "runner", None)  # STANDALONE: a ModelRunner; EAGLE: a HeadRunner
     if draft_runner is not None and any(t.steps > 0 for t in tiers):
-        plan.append((draft_runner, {ForwardMode.DECODE: {GraphShape(1, 0): sizes}}, ()))
+        plan.append((draft_runner, _draft_plan(spec, worker, tiers, sizes), ()))
     return plan
+
+
+def _draft_plan(spec, worker, tiers, sizes: list[int]) -> dict:
+    """The drafter's shapes: its one-token (chain) draft steps; each tree tier's draft steps, one shape per depth
+    (frontier size, tail-mask width), for a beam and, when drafts may be drawn from q, for a sampled tree's level
+    budgets; and the catch-up extend, padded per batch size to the widest catch-up a tier routed there can leave
+    for the next round (proposer.catch_up_width). Anything else (a wider catch-up after a tier switch, a frontier
+    shape not listed) runs eagerly."""
+    from hyperdraft.engine.forward_batch import ForwardMode
+    from hyperdraft.spec.tree_draft import draft_step_shapes
+
+    steps: dict[GraphShape, list[int]] = {GraphShape(1, 0): sizes}
+    width_of: dict[int, int] = {}  # batch size -> catch-up width
+    may_sample = spec.use_rejection_sampling is not False  # None: sampled trees whenever a request samples
+    for tier in (t for t in tiers if t.steps > 0):
+        tier_sizes = _tier_sizes(spec, worker, tier, sizes)
+        if tier.is_tree:
+            for k, w in draft_step_shapes(tier.steps, tier.topk, tier.num_draft_tokens, may_sample):
+                _add(steps, GraphShape(k, w), tier_sizes)
+        width = worker.proposer.catch_up_width(tier)
+        for g in tier_sizes:
+            width_of[g] = max(width_of.get(g, 1), width)
+    extend: dict[GraphShape, list[int]] = {}
+    for g, width in width_of.items():
+        if width > 1:  # width 1 is the one-token decode graph
+            _add(extend, GraphShape(width, 0, one_logit=True), [g])
+    return {ForwardMode.DECODE: steps, ForwardMode.DRAFT_EXTEND: extend}
+
+
+def _tier_sizes(spec, worker, tier, sizes: list[int]) -> list[int]:
+    """The captured batch sizes that can run `tier` (adaptive: those whose slot has it)."""
+    if spec.adaptive is None:
+        return sizes
+    return worker.tiers.graph_sizes_for_steps(tier.steps) or []
+
+
+def _add(shapes: dict[GraphShape, list[int]], shape: GraphShape, sizes: list[int]) -> None:
+    shapes[shape] = sorted(set(shapes.get(shape, [])) | set(sizes))

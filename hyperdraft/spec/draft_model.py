@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.engine.host_copy import to_device
-from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.engine.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.scheduler import ScheduledRequest
 from hyperdraft.request import Request
@@ -52,14 +52,37 @@ class DraftModelProposer:
         for it in items:
             it.req.draft_num_computed += it.num_tokens
 
+    def _catch_up_batch(self, reqs: list[Request]) -> ForwardBatch:
+        """Step 0's batch: tokens draft_num_computed .. n of every request, logits at n. Padded to a captured
+        width when a graph can run it: the padding tokens sit at indices n+1 .., which the scheduler has reserved
+        (decode_reserve >= steps + 1 >= width) or which map to the padding page; the draft steps overwrite them
+        before anything attends to them, and draft_num_computed never claims them otherwise (see commit)."""
+        counts = [r.seq_len - r.draft_num_computed for r in reqs]
+        graphs, table, device = self.runner.graphs, self.runner.page_table, self.runner.device
+        width = graphs.extend_width(len(reqs), max(counts)) if graphs is not None else None
+        if width is None:  # ragged, eagerly
+            inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len), 1)
+                      for r in reqs]
+            return build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, table, device)
+        inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len) + [0] * (width - c),
+                               1) for r, c in zip(reqs, counts)]
+        last = to_device([b * width + c - 1 for b, c in enumerate(counts)], torch.int64, device)
+        fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, table, device)
+        fb.logits_indices = last
+        return fb
+
+    def catch_up_width(self, tier) -> int:
+        """Tokens the catch-up after a round of `tier` can feed: a chain leaves at most 2 (the last draft and the
+        bonus token, after a fully accepted round); a tree the root plus the accepted nodes the draft never fed."""
+        return tier.steps + 1 if tier.is_tree else 2
+
     def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
         device = self.runner.device
         if steps == 0:
             return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=device), [0] * len(reqs))
         tokens = torch.zeros(len(reqs), steps, dtype=torch.int64, device=device)
         qs = []
-        catch_up = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len), 1) for r in reqs]
-        fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, catch_up, self.runner.page_table, device)
+        fb = self._catch_up_batch(reqs)
         for j in range(steps):
             if j > 0:
                 step_inputs = [ForwardInput(r.row, r.seq_len - 1 + j, [0], 1) for r in reqs]
@@ -75,8 +98,7 @@ class DraftModelProposer:
         (tree_sampled.grow_sampled_tree). The root is the last committed token at index n; frontier nodes of
         step i are written at offsets 1 + (i-1)*topk + f past it."""
         device = self.runner.device
-        catch_up = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len), 1) for r in reqs]
-        logits = self.runner.forward(build_forward_batch(ForwardMode.DRAFT_EXTEND, catch_up, self.runner.page_table, device)).logits
+        logits = self.runner.forward(self._catch_up_batch(reqs)).logits
         bsz = len(reqs)
 
         def step_logits(depth, tokens, offsets, mask):

@@ -7,7 +7,8 @@ Invariant, per request: the head's K/V is right for positions < d = req.draft_nu
 hidden_buf[row, : n - d] holds the target's h_d .. h_{n-1} (n = req.num_computed), which it has not consumed yet.
   catch-up   every round starts by feeding positions d .. n-1 (tokens t_{d+1} .. t_n); its last output
              g_{n-1} gives the root's children. This is the draft extend after verify, merged into the next round,
-             so finished requests never need an idle extend.
+             so finished requests never need an idle extend. When a CUDA graph can run it, every request is
+             padded to one captured width (positions past n-1, overwritten before they are read; _padded_catch_up).
   steps      draft step k >= 1 runs at position n-1+k on (parent's head output, parent's token)
   verify     the K/V written by the steps is speculative: d stays n, and the target hidden states of the
              accepted path (root + accepted nodes, compacted) become hidden_buf[row, : a+1]
@@ -119,16 +120,43 @@ class EagleProposer:
         return self._catch_up_untimed(reqs)
 
     def _catch_up_untimed(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len), 1) for r in reqs]
         counts = [r.num_computed - r.draft_num_computed for r in reqs]
         assert all(c >= 1 for c in counts), "every decoding request has at least its last position to feed"
-        flat = to_device([(r.row, j) for r, c in zip(reqs, counts) for j in range(c)], torch.int64, self.device)
-        hidden = self.hidden_buf[flat[:, 0], flat[:, 1]]
-        fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device)
+        graphs = self.runner.graphs
+        width = graphs.extend_width(len(reqs), max(counts)) if graphs is not None else None
+        if width is None:  # ragged, eagerly
+            inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len), 1)
+                      for r in reqs]
+            flat = to_device([(r.row, j) for r, c in zip(reqs, counts) for j in range(c)], torch.int64, self.device)
+            hidden = self.hidden_buf[flat[:, 0], flat[:, 1]]
+            fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device)
+        else:
+            fb, hidden = self._padded_catch_up(reqs, counts, width)
         g, logits = self._forward(fb, hidden)
         for r in reqs:
             r.draft_num_computed = r.num_computed
         return logits, g[fb.logits_indices]
+
+    def _padded_catch_up(self, reqs: list[Request], counts: list[int], width: int):
+        """Every request feeds `width` positions d .. d+width-1, so a captured graph runs the batch; logits are taken
+        at each request's last real position. The padding is harmless: it writes head K/V at positions n .. at most
+        n + width - 2, which the scheduler has reserved (decode_reserve >= steps + 1 >= width) or which map to the
+        padding page, and which no one reads before the draft steps (or the next catch-up) overwrite them; it comes
+        after the real positions, so causal attention hides it from them. Its hidden inputs are the row's stale
+        hidden_buf entries (target states of earlier rounds, or zeros): finite, so its K/V never put a NaN beside
+        a masked key (0 * NaN would reach the real rows). hidden_buf holds max_verify_tokens + 1 >= width entries."""
+        inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len) + [0] * (width - c),
+                               1) for r, c in zip(reqs, counts)]
+        index = to_device([[r.row, b * width + c - 1] for b, (r, c) in enumerate(zip(reqs, counts))], torch.int64,
+                          self.device)
+        hidden = self.hidden_buf[index[:, 0], :width].flatten(0, 1)
+        fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device)
+        fb.logits_indices = index[:, 1]
+        return fb, hidden
+
+    def catch_up_width(self, tier) -> int:
+        """Positions the catch-up after a round of `tier` can feed: the root and every accepted draft."""
+        return tier.steps + 1
 
     def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
         logits, g = self._catch_up(reqs)
