@@ -74,8 +74,10 @@ def test_graphs_match_eager_and_spec_off(models, llm_factory, emulated_graphs, n
     assert max(graphs.batch_sizes) == 4
     draft_runner = getattr(llm.engine.worker, "proposer", None)
     draft_runner = getattr(draft_runner, "runner", None)
-    if draft_runner is not None:  # STANDALONE: the draft model's one-token steps run from its own graphs
+    if draft_runner is not None:  # the draft model's or head's one-token steps run from its own graphs
         assert draft_runner.graphs is not None and draft_runner.graphs.num_replays > 0
+        if "tree" in name:  # ... and so do its tree draft steps, one graph per depth (tests/test_graph_draft.py)
+            assert any(shape.mask_width for (shape, _), n in draft_runner.graphs.replays.items() if n)
 
 
 def test_disable_cuda_graph(models, llm_factory, emulated_graphs):

@@ -1,0 +1,217 @@
+"""CUDA graphs for the drafter's catch-up extend and tree draft steps, tested on CPU through emulation.
+
+The catch-up feeds each request 1..steps+1 positions; when a graph can run the batch every request is padded to the
+captured width (its padding writes draft K/V past the last real position, which the draft steps overwrite) and the
+logits come from each request's last real position. Tree draft steps (topk or a sampled tree's smaller frontier per
+request, with that depth's tail mask) replay per-depth graphs. Batches above cuda_graph_max_bs, or wider than any
+captured catch-up, run eagerly.
+
+Drafts never change the output (verification is lossless), so output == spec off alone cannot catch a broken draft
+graph. These tests also require every round's proposal to be the same as with graphs off, and the head's root logits
+to equal the head recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hyperdraft.spec.eagle_proposer as eagle_proposer
+from hyperdraft import LLM
+from hyperdraft.engine.forward_batch import ForwardMode
+from hyperdraft.engine.graph_runner import EMULATE_GRAPHS_ENV, GraphShape
+from hyperdraft.models.eagle import load_eagle_head, target_capture_layers
+from hyperdraft.models.loader import load_model
+from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+from hyperdraft.testing.tiny import make_tiny_model
+from spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
+
+MAX_BS = 4
+NEW_TOKENS = [6, 40, 9, 34, 4, 28, 8, 44]  # 8 requests finishing at different steps: eager above 4, graphs below
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
+ADAPTIVE = {"ema_alpha": 0.5, "warmup_batches": 1, "update_interval": 1,
+            "1": {"candidate_steps": [1, {"steps": 3, "topk": 2, "num_draft_tokens": 6},
+                                      {"steps": 4, "topk": 3, "num_draft_tokens": 10}]}}
+CASES = {  # (target, drafter, engine args); the 8-token-vocabulary EAGLE pairs accept often: multi-position catch-ups
+    "eagle3-chain": ("small", "small_eagle3", dict(speculative_algorithm="EAGLE3", **CHAIN)),
+    "eagle3-tree": ("small", "small_eagle3", dict(speculative_algorithm="EAGLE3", **TREE)),
+    "eagle1-chain": ("small", "small_eagle", dict(speculative_algorithm="EAGLE", **CHAIN)),
+    "standalone-tree": ("target", "draft_wide_noisy", dict(speculative_algorithm="STANDALONE", **TREE)),
+    "eagle3-adaptive": ("small", "small_eagle3", dict(speculative_algorithm="EAGLE3", speculative_adaptive=True,
+                                                      speculative_adaptive_config="adaptive.json")),
+    "standalone-adaptive": ("target", "draft_wide_noisy", dict(speculative_algorithm="STANDALONE", speculative_adaptive=True,
+                                                               speculative_adaptive_config="adaptive.json")),
+}
+_REF: dict = {}
+
+
+@pytest.fixture(scope="module")
+def models(spec_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("graph_draft")
+    small = make_tiny_model(str(root / "small"), "llama", num_hidden_layers=6, vocab_size=8, with_tokenizer=False)
+    (root / "adaptive.json").write_text(json.dumps(ADAPTIVE))
+    return dict(spec_models, small=small, root=root,
+                small_eagle3=write_random_eagle_checkpoint(str(root / "se3"), small, kind="eagle3", draft_vocab_size=6, seed=3),
+                small_eagle=write_random_eagle_checkpoint(str(root / "se1"), small, kind="eagle", seed=4))
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+
+
+def _args(models, name: str, **extra) -> tuple[str, dict]:
+    target, draft, args = CASES[name]
+    args = dict(args, speculative_draft_model_path=models[draft], skip_tokenizer_init=True, **extra)
+    if "speculative_adaptive_config" in args:
+        args["speculative_adaptive_config"] = str(models["root"] / args["speculative_adaptive_config"])
+    return models[target], args
+
+
+def _prompts(target: str) -> list[list[int]]:
+    vocab = 8 if target == "small" else 384
+    return mixed_prompts(len(NEW_TOKENS), seed=7, vocab=vocab, max_len=40)
+
+
+def _record(llm: LLM) -> tuple[list, list]:
+    """Observe (not replace) the drafter: every round's proposal, and every draft forward's graph match."""
+    proposer = llm.engine.worker.proposer
+    proposals, matches = [], []
+    for name in ("propose", "propose_tree"):
+        def spy(*args, _inner=getattr(proposer, name), **kw):
+            out = _inner(*args, **kw)
+            proposals.append([out.tokens.clone()] + ([out.parents.clone()] if hasattr(out, "parents") else []))
+            return out
+        setattr(proposer, name, spy)
+    graphs = proposer.runner.graphs
+    if graphs is not None:
+        def match(fb, layers, _inner=graphs.match):
+            key = _inner(fb, layers)
+            matches.append((fb.mode, fb.batch_size, fb.tail_mask is not None, key))
+            return key
+        graphs.match = match
+    return proposals, matches
+
+
+def _spec_off(path: str, prompts, params) -> list[list[int]]:
+    if path not in _REF:  # every test here uses the same prompts and lengths per target
+        _REF[path] = [o.token_ids for o in gen(LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True),
+                                               prompts, params)]
+    return _REF[path]
+
+
+def _run(llm_factory, path, prompts, params, **args):
+    llm = llm_factory(path, **args)
+    proposals, matches = _record(llm)
+    return llm, [o.token_ids for o in gen(llm, prompts, params)], proposals, matches
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_draft_graphs_replay_and_change_nothing(models, llm_factory, emulated_graphs, monkeypatch, name, page_size):
+    path, args = _args(models, name, page_size=page_size, chunked_prefill_size=16)
+    prompts, params = _prompts(CASES[name][0]), [greedy(n) for n in NEW_TOKENS]
+    llm, outs, proposals, matches = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
+    assert outs == _spec_off(path, prompts, params), "graphs on != spec off"
+    monkeypatch.delenv(EMULATE_GRAPHS_ENV)
+    _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
+    assert eager_outs == outs
+    assert len(proposals) == len(eager_proposals)
+    for i, (a, b) in enumerate(zip(proposals, eager_proposals)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"round {i}: the drafts differ with graphs on"
+
+    graphs = llm.engine.worker.proposer.runner.graphs
+    replayed = {shape for (shape, _), n in graphs.replays.items() if n}
+    assert any(s.one_logit for s in replayed), "no padded catch-up ran through a graph"
+    catch_ups = [(bs, key) for mode, bs, _, key in matches if mode == ForwardMode.DRAFT_EXTEND and bs > MAX_BS]
+    assert catch_ups and all(key is None for _, key in catch_ups), "a catch-up above cuda_graph_max_bs must run eagerly"
+    if "tree" in name or "adaptive" in name:
+        assert any(s.mask_width for s in replayed), "no tree draft step ran through a graph"
+        steps = [(bs, key) for mode, bs, masked, key in matches if masked]
+        assert all((key is None) == (bs > MAX_BS) for bs, key in steps), "a tree step ran eagerly below max bs, or not"
+        assert "adaptive" in name or any(bs > MAX_BS for bs, _ in steps), "no tree step ran above cuda_graph_max_bs"
+
+
+def test_sampled_tree_frontiers_replay(models, llm_factory, emulated_graphs, monkeypatch):
+    """Drafts drawn from q (speculative_use_rejection_sampling): a sampled tree's level budgets feed frontiers
+    narrower than topk (budgets 1, 1, 1 here), whose shapes are captured too. Greedy requests stay exact."""
+    path, args = _args(models, "eagle3-tree", speculative_use_rejection_sampling=True, speculative_num_draft_tokens=4)
+    prompts, params = _prompts("small"), [greedy(n) for n in NEW_TOKENS]
+    llm, outs, proposals, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
+    graphs = llm.engine.worker.proposer.runner.graphs
+    assert {GraphShape(1, 2), GraphShape(1, 4)} <= {s for (s, _), n in graphs.replays.items() if n}
+    monkeypatch.delenv(EMULATE_GRAPHS_ENV)
+    _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
+    assert outs == eager_outs == _spec_off(path, prompts, params)
+    assert all(torch.equal(x, y) for a, b in zip(proposals, eager_proposals) for x, y in zip(a, b))
+
+
+def test_catch_up_widths_follow_the_tiers_routed_to_each_batch_size(models, llm_factory, emulated_graphs, tmp_path):
+    """Adaptive: a batch size captures the widest catch-up its slot's tiers can leave (EAGLE: steps + 1); a catch-up
+    wider than that (after a deeper tier at another batch size) has no graph and runs eagerly."""
+    cfg = tmp_path / "two_slots.json"
+    cfg.write_text(json.dumps({"1": {"candidate_steps": [1, {"steps": 3, "topk": 2, "num_draft_tokens": 6}]},
+                               "4": {"candidate_steps": [0, 1]}}))
+    llm = llm_factory(models["small"], skip_tokenizer_init=True, speculative_algorithm="EAGLE3",
+                      speculative_draft_model_path=models["small_eagle3"], speculative_adaptive=True,
+                      speculative_adaptive_config=str(cfg), cuda_graph_max_bs=8, max_running_requests=8)
+    graphs = llm.engine.worker.proposer.runner.graphs
+    extend = {s: sizes for s, sizes in graphs.sizes.items() if s.one_logit}
+    assert extend == {GraphShape(4, 0, True): [1, 2], GraphShape(2, 0, True): [4, 8]}
+    assert {GraphShape(2, 3), GraphShape(2, 5)} <= set(graphs.sizes)  # the tree tier's beam steps, slot 1 only
+    assert graphs.sizes[GraphShape(2, 5)] == [1, 2]
+    assert graphs.extend_width(2, 3) == 4 and graphs.extend_width(2, 1) == 1  # 1: the one-token decode graph
+    assert graphs.extend_width(5, 2) == 2 and graphs.extend_width(5, 3) is None and graphs.extend_width(9, 1) is None
+
+
+@pytest.mark.parametrize("algo,head", [("EAGLE3", "small_eagle3"), ("EAGLE", "small_eagle")])
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_padded_catch_up_root_logits_match_recomputation(models, llm_factory, emulated_graphs, monkeypatch, algo, head,
+                                                         shape):
+    """With graphs, the head's root logits after every padded catch-up equal the head run from scratch over the
+    whole sequence: the padding never reaches a position the head later relies on, and the logits come from each
+    request's last real position."""
+    seen = []
+    original = eagle_proposer.EagleProposer._catch_up
+
+    def spy(self, reqs):
+        counts = [r.num_computed - r.draft_num_computed for r in reqs]
+        seqs = [r.prompt_ids + r.output_ids for r in reqs]
+        width = self.runner.graphs.extend_width(len(reqs), max(counts))
+        logits, g = original(self, reqs)
+        seen.extend((s, width, row) for s, row in zip(seqs, logits.clone()))
+        return logits, g
+
+    monkeypatch.setattr(eagle_proposer.EagleProposer, "_catch_up", spy)
+    llm = llm_factory(models["small"], page_size=4, skip_tokenizer_init=True, cuda_graph_max_bs=MAX_BS,
+                      speculative_algorithm=algo, speculative_draft_model_path=models[head], **shape)
+    gen(llm, _prompts("small")[:MAX_BS], [greedy(24)] * MAX_BS)
+    padded = [x for x in seen if x[1] is not None and x[1] > 1]
+    assert len(padded) >= 4, "no padded catch-up ran"
+
+    target = load_model(models["small"], "float32", torch.device("cpu"))
+    head_model = load_eagle_head(models[head], target)
+    for seq, _, logits in padded:
+        ref = _reference_root_logits(target, head_model, seq)
+        # fp32 summation order differs (paged, padded vs one pass): ~1e-5 relative; a bookkeeping error is O(1).
+        assert torch.allclose(logits, ref, atol=2e-3, rtol=1e-4), (len(seq), (logits - ref).abs().max())
+
+
+def _causal(layer_id, q, k, v):
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           is_causal=True, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@torch.inference_mode()
+def _reference_root_logits(target, head, seq: list[int]) -> torch.Tensor:
+    """The head's logits for the token after seq[-1], from scratch: target hidden h_0..h_{n-1} over seq[:-1], head
+    positions 0..n-1 fed (h_i, seq[i+1])."""
+    n = len(seq) - 1
+    final, captured = target(torch.tensor(seq[:-1]), torch.arange(n), _causal, target_capture_layers(head))
+    hidden = head.project_target_hidden(torch.cat(captured, -1)) if captured else final
+    g = head(torch.tensor(seq[1:]), torch.arange(n), hidden, _causal)
+    return head.compute_logits(g[-1:])[0]
