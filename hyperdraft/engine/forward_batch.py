@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device, to_device_many
+from hyperdraft.engine.host_copy import to_device
 
 
 class ForwardMode(enum.Enum):
@@ -92,39 +92,56 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
     tensor (draft tokens that never visit the host); the inputs' token_ids then only count tokens. positions, when
     given, likewise replaces the packed RoPE positions (tree nodes sit at root + depth, known on the device).
 
-    Every integer the forward needs travels in ONE host-to-device copy (pinned on CUDA, so it does not block)."""
+    Every integer the forward needs travels in ONE host-to-device copy (pinned on CUDA, so it does not block). Default
+    RoPE positions are the tokens' sequence indices, so they are sent once and serve as both."""
+    bsz = len(inputs)
     ext = [len(inp.token_ids) for inp in inputs]
     prefix = [inp.prefix_len for inp in inputs]
-    seq = [p + e for p, e in zip(prefix, ext)]
-    starts = list(itertools.accumulate(ext, initial=0))[:-1]
-    ids, pos, seq_index, row_of_token, logits_idx = [], [], [], [], []
-    for inp, n, start in zip(inputs, ext, starts):
-        if input_ids is None:
-            ids += inp.token_ids
-        if positions is None:
-            pos += inp.positions if inp.positions is not None else range(inp.prefix_len, inp.prefix_len + n)
-        seq_index += range(inp.prefix_len, inp.prefix_len + n)
-        row_of_token += [inp.row] * n
-        logits_idx += range(start + n - inp.num_logits, start + n)
     rows = [inp.row for inp in inputs]
-    packed = to_device_many([ids, pos, seq_index, row_of_token, logits_idx, rows, seq, starts, ext], torch.int64, device)
-    d_ids, d_pos, d_seq_index, d_row_of_token, d_logits, d_rows, d_seq, d_starts, d_ext = packed
-    out_slots = page_table.slots(d_row_of_token, d_seq_index[:, None])[:, 0]
+    seq = [p + e for p, e in zip(prefix, ext)]
+    starts = list(itertools.accumulate(ext, initial=0))
+    num_tokens = starts.pop()
+    own_positions = positions is None and any(inp.positions is not None for inp in inputs)
+    ids, pos, seq_index, row_of_token, logits_idx = [], [], [], [], []
+    if all(n == 1 for n in ext) and all(inp.num_logits == 1 for inp in inputs):  # one token and its logits per request
+        seq_index, row_of_token, logits_idx = prefix, rows, starts
+        if input_ids is None:
+            ids = [inp.token_ids[0] for inp in inputs]
+        if own_positions:
+            pos = [p if inp.positions is None else inp.positions[0] for p, inp in zip(prefix, inputs)]
+    else:
+        for inp, n, start in zip(inputs, ext, starts):
+            if input_ids is None:
+                ids += inp.token_ids
+            if own_positions:
+                pos += inp.positions if inp.positions is not None else range(inp.prefix_len, inp.prefix_len + n)
+            seq_index += range(inp.prefix_len, inp.prefix_len + n)
+            row_of_token += [inp.row] * n
+            logits_idx += range(start + n - inp.num_logits, start + n)
+    # int32 lengths last, so one conversion serves all three
+    flat = to_device(list(itertools.chain(ids, pos, seq_index, row_of_token, logits_idx, rows, seq, starts, ext)),
+                     torch.int64, device)
+    d_ids, d_pos, d_seq_index, d_row_of_token, d_logits, d_rows, lengths = flat.split(
+        [len(ids), len(pos), num_tokens, num_tokens, len(logits_idx), bsz, 3 * bsz])
+    d_seq, d_starts, d_ext = lengths.to(torch.int32).split([bsz] * 3)
+    out_slots = page_table.token_slots(d_row_of_token, d_seq_index)
     if tail_mask is None and any(inp.mask is not None for inp in inputs):
         tail_mask = _stack_tail_masks(inputs, device)
+    if positions is None:
+        positions = d_pos if own_positions else d_seq_index
     return ForwardBatch(
         mode=mode,
         input_ids=d_ids if input_ids is None else input_ids,
-        positions=d_pos if positions is None else positions,
+        positions=positions,
         out_slots=out_slots,
         req_rows=d_rows,
         prefix_lens=prefix,
         extend_lens=ext,
         logits_indices=d_logits,
         tail_mask=tail_mask,
-        seq_lens_t=d_seq.to(torch.int32),
-        extend_starts_t=d_starts.to(torch.int32),
-        extend_lens_t=d_ext.to(torch.int32),
+        seq_lens_t=d_seq,
+        extend_starts_t=d_starts,
+        extend_lens_t=d_ext,
         max_extend_len=max(ext, default=0),
         max_seq_len=max(seq, default=0),
     )

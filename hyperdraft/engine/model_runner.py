@@ -36,6 +36,7 @@ class GraphedRunner:
         if self.graphs is not None:
             key = self.graphs.match(fb, capture_layers)
             if key is not None:
+                self.page_table.flush()  # a replay reads the device page table without asking for it
                 with torch.inference_mode():
                     return self.graphs.replay(fb, key)
         return self.forward_eager(fb, capture_layers)

@@ -7,13 +7,17 @@ token's K/V is ever overwritten by padding.
 
 The table is shared by every model in the engine. A draft model's KV pool has
 the same number of slots as the target's, so one page table indexes both.
+
+The host owns the allocation (per-row page lists); the device table mirrors it. Changes are queued per entry and
+written in one copy and one launch when the device table is next read (`table`, `slots`, `flush`), not as a small
+copy per request per step: with page_size 1, every decode would otherwise pay one copy per request.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device
+from hyperdraft.engine.host_copy import to_device_many
 
 
 class PageTable:
@@ -26,7 +30,24 @@ class PageTable:
         self._free_pages = list(range(num_pages - 1, 0, -1))
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._row_pages: dict[int, list[int]] = {}
-        self.table = torch.zeros(max_rows, max_pages_per_row, dtype=torch.int64, device=device)  # [rows, pages]
+        self._table = torch.zeros(max_rows, max_pages_per_row, dtype=torch.int64, device=device)  # [rows, pages]
+        self._pending: dict[int, int] = {}  # flat entry row * max_pages_per_row + page index -> page, not yet written
+
+    @property
+    def table(self) -> torch.Tensor:
+        """[rows, pages] the device table, with every queued change written."""
+        if self._pending:
+            self.flush()
+        return self._table
+
+    def flush(self) -> None:
+        """Write the queued entries: one host-to-device copy and one launch (entries are unique: the latest wins)."""
+        if not self._pending:
+            return
+        index, pages = to_device_many([list(self._pending), list(self._pending.values())], torch.int64,
+                                      self._table.device)
+        self._pending = {}
+        self._table.view(-1).index_copy_(0, index, pages)
 
     @property
     def capacity_slots(self) -> int:
@@ -67,7 +88,8 @@ class PageTable:
         if len(pages) + need > self.max_pages_per_row:
             raise ValueError(f"request needs {num_tokens} tokens, more than the page table row holds")
         new = [self._free_pages.pop() for _ in range(need)]
-        self.table[row, len(pages) : len(pages) + need] = to_device(new, torch.int64, self.table.device)
+        base = row * self.max_pages_per_row + len(pages)
+        self._pending.update(zip(range(base, base + need), new))
         pages.extend(new)
         return True
 
@@ -79,15 +101,25 @@ class PageTable:
             self._free_pages.extend(reversed(pages[keep:]))
             # Released pages stop mapping: a stray write past the row's room lands in the padding page, never in a
             # page since given to another row.
-            self.table[row, keep : len(pages)] = 0
+            base = row * self.max_pages_per_row
+            self._pending.update(dict.fromkeys(range(base + keep, base + len(pages)), 0))
             del pages[keep:]
 
     def num_slots(self, row: int) -> int:
         """K/V slots the row holds now (its reserved room)."""
         return len(self._row_pages[row]) * self.page_size
 
+    def token_slots(self, rows: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+        """rows, seq_index: [T] (one row per token) -> [T] pool slots."""
+        last = self.max_pages_per_row - 1
+        if self.page_size == 1:
+            return self.table[rows, seq_index.clamp_max(last)]
+        return self.table[rows, (seq_index // self.page_size).clamp_max(last)] * self.page_size + seq_index % self.page_size
+
     def slots(self, rows: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
         """rows: [B], seq_index: [B, K] -> [B, K] pool slots (indices past a row's pages map into page 0)."""
-        page_idx = (seq_index // self.page_size).clamp_max(self.max_pages_per_row - 1)
-        pages = self.table[rows].gather(1, page_idx)
+        last = self.max_pages_per_row - 1
+        if self.page_size == 1:  # slot = page: one clamp and one gather
+            return self.table[rows[:, None], seq_index.clamp_max(last)]
+        pages = self.table[rows[:, None], (seq_index // self.page_size).clamp_max(last)]
         return pages * self.page_size + seq_index % self.page_size
