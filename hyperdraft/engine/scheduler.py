@@ -174,24 +174,13 @@ class Scheduler:
                 req.spec_verify_ct += 1
                 req.spec_draft_tokens += res.num_drafted
                 req.spec_accepted_tokens += res.num_accepted
-            appended = self._append(req, res)
+            appended, reason = self.stop.append(req, res.new_tokens, res.logprobs)
+            if reason is not None:
+                self._finish(req, reason)
             if req.first_token_time is None:
                 req.first_token_time = now
             outputs.append(StepOutput(req, appended, req.finished))
         return outputs
-
-    def _append(self, req: Request, res: RequestResult) -> list[int]:
-        appended = []
-        for i, tok in enumerate(res.new_tokens):
-            req.output_ids.append(tok)
-            if req.params.return_logprob:
-                req.output_logprobs.append(res.logprobs[i])
-            appended.append(tok)
-            reason = self.stop.check(req)
-            if reason is not None:
-                self._finish(req, reason)
-                break
-        return appended
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

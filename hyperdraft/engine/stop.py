@@ -1,8 +1,8 @@
-"""StopChecker: decides, token by token, whether a request is finished.
+"""StopChecker: decides where a request's newly accepted tokens end.
 
-Called once per appended token, also for the several tokens one speculative
-step accepts, so a stop inside an accepted run truncates exactly where plain
-decoding would have stopped.
+A speculative step may accept several tokens; a stop inside the run truncates exactly where plain decoding, one
+token per step, would have stopped. scan() gives the same answer as appending the tokens one at a time and calling
+check() after each, without the per-token loop unless stop strings need the decoded text.
 """
 
 from __future__ import annotations
@@ -28,6 +28,40 @@ class StopChecker:
         if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
             return "length"
         return None
+
+    def append(self, req: Request, tokens: list[int], logprobs: list[float]) -> tuple[list[int], str | None]:
+        """Append the leading tokens up to and including the first that finishes the request (logprobs too, when
+        the request returns them) -> (the appended tokens, the finish reason or None)."""
+        p = req.params
+        if not tokens:
+            return [], None
+        if p.stop and self.tokenizer is not None:  # stop strings need the text after every token
+            return self._append_one_by_one(req, tokens, logprobs)
+        # check() fires at the first token that reaches a length limit, or earlier at a stop id (at the same token
+        # the stop id wins: check() tests it first).
+        room = min(p.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len)
+        end = min(len(tokens), max(room, 1))  # tokens[end - 1] is the last one appended unless a stop id comes first
+        reason = "length" if room <= len(tokens) else None
+        window = tokens[:end]
+        eos = () if p.ignore_eos else self.eos_token_ids
+        if (eos and not eos.isdisjoint(window)) or (p.stop_token_ids and any(t in p.stop_token_ids for t in window)):
+            end = next(i for i, t in enumerate(window) if t in eos or (p.stop_token_ids and t in p.stop_token_ids)) + 1
+            reason = "stop"
+        appended = tokens[:end]
+        req.output_ids.extend(appended)
+        if p.return_logprob:
+            req.output_logprobs.extend(logprobs[:end])
+        return appended, reason
+
+    def _append_one_by_one(self, req: Request, tokens: list[int], logprobs: list[float]) -> tuple[list[int], str | None]:
+        for i, tok in enumerate(tokens):
+            req.output_ids.append(tok)
+            if req.params.return_logprob:
+                req.output_logprobs.append(logprobs[i])
+            reason = self.check(req)
+            if reason is not None:
+                return tokens[: i + 1], reason
+        return list(tokens), None
 
     def _hit_stop_string(self, req: Request) -> bool:
         # A stop string of L characters spans at most 4L bytes, hence at most 4L byte-level tokens.
