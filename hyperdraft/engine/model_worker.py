@@ -7,7 +7,7 @@ import torch
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch, ScheduledRequest
-from hyperdraft.sample.logits_ops import SamplingBatch
+from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.sampler import Sampler
 
 
@@ -17,13 +17,9 @@ def forward_input(item: ScheduledRequest) -> ForwardInput:
     return ForwardInput(req.row, req.num_computed, tokens, num_logits=1 if item.samples else 0)
 
 
-def sampling_batch(items: list[ScheduledRequest], vocab_size: int, device) -> SamplingBatch:
-    """One sampling row per item; each samples the token at sequence index seq_len."""
-    reqs = [it.req for it in items]
-    return SamplingBatch.build(
-        [r.params for r in reqs], [r.seed for r in reqs], [r.seq_len for r in reqs], vocab_size, device,
-        prompts=[r.prompt_ids for r in reqs], outputs=[r.output_ids for r in reqs],
-    )
+def results_to_host(pieces: list[torch.Tensor]) -> list[float]:
+    """The step's one device-to-host copy: every piece flattened into one float64 list (exact for token ids)."""
+    return torch.cat([x.double().flatten() for x in pieces]).tolist() if pieces else []
 
 
 class ModelWorker:
@@ -32,26 +28,23 @@ class ModelWorker:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.sampler = Sampler()
+        self.sampling = SamplingBatchCache(runner.config.vocab_size, runner.device)
 
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
-        mode = ForwardMode.DECODE if all(it.is_decode for it in batch.items) else ForwardMode.EXTEND
-        fb = build_forward_batch(mode, [forward_input(it) for it in batch.items], self.runner.page_table, self.runner.device)
+        items = batch.items
+        mode = ForwardMode.DECODE if all(it.is_decode for it in items) else ForwardMode.EXTEND
+        fb = build_forward_batch(mode, [forward_input(it) for it in items], self.runner.page_table, self.runner.device)
         out = self.runner.forward(fb)
-        sampling = [it for it in batch.items if it.samples]
-        results = [RequestResult(num_committed=it.num_tokens) for it in batch.items]
+        sampling = [it.req for it in items if it.samples]
         if not sampling:
-            return results
-        sb = sampling_batch(sampling, self.runner.config.vocab_size, self.runner.device)
-        tokens, logprobs = self.runner_sample(out.logits, sb)
-        by_item = iter(zip(tokens, logprobs))
-        for it, res in zip(batch.items, results):
-            if it.samples:
-                tok, lp = next(by_item)
-                res.new_tokens, res.logprobs = [tok], [lp]
-        return results
+            return [RequestResult(num_committed=it.num_tokens) for it in items]
+        tokens, logprobs = self.sampler.sample(out.logits, self.sampling.get(sampling))
+        host = results_to_host([tokens, logprobs])
+        n = len(sampling)
+        by_item = zip(host[:n], host[n:])
+        return [RequestResult(it.num_tokens, *_one(next(by_item))) if it.samples else RequestResult(it.num_tokens)
+                for it in items]
 
-    def runner_sample(self, logits, sb) -> tuple[list[int], list[float]]:
-        tokens, logprobs = self.sampler.sample(logits, sb)
-        host = torch.cat([tokens.double(), logprobs.double()]).tolist()  # the step's one device-to-host copy
-        n = tokens.shape[0]
-        return [int(t) for t in host[:n]], host[n:]
+
+def _one(token_logprob: tuple[float, float]) -> tuple[list[int], list[float]]:
+    return [int(token_logprob[0])], [token_logprob[1]]

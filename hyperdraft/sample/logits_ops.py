@@ -177,6 +177,8 @@ def penalised_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits: [N, V] float32, already penalised -> p: [N, V]. Greedy rows become one-hot at the argmax."""
+    if sb.all_greedy:
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     temp = torch.where(sb.greedy, torch.ones_like(sb.temperature), sb.temperature)
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     if sb.need_top_k or sb.need_top_p or sb.need_min_p:

@@ -64,9 +64,16 @@ def _verify_greedy_chain(p, draft, draft_len, p_draft, idx) -> tuple[torch.Tenso
     """verify_chain for one-hot p and q: the same tokens without the coins and the vocabulary-wide race. Each coin
     u lies in (0, 1), so u * 1 < p(d) holds exactly when p(d) = 1; the residual of two one-hots, or p itself after
     the last draft, is the one-hot of p's argmax, which the race always picks."""
-    bsz = draft.shape[0]
-    num_accepted = ((p_draft > 0.5) & (idx < draft_len[:, None])).long().cumprod(1).sum(1)
+    return verify_greedy_chain(p.argmax(-1), draft, draft_len)
+
+
+def verify_greedy_chain(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_chain when every p is one-hot and q is None, from the argmax tokens alone (p never materialised).
+    target: [B, K+1] int64, the argmax of each verify row -> (num_accepted [B], tokens [B, K+1])."""
+    bsz, k = draft.shape
+    idx = torch.arange(k, device=draft.device)
+    num_accepted = ((draft == target[:, :k]) & (idx < draft_len[:, None])).long().cumprod(1).sum(1)
     rows = torch.arange(bsz, device=draft.device)
     tokens = torch.cat([draft, draft.new_zeros(bsz, 1)], 1)
-    tokens[rows, num_accepted] = p[rows, num_accepted].argmax(-1)
+    tokens[rows, num_accepted] = target[rows, num_accepted]
     return num_accepted, tokens

@@ -23,12 +23,13 @@ from hyperdraft.spec.tree import DraftTree
 
 
 def simulate_chain(
-    p: torch.Tensor,  # [B, K+1, V] target distributions per verify row
+    p: torch.Tensor | None,  # [B, K+1, V] target distributions per verify row (None with greedy_target)
     draft: torch.Tensor,  # [B, K] int64 draft tokens
     draft_len: torch.Tensor,  # [B] int64 real drafts per request
     alpha: float,
     seeds: torch.Tensor,  # [B] int64
     seq_lens: torch.Tensor,  # [B] int64, sequence index of d_0
+    greedy_target: torch.Tensor | None = None,  # [B, K+1] argmax of every row, when every p is one-hot (p unused)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as verify_chain: -> (num_accepted [B], tokens [B, K+1])."""
     bsz, k = draft.shape
@@ -37,27 +38,31 @@ def simulate_chain(
     passed = (coins < alpha) & (idx < draft_len[:, None])
     num_accepted = passed.long().cumprod(1).sum(1)
     rows = torch.arange(bsz, device=draft.device)
-    last = sample_from_probs(p[rows, num_accepted], seeds, seq_lens + num_accepted, DOMAIN_SAMPLE)
+    if greedy_target is not None:  # the race over a one-hot p picks its argmax
+        last = greedy_target[rows, num_accepted]
+    else:
+        last = sample_from_probs(p[rows, num_accepted], seeds, seq_lens + num_accepted, DOMAIN_SAMPLE)
     tokens = torch.cat([draft, draft.new_zeros(bsz, 1)], 1)
     tokens[rows, num_accepted] = last
     return num_accepted, tokens
 
 
 def simulate_tree(
-    p: torch.Tensor,  # [B, N, V]
+    p: torch.Tensor | None,  # [B, N, V] (None with greedy_target)
     tree: DraftTree,
     alpha: float,
     seeds: torch.Tensor,  # [B] int64
     seq_lens: torch.Tensor,  # [B] int64
     max_depth: int,
+    greedy_target: torch.Tensor | None = None,  # [B, N] argmax of every node's row, when every p is one-hot
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as verify_tree: -> (num_accepted [B], path [B, D+1], tokens [B, D+1])."""
-    bsz = p.shape[0]
-    rows = torch.arange(bsz, device=p.device)
-    cur = torch.zeros(bsz, dtype=torch.int64, device=p.device)
-    going = torch.ones(bsz, dtype=torch.bool, device=p.device)
+    bsz, device = tree.tokens.shape[0], tree.tokens.device
+    rows = torch.arange(bsz, device=device)
+    cur = torch.zeros(bsz, dtype=torch.int64, device=device)
+    going = torch.ones(bsz, dtype=torch.bool, device=device)
     num_accepted = torch.zeros_like(cur)
-    path = torch.full((bsz, max_depth + 1), -1, dtype=torch.int64, device=p.device)
+    path = torch.full((bsz, max_depth + 1), -1, dtype=torch.int64, device=device)
     path[:, 0] = 0
     out = torch.full_like(path, -1)
     for d in range(max_depth):
@@ -69,5 +74,8 @@ def simulate_tree(
         path[:, d + 1] = torch.where(going, child, -1)
         out[:, d] = torch.where(going, tree.tokens[rows, child], out[:, d])
         cur = torch.where(going, child, cur)
-    out[rows, num_accepted] = sample_from_probs(p[rows, cur].float(), seeds, seq_lens + num_accepted, DOMAIN_SAMPLE)
+    if greedy_target is not None:  # the race over a one-hot p picks its argmax
+        out[rows, num_accepted] = greedy_target[rows, cur]
+    else:
+        out[rows, num_accepted] = sample_from_probs(p[rows, cur].float(), seeds, seq_lens + num_accepted, DOMAIN_SAMPLE)
     return num_accepted, path, out

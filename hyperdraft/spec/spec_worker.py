@@ -11,27 +11,29 @@ One device-to-host copy per step carries every request's tokens, accept counts a
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch, leading_tail_mask
 from hyperdraft.engine.graph_runner import GraphShape
-from hyperdraft.engine.host_copy import to_device
+from hyperdraft.engine.host_copy import to_device, to_device_many
 from hyperdraft.engine.model_runner import ModelRunner
-from hyperdraft.engine.model_worker import forward_input, sampling_batch
+from hyperdraft.engine.model_worker import forward_input, results_to_host
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
+from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import penalised_logits, probs_from_logits
 from hyperdraft.sample.sampler import Sampler
 from hyperdraft.spec.compaction import compact_accepted, leading_fed_count
 from hyperdraft.spec.metrics import PhaseTimer, SpecMetrics
 from hyperdraft.spec.proposal import Proposal, TreeProposal
-from hyperdraft.spec.rejection import verify_chain
+from hyperdraft.spec.rejection import verify_chain, verify_greedy_chain
 from hyperdraft.spec.simulated import simulate_chain, simulate_tree
 from hyperdraft.spec.spec_config import SpecConfig
 from hyperdraft.spec.tier import Tier
 from hyperdraft.spec.tree import build_tree
-from hyperdraft.spec.tree_verify import verify_tree
+from hyperdraft.spec.tree_verify import verify_greedy_tree, verify_tree
 
 
 class SpecWorker:
@@ -47,6 +49,8 @@ class SpecWorker:
             proposer.timer = self.timer
         self.vocab_size = runner.config.vocab_size
         self.device = runner.device
+        self.decode_sampling = SamplingBatchCache(self.vocab_size, self.device)  # the running decodes: stable
+        self.prefill_sampling = SamplingBatchCache(self.vocab_size, self.device)
         # Benchmark-only (lossy) accept rate; a benchmark may sweep it on a live engine that started in that mode.
         self.simulate_accept_rate = spec.simulate_accept_rate
 
@@ -60,7 +64,7 @@ class SpecWorker:
         decodes, prefills = batch.decodes, batch.prefills
         assert all(a is b for a, b in zip(batch.items, decodes + prefills)), "the scheduler puts decodes first"
         reqs = [it.req for it in decodes]
-        sb = sampling_batch(decodes, self.vocab_size, self.device) if decodes else None
+        sb = self.decode_sampling.get(reqs) if decodes else None
         round_ = None
         start = time.perf_counter()
         if decodes:
@@ -69,12 +73,9 @@ class SpecWorker:
             with self.timer.phase("draft"):
                 round_ = TreeRound(self, reqs, sb, tier) if tier.is_tree else ChainRound(self, reqs, sb, tier)
 
-        inputs = (round_.inputs() if round_ else []) + [forward_input(it) for it in prefills]
-        prefill_ids = to_device([t for it in inputs[len(reqs):] for t in it.token_ids], torch.int64, self.device)
-        ids = torch.cat([round_.packed_ids(), prefill_ids]) if round_ else prefill_ids
-        positions = None
-        if round_ is not None and round_.positions() is not None:
-            positions = torch.cat([round_.positions(), _default_positions(inputs[len(reqs):], self.device)])
+        prefill_inputs = [forward_input(it) for it in prefills]
+        inputs = (round_.inputs() if round_ else []) + prefill_inputs
+        ids, positions = self._packed_ids_positions(round_, prefill_inputs)
         mode = ForwardMode.TARGET_VERIFY if not prefills else ForwardMode.EXTEND
         mask = round_.tail_mask([len(inp.token_ids) for inp in inputs]) if round_ is not None else None
         fb = build_forward_batch(mode, inputs, self.runner.page_table, self.device, input_ids=ids, positions=positions,
@@ -82,17 +83,17 @@ class SpecWorker:
         with self.timer.phase("verify"):
             out = self.runner.forward(fb, capture_layers=getattr(self.proposer, "capture_layers", ()))
         target_hidden = self.proposer.target_hidden(out) if hasattr(self.proposer, "target_hidden") else None
-        num_verify_tokens = ids.shape[0] - prefill_ids.shape[0]
+        num_verify_tokens = ids.shape[0] - sum(len(inp.token_ids) for inp in prefill_inputs)
         self.proposer.prefill(prefills, None if target_hidden is None else target_hidden[num_verify_tokens:])
 
         num_verify_rows = round_.num_rows if round_ else 0
         with self.timer.phase("accept_commit"):
             pieces = round_.accept(out.logits[:num_verify_rows], target_hidden) if round_ else []
-        sampling_prefills = [it for it in prefills if it.samples]
+        sampling_prefills = [it.req for it in prefills if it.samples]
         if sampling_prefills:
-            sbp = sampling_batch(sampling_prefills, self.vocab_size, self.device)
+            sbp = self.prefill_sampling.get(sampling_prefills)
             pieces += list(self.sampler.sample(out.logits[num_verify_rows:], sbp))
-        host = torch.cat([x.double().flatten() for x in pieces]).tolist() if pieces else []  # the one D2H copy
+        host = results_to_host(pieces)  # the step's one device-to-host copy
         results, pos = (round_.results(host) if round_ else ([], 0))
         if round_ is not None:  # the step's wall time includes its one sync, so it is the real cost of the tier;
             # a step that also ran prefill chunks is not the tier's cost, so it is not timed
@@ -100,6 +101,21 @@ class SpecWorker:
             self.tiers.observe(len(decodes), [r.num_accepted for r in results], drafted=[r.num_drafted for r in results],
                                step_seconds=seconds)
         return results + self._prefill_results(prefills, host[pos:])
+
+    def _packed_ids_positions(self, round_, prefill_inputs: list[ForwardInput]):
+        """-> (input ids [T], RoPE positions [T] or None = the sequence indices) of the round's rows, then the
+        prefill chunks'; the host values go in one copy."""
+        prefill_ids = [t for inp in prefill_inputs for t in inp.token_ids]
+        round_positions = round_.positions() if round_ is not None else None
+        if round_ is None or not prefill_inputs:
+            if round_ is None:
+                return to_device(prefill_ids, torch.int64, self.device), None
+            return round_.packed_ids(), round_positions
+        if round_positions is None:
+            return torch.cat([round_.packed_ids(), to_device(prefill_ids, torch.int64, self.device)]), None
+        pos = [p for inp in prefill_inputs for p in range(inp.prefix_len, inp.prefix_len + len(inp.token_ids))]
+        d_ids, d_pos = to_device_many([prefill_ids, pos], torch.int64, self.device)
+        return torch.cat([round_.packed_ids(), d_ids]), torch.cat([round_positions, d_pos])
 
     @staticmethod
     def _prefill_results(prefills, host: list[float]) -> list[RequestResult]:
@@ -120,13 +136,8 @@ class SpecWorker:
         return [self.runner.page_table.num_slots(r.row) - r.num_computed - 1 for r in reqs]
 
 
-def _default_positions(inputs: list[ForwardInput], device) -> torch.Tensor:
-    pos = [p for inp in inputs for p in range(inp.prefix_len, inp.prefix_len + len(inp.token_ids))]
-    return to_device(pos, torch.int64, device)
-
-
-def _last_tokens(reqs, device) -> torch.Tensor:
-    return to_device([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], torch.int64, device)
+def _last_token(req) -> int:
+    return req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
 
 
 class ChainRound:
@@ -144,16 +155,21 @@ class ChainRound:
             self.proposal.tokens = torch.nn.functional.pad(self.proposal.tokens, (0, tier.steps - self.proposal.max_len))
         k1 = self.proposal.max_len + 1
         self.rows_fed = [k1 - 1] * len(reqs) if uniform else self.proposal.lens
-        self.flat_index = to_device([b * k1 + j for b, k in enumerate(self.rows_fed) for j in range(k + 1)], torch.int64,
-                                    worker.device)
-        self.num_rows = self.flat_index.shape[0]
+        self.num_rows = sum(self.rows_fed) + len(reqs)
+        # Dense: every request feeds all K+1 rows, so the packed verify rows already are the [B, K+1] grid and need
+        # no gather or scatter (on a GPU the scatter alone moves 2 x B*(K+1)*V floats).
+        self.dense = self.num_rows == len(reqs) * k1
+        starts = list(itertools.accumulate((1 + k for k in self.rows_fed), initial=0))[:-1]  # packed row of row 0
+        flat = [] if self.dense else [b * k1 + j for b, k in enumerate(self.rows_fed) for j in range(k + 1)]
+        self.last, self.lens, self.starts, self.flat_index = to_device_many(
+            [[_last_token(r) for r in reqs], self.proposal.lens, starts, flat], torch.int64, worker.device)
 
     def inputs(self) -> list[ForwardInput]:
         return [ForwardInput(r.row, r.num_computed, [0] * (1 + k), 1 + k) for r, k in zip(self.reqs, self.rows_fed)]
 
     def packed_ids(self) -> torch.Tensor:
-        grid = torch.cat([_last_tokens(self.reqs, self.w.device)[:, None], self.proposal.tokens], 1)  # [B, K+1]
-        return grid.flatten()[self.flat_index]
+        grid = torch.cat([self.last[:, None], self.proposal.tokens], 1)  # [B, K+1]
+        return grid.flatten() if self.dense else grid.flatten()[self.flat_index]
 
     def positions(self):
         return None
@@ -163,23 +179,33 @@ class ChainRound:
 
     def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> list[torch.Tensor]:
         bsz, k = len(self.reqs), self.proposal.max_len
-        grid = verify_logits.new_zeros(bsz * (k + 1), verify_logits.shape[1])
-        grid[self.flat_index] = verify_logits  # [B*(K+1), V]; rows past a request's drafts stay unused
-        sbv = self.sb.for_verify(self.proposal.tokens)
-        logits = penalised_logits(grid, sbv)
-        p = probs_from_logits(logits, sbv).view(bsz, k + 1, -1)
-        lens = to_device(self.proposal.lens, torch.int64, grid.device)
-        alpha = self.w.simulate_accept_rate
-        if alpha is None:
-            num_accepted, tokens = verify_chain(p, self.proposal.tokens, lens, self.proposal.q, self.sb.seeds, self.sb.positions,
-                                                all_greedy=self.sb.all_greedy)
-        else:  # benchmark-only, lossy (see spec/simulated.py)
-            num_accepted, tokens = simulate_chain(p, self.proposal.tokens, lens, alpha, self.sb.seeds, self.sb.positions)
+        grid = verify_logits  # [B*(K+1), V]
+        if not self.dense:  # rows past a request's drafts stay unused
+            grid = verify_logits.new_zeros(bsz * (k + 1), verify_logits.shape[1])
+            grid[self.flat_index] = verify_logits
+        # Every request greedy, drafts one-hot: p is the one-hot of each row's argmax, so verification needs only
+        # the argmax tokens (p is never built, nor the verify rows' parameters unless penalties change the logits).
+        greedy = self.sb.all_greedy and self.proposal.q is None
+        sbv = self.sb.for_verify(self.proposal.tokens) if not greedy or self.sb.penalties is not None else None
+        logits = penalised_logits(grid, sbv) if sbv is not None else grid
+        target = logits.argmax(-1).view(bsz, k + 1) if greedy else None
+        p = None if greedy else probs_from_logits(logits, sbv).view(bsz, k + 1, -1)
+        draft, lens, alpha = self.proposal.tokens, self.lens, self.w.simulate_accept_rate
+        if alpha is not None:  # benchmark-only, lossy (see spec/simulated.py)
+            num_accepted, tokens = simulate_chain(p, draft, lens, alpha, self.sb.seeds, self.sb.positions,
+                                                  greedy_target=target)
+        elif greedy:
+            num_accepted, tokens = verify_greedy_chain(target, draft, lens)
+        else:
+            num_accepted, tokens = verify_chain(p, draft, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
         logprobs = torch.log_softmax(logits, -1).gather(1, tokens.view(-1, 1)).view(bsz, k + 1)
         if target_hidden is not None:  # verify row j of request b sits at packed row start_b + j
-            starts = to_device([0] + [1 + k for k in self.rows_fed[:-1]], torch.int64, grid.device).cumsum(0)
-            rows = (starts[:, None] + torch.arange(k + 1, device=grid.device)).clamp_max(self.num_rows - 1)
-            self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
+            if self.dense:
+                accepted_hidden = target_hidden[: self.num_rows].view(bsz, k + 1, -1)
+            else:
+                rows = (self.starts[:, None] + torch.arange(k + 1, device=grid.device)).clamp_max(self.num_rows - 1)
+                accepted_hidden = target_hidden[rows]
+            self.w.proposer.store_accepted_hidden(self.reqs, accepted_hidden)
         return [num_accepted, tokens, logprobs]
 
     def results(self, host: list[float]) -> tuple[list[RequestResult], int]:
@@ -206,11 +232,10 @@ class TreeRound:
         self.num_nodes = [min(self.n, m + 1) for m in room]  # fewer only when a lone request fills the pool
         # The beam writes offsets up to (steps-1)*topk whatever the room; past the room they land in the padding
         # page, so such nodes have no draft K/V to keep.
-        self.room = to_device(room, torch.int64, worker.device)
-        num_nodes = to_device(self.num_nodes, torch.int64, worker.device)
+        self.room, num_nodes, self.base, self.rows = to_device_many(
+            [room, self.num_nodes, [r.num_computed for r in reqs], [r.row for r in reqs]], torch.int64, worker.device)
         self.tree = build_tree(self.proposal.tokens, self.proposal.parents, q=self.proposal.q, num_nodes=num_nodes)
         self.num_rows = len(reqs) * self.n
-        self.base = to_device([r.num_computed for r in reqs], torch.int64, worker.device)
 
     def inputs(self) -> list[ForwardInput]:
         return [ForwardInput(r.row, r.num_computed, [0] * self.n, self.n) for r in self.reqs]
@@ -227,17 +252,23 @@ class TreeRound:
 
     def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> list[torch.Tensor]:
         bsz, n = len(self.reqs), self.n
-        sbt = self.sb.for_tree(self.tree.tokens, self.tree.mask, self.tree.depth)
-        logits = penalised_logits(verify_logits, sbt)
-        p = probs_from_logits(logits, sbt).view(bsz, n, -1)
         sampled = self.proposal.q is not None  # children drawn from q without replacement (tree_sampled.py)
+        greedy = self.sb.all_greedy and not sampled  # p one-hot at each node's argmax: verify from the argmax tokens
+        sbt = None
+        if not greedy or self.sb.penalties is not None:
+            sbt = self.sb.for_tree(self.tree.tokens, self.tree.mask, self.tree.depth)
+        logits = penalised_logits(verify_logits, sbt) if sbt is not None else verify_logits
+        target = logits.argmax(-1).view(bsz, n) if greedy else None
+        p = None if greedy else probs_from_logits(logits, sbt).view(bsz, n, -1)
         alpha = self.w.simulate_accept_rate
-        if alpha is None:
+        if alpha is not None:  # benchmark-only, lossy (see spec/simulated.py)
+            num_accepted, path, tokens = simulate_tree(p, self.tree, alpha, self.sb.seeds, self.sb.positions,
+                                                       max_depth=self.tier.steps, greedy_target=target)
+        elif greedy:
+            num_accepted, path, tokens = verify_greedy_tree(target, self.tree, max_depth=self.tier.steps)
+        else:
             num_accepted, path, tokens = verify_tree(p, self.tree, self.sb.seeds, self.sb.positions, sampled,
                                                      max_depth=self.tier.steps, max_children=self.tier.topk)
-        else:  # benchmark-only, lossy (see spec/simulated.py)
-            num_accepted, path, tokens = simulate_tree(p, self.tree, alpha, self.sb.seeds, self.sb.positions,
-                                                       max_depth=self.tier.steps)
         self._compact(num_accepted, path)
         rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
         logprobs = torch.log_softmax(logits, -1)[rows.flatten(), tokens.clamp_min(0).flatten()].view_as(tokens)
@@ -247,7 +278,7 @@ class TreeRound:
         return [num_accepted, tokens, logprobs, self.valid_draft]
 
     def _compact(self, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
-        rows = to_device([r.row for r in self.reqs], torch.int64, path.device)
+        rows = self.rows
         count = num_accepted + 1
         compact_accepted(self.w.runner.pool, self.w.runner.page_table, rows, self.base, path.clamp_min(0), count)
         fed_on_path = self.proposal.fed.gather(1, path.clamp_min(0))

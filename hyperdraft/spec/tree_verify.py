@@ -119,3 +119,41 @@ def verify_tree(
     final_r = torch.where(done[:, None], final_r, p[rows, cur].float())  # rows that reached depth max_depth: bonus
     out[rows, num_accepted] = sample_from_probs(final_r, seeds, seq_lens + num_accepted, DOMAIN_SAMPLE)
     return num_accepted, path, out
+
+
+def verify_greedy_tree(target: torch.Tensor, tree: DraftTree, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verify_tree when every p is one-hot (greedy requests) and tree.q is None, from the argmax tokens alone.
+    target: [B, N] int64, the argmax of each node's row. Same contract and result as verify_tree.
+
+    With r one-hot at a = target[v] and one-hot candidates, a child is accepted exactly when its token is a
+    (u * 1 < r(c) needs r(c) = 1; r(c) >= q(c) > 0 holds exactly then), and a rejection leaves r unchanged (r - q_i
+    keeps the mass at a). So the walk follows, at every node, its first child in sibling order (increasing index)
+    whose token is a, and the last token is a at the last accepted node: no coins, no vocabulary-wide work."""
+    bsz, n = tree.tokens.shape
+    device = tree.tokens.device
+    rows = torch.arange(bsz, device=device)
+    # match_child[b, v]: the smallest child of v whose token is target[b, v]; n when none (parentless: dummy column n)
+    has_parent = tree.parents >= 0
+    parent = tree.parents.clamp_min(0)
+    match = has_parent & (tree.tokens == target.gather(1, parent))
+    slot = torch.where(match, parent, n)
+    idx = torch.arange(n, device=device).expand(bsz, n)
+    match_child = torch.full((bsz, n + 1), n, dtype=torch.int64, device=device)
+    match_child.scatter_reduce_(1, slot, idx, reduce="amin", include_self=True)
+
+    cur = torch.zeros(bsz, dtype=torch.int64, device=device)
+    going = torch.ones(bsz, dtype=torch.bool, device=device)
+    num_accepted = torch.zeros(bsz, dtype=torch.int64, device=device)
+    path = torch.full((bsz, max_depth + 1), -1, dtype=torch.int64, device=device)
+    path[:, 0] = 0
+    out = torch.full((bsz, max_depth + 1), -1, dtype=torch.int64, device=device)
+    for d in range(max_depth):
+        child = match_child[rows, cur]
+        going &= child < n
+        child = torch.where(going, child, cur)
+        num_accepted += going.long()
+        path[:, d + 1] = torch.where(going, child, -1)
+        out[:, d] = torch.where(going, tree.tokens[rows, child], -1)
+        cur = child
+    out[rows, num_accepted] = target[rows, cur]
+    return num_accepted, path, out
