@@ -57,6 +57,33 @@ def build_models(root: str) -> dict[str, str]:
 
 
 # ---- worker: one case on one tree ------------------------------------------------------------------------------
+COUNTED_STEPS = 10
+
+
+def TorchCallCounter():
+    """Counts the torch calls made from Python that return tensors (ops and views; on a GPU each is host dispatch
+    work, and each op a kernel launch), outside the forwards (the forward wrapper clears `active`)."""
+    from collections import Counter
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class _Counter(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.active, self.total, self.by_name = True, 0, Counter()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if self.active and isinstance(out, (torch.Tensor, tuple, list)) and (
+                    isinstance(out, torch.Tensor) or any(isinstance(o, torch.Tensor) for o in out)):
+                self.total += 1
+                self.by_name[getattr(func, "__name__", str(func))] += 1
+            return out
+
+    return _Counter()
+
+
 def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int, alpha: float,
              profile_top: int = 0) -> dict:
     import torch
@@ -84,9 +111,13 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
     prof = cProfile.Profile() if profile_top else None
     profiling = [False]
 
+    counting = [None]
+
     def timed_forward(self, *args, **kwargs):
         if profiling[0]:
             prof.disable()  # the profile shows host work outside the forwards only
+        if counting[0] is not None:
+            counting[0].active = False  # and the call count too
         start = time.perf_counter()
         try:
             return original(self, *args, **kwargs)
@@ -94,6 +125,8 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
             inside[0] += time.perf_counter() - start
             if profiling[0]:
                 prof.enable()
+            if counting[0] is not None:
+                counting[0].active = True
 
     GraphedRunner.forward = timed_forward
     g = torch.Generator().manual_seed(0)
@@ -123,11 +156,34 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
         forwards.append(inside[0])
         tokens += sum(len(o.new_token_ids) for o in outs)
         assert len(outs) == bs and not any(o.finished for o in outs), "a request finished inside the measured steps"
+    counter = TorchCallCounter()
+    counting[0] = counter
+    import hyperdraft.sample.rng as rng
+
+    reference = rng.uniform_reference
+
+    def one_launch(*args, **kwargs):  # on CUDA rng.uniform is one Triton launch: count the ~60 CPU ops as one call
+        counter.active = False
+        try:
+            return reference(*args, **kwargs)
+        finally:
+            counter.active = True
+            counter.total += 1
+            counter.by_name["uniform"] += 1
+
+    rng.uniform_reference = one_launch
+    with counter:
+        for _ in range(COUNTED_STEPS):
+            engine.step()
+    rng.uniform_reference = reference
+    counting[0] = None
     GraphedRunner.forward = original
     host = [w - f for w, f in zip(walls, forwards)]
     result = {"case": case, "bs": bs, "steps": steps, "host_ms": 1e3 * statistics.median(host),
               "host_ms_mean": 1e3 * statistics.fmean(host), "wall_ms": 1e3 * statistics.median(walls),
-              "forward_ms": 1e3 * statistics.median(forwards), "tokens_per_step": tokens / steps}
+              "forward_ms": 1e3 * statistics.median(forwards), "tokens_per_step": tokens / steps,
+              "torch_calls_per_step": counter.total / COUNTED_STEPS,
+              "top_calls": {k: v / COUNTED_STEPS for k, v in counter.by_name.most_common(40)}}
     if prof:
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out)
@@ -178,6 +234,7 @@ def main() -> None:
     ap.add_argument("--base-commit", default=None, help="commit the --compare tree was exported from (for the report)")
     ap.add_argument("--profile", metavar="CASE", help="cProfile the measured steps of one case (this tree, in process)")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--verbose", action="store_true", help="print the most frequent torch calls of each run")
     ap.add_argument("--write", action="store_true", help="write benchmarks/results/host_overhead_cpu.md")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--tree", default=ROOT, help=argparse.SUPPRESS)
@@ -190,7 +247,8 @@ def main() -> None:
         sys.path.insert(0, ROOT)
         for bs in a.bs:
             r = run_case(models, a.profile, bs, a.steps, a.warmup, a.alpha, profile_top=a.top)
-            print(f"== {a.profile} bs {bs}: host {r['host_ms']:.3f} ms/step (median), forward {r['forward_ms']:.3f} ms")
+            print(f"== {a.profile} bs {bs}: host {r['host_ms']:.3f} ms/step (median), forward {r['forward_ms']:.3f} ms, "
+                  f"{r['torch_calls_per_step']:.0f} torch calls/step: {r['top_calls']}")
             print(r["profile"])
         return
     trees = [("new", ROOT)] + ([("old", os.path.abspath(a.compare))] if a.compare else [])
@@ -205,7 +263,10 @@ def main() -> None:
                     if key not in best or r["host_ms"] < best[key]["host_ms"]:
                         best[key] = r
                     print(f"rep {rep} {name:>3} {case:<13} bs {bs:>2}: host {r['host_ms']:.3f} ms/step, "
-                          f"forward {r['forward_ms']:.3f} ms, {r['tokens_per_step']:.2f} tok/step", flush=True)
+                          f"{r['torch_calls_per_step']:.0f} torch calls/step, forward {r['forward_ms']:.3f} ms, "
+                          f"{r['tokens_per_step']:.2f} tok/step", flush=True)
+                    if a.verbose:
+                        print("   top calls/step:", r["top_calls"])
     lines = table(best, a, trees)
     print("\n".join(lines))
     if a.write:
@@ -214,11 +275,12 @@ def main() -> None:
 
 def table(best: dict, a, trees) -> list[str]:
     with_old = len(trees) > 1
-    head = "| case | batch | host ms/step (new) | forward ms/step | tokens/step |"
-    sep = "|---|---:|---:|---:|---:|"
+    head = "| case | batch | host ms/step | torch calls/step | forward ms/step | tokens/step |"
+    sep = "|---|---:|---:|---:|---:|---:|"
     if with_old:
-        head = "| case | batch | host ms/step (old) | host ms/step (new) | new / old | forward ms/step | tokens/step |"
-        sep = "|---|---:|---:|---:|---:|---:|---:|"
+        head = ("| case | batch | host ms/step (old) | host ms/step (new) | new / old | torch calls/step (old) | "
+                "torch calls/step (new) | forward ms/step (new) | tokens/step |")
+        sep = "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     lines = [head, sep]
     for case in a.cases:
         for bs in a.bs:
@@ -226,9 +288,11 @@ def table(best: dict, a, trees) -> list[str]:
             if with_old:
                 old = best[("old", case, bs)]
                 lines.append(f"| {case} | {bs} | {old['host_ms']:.3f} | {new['host_ms']:.3f} | "
-                             f"{new['host_ms'] / old['host_ms']:.2f} | {new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} |")
+                             f"{new['host_ms'] / old['host_ms']:.2f} | {old['torch_calls_per_step']:.0f} | "
+                             f"{new['torch_calls_per_step']:.0f} | {new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} |")
             else:
-                lines.append(f"| {case} | {bs} | {new['host_ms']:.3f} | {new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} |")
+                lines.append(f"| {case} | {bs} | {new['host_ms']:.3f} | {new['torch_calls_per_step']:.0f} | "
+                             f"{new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} |")
     return lines
 
 
