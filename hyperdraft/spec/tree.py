@@ -79,18 +79,16 @@ def build_tree(
         if num_nodes is not None:
             assert bool(((num_nodes >= 1) & (num_nodes <= n)).all()), "num_nodes must be in 1 .. N"
 
-    # Depth and ancestor mask, one node at a time (its parent's row is final by then, as parents[b, i] < i).
+    # Ancestor mask by repeated squaring of "self or parent" (0/1 float matrices: every product and sum is exact):
+    # after s squarings each node reaches its ancestors up to 2^s levels up, so ceil(log2(N - 1)) squarings reach the
+    # root, a few launches where a loop over nodes took N. Depth = ancestors, self not counted.
     has_parent = parents >= 0  # [B, N]
-    par = parents.clamp_min(0)  # [B, N]
-    rows = torch.arange(bsz, device=device)
-    depth = torch.zeros(bsz, n, dtype=torch.int64, device=device)
-    # (not `mask[:, idx, idx] = True`: a Python scalar stored through tensor indices is a synchronous host-to-device
-    # copy on CUDA)
-    mask = torch.eye(n, dtype=torch.bool, device=device).repeat(bsz, 1, 1)
-    for i in range(1, n):
-        hp = has_parent[:, i]  # [B]
-        depth[:, i] = torch.where(hp, depth[rows, par[:, i]] + 1, 0)
-        mask[:, i] |= mask[rows, par[:, i]] & hp[:, None]
+    reach = torch.eye(n, device=device).repeat(bsz, 1, 1)
+    reach.scatter_add_(2, parents.clamp_min(0)[:, :, None], has_parent[:, :, None].float())
+    for _ in range(max(n - 2, 0).bit_length()):
+        reach = torch.bmm(reach, reach).clamp_max_(1.0)
+    mask = reach > 0
+    depth = mask.sum(-1) - 1
 
     # first_child[v] = smallest i with parents[i] == v (parentless nodes scatter into a dummy column n).
     slot = torch.where(has_parent, parents, n)  # [B, N]
