@@ -20,6 +20,30 @@ from benchmarks.gpu_bench import LLAMA_8B, make_engine, write_configs  # noqa: E
 from hyperdraft.sampling_params import SamplingParams  # noqa: E402
 
 
+def graph_launch_timing(prof) -> str:
+    """When does a replayed graph's first kernel start, relative to its cudaGraphLaunch call? If it starts only
+    after the call returns, the launch's host time is GPU idle time."""
+    import json
+    import statistics
+
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    events = json.load(open(path))["traceEvents"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})}
+    first: dict = {}
+    for e in events:
+        c = e.get("args", {}).get("correlation")
+        if e.get("cat") == "kernel" and c in launches:
+            first[c] = min(first.get(c, float("inf")), e["ts"])
+    if not first:
+        return "graph launches: none correlated"
+    delay = [first[c] - launches[c]["ts"] for c in first]
+    dur = [launches[c]["dur"] for c in first]
+    return (f"graph launches: {len(first)}; host call median {statistics.median(dur):.0f} us; first kernel starts "
+            f"median {statistics.median(delay):.0f} us after the call began (min {min(delay):.0f}, max {max(delay):.0f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", action="store_true", help="EAGLE-3 chain 5 at simulated alpha 0.8 instead of plain decode")
@@ -60,6 +84,7 @@ def main() -> None:
     lines += ["", f"{'host op (self CPU time)':<90} {'ms/step':>8} {'calls/step':>10}"]
     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:25]:
         lines.append(f"{e.key[:90]:<90} {e.self_cpu_time_total / 1e3 / a.steps:8.3f} {e.count / a.steps:10.1f}")
+    lines += ["", graph_launch_timing(prof)]
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(os.environ.get("OUT", "."), f"gpu_profile_{'spec' if a.spec else 'plain'}{os.environ.get('PROFILE_TAG', '')}.txt"), "w") as f:
