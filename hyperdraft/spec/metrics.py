@@ -28,15 +28,24 @@ class SpecMetrics:
         """lens: draft depth per request (chain length, or tree depth); proposed: draft tokens verified per
         request when that differs from the depth (tree nodes)."""
         self.verify_forwards += 1
-        for i, (k, a) in enumerate(zip(lens, num_accepted)):
-            self.verifies += 1
-            self.draft_tokens += proposed[i] if proposed is not None else k
-            self.accepted_tokens += a
-            self.emitted_tokens += a + 1
+        self.verifies += len(lens)
+        self.draft_tokens += sum(proposed if proposed is not None else lens)
+        self.accepted_tokens += sum(num_accepted)
+        self.emitted_tokens += sum(num_accepted) + len(num_accepted)
+        # Per position j: requests whose depth exceeds j proposed there; of those, the ones that accepted more than j
+        # (per request, not per (request, position): O(B + K) instead of O(B * K)).
+        ends_proposed = [0] * (len(self.proposed_by_position) + 1)
+        ends_accepted = [0] * (len(self.proposed_by_position) + 1)
+        for k, a in zip(lens, num_accepted):
             self.accept_length_hist[a + 1] += 1
-            for j in range(k):
-                self.proposed_by_position[j] += 1
-                self.accepted_by_position[j] += j < a
+            ends_proposed[k] += 1
+            ends_accepted[min(a, k)] += 1
+        proposed_left, accepted_left = len(lens), len(lens)
+        for j in range(len(self.proposed_by_position)):
+            proposed_left -= ends_proposed[j]
+            accepted_left -= ends_accepted[j]
+            self.proposed_by_position[j] += proposed_left
+            self.accepted_by_position[j] += accepted_left
 
     def summary(self) -> dict:
         return {
