@@ -321,6 +321,18 @@ def main() -> None:
     save(result, a.out)
     free(engine)
 
+    # One graph per forward instead of layer-cut segments: the GPU then waits for the whole launch call.
+    import hyperdraft.engine.graph_runner as graph_runner
+
+    graph_runner.SEGMENTED = False
+    engine, _ = make_engine(target, device, 64, None, capacity)
+    decode_run(engine, 1, 32, 8, seed=0)
+    result["plain_one_graph"] = [decode_run(engine, bs, a.input_len, a.output_len, seed=bs) for bs in (1, 8)]
+    graph_runner.SEGMENTED = True
+    print("plain one graph", [(r["batch"], round(r["tok_per_s"], 1)) for r in result["plain_one_graph"]], flush=True)
+    save(result, a.out)
+    free(engine)
+
     result["spec"], result["split"] = [], {}
     for name, (steps, topk, n) in SETTINGS.items():
         spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=steps,

@@ -60,6 +60,11 @@ def render(result: dict, out_dir: str) -> str:
                   "| batch | tok/s unfused | fused / unfused |", "|---|---|---|"]
         for r in result["plain_unfused"]:
             lines.append(f"| {r['batch']} | {r['tok_per_s']:.1f} | {plain[r['batch']]['tok_per_s'] / r['tok_per_s']:.2f}x |")
+    if result.get("plain_one_graph"):
+        lines += ["", "Same engine with one CUDA graph per forward instead of layer-cut segments (same run):", "",
+                  "| batch | tok/s one graph | segmented / one graph |", "|---|---|---|"]
+        for r in result["plain_one_graph"]:
+            lines.append(f"| {r['batch']} | {r['tok_per_s']:.1f} | {plain[r['batch']]['tok_per_s'] / r['tok_per_s']:.2f}x |")
     lines += ["", "## 3. Speculative decode, simulated acceptance (EAGLE-3 head)", "",
               "| setting | alpha | batch | tok/s | accept len | E | c | v | ideal | speedup | of ideal |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -150,3 +150,33 @@ def test_batches_that_do_not_fit_run_eagerly(models, llm_factory, emulated_graph
     finally:
         for r in rows:
             engine.page_table.release_row(r)
+
+
+def test_segment_cuts_and_layer_hook(tmp_path):
+    """Graph segments cut at layer boundaries: the cut points, and a layer hook that sees every layer once and
+    leaves the forward's outputs unchanged (what segmented capture relies on)."""
+    from hyperdraft.engine.graph_runner import segment_cuts
+    from hyperdraft.models.loader import load_model
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    assert segment_cuts(32) == (2, 8) and segment_cuts(2) == (1,) and segment_cuts(1) == () and segment_cuts(12) == (1, 3)
+    model = load_model(make_tiny_model(str(tmp_path / "m"), "llama", with_tokenizer=False, num_hidden_layers=3),
+                       "float32", torch.device("cpu"))
+    ids, pos = torch.randint(0, model.config.vocab_size, (5,)), torch.arange(5)
+
+    def causal(_layer, q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1)
+        scores = (q.transpose(0, 1) @ k.transpose(1, 2)).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -1e30)
+        return (scores.softmax(-1) @ v).transpose(0, 1)
+
+    with torch.inference_mode():
+        plain, _ = model(ids, pos, causal, ())
+        seen = []
+        model.layer_hook = seen.append
+        try:
+            hooked, _ = model(ids, pos, causal, ())
+        finally:
+            model.layer_hook = None
+    assert seen == [1, 2, 3]
+    assert torch.equal(plain, hooked)

@@ -15,6 +15,12 @@ Padding rows (batch entries past the real ones) read page-table row 0 (reads are
 slot 0, the padding page; their inputs are reset on every replay, so a larger previous batch never leaves real
 slots in them.
 
+Segments: a graph's host launch cost grows with its kernel count (about 0.45 ms for an 8B decoder's ~450 kernels on
+an H100) and its first kernel starts only when the launch call returns, so at batch 1 that cost is GPU idle time.
+A decoder's forward is therefore captured as a few graphs cut at layer boundaries (after layers L/16 and L/4):
+the GPU starts on the short first segment while the host is still launching the rest. The segments share one
+memory pool and are replayed in capture order. HYPERDRAFT_GRAPH_SEGMENTS=0 captures one graph per forward.
+
 emulate=True (CPU tests, HYPERDRAFT_EMULATE_CUDA_GRAPH=1) keeps the static buffers, padding and output slicing but
 runs the forward eagerly on the static buffers: the graph bookkeeping is tested where no GPU exists.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +40,12 @@ from hyperdraft.engine.forward_batch import ForwardBatch
 
 logger = logging.getLogger("hyperdraft")
 EMULATE_GRAPHS_ENV = "HYPERDRAFT_EMULATE_CUDA_GRAPH"
+SEGMENTED = os.environ.get("HYPERDRAFT_GRAPH_SEGMENTS", "1") != "0"  # flip before capture for A/B runs
+
+
+def segment_cuts(num_layers: int) -> tuple[int, ...]:
+    """Layer counts after which a captured decoder forward starts a new graph segment."""
+    return tuple(sorted({c for c in (max(1, num_layers // 16), max(1, num_layers // 4)) if 0 < c < num_layers}))
 
 
 @dataclass(frozen=True, order=True)
@@ -169,10 +182,37 @@ class GraphRunner:
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            self.outputs[key] = self.runner.forward_eager(fb, self.capture_layers)
-        self.graphs[key] = graph
+        self.graphs[key], self.outputs[key] = self._capture_segments(fb, stream)
+
+    def _capture_segments(self, fb: ForwardBatch, stream) -> tuple[list, object]:
+        """Capture one forward as consecutive graphs cut after the layers segment_cuts names (one graph when the
+        model has no layer hook or segments are off). Tensors made in one segment and read in a later one stay
+        referenced by the forward, so the shared pool keeps them; the segments replay in this order only."""
+        model = getattr(self.runner, "model", None)
+        cuts = segment_cuts(model.config.num_layers) if SEGMENTED and hasattr(model, "layer_hook") else ()
+        segments: list = []
+
+        def begin() -> None:
+            segments.append(torch.cuda.CUDAGraph())
+            segments[-1].capture_begin(pool=self.pool)
+
+        def cut(layers_done: int) -> None:
+            if layers_done in cuts:
+                segments[-1].capture_end()
+                begin()
+
+        torch.cuda.synchronize(self.runner.device)
+        with torch.cuda.stream(stream):
+            begin()
+            if cuts:
+                model.layer_hook = cut
+            try:
+                out = self.runner.forward_eager(fb, self.capture_layers)
+            finally:
+                if cuts:
+                    model.layer_hook = None
+            segments[-1].capture_end()
+        return segments, out
 
     # ---- replay -------------------------------------------------------------------------------------------------
     def match(self, fb: ForwardBatch, capture_layers: tuple[int, ...]) -> tuple[GraphShape, int] | None:
@@ -233,7 +273,8 @@ class GraphRunner:
                 for dst, src in zip([out.logits, out.hidden, *out.captured], [fresh.logits, fresh.hidden, *fresh.captured]):
                     dst.copy_(src)
         else:
-            self.graphs[key].replay()
+            for segment in self.graphs[key]:
+                segment.replay()
             out = self.outputs[key]
         n = real * q
         return type(out)(out.logits[: real if shape.one_logit else n], out.hidden[:n], [c[:n] for c in out.captured])

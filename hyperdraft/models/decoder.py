@@ -145,6 +145,10 @@ class DecoderBody(nn.Module):
 
 
 class DecoderLM(nn.Module):
+    # Called with the number of layers done after each layer, when set: CUDA-graph capture cuts the forward into
+    # segments there (engine/graph_runner.py).
+    layer_hook: Callable[[int], None] | None = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -172,6 +176,8 @@ class DecoderLM(nn.Module):
             if i in capture_layers:
                 captured.append(x if residual is None else x + residual)
             x, residual = layer(x, residual, cos, sin, attn)
+            if self.layer_hook is not None:
+                self.layer_hook(i + 1)
         if len(self.model.layers) in capture_layers:
             captured.append(x + residual)
         return self.model.norm.add_norm(x, residual)[0], captured
