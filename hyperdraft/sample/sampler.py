@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits
 from hyperdraft.sample.rng import DOMAIN_SAMPLE, sample_from_probs
 
@@ -14,7 +15,7 @@ class Sampler:
         before temperature and filtering)."""
         logits = penalised_logits(logits.float(), sb)
         if sb.all_greedy:
-            tokens = logits.argmax(-1)
+            tokens = argmax_rows(logits)
         else:
             probs = probs_from_logits(logits, sb)
             tokens = sample_from_probs(probs, sb.seeds, sb.positions, DOMAIN_SAMPLE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits
 from hyperdraft.sample.rng import DOMAIN_DRAFT, sample_from_probs
 
@@ -18,6 +19,6 @@ def choose_draft(logits: torch.Tensor, sb: SamplingBatch, sampled: bool) -> tupl
     """logits: [B, V] -> (draft tokens [B], q [B, V] when drawn from q, else None: q is one-hot)."""
     logits = penalised_logits(logits, sb)
     if not sampled:
-        return logits.argmax(-1), None
+        return argmax_rows(logits), None
     q = probs_from_logits(logits, sb)  # the same transform that defines the target's p
     return sample_from_probs(q, sb.seeds, sb.positions, DOMAIN_DRAFT), q

@@ -19,6 +19,7 @@ import torch
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch, leading_tail_mask
 from hyperdraft.engine.graph_runner import GraphShape
 from hyperdraft.engine.host_copy import to_device, to_device_many
+from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.model_worker import forward_input, results_to_host
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
@@ -188,7 +189,7 @@ class ChainRound:
         greedy = self.sb.all_greedy and self.proposal.q is None
         sbv = self.sb.for_verify(self.proposal.tokens) if not greedy or self.sb.penalties is not None else None
         logits = penalised_logits(grid, sbv) if sbv is not None else grid
-        target = logits.argmax(-1).view(bsz, k + 1) if greedy else None
+        target = argmax_rows(logits).view(bsz, k + 1) if greedy else None
         p = None if greedy else probs_from_logits(logits, sbv).view(bsz, k + 1, -1)
         draft, lens, alpha = self.proposal.tokens, self.lens, self.w.simulate_accept_rate
         if alpha is not None:  # benchmark-only, lossy (see spec/simulated.py)
@@ -258,7 +259,7 @@ class TreeRound:
         if not greedy or self.sb.penalties is not None:
             sbt = self.sb.for_tree(self.tree.tokens, self.tree.mask, self.tree.depth)
         logits = penalised_logits(verify_logits, sbt) if sbt is not None else verify_logits
-        target = logits.argmax(-1).view(bsz, n) if greedy else None
+        target = argmax_rows(logits).view(bsz, n) if greedy else None
         p = None if greedy else probs_from_logits(logits, sbt).view(bsz, n, -1)
         alpha = self.w.simulate_accept_rate
         if alpha is not None:  # benchmark-only, lossy (see spec/simulated.py)

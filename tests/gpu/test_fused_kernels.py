@@ -141,3 +141,22 @@ def test_uniform_bit_identical(width):
         _poison((seeds.shape[0], width), dtype=torch.float32)
         got = uniform(seeds, positions, domain, width)
         assert torch.equal(got, uniform_reference(seeds, positions, domain, width))
+
+
+@pytest.mark.parametrize("rows,width", [(1, 128256), (6, 32000), (7, 4096), (3, 5), (64, 151936)])
+def test_argmax_matches_torch(rows, width):
+    """First maximal index, as torch.argmax: random rows, rows with planted ties across and inside chunks, an
+    all -inf row."""
+    from hyperdraft.kernels.argmax import argmax_kernel
+
+    x = _randn(rows, width, dtype=torch.float32, seed=10)
+    top = x.max().item() + 1.0
+    if rows >= 3 and width > 1:
+        x[0, width - 1] = top  # the last column, in a partial chunk
+        x[1, [width // 2, width - 1]] = top  # a tie across chunks: the smaller index wins
+        x[2, :] = float("-inf")
+    if rows >= 3 and width > 2:
+        x[1, 1] = top  # ... and an earlier one in the first chunk
+    torch.testing.assert_close(argmax_kernel(x), x.argmax(-1), atol=0, rtol=0)
+    strided = _randn(rows, width + 3, dtype=torch.float32, seed=11)[:, :width]  # rows with a stride
+    torch.testing.assert_close(argmax_kernel(strided), strided.argmax(-1), atol=0, rtol=0)
