@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import hashlib
 import io
 import json
 import os
@@ -85,7 +86,7 @@ def TorchCallCounter():
 
 
 def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int, alpha: float,
-             profile_top: int = 0) -> dict:
+             profile_top: int = 0, temperature: float = 0.0) -> dict:
     import torch
 
     from hyperdraft.config import EngineArgs
@@ -131,7 +132,8 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
     GraphedRunner.forward = timed_forward
     g = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_new_tokens=8 * (total + 4), ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=0.9 if temperature else 1.0, seed=1,
+                            max_new_tokens=8 * (total + 4), ignore_eos=True)
     for b in range(bs):
         pattern = torch.randint(0, vocab, (5 + b % 3,), generator=g).tolist()  # repetitive: NGRAM finds matches
         engine.add_request(input_ids=(pattern * PROMPT_LEN)[:PROMPT_LEN], params=params)
@@ -190,6 +192,8 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
         stats.sort_stats("tottime").print_stats(profile_top)
         stats.sort_stats("cumulative").print_stats(profile_top)
         result["profile"] = out.getvalue()
+    # the outputs themselves, so two trees' runs can be checked for identical behaviour
+    result["outputs_hash"] = hashlib.sha256(repr([r.output_ids for r in engine.scheduler.running]).encode()).hexdigest()[:16]
     for r in list(engine.scheduler.running):
         engine.abort(r.rid)
     return result
@@ -201,12 +205,13 @@ def worker_main(a) -> None:
 
     assert os.path.abspath(hyperdraft.__file__).startswith(os.path.abspath(a.tree)), "imported the wrong tree"
     models = json.loads(a.models)
-    print(json.dumps(run_case(models, a.worker, a.bs[0], a.steps, a.warmup, a.alpha)))
+    print(json.dumps(run_case(models, a.worker, a.bs[0], a.steps, a.warmup, a.alpha, temperature=a.temperature)))
 
 
 def run_in(tree: str, models: dict, case: str, bs: int, a) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", case, "--tree", tree, "--models", json.dumps(models),
-           "--bs", str(bs), "--steps", str(a.steps), "--warmup", str(a.warmup), "--alpha", str(a.alpha)]
+           "--bs", str(bs), "--steps", str(a.steps), "--warmup", str(a.warmup), "--alpha", str(a.alpha),
+           "--temperature", str(a.temperature)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
     if proc.returncode:
         raise RuntimeError(f"{case} bs {bs} on {tree} failed:\n{proc.stderr[-3000:]}")
@@ -229,6 +234,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--alpha", type=float, default=0.8, help="simulated accept rate of the speculative cases")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (top_p 0.9, seeded)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per (tree, case, batch); the minimum median is reported")
     ap.add_argument("--compare", metavar="OLD_TREE", help="also run an older source tree, interleaved with this one")
     ap.add_argument("--base-commit", default=None, help="commit the --compare tree was exported from (for the report)")
@@ -236,6 +242,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--verbose", action="store_true", help="print the most frequent torch calls of each run")
     ap.add_argument("--write", action="store_true", help="write benchmarks/results/host_overhead_cpu.md")
+    ap.add_argument("--append", action="store_true", help="with --write: add a section to the file instead")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--tree", default=ROOT, help=argparse.SUPPRESS)
     ap.add_argument("--models", help=argparse.SUPPRESS)
@@ -246,7 +253,7 @@ def main() -> None:
     if a.profile:
         sys.path.insert(0, ROOT)
         for bs in a.bs:
-            r = run_case(models, a.profile, bs, a.steps, a.warmup, a.alpha, profile_top=a.top)
+            r = run_case(models, a.profile, bs, a.steps, a.warmup, a.alpha, profile_top=a.top, temperature=a.temperature)
             print(f"== {a.profile} bs {bs}: host {r['host_ms']:.3f} ms/step (median), forward {r['forward_ms']:.3f} ms, "
                   f"{r['torch_calls_per_step']:.0f} torch calls/step: {r['top_calls']}")
             print(r["profile"])
@@ -279,8 +286,8 @@ def table(best: dict, a, trees) -> list[str]:
     sep = "|---|---:|---:|---:|---:|---:|"
     if with_old:
         head = ("| case | batch | host ms/step (old) | host ms/step (new) | new / old | torch calls/step (old) | "
-                "torch calls/step (new) | forward ms/step (new) | tokens/step |")
-        sep = "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+                "torch calls/step (new) | forward ms/step (new) | tokens/step | same outputs |")
+        sep = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     lines = [head, sep]
     for case in a.cases:
         for bs in a.bs:
@@ -289,7 +296,8 @@ def table(best: dict, a, trees) -> list[str]:
                 old = best[("old", case, bs)]
                 lines.append(f"| {case} | {bs} | {old['host_ms']:.3f} | {new['host_ms']:.3f} | "
                              f"{new['host_ms'] / old['host_ms']:.2f} | {old['torch_calls_per_step']:.0f} | "
-                             f"{new['torch_calls_per_step']:.0f} | {new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} |")
+                             f"{new['torch_calls_per_step']:.0f} | {new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} | "
+                             f"{'yes' if old['outputs_hash'] == new['outputs_hash'] else 'NO'} |")
             else:
                 lines.append(f"| {case} | {bs} | {new['host_ms']:.3f} | {new['torch_calls_per_step']:.0f} | "
                              f"{new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} |")
@@ -307,7 +315,8 @@ def write_report(lines: list[str], a) -> None:
         f"- new tree: commit {commit_of(ROOT)} (plus uncommitted changes, if any)"
         + (f"; old tree: {a.base_commit or 'see command'}" if a.compare else ""),
         f"- model: tiny random llama ({SHAPE}), vocab 384, fp32; EAGLE-3 head random; prompts of {PROMPT_LEN} tokens; "
-        f"greedy; speculative cases at simulated accept rate {a.alpha}",
+        f"{'greedy' if not a.temperature else f'temperature {a.temperature}, top_p 0.9'}; speculative cases at "
+        f"simulated accept rate {a.alpha}",
         f"- host ms/step = median over {a.steps} steps of (step wall time - time inside GraphedRunner.forward), "
         f"best of {a.repeats} runs per tree, the two trees' runs interleaved",
         "",
@@ -315,7 +324,9 @@ def write_report(lines: list[str], a) -> None:
         "",
     ]
     path = os.path.join(HERE, "results", "host_overhead_cpu.md")
-    with open(path, "w") as f:
+    if a.append:
+        text = ["", f"## temperature {a.temperature}"] + text[1:]
+    with open(path, "a" if a.append else "w") as f:
         f.write("\n".join(text))
     print(f"wrote {path}")
 
