@@ -277,11 +277,18 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--only-transformers", action="store_true",
+                    help="only section 4 (its own gpu_bench.json; merge with --merge when rendering)")
+    ap.add_argument("--merge", help="with --report: a second gpu_bench.json whose transformers results to add")
     a = ap.parse_args()
     if a.report:
         from benchmarks.gpu_bench_report import render
 
-        render(json.load(open(a.report)), a.results)
+        result = json.load(open(a.report))
+        if a.merge:
+            extra = json.load(open(a.merge))
+            result.update({k: v for k, v in extra.items() if k.startswith("transformers")})
+        render(result, a.results)
         return
     device = "cpu" if a.tiny else "cuda"
     if a.tiny:
@@ -292,6 +299,16 @@ def main() -> None:
     shared = SharedWeights()
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (tiny smoke test)",
               "torch": torch.__version__, "input_len": a.input_len, "output_len": a.output_len, "engines": {}}
+    if a.only_transformers:
+        result["transformers"] = transformers_baseline(target_cfg, device, (1, 16), a.input_len, a.output_len)
+        print("transformers", result["transformers"], flush=True)
+        save(result, a.out)
+        if device == "cuda":
+            result["transformers_compiled"] = transformers_baseline(target_cfg, device, (1, 16), a.input_len,
+                                                                    a.output_len, compiled=True)
+            print("transformers compiled", result["transformers_compiled"], flush=True)
+        save(result, a.out)
+        return
     if device == "cuda":
         result["ceilings"] = ceilings()
         print("ceilings", result["ceilings"], flush=True)

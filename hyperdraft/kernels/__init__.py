@@ -7,6 +7,7 @@ must work there. Each kernel module imports it inside its launcher; the referenc
 - kv_store.py: new K/V into the paged pool (one launch for K and V)
 - kv_move.py: the accepted-path compaction copy, every layer, gather-then-scatter
 - norm.py, activation.py, rope.py: RMSNorm (+ residual add), SiLU(gate) * up, rotary embedding in place
+- uniform.py, argmax.py: counter-based uniforms (bit-identical to sample/rng.py), row argmax over a vocabulary
 """
 
 from __future__ import annotations
