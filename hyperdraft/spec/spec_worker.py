@@ -107,10 +107,10 @@ class SpecWorker:
         """-> (input ids [T], RoPE positions [T] or None = the sequence indices) of the round's rows, then the
         prefill chunks'; the host values go in one copy."""
         prefill_ids = [t for inp in prefill_inputs for t in inp.token_ids]
-        round_positions = round_.positions() if round_ is not None else None
-        if round_ is None or not prefill_inputs:
-            if round_ is None:
-                return to_device(prefill_ids, torch.int64, self.device), None
+        if round_ is None:
+            return to_device(prefill_ids, torch.int64, self.device), None
+        round_positions = round_.positions()
+        if not prefill_inputs:
             return round_.packed_ids(), round_positions
         if round_positions is None:
             return torch.cat([round_.packed_ids(), to_device(prefill_ids, torch.int64, self.device)]), None
