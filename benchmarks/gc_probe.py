@@ -1,0 +1,49 @@
+"""Is Python's cyclic GC a visible share of a speculative round? Times an EAGLE-3 chain-5 decode at batch 1 (8B-shaped
+dummy target) with GC time measured through gc.callbacks, before and after gc.freeze(). GPU only."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.gpu_bench import LLAMA_8B, SharedWeights, decode_run, make_engine, write_configs  # noqa: E402
+
+spent = {"s": 0.0, "n": 0}
+_t0 = [0.0]
+
+
+def _cb(phase, info):
+    if phase == "start":
+        _t0[0] = time.perf_counter()
+    else:
+        spent["s"] += time.perf_counter() - _t0[0]
+        spent["n"] += 1
+
+
+def main() -> None:
+    gc.callbacks.append(_cb)
+    target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
+    SharedWeights()
+    for name, spec in (("plain", None), ("chain5", dict(
+            speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=5,
+            speculative_eagle_topk=1, speculative_num_draft_tokens=6, speculative_simulate_accept_rate=0.8))):
+        engine, _ = make_engine(target, "cuda", 32, spec, 64 * 832)
+        decode_run(engine, 1, 32, 8, seed=0)
+        for label in ("before freeze", "after freeze"):
+            if label == "after freeze":
+                gc.collect()
+                gc.freeze()
+            spent.update(s=0.0, n=0)
+            run = decode_run(engine, 1, 512, 256, seed=1)
+            print(f"{name} {label}: {run['tok_per_s']:.1f} tok/s, {run['step_ms']:.2f} ms/step, "
+                  f"gc {1000 * spent['s'] / run['engine_steps']:.2f} ms/step in {spent['n']} collections", flush=True)
+        gc.unfreeze()
+
+
+if __name__ == "__main__":
+    main()
