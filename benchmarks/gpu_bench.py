@@ -338,29 +338,22 @@ def main() -> None:
     save(result, a.out)
     free(engine)
 
-    # The same engine with the torch elementwise ops instead of the fused Triton kernels: the fusion's gain.
+    # A/B rows in the same run: the torch elementwise ops instead of the fused Triton kernels (the fusion's gain),
+    # and one graph per forward instead of layer-cut segments (the GPU then waits for the whole launch call).
+    import hyperdraft.engine.graph_runner as graph_runner
     import hyperdraft.kernels as kernels
 
-    kernels.FUSED_ENABLED = False
-    engine, _ = make_engine(target, device, 64, None, capacity)
-    decode_run(engine, 1, 32, 8, seed=0)
-    result["plain_unfused"] = [median_run(engine, bs, a.input_len, a.output_len, seed=bs) for bs in (1, 8)]
-    kernels.FUSED_ENABLED = True
-    print("plain unfused", [(r["batch"], round(r["tok_per_s"], 1)) for r in result["plain_unfused"]], flush=True)
-    save(result, a.out)
-    free(engine)
-
-    # One graph per forward instead of layer-cut segments: the GPU then waits for the whole launch call.
-    import hyperdraft.engine.graph_runner as graph_runner
-
-    graph_runner.SEGMENTED = False
-    engine, _ = make_engine(target, device, 64, None, capacity)
-    decode_run(engine, 1, 32, 8, seed=0)
-    result["plain_one_graph"] = [median_run(engine, bs, a.input_len, a.output_len, seed=bs) for bs in (1, 8)]
-    graph_runner.SEGMENTED = True
-    print("plain one graph", [(r["batch"], round(r["tok_per_s"], 1)) for r in result["plain_one_graph"]], flush=True)
-    save(result, a.out)
-    free(engine)
+    for name, module, switch in (("plain_unfused", kernels, "FUSED_ENABLED"), ("plain_one_graph", graph_runner, "SEGMENTED")):
+        setattr(module, switch, False)
+        try:
+            engine, _ = make_engine(target, device, 64, None, capacity)
+            decode_run(engine, 1, 32, 8, seed=0)
+            result[name] = [median_run(engine, bs, a.input_len, a.output_len, seed=bs) for bs in (1, 8)]
+        finally:
+            setattr(module, switch, True)
+        print(name, [(r["batch"], round(r["tok_per_s"], 1)) for r in result[name]], flush=True)
+        save(result, a.out)
+        free(engine)
 
     result["spec"], result["split"] = [], {}
     for name, (steps, topk, n) in SETTINGS.items():

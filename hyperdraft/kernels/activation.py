@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU machines: only the reference is usable
-    triton = tl = None
+from hyperdraft.kernels._triton import jit, tl, triton
 
 BLOCK = 1024
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _silu_mul(Gate, Up, Out, stride_g, stride_u, width, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

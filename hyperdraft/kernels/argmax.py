@@ -11,21 +11,12 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.kernels import use_fused_kernels
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU machines: only the reference is usable
-    triton = tl = None
+from hyperdraft.kernels._triton import jit, tl, triton
 
 CHUNK = 4096
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _chunk_argmax(X, Vals, Idxs, stride_x, width, num_chunks, CHUNK: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -37,7 +28,7 @@ def _chunk_argmax(X, Vals, Idxs, stride_x, width, num_chunks, CHUNK: tl.constexp
     tl.store(Idxs + n * num_chunks + c, first)
 
 
-@_jit
+@jit
 def _merge_argmax(Vals, Idxs, Out, num_chunks, BLOCK_C: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)

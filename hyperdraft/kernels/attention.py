@@ -26,21 +26,13 @@ from typing import NamedTuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU machines: only the reference is usable
-    triton = tl = None
+from hyperdraft.kernels._triton import jit, tl, triton
 
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) outweighs its keys
 MAX_SPLITS = 32  # measured: 64 splits of 128 keys ran slower than 33 of 256 at batch 1 x 8k
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _attend_keys(
     acc, l_i, m_i, q, K, V, Table, Tail, row, kvh, b, lo, hi, qi, prefix, row_ok, d, d_ok, seq_len,
     stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq, stride_tw, tail_q, tail_w, scale_log2,
@@ -87,7 +79,7 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@_jit
+@jit
 def _attn_stage1(
     Q, K, V, Out, PartO, PartLse, Table, ReqRows, SeqLens, ExtStarts, ExtLens, Tail,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_row,
@@ -156,7 +148,7 @@ def _attn_stage1(
         tl.store(PartLse + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
 
 
-@_jit
+@jit
 def _attn_merge(
     Out, PartO, PartLse, ExtStarts, ExtLens, stride_ot, stride_oh, num_heads, head_dim, num_splits,
     SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,

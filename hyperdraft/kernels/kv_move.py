@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU machines: only the reference is usable
-    triton = tl = None
+from hyperdraft.kernels._triton import jit, tl, triton
 
 BLOCK = 1024
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _kv_rows(KPool, VPool, Slots, Scratch, num_moves, stride_layer, stride_slot, row_elems,
              GATHER: tl.constexpr, BLOCK: tl.constexpr):
     """Program (j, layer, chunk): pool row of slot j <-> scratch[0 or 1 (K or V), layer, j]."""

@@ -13,18 +13,10 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU machines: only the reference is usable
-    triton = tl = None
+from hyperdraft.kernels._triton import jit, tl, triton
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _rms_norm(X, R, W, Out, ResOut, stride_xn, stride_xm, stride_rn, num_inner, dim, eps,
               HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)

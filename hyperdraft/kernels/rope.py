@@ -10,18 +10,10 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU machines: only the reference is usable
-    triton = tl = None
+from hyperdraft.kernels._triton import jit, tl, triton
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _rotate_heads(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -40,7 +32,7 @@ def _rotate_heads(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H: 
     tl.store(ptr + half, second.to(dt), mask=mask)
 
 
-@_jit
+@jit
 def _rope(Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, half,
           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

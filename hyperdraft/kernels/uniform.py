@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU machines: only the reference is usable
-    triton = tl = None
+from hyperdraft.kernels._triton import jit, tl, triton
 
 BLOCK = 1024
 _M32 = 0xFFFFFFFF
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _hash(x):
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
@@ -32,7 +24,7 @@ def _hash(x):
     return x ^ (x >> 16)
 
 
-@_jit
+@jit
 def _uniform(Seeds, Positions, Out, domain_hash, width, BLOCK: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     seed = tl.load(Seeds + n)
