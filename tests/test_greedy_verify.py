@@ -1,12 +1,12 @@
-"""verify_chain's greedy shortcut (no coins, no vocabulary-wide race) returns exactly the general rule's tokens and
-accept counts whenever every target row is one-hot and the drafts are deterministic."""
+"""verify_greedy_chain, the greedy shortcut (no coins, no vocabulary-wide race), returns exactly the general rule's
+tokens and accept counts whenever every target row is one-hot and the drafts are deterministic."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hyperdraft.spec.rejection import verify_chain
+from hyperdraft.spec.rejection import verify_chain, verify_greedy_chain
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 7])
@@ -18,7 +18,7 @@ def test_greedy_shortcut_equals_general_rule(k):
     lens = torch.randint(0, k + 1, (n,), generator=g)
     seeds, positions = torch.arange(n), torch.randint(0, 1000, (n,), generator=g)
     general = verify_chain(p, draft, lens, None, seeds, positions)
-    fast = verify_chain(p, draft, lens, None, seeds, positions, all_greedy=True)
+    fast = verify_greedy_chain(p.argmax(-1), draft, lens)
     assert torch.equal(general[0], fast[0]) and torch.equal(general[1], fast[1])
     if k:
         assert len(set(general[0].tolist())) == k + 1  # every accept count 0..k was exercised

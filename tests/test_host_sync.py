@@ -13,49 +13,20 @@ import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
-from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.host_reads import HostReadCounter
-from hyperdraft.testing.tiny import make_tiny_model
+from hyperdraft.testing.host_sync_cases import CASES, PARAMS, engine_args, write_models
 from tests.conftest import assert_engine_clean
-
-CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
-TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
-CASES = {
-    "plain": {},
-    "eagle3-chain": dict(speculative_algorithm="EAGLE3", draft="eagle3", **CHAIN),
-    "eagle3-tree": dict(speculative_algorithm="EAGLE3", draft="eagle3", **TREE),
-    "eagle3-tree-sampled": dict(speculative_algorithm="EAGLE3", draft="eagle3", speculative_use_rejection_sampling=True,
-                                **TREE),
-    "standalone-chain-sampled": dict(speculative_algorithm="STANDALONE", draft="draft",
-                                     speculative_use_rejection_sampling=True, **CHAIN),
-    "standalone-tree": dict(speculative_algorithm="STANDALONE", draft="draft", **TREE),
-    "ngram": dict(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=4),
-    "eagle3-chain-simulated": dict(speculative_algorithm="EAGLE3", draft="eagle3", speculative_simulate_accept_rate=0.7,
-                                   **CHAIN),
-}
-PARAMS = {
-    "greedy": dict(temperature=0.0),
-    "sampled": dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01),
-    "penalties": dict(temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2),
-}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("host_sync")
-    target = make_tiny_model(str(root / "target"), "llama", num_hidden_layers=3)
-    return {"target": target, "eagle3": write_random_eagle_checkpoint(str(root / "e3"), target, kind="eagle3"),
-            "draft": make_tiny_model(str(root / "draft"), "qwen3", seed=2, with_tokenizer=False, hidden_size=32,
-                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                     num_key_value_heads=1, head_dim=16)}
+    return write_models(str(tmp_path_factory.mktemp("host_sync")))
 
 
 def _reads_per_step(models, case: str, params: dict) -> list[list[str]]:
     """Run three requests (two with a mixed-in prefill) to the end; the transfers each token-producing step made."""
-    args = dict(CASES[case])
-    if "draft" in args:
-        args["speculative_draft_model_path"] = models[args.pop("draft")]
-    llm = LLM(models["target"], device="cpu", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16, **args)
+    llm = LLM(models["target"], device="cpu", dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
+              **engine_args(models, case))
     engine = llm.engine
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True, seed=3, **params)
     engine.add_request(input_ids=[5, 6, 7, 8] * 5, params=sp)

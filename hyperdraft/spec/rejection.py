@@ -27,14 +27,11 @@ def verify_chain(
     q: torch.Tensor | None,  # [B, K, V] draft distributions, or None for one-hot drafts
     seeds: torch.Tensor,  # [B] int64
     seq_lens: torch.Tensor,  # [B] int64, sequence index of d_0
-    all_greedy: bool = False,  # every row of p is one-hot (every request greedy) and q is None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (num_accepted [B], tokens [B, K+1]); tokens[b, :num_accepted[b] + 1] is request b's output."""
     bsz, k = draft.shape
     idx = torch.arange(k, device=draft.device)
     p_draft = p[:, :k].gather(2, draft[..., None])[..., 0]  # [B, K]
-    if all_greedy and q is None:
-        return _verify_greedy_chain(p, draft, draft_len, p_draft, idx)
     q_draft = torch.ones_like(p_draft) if q is None else q.gather(2, draft[..., None])[..., 0]
     coins = uniform(seeds.repeat_interleave(k), (seq_lens[:, None] + idx).flatten(), DOMAIN_ACCEPT).view(bsz, k)
 
@@ -60,16 +57,13 @@ def verify_chain(
     return num_accepted, tokens
 
 
-def _verify_greedy_chain(p, draft, draft_len, p_draft, idx) -> tuple[torch.Tensor, torch.Tensor]:
-    """verify_chain for one-hot p and q: the same tokens without the coins and the vocabulary-wide race. Each coin
-    u lies in (0, 1), so u * 1 < p(d) holds exactly when p(d) = 1; the residual of two one-hots, or p itself after
-    the last draft, is the one-hot of p's argmax, which the race always picks."""
-    return verify_greedy_chain(p.argmax(-1), draft, draft_len)
-
-
 def verify_greedy_chain(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """verify_chain when every p is one-hot and q is None, from the argmax tokens alone (p never materialised).
-    target: [B, K+1] int64, the argmax of each verify row -> (num_accepted [B], tokens [B, K+1])."""
+    target: [B, K+1] int64, the argmax of each verify row -> (num_accepted [B], tokens [B, K+1]).
+
+    The same tokens without the coins and the vocabulary-wide race: each coin u lies in (0, 1), so u * 1 < p(d)
+    holds exactly when p(d) = 1; the residual of two one-hots, or p itself after the last draft, is the one-hot of
+    p's argmax, which the race always picks."""
     bsz, k = draft.shape
     idx = torch.arange(k, device=draft.device)
     num_accepted = ((draft == target[:, :k]) & (idx < draft_len[:, None])).long().cumprod(1).sum(1)

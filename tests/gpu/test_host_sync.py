@@ -19,30 +19,13 @@ import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
-from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
-from hyperdraft.testing.tiny import make_tiny_model
+from hyperdraft.testing.host_sync_cases import PARAMS, engine_args, write_models
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
-TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
-CASES = {
-    "plain": {},
-    "eagle3-chain": dict(speculative_algorithm="EAGLE3", draft="eagle3", **CHAIN),
-    "eagle3-tree": dict(speculative_algorithm="EAGLE3", draft="eagle3", **TREE),
-    "eagle3-tree-sampled": dict(speculative_algorithm="EAGLE3", draft="eagle3", speculative_use_rejection_sampling=True,
-                                **TREE),
-    "eagle3-chain-simulated": dict(speculative_algorithm="EAGLE3", draft="eagle3", speculative_simulate_accept_rate=0.8,
-                                   **CHAIN),
-    "ngram": dict(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=4),
-    "standalone-tree": dict(speculative_algorithm="STANDALONE", draft="draft", **TREE),
-}
-PARAMS = {
-    "greedy": dict(temperature=0.0),
-    "sampled": dict(temperature=0.8, top_k=20, top_p=0.9),
-    "penalties": dict(temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.3),
-}
-RUNS = [(case, params) for case in CASES for params in ("greedy", "sampled")]
+GPU_CASES = ["plain", "eagle3-chain", "eagle3-tree", "eagle3-tree-sampled", "eagle3-chain-simulated", "ngram",
+             "standalone-tree"]
+RUNS = [(case, params) for case in GPU_CASES for params in ("greedy", "sampled")]
 RUNS += [(case, "penalties") for case in ("plain", "eagle3-chain", "eagle3-tree")]
 WARMUP_STEPS = 4
 MEASURED_STEPS = 6
@@ -50,20 +33,12 @@ MEASURED_STEPS = 6
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("host_sync_gpu")
-    target = make_tiny_model(str(root / "target"), "llama", num_hidden_layers=3)
-    return {"target": target, "eagle3": write_random_eagle_checkpoint(str(root / "e3"), target, kind="eagle3"),
-            "draft": make_tiny_model(str(root / "draft"), "qwen3", seed=2, with_tokenizer=False, hidden_size=32,
-                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                     num_key_value_heads=1, head_dim=16)}
+    return write_models(str(tmp_path_factory.mktemp("host_sync_gpu")))
 
 
 def _steady_engine(models, case: str, params: dict):
-    args = dict(CASES[case])
-    if "draft" in args:
-        args["speculative_draft_model_path"] = models[args.pop("draft")]
     llm = LLM(models["target"], device="cuda", dtype="float32", skip_tokenizer_init=True, max_total_tokens=8192,
-              cuda_graph_max_bs=4, **args)
+              cuda_graph_max_bs=4, **engine_args(models, case))
     engine = llm.engine
     sp = SamplingParams(max_new_tokens=400, ignore_eos=True, seed=1, **params)
     for prompt in ([5, 6, 7, 8] * 6, list(range(10, 40)), [9] * 11):
