@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from hyperdraft.spec.chain_loop import CHAIN_LOOP_GRAPH_ENV  # noqa: E402
+
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
@@ -129,8 +131,10 @@ def make_engine(target: str, device: str, max_bs: int, spec: dict | None, capaci
     start = time.perf_counter()
     engine = Engine(EngineArgs.from_kwargs(**args, **(spec or {})))
     build = time.perf_counter() - start
-    graphs = [r.graphs for r in (engine.runner, getattr(getattr(engine.worker, "proposer", None), "runner", None))
-              if r is not None and r.graphs is not None]
+    proposer = getattr(engine.worker, "proposer", None)
+    graphs = [r.graphs for r in (engine.runner, getattr(proposer, "runner", None)) if r is not None and r.graphs is not None]
+    if getattr(proposer, "chain_loop", None) is not None:  # whole chain rounds as one graph each
+        graphs.append(proposer.chain_loop)
     info = {"engine_build_s": build, "graphs": sum(len(g.outputs) for g in graphs),
             "capture_s": sum(g.capture_seconds for g in graphs), "capture_MiB": sum(g.capture_bytes for g in graphs) / 2**20}
     return engine, info
@@ -292,6 +296,9 @@ def main() -> None:
     ap.add_argument("--only-transformers", action="store_true",
                     help="only section 4 (its own gpu_bench.json; merge with --merge when rendering)")
     ap.add_argument("--merge", help="with --report: a second gpu_bench.json whose transformers results to add")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="speculative settings to run (comma-separated)")
+    ap.add_argument("--spec-batches", default="1,8,32")
+    ap.add_argument("--skip-ab", action="store_true", help="skip the plain A/B rows (fused off, one graph)")
     a = ap.parse_args()
     if a.report:
         from benchmarks.gpu_bench_report import render
@@ -343,7 +350,8 @@ def main() -> None:
     import hyperdraft.engine.graph_runner as graph_runner
     import hyperdraft.kernels as kernels
 
-    for name, module, switch in (("plain_unfused", kernels, "FUSED_ENABLED"), ("plain_one_graph", graph_runner, "SEGMENTED")):
+    ab_rows = () if a.skip_ab else (("plain_unfused", kernels, "FUSED_ENABLED"), ("plain_one_graph", graph_runner, "SEGMENTED"))
+    for name, module, switch in ab_rows:
         setattr(module, switch, False)
         try:
             engine, _ = make_engine(target, device, 64, None, capacity)
@@ -356,7 +364,9 @@ def main() -> None:
         free(engine)
 
     result["spec"], result["split"] = [], {}
-    for name, (steps, topk, n) in SETTINGS.items():
+    spec_batches = [int(b) for b in a.spec_batches.split(",")]
+    for name in a.settings.split(","):
+        steps, topk, n = SETTINGS[name]
         spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=steps,
                     speculative_eagle_topk=topk, speculative_num_draft_tokens=n, speculative_simulate_accept_rate=0.8)
         engine, info = make_engine(target, device, 32, spec, capacity)
@@ -364,16 +374,28 @@ def main() -> None:
         decode_run(engine, 1, 32, 8, seed=0)
         for alpha in ALPHAS:
             engine.worker.simulate_accept_rate = alpha
-            for bs in (1, 8, 32):
+            for bs in spec_batches:
                 run = median_run(engine, bs, a.input_len, a.output_len, seed=bs)
                 result["spec"].append({"setting": name, "steps": steps, "alpha": alpha, **run})
                 print(name, alpha, bs, round(run["tok_per_s"], 1), round(run["accept_length"] or 0, 2), flush=True)
         engine.worker.simulate_accept_rate = 0.8
-        result["split"][name] = {bs: phase_split(engine, bs, a.input_len, min(a.output_len, 64)) for bs in (1, 8, 32)}
+        result["split"][name] = {bs: phase_split(engine, bs, a.input_len, min(a.output_len, 64)) for bs in spec_batches}
         if device == "cuda":
             result.setdefault("profile", {})[name] = profile_steps(engine, 8, a.input_len, 10)
         save(result, a.out)
         free(engine)
+        if topk == 1:  # A/B in the same run: every draft step launched on its own (per-step graphs)
+            os.environ[CHAIN_LOOP_GRAPH_ENV] = "0"
+            try:
+                engine, _ = make_engine(target, device, 32, spec, capacity)
+                decode_run(engine, 1, 32, 8, seed=0)
+                run = median_run(engine, 1, a.input_len, a.output_len, seed=1)
+            finally:
+                del os.environ[CHAIN_LOOP_GRAPH_ENV]
+            result.setdefault("spec_per_step_draft", []).append({"setting": name, "steps": steps, "alpha": 0.8, **run})
+            print(name, "per-step draft graphs", 0.8, 1, round(run["tok_per_s"], 1), flush=True)
+            save(result, a.out)
+            free(engine)
 
     if not a.skip_transformers:
         shared.models.clear()  # free our 16 GB before transformers builds its own copy

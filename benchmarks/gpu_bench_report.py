@@ -76,9 +76,19 @@ def render(result: dict, out_dir: str) -> str:
         lines.append(f"| {r['setting']} | {r['alpha']} | {r['batch']} | {r['tok_per_s']:.1f} | {r['accept_length']:.2f} | "
                      f"{r['E']:.2f} | {r['c']:.3f} | {r['v']:.3f} | {r['ideal']:.2f}x | {r['speedup']:.2f}x | "
                      f"{100 * r['of_ideal']:.0f}% |")
+    if result.get("spec_per_step_draft"):
+        whole = {(r["setting"], r["alpha"], r["batch"]): r for r in result.get("spec", [])}
+        lines += ["", "Same settings with every draft step launched on its own graph instead of one graph per round "
+                  "(HYPERDRAFT_CHAIN_LOOP_GRAPH=0, same run):", "",
+                  "| setting | alpha | batch | tok/s per-step graphs | one graph / per-step |", "|---|---|---|---|---|"]
+        for r in result["spec_per_step_draft"]:
+            w = whole.get((r["setting"], r["alpha"], r["batch"]))
+            ratio = f"{w['tok_per_s'] / r['tok_per_s']:.2f}x" if w else ""
+            lines.append(f"| {r['setting']} | {r['alpha']} | {r['batch']} | {r['tok_per_s']:.1f} | {ratio} |")
     lines += ["", "c and v are measured with synced phases (see the script's docstring): they overstate the drafting and "
               "verify costs, so 'of ideal' can exceed 100%."]
-    lines += ["", "Per-step time split at alpha 0.8 (ms; phases synced, so their sum exceeds the free-running step):", "",
+    lines += ["", "Per-step time split at alpha 0.8 (ms; phases synced, so their sum exceeds the free-running step; a "
+              "chain round drafted by one graph has its draft extend inside draft steps, and c counts it):", "",
               "| setting | batch | draft steps | draft extend | verify | accept+commit | host overhead |", "|---|---|---|---|---|---|---|"]
     for name, by_bs in result["split"].items():
         for bs, s in by_bs.items():
@@ -113,7 +123,8 @@ def _plots(rows: list[dict], result: dict, out_dir: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(result["split"]), figsize=(5 * len(result["split"]), 4), sharey=True)
+    fig, axes = plt.subplots(1, len(result["split"]), figsize=(5 * len(result["split"]), 4), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, name in zip(axes, result["split"]):
         for alpha in sorted({r["alpha"] for r in rows}):
             sel = sorted((r for r in rows if r["setting"] == name and r["alpha"] == alpha), key=lambda r: r["batch"])

@@ -72,10 +72,12 @@ def test_graphs_match_eager_and_spec_off(models, llm_factory, emulated_graphs, n
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.num_replays > 0, "no forward ran through a graph"
     assert max(graphs.batch_sizes) == 4
-    draft_runner = getattr(llm.engine.worker, "proposer", None)
-    draft_runner = getattr(draft_runner, "runner", None)
-    if draft_runner is not None:  # the draft model's or head's one-token steps run from its own graphs
-        assert draft_runner.graphs is not None and draft_runner.graphs.num_replays > 0
+    proposer = getattr(llm.engine.worker, "proposer", None)
+    draft_runner = getattr(proposer, "runner", None)
+    if draft_runner is not None:  # greedy chain rounds run as one graph each (catch-up and steps) ...
+        assert draft_runner.graphs is not None
+        if "tree" not in name:
+            assert proposer.chain_loop is not None and proposer.chain_loop.num_replays > 0
         if "tree" in name:  # ... and so do its tree draft steps, one graph per depth (tests/test_graph_draft.py)
             assert any(shape.mask_width for (shape, _), n in draft_runner.graphs.replays.items() if n)
 

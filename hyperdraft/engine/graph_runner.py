@@ -63,7 +63,7 @@ def default_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
-class _StaticInputs:
+class StaticInputs:
     """Input buffers for the largest batch of one GraphShape; smaller graphs use leading views."""
 
     def __init__(self, shape: GraphShape, max_bs: int, device, hidden_size: int | None, dtype: torch.dtype):
@@ -133,7 +133,7 @@ class GraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.emulate = emulate
         self.max_seq_len = runner.page_table.max_pages_per_row * runner.page_table.page_size
-        self.inputs: dict[GraphShape, _StaticInputs] = {}
+        self.inputs: dict[GraphShape, StaticInputs] = {}
         self.sizes: dict[GraphShape, list[int]] = {}
         self.graphs: dict[tuple[GraphShape, int], object] = {}
         self.outputs: dict[tuple[GraphShape, int], object] = {}
@@ -156,7 +156,7 @@ class GraphRunner:
             if not sizes:
                 continue
             self.sizes[shape] = sizes
-            self.inputs[shape] = _StaticInputs(shape, sizes[-1], device, self.runner.input_hidden_size, self.runner.dtype)
+            self.inputs[shape] = StaticInputs(shape, sizes[-1], device, self.runner.input_hidden_size, self.runner.dtype)
             for bs in reversed(sizes):  # largest first, so smaller graphs reuse its pool memory
                 self._capture_one(shape, bs, mode)
         if not self.emulate:
@@ -289,7 +289,7 @@ def graph_plan(spec, worker, sizes: list[int]) -> list[tuple[object, dict, tuple
 
     if spec is None:
         return [(worker.runner, {ForwardMode.DECODE: {GraphShape(1, 0): sizes}}, ())]
-    tiers = spec.adaptive.candidate_union() if spec.adaptive is not None else [worker.tiers.tier]
+    tiers = _plan_tiers(spec, worker)
     verify: dict[GraphShape, list[int]] = {}
     decode: dict[GraphShape, list[int]] = {}
     for tier in tiers:
@@ -311,27 +311,47 @@ def _draft_plan(spec, worker, tiers, sizes: list[int]) -> dict:
     """The drafter's shapes: its one-token (chain) draft steps; each tree tier's draft steps, one shape per depth
     (frontier size, tail-mask width), for a beam and, when drafts may be drawn from q, for a sampled tree's level
     budgets; and the catch-up extend, padded per batch size to the widest catch-up a tier routed there can leave
-    for the next round (proposer.catch_up_width). Anything else (a wider catch-up after a tier switch, a frontier
-    shape not listed) runs eagerly."""
+    for the next round (catch_up_widths). Anything else (a wider catch-up after a tier switch, a frontier shape not
+    listed) runs eagerly. Greedy chain rounds run as one graph each (spec/chain_loop.py, chain_loop_plan); these
+    per-step graphs serve the rest."""
     from hyperdraft.engine.forward_batch import ForwardMode
     from hyperdraft.spec.tree_draft import draft_step_shapes
 
     steps: dict[GraphShape, list[int]] = {GraphShape(1, 0): sizes}
-    width_of: dict[int, int] = {}  # batch size -> catch-up width
     may_sample = spec.use_rejection_sampling is not False  # None: sampled trees whenever a request samples
-    for tier in (t for t in tiers if t.steps > 0):
-        tier_sizes = _tier_sizes(spec, worker, tier, sizes)
-        if tier.is_tree:
-            for k, w in draft_step_shapes(tier.steps, tier.topk, tier.num_draft_tokens, may_sample):
-                _add(steps, GraphShape(k, w), tier_sizes)
-        width = worker.proposer.catch_up_width(tier)
-        for g in tier_sizes:
-            width_of[g] = max(width_of.get(g, 1), width)
+    for tier in (t for t in tiers if t.steps > 0 and t.is_tree):
+        for k, w in draft_step_shapes(tier.steps, tier.topk, tier.num_draft_tokens, may_sample):
+            _add(steps, GraphShape(k, w), _tier_sizes(spec, worker, tier, sizes))
     extend: dict[GraphShape, list[int]] = {}
-    for g, width in width_of.items():
+    for g, width in catch_up_widths(spec, worker, sizes).items():
         if width > 1:  # width 1 is the one-token decode graph
             _add(extend, GraphShape(width, 0, one_logit=True), [g])
     return {ForwardMode.DECODE: steps, ForwardMode.DRAFT_EXTEND: extend}
+
+
+def _plan_tiers(spec, worker) -> list:
+    return spec.adaptive.candidate_union() if spec.adaptive is not None else [worker.tiers.tier]
+
+
+def catch_up_widths(spec, worker, sizes: list[int]) -> dict[int, int]:
+    """Batch size -> the widest catch-up a drafting tier routed to it can leave (proposer.catch_up_width)."""
+    width_of: dict[int, int] = {}
+    for tier in (t for t in _plan_tiers(spec, worker) if t.steps > 0):
+        width = worker.proposer.catch_up_width(tier)
+        for g in _tier_sizes(spec, worker, tier, sizes):
+            width_of[g] = max(width_of.get(g, 1), width)
+    return width_of
+
+
+def chain_loop_plan(spec, worker, sizes: list[int]) -> dict[int, dict[int, int]]:
+    """Chain length -> {batch size: catch-up width}: the whole-round draft graphs of every chain tier, at the batch
+    sizes routed to it (spec/chain_loop.py)."""
+    width_of = catch_up_widths(spec, worker, sizes)
+    plan: dict[int, dict[int, int]] = {}
+    for tier in (t for t in _plan_tiers(spec, worker) if t.steps > 0 and not t.is_tree):
+        for bs in _tier_sizes(spec, worker, tier, sizes):
+            plan.setdefault(tier.steps, {})[bs] = width_of[bs]
+    return plan
 
 
 def _tier_sizes(spec, worker, tier, sizes: list[int]) -> list[int]:

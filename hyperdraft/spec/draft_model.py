@@ -22,14 +22,17 @@ from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.scheduler import ScheduledRequest
 from hyperdraft.request import Request
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
-from hyperdraft.spec.draft_choice import choose_draft, draws_from_q
+from hyperdraft.spec.chain_loop import ChainDrafting
+from hyperdraft.spec.draft_choice import draws_from_q
 from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.tree_draft import grow_tree
 from hyperdraft.spec.tree_sampled import draft_q, grow_sampled_tree
 
 
-class DraftModelProposer:
+class DraftModelProposer(ChainDrafting):
     compacts_draft_pool = True  # after a tree verify its own K/V of the accepted nodes moves like the target's
+    feeds_hidden = False
+
     def __init__(self, runner: ModelRunner, sample_drafts: bool):
         self.runner = runner
         self.sample_drafts = sample_drafts  # draw d_j ~ q_j and keep q; otherwise greedy drafts (one-hot q)
@@ -52,15 +55,27 @@ class DraftModelProposer:
         for it in items:
             it.req.draft_num_computed += it.num_tokens
 
-    def _catch_up_batch(self, reqs: list[Request]) -> ForwardBatch:
-        """Step 0's batch: tokens draft_num_computed .. n of every request, logits at n. Padded to a captured
-        width when a graph can run it: the padding tokens sit at indices n+1 .., which the scheduler has reserved
+    def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
+        if steps == 0:  # adaptive, a tier without speculation: nothing to draft, the next catch-up fills in
+            return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.runner.device), [0] * len(reqs))
+        return super().propose(reqs, steps, sampling)
+
+    def catch_up_counts(self, reqs: list[Request]) -> list[int]:
+        return [r.seq_len - r.draft_num_computed for r in reqs]
+
+    def step_bases(self, reqs: list[Request]) -> list[int]:
+        return [r.seq_len for r in reqs]  # step 1 feeds d_0 right after the last committed token (index n)
+
+    def caught_up(self, reqs: list[Request]) -> None:
+        pass  # commit() records what the round left valid
+
+    def catch_up_batch(self, reqs: list[Request], counts: list[int], width: int | None) -> ForwardBatch:
+        """Step 0's batch: tokens draft_num_computed .. n of every request, logits at n; ragged (width None) or
+        padded to `width`. The padding tokens sit at indices n+1 .., which the scheduler has reserved
         (decode_reserve >= steps + 1 >= width) or which map to the padding page; the draft steps overwrite them
         before anything attends to them, and draft_num_computed never claims them otherwise (see commit)."""
-        counts = [r.seq_len - r.draft_num_computed for r in reqs]
-        graphs, table, device = self.runner.graphs, self.runner.page_table, self.runner.device
-        width = graphs.extend_width(len(reqs), max(counts)) if graphs is not None else None
-        if width is None:  # ragged, eagerly
+        table, device = self.runner.page_table, self.runner.device
+        if width is None:
             inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len), 1)
                       for r in reqs]
             return build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, table, device)
@@ -76,29 +91,12 @@ class DraftModelProposer:
         bonus token, after a fully accepted round); a tree the root plus the accepted nodes the draft never fed."""
         return tier.steps + 1 if tier.is_tree else 2
 
-    def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
-        device = self.runner.device
-        if steps == 0:
-            return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=device), [0] * len(reqs))
-        tokens = torch.zeros(len(reqs), steps, dtype=torch.int64, device=device)
-        qs = []
-        fb = self._catch_up_batch(reqs)
-        for j in range(steps):
-            if j > 0:
-                step_inputs = [ForwardInput(r.row, r.seq_len - 1 + j, [0], 1) for r in reqs]
-                fb = build_forward_batch(ForwardMode.DECODE, step_inputs, self.runner.page_table, device, input_ids=tokens[:, j - 1])
-            logits = self.runner.forward(fb).logits  # [B, V]
-            tokens[:, j], q = choose_draft(logits, sampling.at_offset(tokens[:, :j]), draws_from_q(self.sample_drafts, sampling))
-            if q is not None:
-                qs.append(q)
-        return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
-
     def propose_tree(self, reqs: list[Request], steps: int, topk: int, num_nodes: int, sampling: SamplingBatch) -> TreeProposal:
         """Grow the tree: a beam over top-k children (tree_draft.grow_tree), or children drawn from q
         (tree_sampled.grow_sampled_tree). The root is the last committed token at index n; frontier nodes of
         step i are written at offsets 1 + (i-1)*topk + f past it."""
         device = self.runner.device
-        logits = self.runner.forward(self._catch_up_batch(reqs)).logits
+        logits = self.catch_up(reqs)[1].logits
         bsz = len(reqs)
 
         def step_logits(depth, tokens, offsets, mask):

@@ -8,7 +8,7 @@ hidden_buf[row, : n - d] holds the target's h_d .. h_{n-1} (n = req.num_computed
   catch-up   every round starts by feeding positions d .. n-1 (tokens t_{d+1} .. t_n); its last output
              g_{n-1} gives the root's children. This is the draft extend after verify, merged into the next round,
              so finished requests never need an idle extend. When a CUDA graph can run it, every request is
-             padded to one captured width (positions past n-1, overwritten before they are read; _padded_catch_up).
+             padded to one captured width (positions past n-1, overwritten before they are read; catch_up_batch).
   steps      draft step k >= 1 runs at position n-1+k on (parent's head output, parent's token)
   verify     the K/V written by the steps is speculative: d stays n, and the target hidden states of the
              accepted path (root + accepted nodes, compacted) become hidden_buf[row, : a+1]
@@ -30,7 +30,8 @@ from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.eagle import target_capture_layers
 from hyperdraft.request import Request
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
-from hyperdraft.spec.draft_choice import choose_draft, draws_from_q
+from hyperdraft.spec.chain_loop import ChainDrafting
+from hyperdraft.spec.draft_choice import draws_from_q
 from hyperdraft.spec.proposal import Proposal, TreeProposal
 from hyperdraft.spec.tree_draft import grow_tree
 from hyperdraft.spec.tree_sampled import draft_q, grow_sampled_tree
@@ -58,7 +59,7 @@ class HeadRunner(GraphedRunner):
         return ForwardOutput(self.model.compute_logits(g[fb.logits_indices]), g, [])
 
 
-class EagleProposer:
+class EagleProposer(ChainDrafting):
     compacts_draft_pool = False  # the catch-up rewrites the head's K/V from target hidden states instead
 
     def __init__(self, head, page_table: PageTable, attention_backend: str, max_round_tokens: int, max_rows: int,
@@ -72,7 +73,7 @@ class EagleProposer:
         self.capture_layers = target_capture_layers(head)
         self.hidden_buf = torch.zeros(max_rows, max_round_tokens + 1, head.hidden_size, dtype=self.dtype, device=self.device)
         self.sample_drafts = sample_drafts
-        self.timer = None  # set by the SpecWorker (PhaseTimer)
+        self.feeds_hidden = True
 
     # ---- the head -----------------------------------------------------------------------------------------------
     def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,70 +113,54 @@ class EagleProposer:
             start += it.num_tokens
 
     # ---- a round ------------------------------------------------------------------------------------------------
-    def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed positions d .. n-1 of every request -> (logits of the root's children [B, V], g_{n-1} [B, H])."""
-        if self.timer is not None:
-            with self.timer.phase("draft_extend"):
-                return self._catch_up_untimed(reqs)
-        return self._catch_up_untimed(reqs)
-
-    def _catch_up_untimed(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def catch_up_counts(self, reqs: list[Request]) -> list[int]:
         counts = [r.num_computed - r.draft_num_computed for r in reqs]
         assert all(c >= 1 for c in counts), "every decoding request has at least its last position to feed"
-        graphs = self.runner.graphs
-        width = graphs.extend_width(len(reqs), max(counts)) if graphs is not None else None
-        if width is None:  # ragged, eagerly
+        return counts
+
+    def step_bases(self, reqs: list[Request]) -> list[int]:
+        return [r.num_computed for r in reqs]  # step 1 sits at position n (head position n-1+j for step j)
+
+    def caught_up(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            r.draft_num_computed = r.num_computed
+
+    def catch_up_batch(self, reqs: list[Request], counts: list[int], width: int | None) -> ForwardBatch:
+        """Positions d .. n-1 of every request, logits at n-1; ragged (width None) or padded to `width`.
+
+        Padding feeds every request `width` positions d .. d+width-1 (so a captured graph runs the batch) and takes
+        the logits at its last real one. It is harmless: it writes head K/V at positions n .. at most n + width - 2,
+        which the scheduler has reserved (decode_reserve >= steps + 1 >= width) or which map to the padding page,
+        and which no one reads before the draft steps (or the next catch-up) overwrite them; it comes after the real
+        positions, so causal attention hides it from them. Its hidden inputs are the row's stale hidden_buf entries
+        (target states of earlier rounds, or zeros): finite, so its K/V never put a NaN beside a masked key (0 * NaN
+        would reach the real rows). hidden_buf holds max_verify_tokens + 1 >= width entries."""
+        if width is None:
             inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len), 1)
                       for r in reqs]
             flat = to_device([(r.row, j) for r, c in zip(reqs, counts) for j in range(c)], torch.int64, self.device)
-            hidden = self.hidden_buf[flat[:, 0], flat[:, 1]]
             fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device)
-        else:
-            fb, hidden = self._padded_catch_up(reqs, counts, width)
-        g, logits = self._forward(fb, hidden)
-        for r in reqs:
-            r.draft_num_computed = r.num_computed
-        return logits, g[fb.logits_indices]
-
-    def _padded_catch_up(self, reqs: list[Request], counts: list[int], width: int):
-        """Every request feeds `width` positions d .. d+width-1, so a captured graph runs the batch; logits are taken
-        at each request's last real position. The padding is harmless: it writes head K/V at positions n .. at most
-        n + width - 2, which the scheduler has reserved (decode_reserve >= steps + 1 >= width) or which map to the
-        padding page, and which no one reads before the draft steps (or the next catch-up) overwrite them; it comes
-        after the real positions, so causal attention hides it from them. Its hidden inputs are the row's stale
-        hidden_buf entries (target states of earlier rounds, or zeros): finite, so its K/V never put a NaN beside
-        a masked key (0 * NaN would reach the real rows). hidden_buf holds max_verify_tokens + 1 >= width entries."""
+            fb.input_hidden = self.hidden_buf[flat[:, 0], flat[:, 1]]
+            return fb
         inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len) + [0] * (width - c),
                                1) for r, c in zip(reqs, counts)]
         index = to_device([[r.row, b * width + c - 1] for b, (r, c) in enumerate(zip(reqs, counts))], torch.int64,
                           self.device)
-        hidden = self.hidden_buf[index[:, 0], :width].flatten(0, 1)
         fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device)
+        fb.input_hidden = self.hidden_buf[index[:, 0], :width].flatten(0, 1)
         fb.logits_indices = index[:, 1]
-        return fb, hidden
+        return fb
 
     def catch_up_width(self, tier) -> int:
         """Positions the catch-up after a round of `tier` can feed: the root and every accepted draft."""
         return tier.steps + 1
 
-    def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
-        logits, g = self._catch_up(reqs)
-        tokens = torch.zeros(len(reqs), steps, dtype=torch.int64, device=self.device)
-        qs = []
-        for j in range(steps):
-            if j > 0:
-                inputs = [ForwardInput(r.row, r.num_computed + j - 1, [0], 1) for r in reqs]
-                fb = build_forward_batch(ForwardMode.DECODE, inputs, self.page_table, self.device, input_ids=tokens[:, j - 1])
-                g, logits = self._forward(fb, g)
-            tokens[:, j], q = choose_draft(logits, sampling.at_offset(tokens[:, :j]), draws_from_q(self.sample_drafts, sampling))
-            if q is not None:
-                qs.append(q)
-        return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
-
     def propose_tree(self, reqs: list[Request], steps: int, topk: int, num_nodes: int, sampling: SamplingBatch) -> TreeProposal:
         """The root's children come from g_{n-1}; frontier nodes of step i sit at RoPE position n-1+i and are
         written at offsets 1 + (i-1)*topk + f past index n-1."""
-        logits, g = self._catch_up(reqs)
+        fb, first = self.catch_up(reqs)
+        self.caught_up(reqs)
+        logits, g = first.logits, first.hidden[fb.logits_indices]
 
         def step(depth, tokens, offsets, mask, parent_hidden):
             k = tokens.shape[1]  # frontier size: topk, or fewer in a sampled tree with a small level budget

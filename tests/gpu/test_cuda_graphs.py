@@ -82,11 +82,13 @@ def _run(path, dtype, **args):
     assert engine.kv_free_slots == engine.kv_capacity_slots and not engine.has_unfinished()
     graphs = engine.runner.graphs
     replays = 0 if graphs is None else graphs.num_replays
-    draft_graphs = getattr(getattr(engine.worker, "proposer", None), "runner", None)
-    draft_graphs = None if draft_graphs is None else draft_graphs.graphs
+    proposer = getattr(engine.worker, "proposer", None)
+    draft_graphs = getattr(getattr(proposer, "runner", None), "graphs", None)
     draft_shapes = set() if draft_graphs is None else {shape for (shape, _), n in draft_graphs.replays.items() if n}
+    loop = getattr(proposer, "chain_loop", None)  # greedy chain rounds: one graph per round (spec/chain_loop.py)
+    loop_widths = set() if loop is None else {w for (_, _, w), n in loop.replays.items() if n}
     llm.shutdown()
-    return outs, replays, draft_shapes
+    return outs, replays, draft_shapes, loop_widths
 
 
 _SPEC_OFF: dict = {}
@@ -104,13 +106,15 @@ def test_graphs_on_equals_off(models, name, dtype):
     key = (target, dtype)
     if key not in _SPEC_OFF:
         _SPEC_OFF[key] = _run(target, dtype, disable_cuda_graph=True)[0]
-    eager, _, _ = _run(target, dtype, disable_cuda_graph=True, **case)
-    graphed, replays, draft_shapes = _run(target, dtype, cuda_graph_max_bs=4, **case)
+    eager = _run(target, dtype, disable_cuda_graph=True, **case)[0]
+    graphed, replays, draft_shapes, loop_widths = _run(target, dtype, cuda_graph_max_bs=4, **case)
     assert replays > 0, "no forward ran through a graph"
     if "tree" in name:  # tree draft steps, one graph per depth
         assert any(shape.mask_width for shape in draft_shapes), draft_shapes
+    if "chain" in name:  # whole greedy chain rounds, catch-up included
+        assert loop_widths, "no chain round ran as one graph"
     if "small" in name:  # catch-ups padded to the captured width
-        assert any(shape.one_logit for shape in draft_shapes), draft_shapes
+        assert any(w > 1 for w in loop_widths) if "chain" in name else any(s.one_logit for s in draft_shapes)
     assert graphed == eager, f"{name} {dtype}: graphs on != graphs off"
     if dtype == "float32":
         assert graphed == _SPEC_OFF[key], f"{name}: spec on != spec off"
