@@ -44,6 +44,31 @@ def graph_launch_timing(prof) -> str:
             f"median {statistics.median(delay):.0f} us after the call began (min {min(delay):.0f}, max {max(delay):.0f})")
 
 
+def idle_gaps(prof, steps: int, top: int = 12) -> str:
+    """GPU idle time between consecutive kernels/copies, grouped by the (previous, next) pair: which launch the GPU
+    waited for. Gaps under 5 us are launch spacing inside a graph and are not counted."""
+    import json
+    from collections import defaultdict
+
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    events = sorted((e for e in json.load(open(path))["traceEvents"]
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    by_pair: dict = defaultdict(float)
+    total, end = 0.0, None
+    for prev, nxt in zip(events, events[1:]):
+        end = max(end or 0.0, prev["ts"] + prev["dur"])
+        gap = nxt["ts"] - end
+        if gap >= 5:
+            by_pair[(prev["name"][:40], nxt["name"][:40])] += gap
+            total += gap
+    lines = [f"GPU idle between kernels: {total / 1e3 / steps:.3f} ms/step (gaps >= 5 us)",
+             f"{'previous kernel -> next kernel':<86} {'us/step':>8}"]
+    for (a, b), us in sorted(by_pair.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{a:<40} -> {b:<42} {us / steps:8.1f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", action="store_true", help="EAGLE-3 chain 5 at simulated alpha 0.8 instead of plain decode")
@@ -84,7 +109,7 @@ def main() -> None:
     lines += ["", f"{'host op (self CPU time)':<90} {'ms/step':>8} {'calls/step':>10}"]
     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:25]:
         lines.append(f"{e.key[:90]:<90} {e.self_cpu_time_total / 1e3 / a.steps:8.3f} {e.count / a.steps:10.1f}")
-    lines += ["", graph_launch_timing(prof)]
+    lines += ["", graph_launch_timing(prof), "", idle_gaps(prof, a.steps)]
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(os.environ.get("OUT", "."), f"gpu_profile_{'spec' if a.spec else 'plain'}{os.environ.get('PROFILE_TAG', '')}.txt"), "w") as f:

@@ -81,16 +81,16 @@ def test_head_state_matches_recomputation_from_scratch(models, monkeypatch, algo
     makes random heads accept often, so multi-token catch-ups and tree compaction are exercised."""
     target_path, head_path = models["small"], models[head]
     seen = []
-    original = eagle_proposer.EagleProposer._catch_up
+    original = eagle_proposer.EagleProposer.catch_up
 
-    def spy(self, reqs):
+    def spy(self, reqs, counts=None):
         seqs = [r.prompt_ids + r.output_ids for r in reqs]
         counts = [r.num_computed - r.draft_num_computed for r in reqs]
-        logits, g = original(self, reqs)
-        seen.extend((s, c, row) for s, c, row in zip(seqs, counts, logits))
-        return logits, g
+        fb, out = original(self, reqs, counts)
+        seen.extend((s, c, row) for s, c, row in zip(seqs, counts, out.logits))
+        return fb, out
 
-    monkeypatch.setattr(eagle_proposer.EagleProposer, "_catch_up", spy)
+    monkeypatch.setattr(eagle_proposer.EagleProposer, "catch_up", spy)
     prompts = _prompts(16, 6)
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     _, state = _generate(target_path, prompts, params, page_size=4, chunked_prefill_size=16, skip_tokenizer_init=True,
