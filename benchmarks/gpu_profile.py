@@ -20,15 +20,20 @@ from benchmarks.gpu_bench import LLAMA_8B, make_engine, write_configs  # noqa: E
 from hyperdraft.sampling_params import SamplingParams  # noqa: E402
 
 
-def graph_launch_timing(prof) -> str:
-    """When does a replayed graph's first kernel start, relative to its cudaGraphLaunch call? If it starts only
-    after the call returns, the launch's host time is GPU idle time."""
+def trace_events(prof) -> list[dict]:
+    """The profile's chrome-trace events (a trace can be exported only once, so every reader shares these)."""
     import json
-    import statistics
 
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
-    events = json.load(open(path))["traceEvents"]
+    return json.load(open(path))["traceEvents"]
+
+
+def graph_launch_timing(events: list[dict]) -> str:
+    """When does a replayed graph's first kernel start, relative to its cudaGraphLaunch call? If it starts only
+    after the call returns, the launch's host time is GPU idle time."""
+    import statistics
+
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})}
     first: dict = {}
@@ -44,15 +49,12 @@ def graph_launch_timing(prof) -> str:
             f"median {statistics.median(delay):.0f} us after the call began (min {min(delay):.0f}, max {max(delay):.0f})")
 
 
-def idle_gaps(prof, steps: int, top: int = 12) -> str:
+def idle_gaps(events: list[dict], steps: int, top: int = 12) -> str:
     """GPU idle time between consecutive kernels/copies, grouped by the (previous, next) pair: which launch the GPU
     waited for. Gaps under 5 us are launch spacing inside a graph and are not counted."""
-    import json
     from collections import defaultdict
 
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    events = sorted((e for e in json.load(open(path))["traceEvents"]
+    events = sorted((e for e in events
                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     by_pair: dict = defaultdict(float)
     total, end = 0.0, None
@@ -109,7 +111,8 @@ def main() -> None:
     lines += ["", f"{'host op (self CPU time)':<90} {'ms/step':>8} {'calls/step':>10}"]
     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:25]:
         lines.append(f"{e.key[:90]:<90} {e.self_cpu_time_total / 1e3 / a.steps:8.3f} {e.count / a.steps:10.1f}")
-    lines += ["", graph_launch_timing(prof), "", idle_gaps(prof, a.steps)]
+    events = trace_events(prof)
+    lines += ["", graph_launch_timing(events), "", idle_gaps(events, a.steps)]
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(os.environ.get("OUT", "."), f"gpu_profile_{'spec' if a.spec else 'plain'}{os.environ.get('PROFILE_TAG', '')}.txt"), "w") as f:
