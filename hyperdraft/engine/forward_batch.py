@@ -83,6 +83,7 @@ class ForwardInput:
     num_logits: int  # trailing new tokens whose logits are wanted
     positions: list[int] | None = None  # RoPE positions; default prefix_len + i
     mask: torch.Tensor | None = None  # optional [n, W] tail mask over the last W keys (see ForwardBatch.tail_mask)
+    padding: int = 0  # trailing token_ids fed only to fill a captured width: the logits rows end before them
 
 
 def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_table, device,
@@ -103,7 +104,7 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
     num_tokens = starts.pop()
     own_positions = positions is None and any(inp.positions is not None for inp in inputs)
     ids, pos, seq_index, row_of_token, logits_idx = [], [], [], [], []
-    if all(n == 1 for n in ext) and all(inp.num_logits == 1 for inp in inputs):  # one token and its logits per request
+    if all(n == 1 for n in ext) and all(inp.num_logits == 1 and not inp.padding for inp in inputs):  # one token and its logits per request
         seq_index, row_of_token, logits_idx = prefix, rows, starts
         if input_ids is None:
             ids = [inp.token_ids[0] for inp in inputs]
@@ -117,7 +118,7 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
                 pos += inp.positions if inp.positions is not None else range(inp.prefix_len, inp.prefix_len + n)
             seq_index += range(inp.prefix_len, inp.prefix_len + n)
             row_of_token += [inp.row] * n
-            logits_idx += range(start + n - inp.num_logits, start + n)
+            logits_idx += range(start + n - inp.padding - inp.num_logits, start + n - inp.padding)
     # int32 lengths last, so one conversion serves all three
     flat = to_device(list(itertools.chain(ids, pos, seq_index, row_of_token, logits_idx, rows, seq, starts, ext)),
                      torch.int64, device)

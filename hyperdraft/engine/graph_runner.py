@@ -186,33 +186,20 @@ class GraphRunner:
 
     def _capture_segments(self, fb: ForwardBatch, stream) -> tuple[list, object]:
         """Capture one forward as consecutive graphs cut after the layers segment_cuts names (one graph when the
-        model has no layer hook or segments are off). Tensors made in one segment and read in a later one stay
-        referenced by the forward, so the shared pool keeps them; the segments replay in this order only."""
+        model has no layer hook or segments are off)."""
         model = getattr(self.runner, "model", None)
         cuts = segment_cuts(model.config.num_layers) if SEGMENTED and hasattr(model, "layer_hook") else ()
-        segments: list = []
 
-        def begin() -> None:
-            segments.append(torch.cuda.CUDAGraph())
-            segments[-1].capture_begin(pool=self.pool)
-
-        def cut(layers_done: int) -> None:
-            if layers_done in cuts:
-                segments[-1].capture_end()
-                begin()
-
-        torch.cuda.synchronize(self.runner.device)
-        with torch.cuda.stream(stream):
-            begin()
+        def run(cut):
             if cuts:
-                model.layer_hook = cut
+                model.layer_hook = lambda layers_done: cut() if layers_done in cuts else None
             try:
-                out = self.runner.forward_eager(fb, self.capture_layers)
+                return self.runner.forward_eager(fb, self.capture_layers)
             finally:
                 if cuts:
                     model.layer_hook = None
-            segments[-1].capture_end()
-        return segments, out
+
+        return capture_segments(self.pool, stream, self.runner.device, run)
 
     # ---- replay -------------------------------------------------------------------------------------------------
     def match(self, fb: ForwardBatch, capture_layers: tuple[int, ...]) -> tuple[GraphShape, int] | None:
@@ -278,6 +265,28 @@ class GraphRunner:
             out = self.outputs[key]
         n = real * q
         return type(out)(out.logits[: real if shape.one_logit else n], out.hidden[:n], [c[:n] for c in out.captured])
+
+
+def capture_segments(pool, stream, device, run) -> tuple[list, object]:
+    """Capture run(cut) as consecutive CUDA graphs on `stream`, starting a new one whenever run calls cut() -> (the
+    graphs, run's result). Tensors made in one segment and read in a later one stay referenced while run runs,
+    and the segments share `pool`; they must be replayed in capture order with nothing in between."""
+    segments: list = []
+
+    def begin() -> None:
+        segments.append(torch.cuda.CUDAGraph())
+        segments[-1].capture_begin(pool=pool)
+
+    def cut() -> None:
+        segments[-1].capture_end()
+        begin()
+
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(stream):
+        begin()
+        out = run(cut)
+        segments[-1].capture_end()
+    return segments, out
 
 
 def graph_plan(spec, worker, sizes: list[int]) -> list[tuple[object, dict, tuple[int, ...]]]:

@@ -80,11 +80,8 @@ class DraftModelProposer(ChainDrafting):
                       for r in reqs]
             return build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, table, device)
         inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len) + [0] * (width - c),
-                               1) for r, c in zip(reqs, counts)]
-        last = to_device([b * width + c - 1 for b, c in enumerate(counts)], torch.int64, device)
-        fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, table, device)
-        fb.logits_indices = last
-        return fb
+                               1, padding=width - c) for r, c in zip(reqs, counts)]
+        return build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, table, device)
 
     def catch_up_width(self, tier) -> int:
         """Tokens the catch-up after a round of `tier` can feed: a chain leaves at most 2 (the last draft and the

@@ -143,12 +143,9 @@ class EagleProposer(ChainDrafting):
             fb.input_hidden = self.hidden_buf[flat[:, 0], flat[:, 1]]
             return fb
         inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len) + [0] * (width - c),
-                               1) for r, c in zip(reqs, counts)]
-        index = to_device([[r.row, b * width + c - 1] for b, (r, c) in enumerate(zip(reqs, counts))], torch.int64,
-                          self.device)
+                               1, padding=width - c) for r, c in zip(reqs, counts)]
         fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device)
-        fb.input_hidden = self.hidden_buf[index[:, 0], :width].flatten(0, 1)
-        fb.logits_indices = index[:, 1]
+        fb.input_hidden = self.hidden_buf[fb.req_rows, :width].flatten(0, 1)
         return fb
 
     def catch_up_width(self, tier) -> int:
