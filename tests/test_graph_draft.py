@@ -202,11 +202,11 @@ def test_padded_catch_up_root_logits_match_recomputation(models, llm_factory, em
     seen = []
     original = eagle_proposer.EagleProposer.catch_up
 
-    def spy(self, reqs, counts=None):
+    def spy(self, reqs, tokens_in=None):
         counts = [r.num_computed - r.draft_num_computed for r in reqs]
         seqs = [r.prompt_ids + r.output_ids for r in reqs]
         width = self.runner.graphs.extend_width(len(reqs), max(counts))
-        fb, out = original(self, reqs, counts)
+        fb, out = original(self, reqs, tokens_in)
         seen.extend((s, width, row) for s, row in zip(seqs, out.logits.clone()))
         return fb, out
 

@@ -83,10 +83,10 @@ def test_head_state_matches_recomputation_from_scratch(models, monkeypatch, algo
     seen = []
     original = eagle_proposer.EagleProposer.catch_up
 
-    def spy(self, reqs, counts=None):
+    def spy(self, reqs, tokens_in=None):
         seqs = [r.prompt_ids + r.output_ids for r in reqs]
         counts = [r.num_computed - r.draft_num_computed for r in reqs]
-        fb, out = original(self, reqs, counts)
+        fb, out = original(self, reqs, tokens_in)
         seen.extend((s, c, row) for s, c, row in zip(seqs, counts, out.logits))
         return fb, out
 

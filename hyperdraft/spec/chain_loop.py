@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from hyperdraft.engine.forward_batch import ForwardBatch, ForwardMode
-from hyperdraft.engine.graph_runner import GraphShape, StaticInputs, capture_segments
+from hyperdraft.engine.graph_runner import capture_segments
 from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.request import Request
 from hyperdraft.sample.logits_ops import SamplingBatch
@@ -99,17 +99,62 @@ def choose_argmax(j: int, logits: torch.Tensor, prefix: torch.Tensor) -> tuple[t
     return argmax_rows(logits), None
 
 
+@dataclass
+class CatchUpRows:
+    """A round's catch-up, host side: per request its page-table row, the index of its first fed token, how many
+    real tokens it feeds, and those tokens (sequence indices start .. start + count - 1)."""
+
+    rows: list[int]
+    starts: list[int]
+    counts: list[int]
+    tokens: list[list[int]]
+
+    def packed(self, bs: int, width: int) -> list[int]:
+        """[bs, PACKED_FIELDS + width] row-major: (row, start, count, live, tokens padded to width); the rows past
+        the real ones are padding (row 0, start 0, count width, not live)."""
+        out = []
+        for row, start, count, toks in zip(self.rows, self.starts, self.counts, self.tokens):
+            out += [row, start, count, 1, *toks, *[0] * (width - count)]
+        return out + [0, 0, width, 0, *[0] * width] * (bs - len(self.rows))
+
+
+PACKED_FIELDS = 4
+
+
+def unpack_catch_up(packed: torch.Tensor, page_table, max_seq_len: int, prefix_lens: list[int]) -> ForwardBatch:
+    """packed: [bs, PACKED_FIELDS + width] (CatchUpRows.packed) -> the catch-up ForwardBatch, built on the device.
+    Every request feeds `width` tokens from its start; logits at its last real one. Padding tokens past a live
+    request's real ones write K/V past its last real index (the draft steps overwrite them first; see the
+    proposers' catch_up_batch); a padding row writes only to the padding page."""
+    bs, width = packed.shape[0], packed.shape[1] - PACKED_FIELDS
+    rows, starts, counts, live = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3] != 0
+    arange = torch.arange(bs, dtype=torch.int64, device=packed.device)
+    index = (starts[:, None] + torch.arange(width, device=packed.device)).flatten()
+    token_rows = rows.repeat_interleave(width)
+    slots = torch.where(live.repeat_interleave(width), page_table.token_slots(token_rows, index), 0)
+    return ForwardBatch(
+        mode=ForwardMode.DRAFT_EXTEND, input_ids=packed[:, PACKED_FIELDS:].flatten(), positions=index, out_slots=slots,
+        req_rows=rows, prefix_lens=prefix_lens, extend_lens=[width] * bs, logits_indices=arange * width + counts - 1,
+        seq_lens_t=(starts + width).to(torch.int32), extend_starts_t=(arange * width).to(torch.int32),
+        extend_lens_t=torch.full((bs,), width, dtype=torch.int32, device=packed.device), max_extend_len=width,
+        max_seq_len=max_seq_len,
+    )
+
+
 class ChainLoopGraphs:
     """Greedy chain drafts, one captured graph per (steps, padded batch size, catch-up width). The widths captured for
     a batch size are 1 (the common round after a rejection: the same shapes as the eager path) and the widest
-    catch-up its tiers can leave. Static inputs are the catch-up's (one StaticInputs per width); the output is the
-    [bs, steps] draft tokens, a static buffer valid until the next replay."""
+    catch-up its tiers can leave. The only input is one packed int64 buffer per width (CatchUpRows.packed), filled
+    by ONE host-to-device copy: the graph builds the catch-up batch from it (unpack_catch_up) and gathers the
+    head's hidden inputs itself (catch_up_hidden). The output is the [bs, steps] draft tokens, a static buffer
+    valid until the next replay."""
 
-    def __init__(self, runner, page_table, feeds_hidden: bool, emulate: bool, pool=None):
+    def __init__(self, runner, page_table, feeds_hidden: bool, emulate: bool, pool=None, catch_up_hidden=None):
         self.runner, self.page_table, self.feeds_hidden, self.emulate = runner, page_table, feeds_hidden, emulate
+        self.catch_up_hidden = catch_up_hidden  # (rows [bs], width) -> [bs * width, H] hidden inputs, or None
         self.max_seq_len = page_table.max_pages_per_row * page_table.page_size
         self.widths: dict[int, dict[int, list[int]]] = {}  # steps -> {batch size: catch-up widths, ascending}
-        self.inputs: dict[int, StaticInputs] = {}  # width -> static catch-up buffers
+        self.packed: dict[int, torch.Tensor] = {}  # width -> [largest batch size, PACKED_FIELDS + width] int64
         self.graphs: dict[tuple[int, int, int], object] = {}  # (steps, batch size, width)
         self.outputs: dict[tuple[int, int, int], torch.Tensor | None] = {}
         self.pool = pool
@@ -126,18 +171,17 @@ class ChainLoopGraphs:
         start = time.perf_counter()
         device = self.runner.device
         reserved_before = torch.cuda.memory_reserved(device) if not self.emulate else 0
-        largest: dict[int, int] = {}  # width -> largest batch size using it
-        for widths in plan.values():
-            for bs, widest in widths.items():
-                for w in {1, widest}:
-                    largest[w] = max(largest.get(w, 0), bs)
-        for w, bs in largest.items():
-            self.inputs[w] = StaticInputs(GraphShape(w, 0, one_logit=True), bs, device, self.runner.input_hidden_size,
-                                          self.runner.dtype)
         for steps, widths in sorted(plan.items()):
             self.widths[steps] = {bs: sorted({1, widest}) for bs, widest in sorted(widths.items())}
-            for bs in sorted(widths, reverse=True):  # largest first: smaller ones reuse its memory
-                for width in self.widths[steps][bs]:
+            for bs, ws in self.widths[steps].items():
+                for w in ws:
+                    rows = max(bs, self.packed[w].shape[0] if w in self.packed else 0)
+                    if w not in self.packed or rows > self.packed[w].shape[0]:
+                        self.packed[w] = torch.tensor(CatchUpRows([], [], [], []).packed(rows, w), dtype=torch.int64,
+                                                      device=device).view(rows, PACKED_FIELDS + w)
+        for steps, by_size in sorted(self.widths.items()):
+            for bs in sorted(by_size, reverse=True):  # largest first: smaller ones reuse its memory
+                for width in by_size[bs]:
                     self._capture_one(steps, bs, width)
         if not self.emulate:
             torch.cuda.synchronize(device)
@@ -146,16 +190,18 @@ class ChainLoopGraphs:
         logger.info("%s chain draft loops of %s: %d captured in %.1f s, %.1f MiB", "emulated" if self.emulate else "CUDA",
                     type(self.runner.model).__name__, len(self.outputs), self.capture_seconds, self.capture_bytes / 2**20)
 
-    def _static_batch(self, bs: int, width: int, prefix_lens: list[int]) -> ForwardBatch:
-        return self.inputs[width].batch(ForwardMode.DRAFT_EXTEND, bs, width, self.max_seq_len, prefix_lens)
-
-    def _loop(self, fb: ForwardBatch, steps: int, base_host: list[int] | None, cut=None) -> torch.Tensor:
-        """The round, eagerly; cut() (under capture) starts a new graph segment before every draft step."""
+    def _loop(self, bs: int, width: int, steps: int, starts: list[int] | None, base_host: list[int] | None,
+              cut=None) -> torch.Tensor:
+        """The round on the packed buffer, eagerly; cut() (under capture) starts a new graph segment before every
+        draft step. starts / base_host: host copies for backends that read host lists (None under capture)."""
         def step_forward(step_fb: ForwardBatch):
             if cut is not None:
                 cut()
             return self.runner.forward_eager(step_fb)
 
+        fb = unpack_catch_up(self.packed[width][:bs], self.page_table, self.max_seq_len, starts or [0] * bs)
+        if self.catch_up_hidden is not None:
+            fb.input_hidden = self.catch_up_hidden(fb.req_rows, width)
         anchor = ChainAnchor.after(fb, base_host, 0 if base_host is not None else self.max_seq_len)
         tokens, _ = draft_chain(step_forward, fb, self.runner.forward_eager(fb), anchor, steps, choose_argmax,
                                 self.page_table, self.feeds_hidden)
@@ -166,17 +212,16 @@ class ChainLoopGraphs:
         if self.emulate:
             self.outputs[key] = None
             return
-        fb = self._static_batch(bs, width, [0] * bs)
         stream = torch.cuda.Stream(self.runner.device)
         stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # lazy initialisation and Triton compilation happen outside the graph
-                self._loop(fb, steps, None)
+                self._loop(bs, width, steps, None, None)
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        self.graphs[key], self.outputs[key] = capture_segments(self.pool, stream, self.runner.device,
-                                                               lambda cut: self._loop(fb, steps, None, cut))
+        self.graphs[key], self.outputs[key] = capture_segments(
+            self.pool, stream, self.runner.device, lambda cut: self._loop(bs, width, steps, None, None, cut))
 
     def padded(self, steps: int, batch_size: int, max_count: int) -> tuple[int, int] | None:
         """(padded batch size, catch-up width) of the graph that can run this round, or None."""
@@ -187,16 +232,16 @@ class ChainLoopGraphs:
         width = None if bs is None else next((w for w in by_size[bs] if w >= max_count), None)
         return None if width is None else (bs, width)
 
-    def run(self, fb: ForwardBatch, steps: int, bs: int, base_host: list[int]) -> torch.Tensor:
-        """fb: the catch-up padded to a captured width -> draft tokens [B, steps]."""
-        real, width = fb.batch_size, fb.max_extend_len
-        key = (steps, bs, width)
-        self.inputs[width].fill(fb, bs, width)
+    def run(self, catch_up: CatchUpRows, steps: int, bs: int, width: int, base_host: list[int]) -> torch.Tensor:
+        """-> draft tokens [B, steps] of the round whose catch-up is `catch_up` (B requests, counts <= width)."""
+        real, key = len(catch_up.rows), (steps, bs, width)
+        packed = torch.tensor(catch_up.packed(bs, width), dtype=torch.int64, pin_memory=not self.emulate)
+        self.packed[width][:bs].view(-1).copy_(packed, non_blocking=True)  # the round's one host-to-device copy
         self.page_table.flush()  # the graph reads the device page table
         self.replays[key] += 1
-        if self.emulate:  # the same static buffers and padding, run eagerly (padding rows: positions 0 -> base 1)
-            fresh = self._loop(self._static_batch(bs, width, fb.prefix_lens + [0] * (bs - real)), steps,
-                               base_host + [1] * (bs - real))
+        if self.emulate:  # the same buffer and padding, run eagerly (padding rows: positions 0 .. -> base 1 + ...)
+            starts = catch_up.starts + [0] * (bs - real)
+            fresh = self._loop(bs, width, steps, starts, base_host + [width] * (bs - real))
             if self.outputs[key] is None:
                 self.outputs[key] = fresh
             else:  # overwritten in place, as a graph does: a consumer keeping a view is caught
@@ -212,9 +257,10 @@ class ChainDrafting:
     fits one (chain_loop), else the catch-up and each step through the runner's own dispatch.
 
     A drafter gives: runner, sample_drafts, feeds_hidden, and
-      catch_up_counts(reqs)       tokens each request's catch-up feeds (>= 1)
+      catch_up_tokens(req)        the tokens its catch-up feeds, from index req.draft_num_computed on (>= 1)
       step_bases(reqs)            the sequence index step 1 writes, per request (host copy of ChainAnchor.base)
-      catch_up_batch(reqs, counts, width)   the catch-up ForwardBatch, ragged (width None) or padded to width
+      catch_up_batch(reqs, tokens, width)   the catch-up ForwardBatch, ragged (width None) or padded to width
+      catch_up_hidden(rows, width)          the padded catch-up's hidden inputs [B * width, H], or None
       caught_up(reqs)             record what the catch-up fed"""
 
     chain_loop: ChainLoopGraphs | None = None
@@ -222,15 +268,17 @@ class ChainDrafting:
 
     def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
         sampled = draws_from_q(self.sample_drafts, sampling)
-        counts, bases = self.catch_up_counts(reqs), self.step_bases(reqs)
+        tokens_in, bases = [self.catch_up_tokens(r) for r in reqs], self.step_bases(reqs)
         fit = None
         if self.chain_loop is not None and not sampled and sampling.penalties is None:
-            fit = self.chain_loop.padded(steps, len(reqs), max(counts))
+            fit = self.chain_loop.padded(steps, len(reqs), max(map(len, tokens_in)))
         qs: list[torch.Tensor] = []
         if fit is not None:
-            tokens = self.chain_loop.run(self.catch_up_batch(reqs, counts, fit[1]), steps, fit[0], bases)
+            rows = CatchUpRows([r.row for r in reqs], [r.draft_num_computed for r in reqs], list(map(len, tokens_in)),
+                               tokens_in)
+            tokens = self.chain_loop.run(rows, steps, fit[0], fit[1], bases)
         else:
-            fb, first = self.catch_up(reqs, counts)
+            fb, first = self.catch_up(reqs, tokens_in)
 
             def choose(j: int, logits: torch.Tensor, prefix: torch.Tensor):
                 return choose_draft(logits, sampling.at_offset(prefix), sampled)
@@ -240,12 +288,12 @@ class ChainDrafting:
         self.caught_up(reqs)
         return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
 
-    def catch_up(self, reqs: list[Request], counts: list[int] | None = None):
+    def catch_up(self, reqs: list[Request], tokens_in: list[list[int]] | None = None):
         """Run the catch-up alone -> (its ForwardBatch, its ForwardOutput): padded to a captured width when a
         per-step graph can run it, else ragged and eager."""
-        counts = counts or self.catch_up_counts(reqs)
+        tokens_in = tokens_in or [self.catch_up_tokens(r) for r in reqs]
         graphs = self.runner.graphs
-        width = graphs.extend_width(len(reqs), max(counts)) if graphs is not None else None
-        fb = self.catch_up_batch(reqs, counts, width)
+        width = graphs.extend_width(len(reqs), max(map(len, tokens_in))) if graphs is not None else None
+        fb = self.catch_up_batch(reqs, tokens_in, width)
         with self.timer.phase("draft_extend") if self.timer is not None else contextlib.nullcontext():
             return fb, self.runner.forward(fb)

@@ -60,8 +60,8 @@ class DraftModelProposer(ChainDrafting):
             return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.runner.device), [0] * len(reqs))
         return super().propose(reqs, steps, sampling)
 
-    def catch_up_counts(self, reqs: list[Request]) -> list[int]:
-        return [r.seq_len - r.draft_num_computed for r in reqs]
+    def catch_up_tokens(self, req: Request) -> list[int]:
+        return req.token_ids(req.draft_num_computed, req.seq_len)  # up to the last committed token, index n
 
     def step_bases(self, reqs: list[Request]) -> list[int]:
         return [r.seq_len for r in reqs]  # step 1 feeds d_0 right after the last committed token (index n)
@@ -69,19 +69,17 @@ class DraftModelProposer(ChainDrafting):
     def caught_up(self, reqs: list[Request]) -> None:
         pass  # commit() records what the round left valid
 
-    def catch_up_batch(self, reqs: list[Request], counts: list[int], width: int | None) -> ForwardBatch:
+    def catch_up_hidden(self, rows: torch.Tensor, width: int) -> None:
+        return None  # a draft model reads only tokens
+
+    def catch_up_batch(self, reqs: list[Request], tokens: list[list[int]], width: int | None) -> ForwardBatch:
         """Step 0's batch: tokens draft_num_computed .. n of every request, logits at n; ragged (width None) or
         padded to `width`. The padding tokens sit at indices n+1 .., which the scheduler has reserved
         (decode_reserve >= steps + 1 >= width) or which map to the padding page; the draft steps overwrite them
         before anything attends to them, and draft_num_computed never claims them otherwise (see commit)."""
-        table, device = self.runner.page_table, self.runner.device
-        if width is None:
-            inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len), 1)
-                      for r in reqs]
-            return build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, table, device)
-        inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed, r.seq_len) + [0] * (width - c),
-                               1, padding=width - c) for r, c in zip(reqs, counts)]
-        return build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, table, device)
+        pad = [0 if width is None else width - len(t) for t in tokens]
+        inputs = [ForwardInput(r.row, r.draft_num_computed, t + [0] * p, 1, padding=p) for r, t, p in zip(reqs, tokens, pad)]
+        return build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.runner.page_table, self.runner.device)
 
     def catch_up_width(self, tier) -> int:
         """Tokens the catch-up after a round of `tier` can feed: a chain leaves at most 2 (the last draft and the

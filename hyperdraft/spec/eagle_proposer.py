@@ -113,10 +113,10 @@ class EagleProposer(ChainDrafting):
             start += it.num_tokens
 
     # ---- a round ------------------------------------------------------------------------------------------------
-    def catch_up_counts(self, reqs: list[Request]) -> list[int]:
-        counts = [r.num_computed - r.draft_num_computed for r in reqs]
-        assert all(c >= 1 for c in counts), "every decoding request has at least its last position to feed"
-        return counts
+    def catch_up_tokens(self, req: Request) -> list[int]:
+        tokens = req.token_ids(req.draft_num_computed + 1, req.seq_len)  # t_{d+1} .. t_n
+        assert tokens, "every decoding request has at least its last position to feed"
+        return tokens
 
     def step_bases(self, reqs: list[Request]) -> list[int]:
         return [r.num_computed for r in reqs]  # step 1 sits at position n (head position n-1+j for step j)
@@ -125,7 +125,11 @@ class EagleProposer(ChainDrafting):
         for r in reqs:
             r.draft_num_computed = r.num_computed
 
-    def catch_up_batch(self, reqs: list[Request], counts: list[int], width: int | None) -> ForwardBatch:
+    def catch_up_hidden(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """[B * width, H]: each row's hidden_buf entries 0 .. width-1 (the target states it has not consumed)."""
+        return self.hidden_buf[rows, :width].flatten(0, 1)
+
+    def catch_up_batch(self, reqs: list[Request], tokens: list[list[int]], width: int | None) -> ForwardBatch:
         """Positions d .. n-1 of every request, logits at n-1; ragged (width None) or padded to `width`.
 
         Padding feeds every request `width` positions d .. d+width-1 (so a captured graph runs the batch) and takes
@@ -136,16 +140,15 @@ class EagleProposer(ChainDrafting):
         (target states of earlier rounds, or zeros): finite, so its K/V never put a NaN beside a masked key (0 * NaN
         would reach the real rows). hidden_buf holds max_verify_tokens + 1 >= width entries."""
         if width is None:
-            inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len), 1)
-                      for r in reqs]
-            flat = to_device([(r.row, j) for r, c in zip(reqs, counts) for j in range(c)], torch.int64, self.device)
+            inputs = [ForwardInput(r.row, r.draft_num_computed, t, 1) for r, t in zip(reqs, tokens)]
+            flat = to_device([(r.row, j) for r, t in zip(reqs, tokens) for j in range(len(t))], torch.int64, self.device)
             fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device)
             fb.input_hidden = self.hidden_buf[flat[:, 0], flat[:, 1]]
             return fb
-        inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.seq_len) + [0] * (width - c),
-                               1, padding=width - c) for r, c in zip(reqs, counts)]
+        inputs = [ForwardInput(r.row, r.draft_num_computed, t + [0] * (width - len(t)), 1, padding=width - len(t))
+                  for r, t in zip(reqs, tokens)]
         fb = build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device)
-        fb.input_hidden = self.hidden_buf[fb.req_rows, :width].flatten(0, 1)
+        fb.input_hidden = self.catch_up_hidden(fb.req_rows, width)
         return fb
 
     def catch_up_width(self, tier) -> int:
