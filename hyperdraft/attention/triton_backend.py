@@ -42,8 +42,9 @@ class TritonAttentionBackend(AttentionBackend):
         if fb.seq_lens_t is None or fb.extend_starts_t is None or fb.extend_lens_t is None:
             raise ValueError("the triton attention backend needs ForwardBatch.seq_lens_t, extend_starts_t and "
                              "extend_lens_t (build it with build_forward_batch)")
-        return TritonAttentionMeta(fb.req_rows, fb.seq_lens_t, fb.extend_starts_t, fb.extend_lens_t, fb.tail_mask,
-                                   fb.max_extend_len, fb.max_seq_len)
+        # The kernels index these with stride 1: a strided view would read other fields (a no-op when contiguous).
+        return TritonAttentionMeta(fb.req_rows.contiguous(), fb.seq_lens_t.contiguous(), fb.extend_starts_t.contiguous(),
+                                   fb.extend_lens_t.contiguous(), fb.tail_mask, fb.max_extend_len, fb.max_seq_len)
 
     def forward(self, layer_id, q, k, v, fb, meta: TritonAttentionMeta):
         k_cache, v_cache = self.pool.layer(layer_id)

@@ -127,7 +127,9 @@ def unpack_catch_up(packed: torch.Tensor, page_table, max_seq_len: int, prefix_l
     request's real ones write K/V past its last real index (the draft steps overwrite them first; see the
     proposers' catch_up_batch); a padding row writes only to the padding page."""
     bs, width = packed.shape[0], packed.shape[1] - PACKED_FIELDS
-    rows, starts, counts, live = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3] != 0
+    # contiguous: kernels index these [B] tensors with stride 1 (a column view of packed would hand them stride 4+W)
+    rows, starts, counts, live = (packed[:, i].contiguous() for i in range(PACKED_FIELDS))
+    live = live != 0
     arange = torch.arange(bs, dtype=torch.int64, device=packed.device)
     index = (starts[:, None] + torch.arange(width, device=packed.device)).flatten()
     token_rows = rows.repeat_interleave(width)
