@@ -205,6 +205,8 @@ class ChainLoopGraphs:
         if self.catch_up_hidden is not None:
             fb.input_hidden = self.catch_up_hidden(fb.req_rows, width)
         anchor = ChainAnchor.after(fb, base_host, 0 if base_host is not None else self.max_seq_len)
+        if cut is not None:  # a few-kernel first segment: the GPU starts while the host launches the catch-up
+            cut()
         tokens, _ = draft_chain(step_forward, fb, self.runner.forward_eager(fb), anchor, steps, choose_argmax,
                                 self.page_table, self.feeds_hidden)
         return tokens
