@@ -174,17 +174,11 @@ class GraphRunner:
         if self.emulate:
             self.outputs[key] = None
             return
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: lazy initialisation and Triton compilation happen outside the graph
-                self.runner.forward_eager(fb, self.capture_layers)
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        self.graphs[key], self.outputs[key] = self._capture_segments(fb, stream)
+        self.graphs[key], self.outputs[key] = self._capture_segments(fb)
 
-    def _capture_segments(self, fb: ForwardBatch, stream) -> tuple[list, object]:
+    def _capture_segments(self, fb: ForwardBatch) -> tuple[list, object]:
         """Capture one forward as consecutive graphs cut after the layers segment_cuts names (one graph when the
         model has no layer hook or segments are off)."""
         model = getattr(self.runner, "model", None)
@@ -199,7 +193,7 @@ class GraphRunner:
                 if cuts:
                     model.layer_hook = None
 
-        return capture_segments(self.pool, stream, self.runner.device, run)
+        return capture_segments(self.pool, self.runner.device, run)
 
     # ---- replay -------------------------------------------------------------------------------------------------
     def match(self, fb: ForwardBatch, capture_layers: tuple[int, ...]) -> tuple[GraphShape, int] | None:
@@ -267,10 +261,17 @@ class GraphRunner:
         return type(out)(out.logits[: real if shape.one_logit else n], out.hidden[:n], [c[:n] for c in out.captured])
 
 
-def capture_segments(pool, stream, device, run) -> tuple[list, object]:
-    """Capture run(cut) as consecutive CUDA graphs on `stream`, starting a new one whenever run calls cut() -> (the
-    graphs, run's result). Tensors made in one segment and read in a later one stay referenced while run runs,
+def capture_segments(pool, device, run) -> tuple[list, object]:
+    """Capture run(cut) as consecutive CUDA graphs, starting a new one whenever run calls cut() -> (the graphs, run's
+    result). run first runs twice uncaptured on the capture stream (lazy initialisation and Triton compilation
+    happen outside the graph). Tensors made in one segment and read in a later one stay referenced while run runs,
     and the segments share `pool`; they must be replayed in capture order with nothing in between."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run(lambda: None)
+    torch.cuda.current_stream(device).wait_stream(stream)
     segments: list = []
 
     def begin() -> None:

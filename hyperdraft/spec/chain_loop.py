@@ -216,16 +216,10 @@ class ChainLoopGraphs:
         if self.emulate:
             self.outputs[key] = None
             return
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # lazy initialisation and Triton compilation happen outside the graph
-                self._loop(bs, width, steps, None, None)
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         self.graphs[key], self.outputs[key] = capture_segments(
-            self.pool, stream, self.runner.device, lambda cut: self._loop(bs, width, steps, None, None, cut))
+            self.pool, self.runner.device, lambda cut: self._loop(bs, width, steps, None, None, cut))
 
     def padded(self, steps: int, batch_size: int, max_count: int) -> tuple[int, int] | None:
         """(padded batch size, catch-up width) of the graph that can run this round, or None."""

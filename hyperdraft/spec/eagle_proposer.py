@@ -32,7 +32,7 @@ from hyperdraft.request import Request
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
 from hyperdraft.spec.chain_loop import ChainDrafting
 from hyperdraft.spec.draft_choice import draws_from_q
-from hyperdraft.spec.proposal import Proposal, TreeProposal
+from hyperdraft.spec.proposal import TreeProposal
 from hyperdraft.spec.tree_draft import grow_tree
 from hyperdraft.spec.tree_sampled import draft_q, grow_sampled_tree
 
