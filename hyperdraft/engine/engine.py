@@ -185,8 +185,8 @@ class Engine:
             if plan:
                 runner = proposer.runner
                 proposer.chain_loop = ChainLoopGraphs(runner, self.page_table, proposer.feeds_hidden,
-                                                      emulate=self.device.type == "cpu", pool=runner.graphs.pool,
-                                                      catch_up_hidden=proposer.catch_up_hidden)
+                                                      proposer.catch_up_hidden, emulate=self.device.type == "cpu",
+                                                      pool=runner.graphs.pool)
                 proposer.chain_loop.capture(plan)
 
     # ---- requests -----------------------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
     num_tokens = starts.pop()
     own_positions = positions is None and any(inp.positions is not None for inp in inputs)
     ids, pos, seq_index, row_of_token, logits_idx = [], [], [], [], []
-    if all(n == 1 for n in ext) and all(inp.num_logits == 1 and not inp.padding for inp in inputs):  # one token and its logits per request
+    # one token and its logits per request
+    if all(n == 1 for n in ext) and all(inp.num_logits == 1 and not inp.padding for inp in inputs):
         seq_index, row_of_token, logits_idx = prefix, rows, starts
         if input_ids is None:
             ids = [inp.token_ids[0] for inp in inputs]

@@ -63,7 +63,7 @@ def default_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
-class StaticInputs:
+class _StaticInputs:
     """Input buffers for the largest batch of one GraphShape; smaller graphs use leading views."""
 
     def __init__(self, shape: GraphShape, max_bs: int, device, hidden_size: int | None, dtype: torch.dtype):
@@ -133,7 +133,7 @@ class GraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.emulate = emulate
         self.max_seq_len = runner.page_table.max_pages_per_row * runner.page_table.page_size
-        self.inputs: dict[GraphShape, StaticInputs] = {}
+        self.inputs: dict[GraphShape, _StaticInputs] = {}
         self.sizes: dict[GraphShape, list[int]] = {}
         self.graphs: dict[tuple[GraphShape, int], object] = {}
         self.outputs: dict[tuple[GraphShape, int], object] = {}
@@ -156,7 +156,7 @@ class GraphRunner:
             if not sizes:
                 continue
             self.sizes[shape] = sizes
-            self.inputs[shape] = StaticInputs(shape, sizes[-1], device, self.runner.input_hidden_size, self.runner.dtype)
+            self.inputs[shape] = _StaticInputs(shape, sizes[-1], device, self.runner.input_hidden_size, self.runner.dtype)
             for bs in reversed(sizes):  # largest first, so smaller graphs reuse its pool memory
                 self._capture_one(shape, bs, mode)
         if not self.emulate:

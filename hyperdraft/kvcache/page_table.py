@@ -110,16 +110,13 @@ class PageTable:
         return len(self._row_pages[row]) * self.page_size
 
     def token_slots(self, rows: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
-        """rows, seq_index: [T] (one row per token) -> [T] pool slots."""
+        """rows, seq_index: broadcastable ([T] and [T], or [B, 1] and [B, K]) -> pool slots of that shape (indices
+        past a row's pages map into page 0)."""
         last = self.max_pages_per_row - 1
-        if self.page_size == 1:
+        if self.page_size == 1:  # slot = page: one clamp and one gather
             return self.table[rows, seq_index.clamp_max(last)]
         return self.table[rows, (seq_index // self.page_size).clamp_max(last)] * self.page_size + seq_index % self.page_size
 
     def slots(self, rows: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
-        """rows: [B], seq_index: [B, K] -> [B, K] pool slots (indices past a row's pages map into page 0)."""
-        last = self.max_pages_per_row - 1
-        if self.page_size == 1:  # slot = page: one clamp and one gather
-            return self.table[rows[:, None], seq_index.clamp_max(last)]
-        pages = self.table[rows[:, None], (seq_index // self.page_size).clamp_max(last)]
-        return pages * self.page_size + seq_index % self.page_size
+        """rows: [B], seq_index: [B, K] -> [B, K] pool slots."""
+        return self.token_slots(rows[:, None], seq_index)

@@ -2,9 +2,9 @@
 
 draft_chain runs it for both drafters (an EAGLE head, a STANDALONE draft model). Its step batches are built on the
 device from the catch-up batch (ChainAnchor), so a step costs no host-to-device copy and no host decision; that
-makes the whole loop capturable. ChainLoopGraphs captures it, for greedy drafts (argmax, no penalties), as ONE CUDA
-graph per (chain length, batch size): a round then launches one draft graph instead of one per step, and the host
-work between steps (a batch build and a graph launch each) is gone. The graph and the eager path run the same
+makes the whole loop capturable. ChainLoopGraphs captures it, for greedy drafts (argmax, no penalties), as one graph
+per (chain length, batch size, catch-up width): a round then launches one draft graph instead of one per step, and
+the host work between steps (a batch build and a graph launch each) is gone. The graph and the eager path run the same
 draft_chain; only `forward` differs (the runner's eager forward under capture, its graph-or-eager dispatch outside).
 The round is captured as one segment per forward, launched back to back: a launch call's host time grows with the
 graph's kernel count and its first kernel starts only when the call returns, so a short first segment gets the GPU
@@ -101,20 +101,24 @@ def choose_argmax(j: int, logits: torch.Tensor, prefix: torch.Tensor) -> tuple[t
 
 @dataclass
 class CatchUpRows:
-    """A round's catch-up, host side: per request its page-table row, the index of its first fed token, how many
-    real tokens it feeds, and those tokens (sequence indices start .. start + count - 1)."""
+    """A round's catch-up, host side: per request its page-table row, the index of its first fed token, and the
+    tokens it feeds (sequence indices start .. start + len - 1; draft step 1 writes the index right after)."""
 
     rows: list[int]
     starts: list[int]
-    counts: list[int]
     tokens: list[list[int]]
+
+    @property
+    def step_bases(self) -> list[int]:
+        """Host copy of ChainAnchor.base: the index right after each request's last fed token."""
+        return [start + len(toks) for start, toks in zip(self.starts, self.tokens)]
 
     def packed(self, bs: int, width: int) -> list[int]:
         """[bs, PACKED_FIELDS + width] row-major: (row, start, count, live, tokens padded to width); the rows past
         the real ones are padding (row 0, start 0, count width, not live)."""
         out = []
-        for row, start, count, toks in zip(self.rows, self.starts, self.counts, self.tokens):
-            out += [row, start, count, 1, *toks, *[0] * (width - count)]
+        for row, start, toks in zip(self.rows, self.starts, self.tokens):
+            out += [row, start, len(toks), 1, *toks, *[0] * (width - len(toks))]
         return out + [0, 0, width, 0, *[0] * width] * (bs - len(self.rows))
 
 
@@ -151,7 +155,7 @@ class ChainLoopGraphs:
     head's hidden inputs itself (catch_up_hidden). The output is the [bs, steps] draft tokens, a static buffer
     valid until the next replay."""
 
-    def __init__(self, runner, page_table, feeds_hidden: bool, emulate: bool, pool=None, catch_up_hidden=None):
+    def __init__(self, runner, page_table, feeds_hidden: bool, catch_up_hidden, emulate: bool, pool=None):
         self.runner, self.page_table, self.feeds_hidden, self.emulate = runner, page_table, feeds_hidden, emulate
         self.catch_up_hidden = catch_up_hidden  # (rows [bs], width) -> [bs * width, H] hidden inputs, or None
         self.max_seq_len = page_table.max_pages_per_row * page_table.page_size
@@ -179,7 +183,7 @@ class ChainLoopGraphs:
                 for w in ws:
                     rows = max(bs, self.packed[w].shape[0] if w in self.packed else 0)
                     if w not in self.packed or rows > self.packed[w].shape[0]:
-                        self.packed[w] = torch.tensor(CatchUpRows([], [], [], []).packed(rows, w), dtype=torch.int64,
+                        self.packed[w] = torch.tensor(CatchUpRows([], [], []).packed(rows, w), dtype=torch.int64,
                                                       device=device).view(rows, PACKED_FIELDS + w)
         for steps, by_size in sorted(self.widths.items()):
             for bs in sorted(by_size, reverse=True):  # largest first: smaller ones reuse its memory
@@ -202,8 +206,7 @@ class ChainLoopGraphs:
             return self.runner.forward_eager(step_fb)
 
         fb = unpack_catch_up(self.packed[width][:bs], self.page_table, self.max_seq_len, starts or [0] * bs)
-        if self.catch_up_hidden is not None:
-            fb.input_hidden = self.catch_up_hidden(fb.req_rows, width)
+        fb.input_hidden = self.catch_up_hidden(fb.req_rows, width)
         anchor = ChainAnchor.after(fb, base_host, 0 if base_host is not None else self.max_seq_len)
         if cut is not None:  # a few-kernel first segment: the GPU starts while the host launches the catch-up
             cut()
@@ -230,7 +233,7 @@ class ChainLoopGraphs:
         width = None if bs is None else next((w for w in by_size[bs] if w >= max_count), None)
         return None if width is None else (bs, width)
 
-    def run(self, catch_up: CatchUpRows, steps: int, bs: int, width: int, base_host: list[int]) -> torch.Tensor:
+    def run(self, catch_up: CatchUpRows, steps: int, bs: int, width: int) -> torch.Tensor:
         """-> draft tokens [B, steps] of the round whose catch-up is `catch_up` (B requests, counts <= width)."""
         real, key = len(catch_up.rows), (steps, bs, width)
         packed = torch.tensor(catch_up.packed(bs, width), dtype=torch.int64, pin_memory=not self.emulate)
@@ -239,7 +242,7 @@ class ChainLoopGraphs:
         self.replays[key] += 1
         if self.emulate:  # the same buffer and padding, run eagerly (padding rows: positions 0 .. -> base 1 + ...)
             starts = catch_up.starts + [0] * (bs - real)
-            fresh = self._loop(bs, width, steps, starts, base_host + [width] * (bs - real))
+            fresh = self._loop(bs, width, steps, starts, catch_up.step_bases + [width] * (bs - real))
             if self.outputs[key] is None:
                 self.outputs[key] = fresh
             else:  # overwritten in place, as a graph does: a consumer keeping a view is caught
@@ -255,8 +258,8 @@ class ChainDrafting:
     fits one (chain_loop), else the catch-up and each step through the runner's own dispatch.
 
     A drafter gives: runner, sample_drafts, feeds_hidden, and
-      catch_up_tokens(req)        the tokens its catch-up feeds, from index req.draft_num_computed on (>= 1)
-      step_bases(reqs)            the sequence index step 1 writes, per request (host copy of ChainAnchor.base)
+      catch_up_tokens(req)        the tokens its catch-up feeds, from index req.draft_num_computed on (>= 1);
+                                  draft step 1 writes the index right after the last of them
       catch_up_batch(reqs, tokens, width)   the catch-up ForwardBatch, ragged (width None) or padded to width
       catch_up_hidden(rows, width)          the padded catch-up's hidden inputs [B * width, H], or None
       caught_up(reqs)             record what the catch-up fed"""
@@ -266,23 +269,22 @@ class ChainDrafting:
 
     def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
         sampled = draws_from_q(self.sample_drafts, sampling)
-        tokens_in, bases = [self.catch_up_tokens(r) for r in reqs], self.step_bases(reqs)
+        rows = CatchUpRows([r.row for r in reqs], [r.draft_num_computed for r in reqs],
+                           [self.catch_up_tokens(r) for r in reqs])
         fit = None
         if self.chain_loop is not None and not sampled and sampling.penalties is None:
-            fit = self.chain_loop.padded(steps, len(reqs), max(map(len, tokens_in)))
+            fit = self.chain_loop.padded(steps, len(reqs), max(map(len, rows.tokens)))
         qs: list[torch.Tensor] = []
         if fit is not None:
-            rows = CatchUpRows([r.row for r in reqs], [r.draft_num_computed for r in reqs], list(map(len, tokens_in)),
-                               tokens_in)
-            tokens = self.chain_loop.run(rows, steps, fit[0], fit[1], bases)
+            tokens = self.chain_loop.run(rows, steps, *fit)
         else:
-            fb, first = self.catch_up(reqs, tokens_in)
+            fb, first = self.catch_up(reqs, rows.tokens)
 
             def choose(j: int, logits: torch.Tensor, prefix: torch.Tensor):
                 return choose_draft(logits, sampling.at_offset(prefix), sampled)
 
-            tokens, qs = draft_chain(self.runner.forward, fb, first, ChainAnchor.after(fb, bases), steps, choose,
-                                     self.runner.page_table, self.feeds_hidden)
+            tokens, qs = draft_chain(self.runner.forward, fb, first, ChainAnchor.after(fb, rows.step_bases), steps,
+                                     choose, self.runner.page_table, self.feeds_hidden)
         self.caught_up(reqs)
         return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
 

@@ -63,9 +63,6 @@ class DraftModelProposer(ChainDrafting):
     def catch_up_tokens(self, req: Request) -> list[int]:
         return req.token_ids(req.draft_num_computed, req.seq_len)  # up to the last committed token, index n
 
-    def step_bases(self, reqs: list[Request]) -> list[int]:
-        return [r.seq_len for r in reqs]  # step 1 feeds d_0 right after the last committed token (index n)
-
     def caught_up(self, reqs: list[Request]) -> None:
         pass  # commit() records what the round left valid
 

@@ -118,9 +118,6 @@ class EagleProposer(ChainDrafting):
         assert tokens, "every decoding request has at least its last position to feed"
         return tokens
 
-    def step_bases(self, reqs: list[Request]) -> list[int]:
-        return [r.num_computed for r in reqs]  # step 1 sits at position n (head position n-1+j for step j)
-
     def caught_up(self, reqs: list[Request]) -> None:
         for r in reqs:
             r.draft_num_computed = r.num_computed
