@@ -22,7 +22,7 @@ import hyperdraft.spec.eagle_proposer as eagle_proposer
 from hyperdraft import LLM
 from hyperdraft.engine.forward_batch import ForwardMode
 from hyperdraft.engine.graph_runner import EMULATE_GRAPHS_ENV, GraphShape
-from hyperdraft.spec.chain_loop import CHAIN_LOOP_GRAPH_ENV
+from hyperdraft.spec.draft_graphs import DRAFT_LOOP_GRAPH_ENV
 from hyperdraft.models.eagle import load_eagle_head, target_capture_layers
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
@@ -125,25 +125,21 @@ def test_draft_graphs_replay_and_change_nothing(models, llm_factory, emulated_gr
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"round {i}: the drafts differ with graphs on"
 
     proposer = llm.engine.worker.proposer
-    graphs, loop = proposer.runner.graphs, proposer.chain_loop
+    graphs, loop = proposer.runner.graphs, proposer.draft_loop
     replayed = {shape for (shape, _), n in graphs.replays.items() if n}
-    # every greedy chain round at batch size <= 4 runs as one graph (catch-up and steps), whatever the tiers
-    chain_rounds = [p for p in proposals if len(p) == 1 and p[0].shape[1] and p[0].shape[0] <= MAX_BS]
-    assert (loop.num_replays if loop is not None else 0) == len(chain_rounds)
-    if "chain" in name:
-        assert chain_rounds and not any(s.one_logit for s in replayed), "a chain catch-up ran on its own"
-        # both captured catch-up widths: 1 (after a rejection) and steps + 1 (after a full acceptance)
+    # every greedy round at batch size <= 4, chain or beam, runs as one graph (catch-up and steps), whatever the tiers
+    graph_rounds = [p for p in proposals if p[0].shape[1] and p[0].shape[0] <= MAX_BS]
+    assert loop.num_replays == len(graph_rounds) > 0
+    assert not any(s.one_logit for s in replayed), "a catch-up below cuda_graph_max_bs ran on its own"
+    if "adaptive" not in name:  # both captured catch-up widths: 1 (after a rejection) and steps + 1 (full acceptance)
         assert {w for (_, _, w), n in loop.replays.items() if n} == {1, 4}
-    else:
-        assert any(s.one_logit for s in replayed), "no padded catch-up ran through a graph"
+    if "tree" in name or "adaptive" in name:
+        assert any(tier.is_tree for (tier, _, _), n in loop.replays.items() if n), "no tree round ran as one graph"
     catch_ups = [(bs, key) for mode, bs, _, key in matches if mode == ForwardMode.DRAFT_EXTEND and bs > MAX_BS]
     assert catch_ups and all(key is None for _, key in catch_ups), "a catch-up above cuda_graph_max_bs must run eagerly"
-    if "tree" in name or "adaptive" in name:
-        assert any(s.mask_width for s in replayed), "no tree draft step ran through a graph"
-        steps = [(bs, key) for mode, bs, masked, key in matches if masked]
-        assert all((key is None) == (bs > MAX_BS) for bs, key in steps), "a tree step ran eagerly below max bs, or not"
-        assert "adaptive" in name or any(bs > MAX_BS for bs, _ in steps), "no tree step ran above cuda_graph_max_bs"
-
+    steps = [(bs, key) for mode, bs, masked, key in matches if masked]  # tree steps outside a round graph: eager
+    assert all(key is None and bs > MAX_BS for bs, key in steps), "a tree step ran on its own below max bs"
+    assert "tree" not in name or steps, "no tree round ran above cuda_graph_max_bs"
 
 def test_sampled_chain_drafts_run_step_by_step(models, llm_factory, emulated_graphs, monkeypatch):
     """Drafts drawn from q (or penalised) have host-chosen sampling branches: their chain rounds skip the whole-round
@@ -152,7 +148,7 @@ def test_sampled_chain_drafts_run_step_by_step(models, llm_factory, emulated_gra
     prompts, params = _prompts("small"), [greedy(n) for n in NEW_TOKENS]
     llm, outs, proposals, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
     proposer = llm.engine.worker.proposer
-    assert proposer.chain_loop.num_replays == 0
+    assert proposer.draft_loop.num_replays == 0
     assert proposer.runner.graphs.replays[(GraphShape(1, 0), 1)] > 0
     monkeypatch.delenv(EMULATE_GRAPHS_ENV)
     _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
@@ -211,7 +207,7 @@ def test_padded_catch_up_root_logits_match_recomputation(models, llm_factory, em
         return fb, out
 
     monkeypatch.setattr(eagle_proposer.EagleProposer, "catch_up", spy)
-    monkeypatch.setenv(CHAIN_LOOP_GRAPH_ENV, "0")  # chains too: their catch-up alone (the loop graph hides it)
+    monkeypatch.setenv(DRAFT_LOOP_GRAPH_ENV, "0")  # chains too: their catch-up alone (the loop graph hides it)
     llm = llm_factory(models["small"], page_size=4, skip_tokenizer_init=True, cuda_graph_max_bs=MAX_BS,
                       speculative_algorithm=algo, speculative_draft_model_path=models[head], **shape)
     gen(llm, _prompts("small")[:MAX_BS], [greedy(24)] * MAX_BS)

@@ -74,12 +74,10 @@ def test_graphs_match_eager_and_spec_off(models, llm_factory, emulated_graphs, n
     assert max(graphs.batch_sizes) == 4
     proposer = getattr(llm.engine.worker, "proposer", None)
     draft_runner = getattr(proposer, "runner", None)
-    if draft_runner is not None:  # greedy chain rounds run as one graph each (catch-up and steps) ...
-        assert draft_runner.graphs is not None
-        if "tree" not in name:
-            assert proposer.chain_loop is not None and proposer.chain_loop.num_replays > 0
-        if "tree" in name:  # ... and so do its tree draft steps, one graph per depth (tests/test_graph_draft.py)
-            assert any(shape.mask_width for (shape, _), n in draft_runner.graphs.replays.items() if n)
+    if draft_runner is not None:  # greedy rounds, chains and beams, run as one graph each (tests/test_graph_draft.py)
+        assert draft_runner.graphs is not None and proposer.draft_loop is not None
+        ran = {tier for (tier, _, _), n in proposer.draft_loop.replays.items() if n}
+        assert any(tier.is_tree == ("tree" in name) for tier in ran), ran
 
 
 def test_disable_cuda_graph(models, llm_factory, emulated_graphs):

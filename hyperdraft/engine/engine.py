@@ -10,7 +10,7 @@ import random
 import torch
 
 from hyperdraft.config import EngineArgs
-from hyperdraft.engine.graph_runner import (EMULATE_GRAPHS_ENV, GraphRunner, chain_loop_plan, default_batch_sizes,
+from hyperdraft.engine.graph_runner import (EMULATE_GRAPHS_ENV, GraphRunner, default_batch_sizes, draft_loop_plan,
                                             graph_plan)
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.model_worker import ModelWorker
@@ -22,7 +22,8 @@ from hyperdraft.models.loader import load_model
 from hyperdraft.request import Request
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.models.eagle import load_eagle_head
-from hyperdraft.spec.chain_loop import CHAIN_LOOP_GRAPH_ENV, ChainDrafting, ChainLoopGraphs
+from hyperdraft.spec.draft_graphs import DRAFT_LOOP_GRAPH_ENV, DraftLoopGraphs
+from hyperdraft.spec.draft_rounds import DraftRounds
 from hyperdraft.spec.draft_model import DraftModelProposer
 from hyperdraft.spec.eagle_proposer import EagleProposer
 from hyperdraft.spec.ngram import NgramProposer
@@ -180,14 +181,14 @@ class Engine:
             for mode, shapes in mode_shapes.items():
                 runner.graphs.capture(shapes, mode, layers)
         proposer = getattr(self.worker, "proposer", None)
-        if isinstance(proposer, ChainDrafting) and os.environ.get(CHAIN_LOOP_GRAPH_ENV, "1") != "0":
-            plan = chain_loop_plan(self.spec, self.worker, sizes)
+        if isinstance(proposer, DraftRounds) and os.environ.get(DRAFT_LOOP_GRAPH_ENV, "1") != "0":
+            plan = draft_loop_plan(self.spec, self.worker, sizes)
             if plan:
                 runner = proposer.runner
-                proposer.chain_loop = ChainLoopGraphs(runner, self.page_table, proposer.feeds_hidden,
+                proposer.draft_loop = DraftLoopGraphs(runner, self.page_table, proposer.feeds_hidden,
                                                       proposer.catch_up_hidden, emulate=self.device.type == "cpu",
                                                       pool=runner.graphs.pool)
-                proposer.chain_loop.capture(plan)
+                proposer.draft_loop.capture(plan)
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

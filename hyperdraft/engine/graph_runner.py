@@ -322,7 +322,7 @@ def _draft_plan(spec, worker, tiers, sizes: list[int]) -> dict:
     (frontier size, tail-mask width), for a beam and, when drafts may be drawn from q, for a sampled tree's level
     budgets; and the catch-up extend, padded per batch size to the widest catch-up a tier routed there can leave
     for the next round (catch_up_widths). Anything else (a wider catch-up after a tier switch, a frontier shape not
-    listed) runs eagerly. Greedy chain rounds run as one graph each (spec/chain_loop.py, chain_loop_plan); these
+    listed) runs eagerly. Greedy rounds run as one graph each (spec/draft_graphs.py, draft_loop_plan); these
     per-step graphs serve the rest."""
     from hyperdraft.engine.forward_batch import ForwardMode
     from hyperdraft.spec.tree_draft import draft_step_shapes
@@ -353,14 +353,14 @@ def catch_up_widths(spec, worker, sizes: list[int]) -> dict[int, int]:
     return width_of
 
 
-def chain_loop_plan(spec, worker, sizes: list[int]) -> dict[int, dict[int, int]]:
-    """Chain length -> {batch size: catch-up width}: the whole-round draft graphs of every chain tier, at the batch
-    sizes routed to it (spec/chain_loop.py)."""
+def draft_loop_plan(spec, worker, sizes: list[int]) -> dict:
+    """Tier -> {batch size: catch-up width}: the whole-round draft graphs of every drafting tier, chain or tree, at
+    the batch sizes routed to it (spec/draft_graphs.py)."""
     width_of = catch_up_widths(spec, worker, sizes)
-    plan: dict[int, dict[int, int]] = {}
-    for tier in (t for t in _plan_tiers(spec, worker) if t.steps > 0 and not t.is_tree):
+    plan: dict = {}
+    for tier in (t for t in _plan_tiers(spec, worker) if t.steps > 0):
         for bs in _tier_sizes(spec, worker, tier, sizes):
-            plan.setdefault(tier.steps, {})[bs] = width_of[bs]
+            plan.setdefault(tier, {})[bs] = width_of[bs]
     return plan
 
 

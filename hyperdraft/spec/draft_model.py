@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device
 from hyperdraft.engine.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.scheduler import ScheduledRequest
 from hyperdraft.request import Request
-from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
-from hyperdraft.spec.chain_loop import ChainDrafting
-from hyperdraft.spec.draft_choice import draws_from_q
-from hyperdraft.spec.proposal import Proposal, TreeProposal
-from hyperdraft.spec.tree_draft import grow_tree
-from hyperdraft.spec.tree_sampled import draft_q, grow_sampled_tree
+from hyperdraft.sample.logits_ops import SamplingBatch
+from hyperdraft.spec.draft_rounds import DraftRounds
+from hyperdraft.spec.proposal import Proposal
 
 
-class DraftModelProposer(ChainDrafting):
+class DraftModelProposer(DraftRounds):
     compacts_draft_pool = True  # after a tree verify its own K/V of the accepted nodes moves like the target's
     feeds_hidden = False
 
@@ -83,38 +79,6 @@ class DraftModelProposer(ChainDrafting):
         bonus token, after a fully accepted round); a tree the root plus the accepted nodes the draft never fed."""
         return tier.steps + 1 if tier.is_tree else 2
 
-    def propose_tree(self, reqs: list[Request], steps: int, topk: int, num_nodes: int, sampling: SamplingBatch) -> TreeProposal:
-        """Grow the tree: a beam over top-k children (tree_draft.grow_tree), or children drawn from q
-        (tree_sampled.grow_sampled_tree). The root is the last committed token at index n; frontier nodes of
-        step i are written at offsets 1 + (i-1)*topk + f past it."""
-        device = self.runner.device
-        logits = self.catch_up(reqs)[1].logits
-        bsz = len(reqs)
-
-        def step_logits(depth, tokens, offsets, mask):
-            k = tokens.shape[1]  # frontier size: topk, or fewer in a sampled tree with a small level budget
-            inputs = [ForwardInput(r.row, r.seq_len + (depth - 1) * topk, [0] * k, k, positions=[r.seq_len - 1 + depth] * k)
-                      for r in reqs]
-            fb = build_forward_batch(ForwardMode.DECODE, inputs, self.runner.page_table, device,
-                                     input_ids=tokens.flatten(), tail_mask=mask)
-            return self.runner.forward(fb).logits  # [B*k, V]
-
-        roots = _last_tokens(reqs, device)
-        if draws_from_q(self.sample_drafts, sampling):  # children drawn from q, verified with the real q
-            def q_step(depth, tokens, offsets, mask, parent_hidden):
-                k = tokens.shape[1]
-                return draft_q(step_logits(depth, tokens, offsets, mask), sampling.repeat_rows(k), topk).view(bsz, k, -1), None
-
-            return TreeProposal(*grow_sampled_tree(draft_q(logits, sampling, topk), None, q_step, steps, topk, roots,
-                                                   num_nodes, sampling.seeds, sampling.positions))
-
-        def logq_step(depth, tokens, offsets, mask, parent_hidden):
-            logq = torch.log_softmax(penalised_logits(step_logits(depth, tokens, offsets, mask), sampling.repeat_rows(topk)), -1)
-            return logq.view(bsz, topk, -1), None
-
-        root_logq = torch.log_softmax(penalised_logits(logits, sampling), -1)
-        return TreeProposal(*grow_tree(root_logq, None, logq_step, steps, topk, roots, num_nodes))
-
     def commit_tree(self, reqs: list[Request], valid_draft_tokens: list[int]) -> None:
         """After a tree round and compaction the draft pool is right for the root plus the leading accepted
         nodes the draft itself had fed (moved to n+1, n+2, ...)."""
@@ -129,6 +93,3 @@ class DraftModelProposer(ChainDrafting):
         for req, a in zip(reqs, num_accepted):
             req.draft_num_computed = min(req.num_computed + steps, req.num_computed + a + 1)
 
-
-def _last_tokens(reqs: list[Request], device) -> torch.Tensor:
-    return to_device([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], torch.int64, device)

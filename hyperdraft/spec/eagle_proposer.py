@@ -29,12 +29,7 @@ from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.eagle import target_capture_layers
 from hyperdraft.request import Request
-from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
-from hyperdraft.spec.chain_loop import ChainDrafting
-from hyperdraft.spec.draft_choice import draws_from_q
-from hyperdraft.spec.proposal import TreeProposal
-from hyperdraft.spec.tree_draft import grow_tree
-from hyperdraft.spec.tree_sampled import draft_q, grow_sampled_tree
+from hyperdraft.spec.draft_rounds import DraftRounds
 
 
 class HeadRunner(GraphedRunner):
@@ -59,7 +54,7 @@ class HeadRunner(GraphedRunner):
         return ForwardOutput(self.model.compute_logits(g[fb.logits_indices]), g, [])
 
 
-class EagleProposer(ChainDrafting):
+class EagleProposer(DraftRounds):
     compacts_draft_pool = False  # the catch-up rewrites the head's K/V from target hidden states instead
 
     def __init__(self, head, page_table: PageTable, attention_backend: str, max_round_tokens: int, max_rows: int,
@@ -151,35 +146,6 @@ class EagleProposer(ChainDrafting):
     def catch_up_width(self, tier) -> int:
         """Positions the catch-up after a round of `tier` can feed: the root and every accepted draft."""
         return tier.steps + 1
-
-    def propose_tree(self, reqs: list[Request], steps: int, topk: int, num_nodes: int, sampling: SamplingBatch) -> TreeProposal:
-        """The root's children come from g_{n-1}; frontier nodes of step i sit at RoPE position n-1+i and are
-        written at offsets 1 + (i-1)*topk + f past index n-1."""
-        fb, first = self.catch_up(reqs)
-        self.caught_up(reqs)
-        logits, g = first.logits, first.hidden[fb.logits_indices]
-
-        def step(depth, tokens, offsets, mask, parent_hidden):
-            k = tokens.shape[1]  # frontier size: topk, or fewer in a sampled tree with a small level budget
-            siblings = sampling.repeat_rows(k)
-            inputs = [ForwardInput(r.row, r.num_computed + (depth - 1) * topk, [0] * k, k,
-                                   positions=[r.num_computed - 1 + depth] * k) for r in reqs]
-            fb = build_forward_batch(ForwardMode.DECODE, inputs, self.page_table, self.device,
-                                     input_ids=tokens.flatten(), tail_mask=mask)
-            out, step_logits = self._forward(fb, parent_hidden.flatten(0, 1))
-            hidden = out.view(len(reqs), k, -1)
-            if draws_from_q(self.sample_drafts, sampling):
-                return draft_q(step_logits, siblings, topk).view(len(reqs), k, -1), hidden
-            logq = torch.log_softmax(penalised_logits(step_logits, siblings), -1)
-            return logq.view(len(reqs), k, -1), hidden
-
-        roots = to_device([r.token_ids(r.seq_len - 1, r.seq_len)[0] for r in reqs], torch.int64, self.device)
-        if draws_from_q(self.sample_drafts, sampling):  # children drawn from q, verified with the real q
-            out = grow_sampled_tree(draft_q(logits, sampling, topk), g, step, steps, topk, roots, num_nodes,
-                                    sampling.seeds, sampling.positions)
-            return TreeProposal(*out)
-        root_logq = torch.log_softmax(penalised_logits(logits, sampling), -1)
-        return TreeProposal(*grow_tree(root_logq, g, step, steps, topk, roots, num_nodes))
 
     # ---- after verify -------------------------------------------------------------------------------------------
     def store_accepted_hidden(self, reqs: list[Request], accepted_hidden: torch.Tensor) -> None:

@@ -85,10 +85,10 @@ def _run(path, dtype, **args):
     proposer = getattr(engine.worker, "proposer", None)
     draft_graphs = getattr(getattr(proposer, "runner", None), "graphs", None)
     draft_shapes = set() if draft_graphs is None else {shape for (shape, _), n in draft_graphs.replays.items() if n}
-    loop = getattr(proposer, "chain_loop", None)  # greedy chain rounds: one graph per round (spec/chain_loop.py)
-    loop_widths = set() if loop is None else {w for (_, _, w), n in loop.replays.items() if n}
+    loop = getattr(proposer, "draft_loop", None)  # greedy rounds: one graph per round (spec/draft_graphs.py)
+    loop_keys = set() if loop is None else {(tier, w) for (tier, _, w), n in loop.replays.items() if n}
     llm.shutdown()
-    return outs, replays, draft_shapes, loop_widths
+    return outs, replays, draft_shapes, loop_keys
 
 
 _SPEC_OFF: dict = {}
@@ -107,14 +107,12 @@ def test_graphs_on_equals_off(models, name, dtype):
     if key not in _SPEC_OFF:
         _SPEC_OFF[key] = _run(target, dtype, disable_cuda_graph=True)[0]
     eager = _run(target, dtype, disable_cuda_graph=True, **case)[0]
-    graphed, replays, draft_shapes, loop_widths = _run(target, dtype, cuda_graph_max_bs=4, **case)
+    graphed, replays, draft_shapes, loop_keys = _run(target, dtype, cuda_graph_max_bs=4, **case)
     assert replays > 0, "no forward ran through a graph"
-    if "tree" in name:  # tree draft steps, one graph per depth
-        assert any(shape.mask_width for shape in draft_shapes), draft_shapes
-    if "chain" in name:  # whole greedy chain rounds, catch-up included
-        assert loop_widths, "no chain round ran as one graph"
+    if "tree" in name or "chain" in name:  # whole greedy rounds, catch-up included, one graph each
+        assert any(tier.is_tree == ("tree" in name) for tier, _ in loop_keys), f"no round ran as one graph: {loop_keys}"
     if "small" in name:  # catch-ups padded to the captured width
-        assert any(w > 1 for w in loop_widths) if "chain" in name else any(s.one_logit for s in draft_shapes)
+        assert any(w > 1 for _, w in loop_keys), loop_keys
     assert graphed == eager, f"{name} {dtype}: graphs on != graphs off"
     if dtype == "float32":
         assert graphed == _SPEC_OFF[key], f"{name}: spec on != spec off"

@@ -1,0 +1,114 @@
+"""Where a draft round writes, known on the device: its catch-up batch, and every draft step's batch after it.
+
+A round starts with the catch-up (the positions the drafter has not consumed, ending at the root: the last
+committed token). Every later draft step feeds k nodes per request at one RoPE position, root + depth, and writes
+their K/V at consecutive indices past the root: a chain feeds one node per depth (index = position), a tree's
+beam writes depth d's frontier at offsets 1 + (d-1)*topk + f past the root (tree_draft.py). Both are built here
+from device tensors alone, so a step costs no host-to-device copy and no host decision: that makes a whole round
+capturable as one CUDA graph (draft_graphs.py), and the eager path runs the very same batches.
+
+The catch-up's host side (CatchUpRows) travels as ONE packed int64 block per round, which unpack_catch_up turns
+into the catch-up ForwardBatch on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyperdraft.engine.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class DraftAnchor:
+    """Where the draft steps of each request write, read on the device off the catch-up batch."""
+
+    rows: torch.Tensor  # [B] int64 page-table rows
+    base: torch.Tensor  # [B] int64 index right after the root (the catch-up's last real token): step 1 writes here
+    live: torch.Tensor  # [B] bool; False for a graph's padding rows, whose K/V then goes to the padding page
+    base_host: list[int] | None  # host copy, for backends that read host lists (torch); None inside a graph
+    max_seq_len: int  # static bound inside a graph; 0 = from base_host
+
+    @classmethod
+    def after(cls, catch_up: ForwardBatch, base_host: list[int] | None, max_seq_len: int = 0) -> "DraftAnchor":
+        # The catch-up's logits row of each request is its last real token; step 1 comes right after it. A real
+        # token always has a real slot (page 0 is never handed out), a padding row's slots are all 0.
+        last = catch_up.logits_indices
+        return cls(catch_up.req_rows, catch_up.positions[last] + 1, catch_up.out_slots[last] != 0, base_host,
+                   max_seq_len)
+
+    def step_batch(self, depth: int, stride: int, input_ids: torch.Tensor, page_table,
+                   input_hidden: torch.Tensor | None, tail_mask: torch.Tensor | None = None) -> ForwardBatch:
+        """The batch of draft step `depth` (>= 1): k = len(input_ids) / B nodes per request, all at RoPE position
+        base + depth - 1, written at indices base + (depth-1)*stride + 0 .. k-1. A chain has stride 1 and k = 1
+        (index = position); a beam has stride topk and a [B, k, W] tail mask over its ancestors."""
+        bsz = self.rows.shape[0]
+        k = input_ids.shape[0] // bsz
+        device = self.base.device
+        first = self.base + (depth - 1) * stride  # [B] index of each request's first node of this depth
+        index = first[:, None] + torch.arange(k, device=device)  # [B, k]
+        slots = torch.where(self.live[:, None], page_table.token_slots(self.rows[:, None], index), 0).flatten()
+        positions = (self.base + (depth - 1))[:, None].expand(bsz, k).flatten()
+        arange = torch.arange(bsz, dtype=torch.int64, device=device)
+        shift = (depth - 1) * stride
+        prefix = [b + shift for b in self.base_host] if self.base_host is not None else [0] * bsz
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=input_ids, positions=positions, out_slots=slots, req_rows=self.rows,
+            prefix_lens=prefix, extend_lens=[k] * bsz, logits_indices=torch.arange(bsz * k, device=device),
+            tail_mask=tail_mask, seq_lens_t=(first + k).to(torch.int32), extend_starts_t=(arange * k).to(torch.int32),
+            extend_lens_t=torch.full((bsz,), k, dtype=torch.int32, device=device), max_extend_len=k,
+            max_seq_len=self.max_seq_len or max(prefix, default=0) + k, input_hidden=input_hidden,
+        )
+
+
+@dataclass
+class CatchUpRows:
+    """A round's catch-up, host side: per request its page-table row, the index of its first fed token, and the
+    tokens it feeds (sequence indices start .. start + len - 1; draft step 1 writes the index right after)."""
+
+    rows: list[int]
+    starts: list[int]
+    tokens: list[list[int]]
+
+    @property
+    def step_bases(self) -> list[int]:
+        """Host copy of DraftAnchor.base: the index right after each request's last fed token."""
+        return [start + len(toks) for start, toks in zip(self.starts, self.tokens)]
+
+    @property
+    def widest(self) -> int:
+        return max(map(len, self.tokens))
+
+    def packed(self, bs: int, width: int) -> list[int]:
+        """[bs, PACKED_FIELDS + width] row-major: (row, start, count, live, tokens padded to width); the rows past
+        the real ones are padding (row 0, start 0, count width, not live)."""
+        out = []
+        for row, start, toks in zip(self.rows, self.starts, self.tokens):
+            out += [row, start, len(toks), 1, *toks, *[0] * (width - len(toks))]
+        return out + [0, 0, width, 0, *[0] * width] * (bs - len(self.rows))
+
+
+PACKED_FIELDS = 4
+
+
+def unpack_catch_up(packed: torch.Tensor, page_table, max_seq_len: int, prefix_lens: list[int]) -> ForwardBatch:
+    """packed: [bs, PACKED_FIELDS + width] (CatchUpRows.packed) -> the catch-up ForwardBatch, built on the device.
+    Every request feeds `width` tokens from its start; logits at its last real one. Padding tokens past a live
+    request's real ones write K/V past its last real index (the draft steps overwrite them first; see the
+    proposers' catch_up_batch); a padding row writes only to the padding page."""
+    bs, width = packed.shape[0], packed.shape[1] - PACKED_FIELDS
+    # contiguous: kernels index these [B] tensors with stride 1 (a column view of packed would hand them stride 4+W)
+    rows, starts, counts, live = (packed[:, i].contiguous() for i in range(PACKED_FIELDS))
+    live = live != 0
+    arange = torch.arange(bs, dtype=torch.int64, device=packed.device)
+    index = (starts[:, None] + torch.arange(width, device=packed.device)).flatten()
+    token_rows = rows.repeat_interleave(width)
+    slots = torch.where(live.repeat_interleave(width), page_table.token_slots(token_rows, index), 0)
+    return ForwardBatch(
+        mode=ForwardMode.DRAFT_EXTEND, input_ids=packed[:, PACKED_FIELDS:].flatten(), positions=index, out_slots=slots,
+        req_rows=rows, prefix_lens=prefix_lens, extend_lens=[width] * bs, logits_indices=arange * width + counts - 1,
+        seq_lens_t=(starts + width).to(torch.int32), extend_starts_t=(arange * width).to(torch.int32),
+        extend_lens_t=torch.full((bs,), width, dtype=torch.int32, device=packed.device), max_extend_len=width,
+        max_seq_len=max_seq_len,
+    )

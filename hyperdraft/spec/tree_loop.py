@@ -1,0 +1,54 @@
+"""The tree draft of a round: after the catch-up, a beam (tree_draft.grow_tree) or a sampled tree
+(tree_sampled.grow_sampled_tree) grown over draft steps whose batches are built on the device (DraftAnchor).
+
+draft_tree is shared by both drafters (an EAGLE head feeds each node its parent's head output; a STANDALONE draft
+model feeds tokens only) and by both paths: greedy beams run as one CUDA graph per round (draft_graphs.py), every
+other round runs the same function through the runner's graph-or-eager dispatch, one forward per depth.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from hyperdraft.engine.forward_batch import ForwardBatch
+from hyperdraft.spec.draft_anchor import DraftAnchor
+from hyperdraft.spec.tree_draft import grow_tree
+from hyperdraft.spec.tree_sampled import grow_sampled_tree
+
+# (logits [R, V], rows per request k) -> [R, V]: log q for a beam, q for a sampled tree. The R = B*k rows are k
+# siblings per request (k = 1 at the root), which share that request's sampling parameters.
+NodeDistribution = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def draft_tree(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, steps: int, topk: int, num_nodes: int,
+               distribution: NodeDistribution, page_table, feeds_hidden: bool,
+               sampled_streams: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+    """-> (tokens [B, N], parents [B, N], fed [B, N]) of a beam; with sampled_streams = (seeds [B], positions [B])
+    a sampled tree, plus q_nodes [B, N, V]. first: the catch-up's ForwardOutput; its logits rows give the root's
+    children, and the root (node 0) is the catch-up's last real token."""
+    last = catch_up.logits_indices
+    bsz = last.shape[0]
+    roots = catch_up.input_ids[last]
+    root_hidden = first.hidden[last] if feeds_hidden else None
+
+    def step(depth: int, tokens: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, parent_hidden):
+        """Feed the frontier tokens [B, k] (written at offsets 1 + (depth-1)*topk + f past the root) under their
+        ancestor mask -> (distribution [B, k, V], head outputs [B, k, H] | None)."""
+        k = tokens.shape[1]
+        hidden_in = parent_hidden.flatten(0, 1) if parent_hidden is not None else None
+        out = forward(anchor.step_batch(depth, topk, tokens.flatten(), page_table, hidden_in, mask))
+        hidden = out.hidden.view(bsz, k, -1) if feeds_hidden else None
+        return distribution(out.logits, k).view(bsz, k, -1), hidden
+
+    root = distribution(first.logits, 1)
+    if sampled_streams is not None:
+        seeds, positions = sampled_streams
+        return grow_sampled_tree(root, root_hidden, step, steps, topk, roots, num_nodes, seeds, positions)
+    return grow_tree(root, root_hidden, step, steps, topk, roots, num_nodes)
+
+
+def beam_log_q(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """A greedy, unpenalised beam's node distribution (what a captured round computes)."""
+    return torch.log_softmax(logits, -1)
