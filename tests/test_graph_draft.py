@@ -129,7 +129,11 @@ def test_draft_graphs_replay_and_change_nothing(models, llm_factory, emulated_gr
     replayed = {shape for (shape, _), n in graphs.replays.items() if n}
     # every greedy round at batch size <= 4, chain or beam, runs as one graph (catch-up and steps), whatever the tiers
     graph_rounds = [p for p in proposals if p[0].shape[1] and p[0].shape[0] <= MAX_BS]
-    assert loop.num_replays == len(graph_rounds) > 0
+    # ... or was queued ahead by the round before (draft-ahead): replays = rounds + queued drafts not taken
+    unused_ahead = proposer.ahead_discarded + (proposer.ahead is not None)
+    assert loop.num_replays == len(graph_rounds) + unused_ahead and graph_rounds
+    if "chain" in name:  # greedy chain rounds after a chain round of the same requests were drafted ahead
+        assert proposer.ahead_used > len(graph_rounds) // 2, (proposer.ahead_used, len(graph_rounds))
     assert not any(s.one_logit for s in replayed), "a catch-up below cuda_graph_max_bs ran on its own"
     if "adaptive" not in name:  # both captured catch-up widths: 1 (after a rejection) and steps + 1 (full acceptance)
         assert {w for (_, _, w), n in loop.replays.items() if n} == {1, 4}
@@ -221,6 +225,58 @@ def test_padded_catch_up_root_logits_match_recomputation(models, llm_factory, em
         # fp32 summation order differs (paged, padded vs one pass): ~1e-5 relative; a bookkeeping error is O(1).
         assert torch.allclose(logits, ref, atol=2e-3, rtol=1e-4), (len(seq), (logits - ref).abs().max())
 
+
+
+def test_draft_ahead_under_a_tight_pool_and_aborts(models, llm_factory, emulated_graphs, monkeypatch):
+    """Draft-ahead reserves the next round's room when it queues a draft. With a pool too small for every request's
+    extra room (retractions happen) it must skip, not fail; a request aborted between two steps makes the next round
+    a different batch, whose queued draft is thrown away. Outputs stay those of spec off, the drafts those of
+    draft-ahead off, and the pool ends empty (llm_factory checks)."""
+    path, args = _args(models, "eagle3-chain", page_size=4)
+    prompts, params = _prompts("small"), [greedy(n) for n in NEW_TOKENS]
+
+    def run(ahead: str):
+        monkeypatch.setenv("HYPERDRAFT_DRAFT_AHEAD", ahead)
+        llm = llm_factory(path, cuda_graph_max_bs=8, max_total_tokens=140, **args)
+        proposals, _ = _record(llm)
+        engine = llm.engine
+        proposer, page_table = engine.worker.proposer, engine.page_table
+        refused = []  # reservations draft-ahead asked for and did not get (observed, not changed)
+
+        def draft_ahead(*a, _inner=proposer.draft_ahead, _reserve=page_table.reserve):
+            def reserve(row, n):
+                ok = _reserve(row, n)
+                refused.extend([] if ok else [n])
+                return ok
+            page_table.reserve = reserve
+            try:
+                return _inner(*a)
+            finally:
+                page_table.reserve = _reserve
+
+        proposer.draft_ahead = draft_ahead
+        reqs = [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts, params)]
+        for step in range(10_000):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+            if step == 12:  # between two steps, as a server's disconnect would
+                engine.abort(reqs[3].rid)
+        return engine, reqs, proposals, refused
+
+    engine, reqs, proposals, refused = run("1")
+    proposer = engine.worker.proposer
+    assert proposer.ahead_used > 0 and proposer.ahead_discarded > 0
+    assert refused and sum(r.num_retractions for r in reqs) > 0, "the pool was not tight"
+    outs = [r.output_ids for r in reqs]
+    _, plain_reqs, plain_proposals, _ = run("0")
+    plain_outs = [r.output_ids for r in plain_reqs]
+    assert outs == plain_outs
+    assert len(proposals) == len(plain_proposals)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(proposals, plain_proposals)), "draft-ahead changed a draft"
+    ref = _spec_off(path, prompts, params)
+    assert all(o == r for i, (o, r) in enumerate(zip(outs, ref)) if i != 3)
+    assert outs[3] == ref[3][: len(outs[3])] and len(outs[3]) < len(ref[3])
 
 def _causal(layer_id, q, k, v):
     out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

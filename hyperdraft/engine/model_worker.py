@@ -19,7 +19,28 @@ def forward_input(item: ScheduledRequest) -> ForwardInput:
 
 def results_to_host(pieces: list[torch.Tensor]) -> list[float]:
     """The step's one device-to-host copy: every piece flattened into one float64 list (exact for token ids)."""
-    return torch.cat([x.double().flatten() for x in pieces]).tolist() if pieces else []
+    return ResultsCopy(pieces).wait()
+
+
+class ResultsCopy:
+    """results_to_host in two halves: the copy is queued now (into pinned memory, with an event after it) and waited
+    for in wait(), so the host can queue more GPU work first (the next round's draft) without that work delaying
+    the results: the host wakes when the copy lands, not when the stream drains."""
+
+    def __init__(self, pieces: list[torch.Tensor]):
+        self.event = None
+        self.host = torch.cat([x.double().flatten() for x in pieces]) if pieces else None
+        if self.host is not None and self.host.is_cuda:
+            device_values = self.host
+            self.host = torch.empty(device_values.shape, dtype=torch.float64, pin_memory=True)
+            self.host.copy_(device_values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist() if self.host is not None else []
 
 
 class ModelWorker:

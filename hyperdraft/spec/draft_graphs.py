@@ -123,14 +123,28 @@ class DraftLoopGraphs:
 
     def run(self, catch_up: CatchUpRows, tier: Tier, bs: int, width: int) -> tuple[torch.Tensor, ...]:
         """-> the round's outputs (see the class doc), first dimension B = the real requests (counts <= width)."""
-        real, key = len(catch_up.rows), (tier, bs, width)
         packed = torch.tensor(catch_up.packed(bs, width), dtype=torch.int64, pin_memory=not self.emulate)
         self.packed[width][:bs].view(-1).copy_(packed, non_blocking=True)  # the round's one host-to-device copy
+        return self._replay(tier, bs, width, len(catch_up.rows))
+
+    def run_packed(self, rows: torch.Tensor, tier: Tier, bs: int, width: int) -> tuple[torch.Tensor, ...]:
+        """run() for a catch-up already packed on the device: rows [B, PACKED_FIELDS + width] (draft-ahead builds
+        it from a verify's results; no host copy at all)."""
+        real = rows.shape[0]
+        buf = self.packed[width]
+        buf[:real].copy_(rows)
+        if bs > real:  # padding rows: row 0, start 0, count width, not live, tokens 0 (see CatchUpRows.packed)
+            buf[real:bs].zero_()
+            buf[real:bs, 2] = width
+        return self._replay(tier, bs, width, real)
+
+    def _replay(self, tier: Tier, bs: int, width: int, real: int) -> tuple[torch.Tensor, ...]:
+        key = (tier, bs, width)
         self.page_table.flush()  # the graph reads the device page table
         self.replays[key] += 1
-        if self.emulate:  # the same buffer and padding, run eagerly (padding rows: positions 0 .. -> base 1 + ...)
-            starts = catch_up.starts + [0] * (bs - real)
-            fresh = self._loop(tier, bs, width, starts, catch_up.step_bases + [width] * (bs - real))
+        if self.emulate:  # the same buffer and padding, run eagerly; the torch backend reads host lists (CPU: no sync)
+            starts, counts = self.packed[width][:bs, 1].tolist(), self.packed[width][:bs, 2].tolist()
+            fresh = self._loop(tier, bs, width, starts, [s + c for s, c in zip(starts, counts)])
             if self.outputs[key] is None:
                 self.outputs[key] = fresh
             else:  # overwritten in place, as a graph does: a consumer keeping a view is caught

@@ -4,17 +4,31 @@ A greedy round that fits a captured graph runs as one (draft_graphs.DraftLoopGra
 catch-up and each draft step through the runner's own graph-or-eager dispatch. Either way the step batches are the
 ones DraftAnchor builds on the device.
 
+Draft-ahead: right after a greedy chain round's verify and accept are queued, and before its results reach the host,
+draft_ahead() queues the NEXT round's whole draft graph, its catch-up packed on the device from the accepted tokens
+(the drafter's ahead_catch_up). The GPU drafts while the host commits and schedules, instead of idling until the
+next propose(). That propose() takes the queued drafts when its batch is the same requests under the same tier
+(nothing finished, joined or was retracted) and discards them otherwise. Discarding is harmless: the queued graph
+wrote only draft K/V that the next catch-up rewrites (catch-up positions, with the same values) or that no one reads
+before a draft step overwrites it, in slots reserved for it (ahead_reach) when it was queued, or since released and
+written by their new owner after it (one stream). The drafts equal those propose() would make. HYPERDRAFT_DRAFT_AHEAD=0
+turns it off.
+
 A drafter gives: runner, sample_drafts, feeds_hidden, and
   catch_up_tokens(req)                  the tokens its catch-up feeds, from index req.draft_num_computed on (>= 1);
                                         the last is the root (the last committed token)
   catch_up_batch(reqs, tokens, width)   the catch-up ForwardBatch, ragged (width None) or padded to width
   catch_up_hidden(rows, width)          the padded catch-up's hidden inputs [B * width, H], or None
   caught_up(reqs)                       record what the catch-up fed
+  catch_up_width(tier)                  the widest catch-up a round of tier can leave for the next one
+  ahead_catch_up(reqs, a, tokens, w)    optional: the next round's packed catch-up from this round's results
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -30,13 +44,37 @@ from hyperdraft.spec.tree_loop import draft_tree
 from hyperdraft.spec.tree_sampled import draft_q
 
 
+DRAFT_AHEAD_ENV = "HYPERDRAFT_DRAFT_AHEAD"  # "0": no draft-ahead (A/B benchmarks, tests)
+
+
+@dataclass
+class AheadDraft:
+    """A round's draft queued before the round's requests were known for sure."""
+
+    reqs: list[Request]
+    tier: Tier
+    tokens: torch.Tensor  # [B, steps] static graph outputs
+
+    def serves(self, reqs: list[Request], tier: Tier) -> bool:
+        return tier == self.tier and len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs))
+
+
 class DraftRounds:
     draft_loop: DraftLoopGraphs | None = None
     timer = None  # a PhaseTimer, set by the SpecWorker
+    ahead: AheadDraft | None = None
+    ahead_used = 0  # rounds served by a queued draft, and queued drafts thrown away (tests, benchmarks)
+    ahead_discarded = 0
 
     def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
         """A chain of `steps` drafts per request."""
         sampled = draws_from_q(self.sample_drafts, sampling)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.serves(reqs, Tier(steps)) and not sampled and sampling.penalties is None:
+            self.ahead_used += 1
+            self.caught_up(reqs)
+            return Proposal(ahead.tokens, [steps] * len(reqs))
+        self.ahead_discarded += ahead is not None
         rows = self._catch_up_rows(reqs)
         fit = self._loop_fit(Tier(steps), rows, sampled, sampling)
         qs: list[torch.Tensor] = []
@@ -78,6 +116,33 @@ class DraftRounds:
                              (sampling.seeds, sampling.positions) if sampled else None)
         self.caught_up(reqs)
         return TreeProposal(*out)
+
+    def draft_ahead(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch, num_accepted: torch.Tensor,
+                    tokens: torch.Tensor) -> None:
+        """Queue the next round's draft for these requests from this round's results (num_accepted [B], tokens
+        [B, steps + 1]: accepted drafts, then the bonus token), if a whole-round graph can run it. Called before
+        the scheduler commits this round: req.num_computed is still this round's n."""
+        self.ahead_discarded += self.ahead is not None
+        self.ahead = None
+        if (self.draft_loop is None or not hasattr(self, "ahead_catch_up") or tier.is_tree
+                or os.environ.get(DRAFT_AHEAD_ENV, "1") == "0"
+                or draws_from_q(self.sample_drafts, sampling) or sampling.penalties is not None):
+            return
+        width = self.catch_up_width(tier)
+        fit = self.draft_loop.padded(tier, len(reqs), width)
+        if fit is None or fit[1] != width or tokens.shape[1] < width:
+            return
+        # The next round writes catch-up positions from n (padded to width) and its steps up to width + steps - 2
+        # past n: reserve them now, as the next schedule would have (it keeps them, or they are released at commit).
+        page_table = self.runner.page_table
+        reach = width + tier.steps - 1
+        if any(r.num_computed + reach > page_table.max_pages_per_row * page_table.page_size for r in reqs):
+            return
+        if not all(page_table.reserve(r.row, r.num_computed + reach) for r in reqs):
+            return
+        packed = self.ahead_catch_up(reqs, num_accepted, tokens, width)
+        (draft,) = self.draft_loop.run_packed(packed, tier, *fit)
+        self.ahead = AheadDraft(list(reqs), tier, draft)
 
     def _catch_up_rows(self, reqs: list[Request]) -> CatchUpRows:
         return CatchUpRows([r.row for r in reqs], [r.draft_num_computed for r in reqs],

@@ -143,6 +143,16 @@ class EagleProposer(DraftRounds):
         fb.input_hidden = self.catch_up_hidden(fb.req_rows, width)
         return fb
 
+    def ahead_catch_up(self, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
+                       width: int) -> torch.Tensor:
+        """The next round's packed catch-up (CatchUpRows.packed layout, [B, PACKED_FIELDS + width]) from this
+        round's results, on the device: head positions n .. n+a (n = req.num_computed, not yet committed) fed with
+        t_{n+1} .. t_{n+a+1} = the a accepted drafts and the bonus token (tokens[:, :a+1])."""
+        rows_starts = to_device([[r.row, r.num_computed] for r in reqs], torch.int64, self.device)
+        count = (num_accepted + 1)[:, None]
+        fed = torch.where(torch.arange(width, device=self.device) < count, tokens[:, :width], 0)
+        return torch.cat([rows_starts, count, torch.ones_like(count), fed], 1)
+
     def catch_up_width(self, tier) -> int:
         """Positions the catch-up after a round of `tier` can feed: the root and every accepted draft."""
         return tier.steps + 1

@@ -21,7 +21,7 @@ from hyperdraft.engine.graph_runner import GraphShape
 from hyperdraft.engine.host_copy import to_device, to_device_many
 from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.engine.model_runner import ModelRunner
-from hyperdraft.engine.model_worker import forward_input, results_to_host
+from hyperdraft.engine.model_worker import ResultsCopy, forward_input
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import penalised_logits, probs_from_logits
@@ -94,7 +94,10 @@ class SpecWorker:
         if sampling_prefills:
             sbp = self.prefill_sampling.get(sampling_prefills)
             pieces += list(self.sampler.sample(out.logits[num_verify_rows:], sbp))
-        host = results_to_host(pieces)  # the step's one device-to-host copy
+        results_copy = ResultsCopy(pieces)  # the step's one device-to-host copy, queued
+        if round_ is not None and not prefills:  # the next round's draft runs while the host commits this one
+            round_.draft_ahead()
+        host = results_copy.wait()
         results, pos = (round_.results(host) if round_ else ([], 0))
         if round_ is not None:  # the step's wall time includes its one sync, so it is the real cost of the tier;
             # a step that also ran prefill chunks is not the tier's cost, so it is not timed
@@ -207,7 +210,13 @@ class ChainRound:
                 rows = (self.starts[:, None] + torch.arange(k + 1, device=grid.device)).clamp_max(self.num_rows - 1)
                 accepted_hidden = target_hidden[rows]
             self.w.proposer.store_accepted_hidden(self.reqs, accepted_hidden)
+        self.num_accepted, self.tokens = num_accepted, tokens
         return [num_accepted, tokens, logprobs]
+
+    def draft_ahead(self) -> None:
+        """Queue the next round's draft from this round's results (spec/draft_rounds.py), when the drafter can."""
+        if hasattr(self.w.proposer, "draft_ahead"):
+            self.w.proposer.draft_ahead(self.reqs, self.tier, self.sb, self.num_accepted, self.tokens)
 
     def results(self, host: list[float]) -> tuple[list[RequestResult], int]:
         bsz, k1 = len(self.reqs), self.proposal.max_len + 1
@@ -277,6 +286,9 @@ class TreeRound:
             self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
         self.depth = tokens.shape[1]
         return [num_accepted, tokens, logprobs, self.valid_draft]
+
+    def draft_ahead(self) -> None:
+        pass  # tree rounds draft when proposed
 
     def _compact(self, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
         rows = self.rows

@@ -2,7 +2,8 @@
 
 Counted two ways over steady decode steps (every request decoding, graphs captured, kernels compiled):
   - torch.cuda.set_sync_debug_mode("warn"): PyTorch warns at every synchronizing call it makes (item, tolist, nonzero,
-    blocking copies in either direction, stream/device synchronize); exactly one warning per step;
+    blocking copies in either direction, stream/device synchronize), plus waits on the results copy's CUDA event;
+    exactly one per step;
   - torch.profiler: exactly one device-to-host memcpy per step, and no host-to-device copy from pageable memory
     (a pageable copy blocks the host even when nothing warns).
 Plain decode, EAGLE-3 chain and tree, sampled trees, NGRAM and STANDALONE; greedy, sampled and penalised requests;
@@ -52,18 +53,29 @@ def _steady_engine(models, case: str, params: dict):
 
 
 def _syncs_per_step(engine) -> list[int]:
-    counts = []
+    """Synchronizing calls per step: PyTorch's sync warnings, plus waits on a CUDA event (the results copy is queued
+    and its event waited for, which set_sync_debug_mode does not flag)."""
+    counts, event_waits = [], []
+    original = torch.cuda.Event.synchronize
+
+    def counted(event):
+        event_waits.append(1)
+        return original(event)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.Event.synchronize = counted
         try:
             for _ in range(MEASURED_STEPS):
-                before = len(caught)
+                before, waits_before = len(caught), len(event_waits)
                 outs = engine.step()
                 assert len(outs) == 3 and not any(o.finished for o in outs)
-                counts.append(sum("synchronizing" in str(w.message) for w in caught[before:]))
+                counts.append(sum("synchronizing" in str(w.message) for w in caught[before:])
+                              + len(event_waits) - waits_before)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.Event.synchronize = original
     return counts
 
 
