@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from hyperdraft.spec.draft_graphs import DRAFT_LOOP_GRAPH_ENV  # noqa: E402
+from hyperdraft.spec.draft_rounds import DRAFT_AHEAD_ENV  # noqa: E402
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
@@ -193,11 +194,16 @@ def sync(engine) -> None:
 
 
 def phase_split(engine, bs: int, input_len: int, output_len: int) -> dict:
-    """Per-step time split (synced phases, so slower than the real run; used for c, v and the split plot)."""
+    """Per-step time split (synced phases, draft-ahead off, so slower than the real run; used for c, v and the
+    split plot)."""
     timer = engine.worker.timer
     timer.enabled, timer.seconds = True, {}
-    run = decode_run(engine, bs, input_len, output_len, seed=99)
-    timer.enabled = False
+    os.environ[DRAFT_AHEAD_ENV] = "0"  # a draft queued ahead would be timed inside the previous step's accept phase
+    try:
+        run = decode_run(engine, bs, input_len, output_len, seed=99)
+    finally:
+        timer.enabled = False
+        del os.environ[DRAFT_AHEAD_ENV]
     steps = max(run["engine_steps"], 1)
     ms = {k: 1000 * v / steps for k, v in timer.seconds.items()}
     split = {"draft_steps": ms.get("draft", 0) - ms.get("draft_extend", 0), "draft_extend": ms.get("draft_extend", 0),
@@ -395,18 +401,21 @@ def main() -> None:
             result.setdefault("profile", {})[name] = profile_steps(engine, 8, a.input_len, 10)
         save(result, a.out)
         free(engine)
-        # A/B in the same run: every draft step launched on its own (per-step graphs)
-        os.environ[DRAFT_LOOP_GRAPH_ENV] = "0"
-        try:
-            engine, _ = make_engine(target, device, 32, spec, capacity)
-            decode_run(engine, 1, 32, 8, seed=0)
-            run = median_run(engine, 1, a.input_len, a.output_len, seed=1)
-        finally:
-            del os.environ[DRAFT_LOOP_GRAPH_ENV]
-        result.setdefault("spec_per_step_draft", []).append({"setting": name, "steps": steps, "alpha": 0.8, **run})
-        print(name, "per-step draft graphs", 0.8, 1, round(run["tok_per_s"], 1), flush=True)
-        save(result, a.out)
-        free(engine)
+        # A/B rows in the same run: every draft step launched on its own (per-step graphs, which also means no
+        # draft-ahead), and one graph per round without draft-ahead (chains)
+        ab_spec = [("spec_per_step_draft", DRAFT_LOOP_GRAPH_ENV)] + ([("spec_no_draft_ahead", DRAFT_AHEAD_ENV)] if topk == 1 else [])
+        for key, env in ab_spec:
+            os.environ[env] = "0"
+            try:
+                engine, _ = make_engine(target, device, 32, spec, capacity)
+                decode_run(engine, 1, 32, 8, seed=0)
+                run = median_run(engine, 1, a.input_len, a.output_len, seed=1)
+            finally:
+                del os.environ[env]
+            result.setdefault(key, []).append({"setting": name, "steps": steps, "alpha": 0.8, **run})
+            print(name, key, 0.8, 1, round(run["tok_per_s"], 1), flush=True)
+            save(result, a.out)
+            free(engine)
 
     if not a.skip_transformers:
         shared.models.clear()  # free our 16 GB before transformers builds its own copy

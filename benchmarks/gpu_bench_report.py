@@ -76,12 +76,17 @@ def render(result: dict, out_dir: str) -> str:
         lines.append(f"| {r['setting']} | {r['alpha']} | {r['batch']} | {r['tok_per_s']:.1f} | {r['accept_length']:.2f} | "
                      f"{r['E']:.2f} | {r['c']:.3f} | {r['v']:.3f} | {r['ideal']:.2f}x | {r['speedup']:.2f}x | "
                      f"{100 * r['of_ideal']:.0f}% |")
-    if result.get("spec_per_step_draft"):
-        whole = {(r["setting"], r["alpha"], r["batch"]): r for r in result.get("spec", [])}
-        lines += ["", "Same settings with every draft step launched on its own graph instead of one graph per round "
-                  "(HYPERDRAFT_CHAIN_LOOP_GRAPH=0, same run):", "",
-                  "| setting | alpha | batch | tok/s per-step graphs | one graph / per-step |", "|---|---|---|---|---|"]
-        for r in result["spec_per_step_draft"]:
+    whole = {(r["setting"], r["alpha"], r["batch"]): r for r in result.get("spec", [])}
+    for key, label, column in (
+            ("spec_per_step_draft", "every draft step launched on its own graph instead of one graph per round "
+             "(HYPERDRAFT_DRAFT_LOOP_GRAPH=0; no draft-ahead either)", "per-step graphs"),
+            ("spec_no_draft_ahead", "one graph per round, but drafted when proposed instead of queued right after "
+             "the previous verify (HYPERDRAFT_DRAFT_AHEAD=0)", "no draft-ahead")):
+        if not result.get(key):
+            continue
+        lines += ["", f"Same settings with {label}, same run:", "",
+                  f"| setting | alpha | batch | tok/s {column} | default / {column} |", "|---|---|---|---|---|"]
+        for r in result[key]:
             w = whole.get((r["setting"], r["alpha"], r["batch"]))
             ratio = f"{w['tok_per_s'] / r['tok_per_s']:.2f}x" if w else ""
             lines.append(f"| {r['setting']} | {r['alpha']} | {r['batch']} | {r['tok_per_s']:.1f} | {ratio} |")
