@@ -4,15 +4,17 @@ A greedy round that fits a captured graph runs as one (draft_graphs.DraftLoopGra
 catch-up and each draft step through the runner's own graph-or-eager dispatch. Either way the step batches are the
 ones DraftAnchor builds on the device.
 
-Draft-ahead: right after a greedy chain round's verify and accept are queued, and before its results reach the host,
+Draft-ahead: right after a greedy round's verify and accept are queued, and before its results reach the host,
 draft_ahead() queues the NEXT round's whole draft graph, its catch-up packed on the device from the accepted tokens
 (the drafter's ahead_catch_up). The GPU drafts while the host commits and schedules, instead of idling until the
 next propose(). That propose() takes the queued drafts when its batch is the same requests under the same tier
 (nothing finished, joined or was retracted) and discards them otherwise. Discarding is harmless: the queued graph
 wrote only draft K/V that the next catch-up rewrites (catch-up positions, with the same values) or that no one reads
-before a draft step overwrites it, in slots reserved for it (ahead_reach) when it was queued, or since released and
-written by their new owner after it (one stream). The drafts equal those propose() would make. HYPERDRAFT_DRAFT_AHEAD=0
-turns it off.
+before a draft step overwrites it, in slots reserved for it when it was queued, or since released and written by
+their new owner after it (one stream). The drafts equal those propose() would make. HYPERDRAFT_DRAFT_AHEAD=0 turns it
+off. EAGLE heads give ahead_catch_up; a STANDALONE draft model does not: its K/V of accepted drafts is kept across
+rounds (draft_num_computed reaches past the committed tokens), and the commit that follows the queuing releases those
+slots before the next schedule reserves them again, possibly as other pages.
 
 A drafter gives: runner, sample_drafts, feeds_hidden, and
   catch_up_tokens(req)                  the tokens its catch-up feeds, from index req.draft_num_computed on (>= 1);
@@ -53,7 +55,7 @@ class AheadDraft:
 
     reqs: list[Request]
     tier: Tier
-    tokens: torch.Tensor  # [B, steps] static graph outputs
+    outputs: tuple[torch.Tensor, ...]  # static graph outputs (DraftLoopGraphs.run)
 
     def serves(self, reqs: list[Request], tier: Tier) -> bool:
         return tier == self.tier and len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs))
@@ -69,12 +71,9 @@ class DraftRounds:
     def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
         """A chain of `steps` drafts per request."""
         sampled = draws_from_q(self.sample_drafts, sampling)
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.serves(reqs, Tier(steps)) and not sampled and sampling.penalties is None:
-            self.ahead_used += 1
-            self.caught_up(reqs)
-            return Proposal(ahead.tokens, [steps] * len(reqs))
-        self.ahead_discarded += ahead is not None
+        ahead = self._take_ahead(reqs, Tier(steps), sampled, sampling)
+        if ahead is not None:
+            return Proposal(ahead[0], [steps] * len(reqs))
         rows = self._catch_up_rows(reqs)
         fit = self._loop_fit(Tier(steps), rows, sampled, sampling)
         qs: list[torch.Tensor] = []
@@ -97,8 +96,11 @@ class DraftRounds:
         verified with the real q). Depth d's frontier sits at RoPE position root + d, written at offsets
         1 + (d-1)*topk + f past the root."""
         sampled = draws_from_q(self.sample_drafts, sampling)
-        rows = self._catch_up_rows(reqs)
         tier = Tier(steps, topk, num_nodes)
+        ahead = self._take_ahead(reqs, tier, sampled, sampling)
+        if ahead is not None:
+            return TreeProposal(*ahead)
+        rows = self._catch_up_rows(reqs)
         fit = self._loop_fit(tier, rows, sampled, sampling)
         if fit is not None:
             out = self.draft_loop.run(rows, tier, *fit)
@@ -120,11 +122,11 @@ class DraftRounds:
     def draft_ahead(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch, num_accepted: torch.Tensor,
                     tokens: torch.Tensor) -> None:
         """Queue the next round's draft for these requests from this round's results (num_accepted [B], tokens
-        [B, steps + 1]: accepted drafts, then the bonus token), if a whole-round graph can run it. Called before
-        the scheduler commits this round: req.num_computed is still this round's n."""
+        [B, steps + 1]: the accepted drafts or accepted path, then the bonus token), if a whole-round graph can run
+        it. Called before the scheduler commits this round: req.num_computed is still this round's n."""
         self.ahead_discarded += self.ahead is not None
         self.ahead = None
-        if (self.draft_loop is None or not hasattr(self, "ahead_catch_up") or tier.is_tree
+        if (self.draft_loop is None or not hasattr(self, "ahead_catch_up")
                 or os.environ.get(DRAFT_AHEAD_ENV, "1") == "0"
                 or draws_from_q(self.sample_drafts, sampling) or sampling.penalties is not None):
             return
@@ -132,17 +134,30 @@ class DraftRounds:
         fit = self.draft_loop.padded(tier, len(reqs), width)
         if fit is None or fit[1] != width or tokens.shape[1] < width:
             return
-        # The next round writes catch-up positions from n (padded to width) and its steps up to width + steps - 2
-        # past n: reserve them now, as the next schedule would have (it keeps them, or they are released at commit).
+        # The next round writes catch-up positions from n (padded to width) and its steps up to
+        # width + (steps-1)*topk - 1 past n: reserve them now, as the next schedule would have (it keeps them, or they
+        # are released at commit).
         page_table = self.runner.page_table
-        reach = width + tier.steps - 1
+        reach = width + (tier.steps - 1) * tier.topk
         if any(r.num_computed + reach > page_table.max_pages_per_row * page_table.page_size for r in reqs):
             return
         if not all(page_table.reserve(r.row, r.num_computed + reach) for r in reqs):
             return
         packed = self.ahead_catch_up(reqs, num_accepted, tokens, width)
-        (draft,) = self.draft_loop.run_packed(packed, tier, *fit)
-        self.ahead = AheadDraft(list(reqs), tier, draft)
+        self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(packed, tier, *fit))
+
+    def _take_ahead(self, reqs: list[Request], tier: Tier, sampled: bool, sampling: SamplingBatch):
+        """The outputs of the draft queued for exactly this round, or None (a queued draft for another batch or tier
+        is thrown away)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return None
+        if not ahead.serves(reqs, tier) or sampled or sampling.penalties is not None:
+            self.ahead_discarded += 1
+            return None
+        self.ahead_used += 1
+        self.caught_up(reqs)
+        return ahead.outputs
 
     def _catch_up_rows(self, reqs: list[Request]) -> CatchUpRows:
         return CatchUpRows([r.row for r in reqs], [r.draft_num_computed for r in reqs],

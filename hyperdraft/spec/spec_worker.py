@@ -285,10 +285,13 @@ class TreeRound:
         if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
             self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
         self.depth = tokens.shape[1]
+        self.num_accepted, self.tokens = num_accepted, tokens
         return [num_accepted, tokens, logprobs, self.valid_draft]
 
     def draft_ahead(self) -> None:
-        pass  # tree rounds draft when proposed
+        """Queue the next round's draft from the accepted path (spec/draft_rounds.py), when the drafter can."""
+        if hasattr(self.w.proposer, "draft_ahead"):
+            self.w.proposer.draft_ahead(self.reqs, self.tier, self.sb, self.num_accepted, self.tokens)
 
     def _compact(self, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
         rows = self.rows
