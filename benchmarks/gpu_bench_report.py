@@ -90,7 +90,7 @@ def render(result: dict, out_dir: str) -> str:
             w = whole.get((r["setting"], r["alpha"], r["batch"]))
             ratio = f"{w['tok_per_s'] / r['tok_per_s']:.2f}x" if w else ""
             lines.append(f"| {r['setting']} | {r['alpha']} | {r['batch']} | {r['tok_per_s']:.1f} | {ratio} |")
-    lines += ["", "c and v are measured with synced phases (see the script's docstring): they overstate the drafting and "
+    lines += ["", "c and v are measured with synced phases and draft-ahead off (see the script's docstring): they overstate the drafting and "
               "verify costs, so 'of ideal' can exceed 100%."]
     lines += ["", "Per-step time split at alpha 0.8 (ms; phases synced, so their sum exceeds the free-running step; a "
               "chain round drafted by one graph has its draft extend inside draft steps, and c counts it):", "",
