@@ -180,3 +180,41 @@ def test_segment_cuts_and_layer_hook(tmp_path):
             model.layer_hook = None
     assert seen == [1, 2, 3]
     assert torch.equal(plain, hooked)
+
+
+@pytest.mark.parametrize("max_total_tokens", [None, 200])
+def test_decode_ahead_changes_nothing(models, llm_factory, emulated_graphs, monkeypatch, max_total_tokens):
+    """Decode-ahead (engine/model_worker.py): an all-decode step queues the next step's decode before it waits for
+    its results. Requests finishing early (EOS or a stop token: not known ahead), sampled ones (seeded: positions
+    must advance), prefill chunks joining, an abort between two steps and, with a small pool, retractions all make
+    the next batch differ from the queued one. Tokens equal those of decode-ahead off and of no graphs at all, and
+    the pool ends empty (llm_factory checks)."""
+    from hyperdraft import SamplingParams
+
+    prompts = mixed_prompts(8, seed=5, max_len=40)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_new_tokens=30, ignore_eos=i < 2,
+                             stop_token_ids=[7, 11] if i == 3 else None) for i in range(8)]
+
+    def run(ahead: str, graphs: bool = True):
+        monkeypatch.setenv("HYPERDRAFT_DECODE_AHEAD", ahead)
+        if not graphs:
+            monkeypatch.delenv(EMULATE_GRAPHS_ENV)
+        llm = llm_factory(models["target"], cuda_graph_max_bs=8, chunked_prefill_size=24, max_total_tokens=max_total_tokens)
+        engine = llm.engine
+        reqs = [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts[:6], params[:6])]
+        step = 0
+        while engine.has_unfinished():
+            engine.step()
+            step += 1
+            if step == 4:  # joins running decodes as prefill chunks
+                reqs += [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts[6:], params[6:])]
+            if step == 9:  # between two steps, as a server's disconnect would
+                engine.abort(reqs[1].rid)
+        return engine, [r.output_ids for r in reqs], sum(r.num_retractions for r in reqs)
+
+    engine, outs, retractions = run("1")
+    worker = engine.worker
+    assert worker.ahead_used > 10 and worker.ahead_discarded > 0
+    assert (retractions > 0) == (max_total_tokens is not None)
+    assert run("0")[1] == outs
+    assert run("1", graphs=False)[1] == outs

@@ -1,14 +1,31 @@
-"""ModelWorker: one plain (non-speculative) step: forward the batch, sample one token per sampling request."""
+"""ModelWorker: one plain (non-speculative) step: forward the batch, sample one token per sampling request.
+
+Decode-ahead: with CUDA graphs, a step whose batch is all decodes queues the NEXT step's decode (its input tokens are
+this step's sampled tokens, still on the device; positions one further) before waiting for this step's results copy.
+The GPU then decodes while the host commits and schedules. The next step takes the queued tokens when its batch is
+the same requests (nothing finished, joined, was aborted or retracted) and throws them away otherwise: harmless, as
+the queued forward wrote only the K/V of each request's next token (what the real step would write, or into a
+finished request's released slots before their next owner writes them: one stream), and its row's slot for that
+token was reserved when it was queued. Penalised batches (their counts are updated from host outputs) decode when
+scheduled. HYPERDRAFT_DECODE_AHEAD=0 turns it off.
+"""
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch, ScheduledRequest
+from hyperdraft.request import Request
 from hyperdraft.sample.batch_cache import SamplingBatchCache
+from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.sample.sampler import Sampler
+
+DECODE_AHEAD_ENV = "HYPERDRAFT_DECODE_AHEAD"  # "0": no decode-ahead (A/B benchmarks, tests)
 
 
 def forward_input(item: ScheduledRequest) -> ForwardInput:
@@ -43,6 +60,16 @@ class ResultsCopy:
         return self.host.tolist() if self.host is not None else []
 
 
+@dataclass
+class AheadDecode:
+    """A decode step queued before its requests were known for sure."""
+
+    reqs: list[Request]
+    sampling: SamplingBatch  # its rows' parameters, positions one past the step that queued it
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32
+
+
 class ModelWorker:
     decode_reserve = 1
 
@@ -50,21 +77,59 @@ class ModelWorker:
         self.runner = runner
         self.sampler = Sampler()
         self.sampling = SamplingBatchCache(runner.config.vocab_size, runner.device)
+        self.ahead: AheadDecode | None = None
+        self.ahead_used = 0  # steps served by a queued decode, and queued decodes thrown away (tests, benchmarks)
+        self.ahead_discarded = 0
 
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
         items = batch.items
-        mode = ForwardMode.DECODE if all(it.is_decode for it in items) else ForwardMode.EXTEND
-        fb = build_forward_batch(mode, [forward_input(it) for it in items], self.runner.page_table, self.runner.device)
-        out = self.runner.forward(fb)
-        sampling = [it.req for it in items if it.samples]
-        if not sampling:
-            return [RequestResult(num_committed=it.num_tokens) for it in items]
-        tokens, logprobs = self.sampler.sample(out.logits, self.sampling.get(sampling))
-        host = results_to_host([tokens, logprobs])
-        n = len(sampling)
+        reqs = [it.req for it in items]
+        decoding = all(it.is_decode for it in items)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and decoding and len(reqs) == len(ahead.reqs) and all(map(_same, reqs, ahead.reqs)):
+            self.ahead_used += 1
+            sb, tokens, logprobs = ahead.sampling, ahead.tokens, ahead.logprobs
+        else:
+            self.ahead_discarded += ahead is not None
+            mode = ForwardMode.DECODE if decoding else ForwardMode.EXTEND
+            fb = build_forward_batch(mode, [forward_input(it) for it in items], self.runner.page_table, self.runner.device)
+            out = self.runner.forward(fb)
+            sampling = [it.req for it in items if it.samples]
+            if not sampling:
+                return [RequestResult(num_committed=it.num_tokens) for it in items]
+            sb = self.sampling.get(sampling)
+            tokens, logprobs = self.sampler.sample(out.logits, sb)
+        results_copy = ResultsCopy([tokens, logprobs])  # the step's one device-to-host copy, queued
+        if decoding:  # the next step's decode runs while the host commits this one
+            self._decode_ahead(reqs, sb, tokens)
+        host = results_copy.wait()
+        n = len(reqs) if decoding else sum(it.samples for it in items)
         by_item = zip(host[:n], host[n:])
         return [RequestResult(it.num_tokens, *_one(next(by_item))) if it.samples else RequestResult(it.num_tokens)
                 for it in items]
+
+    def _decode_ahead(self, reqs: list[Request], sb: SamplingBatch, tokens: torch.Tensor) -> None:
+        """Queue the decode of every request's next token (tokens [B], just sampled) when a graph runs it. Called
+        before the scheduler commits this step: req.num_computed is still n, so the next step feeds index n + 1."""
+        graphs, page_table = self.runner.graphs, self.runner.page_table
+        if graphs is None or sb.penalties is not None or os.environ.get(DECODE_AHEAD_ENV, "1") == "0":
+            return
+        row_capacity = page_table.max_pages_per_row * page_table.page_size
+        if any(r.num_computed + 2 > row_capacity for r in reqs):
+            return
+        if not all(page_table.reserve(r.row, r.num_computed + 2) for r in reqs):
+            return  # the pool is dry: the next schedule decides who keeps running
+        inputs = [ForwardInput(r.row, r.num_computed + 1, [0], 1) for r in reqs]
+        fb = build_forward_batch(ForwardMode.DECODE, inputs, page_table, self.runner.device, input_ids=tokens)
+        if graphs.match(fb, ()) is None:
+            return
+        out = self.runner.forward(fb)
+        next_sb = replace(sb, positions=sb.positions + 1)
+        self.ahead = AheadDecode(list(reqs), next_sb, *self.sampler.sample(out.logits, next_sb))
+
+
+def _same(a, b) -> bool:
+    return a is b
 
 
 def _one(token_logprob: tuple[float, float]) -> tuple[list[int], list[float]]:

@@ -167,7 +167,9 @@ class Scheduler:
             if req.finished:
                 continue  # aborted while its step ran
             req.num_computed += res.num_committed
-            self.page_table.truncate(req.row, req.num_computed)  # rollback by length: rejected drafts' slots go back
+            if res.num_drafted is not None:  # rollback by length after a verify: rejected drafts' slots go back (a
+                # plain step keeps its room: a decode queued ahead has written the next index, engine/model_worker.py)
+                self.page_table.truncate(req.row, req.num_computed)
             if not item.samples:
                 continue
             if res.num_drafted is not None:
