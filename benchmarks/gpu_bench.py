@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from hyperdraft.spec.draft_graphs import DRAFT_LOOP_GRAPH_ENV  # noqa: E402
 from hyperdraft.spec.draft_rounds import DRAFT_AHEAD_ENV  # noqa: E402
+from hyperdraft.engine.model_worker import DECODE_AHEAD_ENV  # noqa: E402
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
@@ -359,6 +360,13 @@ def main() -> None:
     if device == "cuda":
         result["profile"] = {"plain": profile_steps(engine, 8, a.input_len, 10)}
     print("plain", [(r["batch"], round(r["tok_per_s"], 1)) for r in result["plain"]], flush=True)
+    os.environ[DECODE_AHEAD_ENV] = "0"  # A/B on the same engine: each step decoded when scheduled
+    try:
+        result["plain_no_decode_ahead"] = [median_run(engine, bs, a.input_len, a.output_len, seed=bs) for bs in (1, 8)]
+    finally:
+        del os.environ[DECODE_AHEAD_ENV]
+    print("plain_no_decode_ahead", [(r["batch"], round(r["tok_per_s"], 1)) for r in result["plain_no_decode_ahead"]],
+          flush=True)
     save(result, a.out)
     free(engine)
 

@@ -69,6 +69,11 @@ def render(result: dict, out_dir: str) -> str:
                   "| batch | tok/s one graph | segmented / one graph |", "|---|---|---|"]
         for r in result["plain_one_graph"]:
             lines.append(f"| {r['batch']} | {r['tok_per_s']:.1f} | {plain[r['batch']]['tok_per_s'] / r['tok_per_s']:.2f}x |")
+    if result.get("plain_no_decode_ahead"):
+        lines += ["", "Same engine without decode-ahead (each step decoded when scheduled, HYPERDRAFT_DECODE_AHEAD=0; "
+                  "same run):", "", "| batch | tok/s no decode-ahead | decode-ahead / none |", "|---|---|---|"]
+        for r in result["plain_no_decode_ahead"]:
+            lines.append(f"| {r['batch']} | {r['tok_per_s']:.1f} | {plain[r['batch']]['tok_per_s'] / r['tok_per_s']:.2f}x |")
     lines += ["", "## 3. Speculative decode, simulated acceptance (EAGLE-3 head)", "",
               "| setting | alpha | batch | tok/s | accept len | E | c | v | ideal | speedup | of ideal |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
