@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 from hyperdraft.sampling_params import SamplingParams
 
 
+def same_requests(a: list["Request"], b: list["Request"]) -> bool:
+    """The same request objects in the same order (a batch that did not change between two steps)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 @dataclass
 class Request:
     rid: str

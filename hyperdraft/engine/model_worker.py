@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.engine.graph_runner import GraphShape
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch, ScheduledRequest
-from hyperdraft.request import Request
+from hyperdraft.request import Request, same_requests
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.sample.sampler import Sampler
@@ -34,15 +35,11 @@ def forward_input(item: ScheduledRequest) -> ForwardInput:
     return ForwardInput(req.row, req.num_computed, tokens, num_logits=1 if item.samples else 0)
 
 
-def results_to_host(pieces: list[torch.Tensor]) -> list[float]:
-    """The step's one device-to-host copy: every piece flattened into one float64 list (exact for token ids)."""
-    return ResultsCopy(pieces).wait()
-
-
 class ResultsCopy:
-    """results_to_host in two halves: the copy is queued now (into pinned memory, with an event after it) and waited
-    for in wait(), so the host can queue more GPU work first (the next round's draft) without that work delaying
-    the results: the host wakes when the copy lands, not when the stream drains."""
+    """The step's one device-to-host copy, in two halves: the pieces (flattened into one float64 list, exact for token
+    ids) are queued now, into pinned memory with an event after them, and waited for in wait(). The host can queue
+    more GPU work in between (the next decode or draft) without that work delaying the results: it wakes when the
+    copy lands, not when the stream drains."""
 
     def __init__(self, pieces: list[torch.Tensor]):
         self.event = None
@@ -86,7 +83,7 @@ class ModelWorker:
         reqs = [it.req for it in items]
         decoding = all(it.is_decode for it in items)
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and decoding and len(reqs) == len(ahead.reqs) and all(map(_same, reqs, ahead.reqs)):
+        if ahead is not None and decoding and same_requests(reqs, ahead.reqs):
             self.ahead_used += 1
             sb, tokens, logprobs = ahead.sampling, ahead.tokens, ahead.logprobs
         else:
@@ -112,24 +109,16 @@ class ModelWorker:
         """Queue the decode of every request's next token (tokens [B], just sampled) when a graph runs it. Called
         before the scheduler commits this step: req.num_computed is still n, so the next step feeds index n + 1."""
         graphs, page_table = self.runner.graphs, self.runner.page_table
-        if graphs is None or sb.penalties is not None or os.environ.get(DECODE_AHEAD_ENV, "1") == "0":
+        if (graphs is None or not graphs.fits(GraphShape(1, 0), len(reqs)) or sb.penalties is not None
+                or os.environ.get(DECODE_AHEAD_ENV, "1") == "0"):
             return
-        row_capacity = page_table.max_pages_per_row * page_table.page_size
-        if any(r.num_computed + 2 > row_capacity for r in reqs):
-            return
-        if not all(page_table.reserve(r.row, r.num_computed + 2) for r in reqs):
+        if not page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + 2 for r in reqs]):
             return  # the pool is dry: the next schedule decides who keeps running
         inputs = [ForwardInput(r.row, r.num_computed + 1, [0], 1) for r in reqs]
-        fb = build_forward_batch(ForwardMode.DECODE, inputs, page_table, self.runner.device, input_ids=tokens)
-        if graphs.match(fb, ()) is None:
-            return
-        out = self.runner.forward(fb)
+        out = self.runner.forward(build_forward_batch(ForwardMode.DECODE, inputs, page_table, self.runner.device,
+                                                      input_ids=tokens))
         next_sb = replace(sb, positions=sb.positions + 1)
         self.ahead = AheadDecode(list(reqs), next_sb, *self.sampler.sample(out.logits, next_sb))
-
-
-def _same(a, b) -> bool:
-    return a is b
 
 
 def _one(token_logprob: tuple[float, float]) -> tuple[list[int], list[float]]:

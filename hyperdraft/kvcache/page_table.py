@@ -93,6 +93,13 @@ class PageTable:
         pages.extend(new)
         return True
 
+    def reserve_ahead(self, rows: list[int], num_tokens: list[int]) -> bool:
+        """reserve() for work queued ahead of the scheduler (engine/model_worker.py, spec/draft_rounds.py): every row
+        gets its room or the caller skips the work; a row whose room would pass its page-table width is a refusal,
+        not an error. Rows reserved before a refusal keep their room (their next schedule asks for it anyway)."""
+        width = self.max_pages_per_row * self.page_size
+        return all(n <= width for n in num_tokens) and all(map(self.reserve, rows, num_tokens))
+
     def truncate(self, row: int, num_tokens: int) -> None:
         """Release the pages past the first num_tokens tokens (rollback by length)."""
         pages = self._row_pages[row]

@@ -9,13 +9,12 @@ counts in place. A SamplingBatch from get() is therefore valid until the next ge
 
 from __future__ import annotations
 
-import operator
 from dataclasses import replace
 
 import torch
 
 from hyperdraft.engine.host_copy import to_device
-from hyperdraft.request import Request
+from hyperdraft.request import Request, same_requests
 from hyperdraft.sample.logits_ops import SamplingBatch, flat_token_index
 
 
@@ -30,7 +29,7 @@ class SamplingBatchCache:
     def get(self, reqs: list[Request]) -> SamplingBatch:
         """One sampling row per request; each samples the token at sequence index seq_len."""
         positions = [r.seq_len for r in reqs]
-        if self._batch is None or not _same(self._reqs, reqs):
+        if self._batch is None or not same_requests(self._reqs, reqs):
             return self._build(reqs, positions)
         pen = self._batch.penalties
         if pen is None:
@@ -54,6 +53,3 @@ class SamplingBatchCache:
             outputs=[r.output_ids for r in reqs] if penalised else None)
         return self._batch
 
-
-def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b))

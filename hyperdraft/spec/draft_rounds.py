@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.request import Request
+from hyperdraft.request import Request, same_requests
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
 from hyperdraft.spec.chain_loop import draft_chain
 from hyperdraft.spec.draft_anchor import CatchUpRows, DraftAnchor
@@ -58,7 +58,7 @@ class AheadDraft:
     outputs: tuple[torch.Tensor, ...]  # static graph outputs (DraftLoopGraphs.run)
 
     def serves(self, reqs: list[Request], tier: Tier) -> bool:
-        return tier == self.tier and len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs))
+        return tier == self.tier and same_requests(reqs, self.reqs)
 
 
 class DraftRounds:
@@ -137,11 +137,8 @@ class DraftRounds:
         # The next round writes catch-up positions from n (padded to width) and its steps up to
         # width + (steps-1)*topk - 1 past n: reserve them now, as the next schedule would have (it keeps them, or they
         # are released at commit).
-        page_table = self.runner.page_table
         reach = width + (tier.steps - 1) * tier.topk
-        if any(r.num_computed + reach > page_table.max_pages_per_row * page_table.page_size for r in reqs):
-            return
-        if not all(page_table.reserve(r.row, r.num_computed + reach) for r in reqs):
+        if not self.runner.page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + reach for r in reqs]):
             return
         packed = self.ahead_catch_up(reqs, num_accepted, tokens, width)
         self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(packed, tier, *fit))

@@ -95,8 +95,9 @@ class SpecWorker:
             sbp = self.prefill_sampling.get(sampling_prefills)
             pieces += list(self.sampler.sample(out.logits[num_verify_rows:], sbp))
         results_copy = ResultsCopy(pieces)  # the step's one device-to-host copy, queued
-        if round_ is not None and not prefills:  # the next round's draft runs while the host commits this one
-            round_.draft_ahead()
+        if round_ is not None and not prefills and hasattr(self.proposer, "draft_ahead"):
+            # the next round's draft runs while the host commits this one (spec/draft_rounds.py)
+            self.proposer.draft_ahead(reqs, round_.tier, sb, round_.num_accepted, round_.tokens)
         host = results_copy.wait()
         results, pos = (round_.results(host) if round_ else ([], 0))
         if round_ is not None:  # the step's wall time includes its one sync, so it is the real cost of the tier;
@@ -210,13 +211,8 @@ class ChainRound:
                 rows = (self.starts[:, None] + torch.arange(k + 1, device=grid.device)).clamp_max(self.num_rows - 1)
                 accepted_hidden = target_hidden[rows]
             self.w.proposer.store_accepted_hidden(self.reqs, accepted_hidden)
-        self.num_accepted, self.tokens = num_accepted, tokens
+        self.num_accepted, self.tokens = num_accepted, tokens  # what the next round's catch-up feeds (draft-ahead)
         return [num_accepted, tokens, logprobs]
-
-    def draft_ahead(self) -> None:
-        """Queue the next round's draft from this round's results (spec/draft_rounds.py), when the drafter can."""
-        if hasattr(self.w.proposer, "draft_ahead"):
-            self.w.proposer.draft_ahead(self.reqs, self.tier, self.sb, self.num_accepted, self.tokens)
 
     def results(self, host: list[float]) -> tuple[list[RequestResult], int]:
         bsz, k1 = len(self.reqs), self.proposal.max_len + 1
@@ -285,13 +281,8 @@ class TreeRound:
         if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
             self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
         self.depth = tokens.shape[1]
-        self.num_accepted, self.tokens = num_accepted, tokens
+        self.num_accepted, self.tokens = num_accepted, tokens  # what the next round's catch-up feeds (draft-ahead)
         return [num_accepted, tokens, logprobs, self.valid_draft]
-
-    def draft_ahead(self) -> None:
-        """Queue the next round's draft from the accepted path (spec/draft_rounds.py), when the drafter can."""
-        if hasattr(self.w.proposer, "draft_ahead"):
-            self.w.proposer.draft_ahead(self.reqs, self.tier, self.sb, self.num_accepted, self.tokens)
 
     def _compact(self, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
         rows = self.rows
