@@ -370,12 +370,16 @@ def main() -> None:
     save(result, a.out)
     free(engine)
 
-    # A/B rows in the same run: the torch elementwise ops instead of the fused Triton kernels (the fusion's gain),
-    # and one graph per forward instead of layer-cut segments (the GPU then waits for the whole launch call).
+    # A/B rows in the same run: the torch elementwise ops and cuBLAS instead of every Triton kernel (the fusion's
+    # gain), cuBLAS projections only (the GEMV's gain), plain launches (PDL's gain), and one graph per forward
+    # instead of layer-cut segments (the GPU then waits for the whole launch call).
     import hyperdraft.engine.graph_runner as graph_runner
     import hyperdraft.kernels as kernels
+    import hyperdraft.kernels.gemv as gemv
+    import hyperdraft.kernels.pdl as pdl
 
-    ab_rows = () if a.skip_ab else (("plain_unfused", kernels, "FUSED_ENABLED"), ("plain_one_graph", graph_runner, "SEGMENTED"))
+    ab_rows = () if a.skip_ab else (("plain_unfused", kernels, "FUSED_ENABLED"), ("plain_cublas", gemv, "ENABLED"),
+                                    ("plain_no_pdl", pdl, "ENABLED"), ("plain_one_graph", graph_runner, "SEGMENTED"))
     for name, module, switch in ab_rows:
         setattr(module, switch, False)
         try:

@@ -59,20 +59,21 @@ def render(result: dict, out_dir: str) -> str:
     for bs, r in sorted(plain.items()):
         pct = f"{100 * r['tok_per_s'] / roof:.0f}%" if ceil and bs == 1 else ""
         lines.append(f"| {bs} | {r['tok_per_s']:.1f} | {r['step_ms']:.2f} | {pct} |")
-    if result.get("plain_unfused"):
-        lines += ["", "Same engine with eager torch elementwise ops instead of the fused Triton kernels (same run):", "",
-                  "| batch | tok/s unfused | fused / unfused |", "|---|---|---|"]
-        for r in result["plain_unfused"]:
-            lines.append(f"| {r['batch']} | {r['tok_per_s']:.1f} | {plain[r['batch']]['tok_per_s'] / r['tok_per_s']:.2f}x |")
-    if result.get("plain_one_graph"):
-        lines += ["", "Same engine with one CUDA graph per forward instead of layer-cut segments (same run):", "",
-                  "| batch | tok/s one graph | segmented / one graph |", "|---|---|---|"]
-        for r in result["plain_one_graph"]:
-            lines.append(f"| {r['batch']} | {r['tok_per_s']:.1f} | {plain[r['batch']]['tok_per_s'] / r['tok_per_s']:.2f}x |")
-    if result.get("plain_no_decode_ahead"):
-        lines += ["", "Same engine without decode-ahead (each step decoded when scheduled, HYPERDRAFT_DECODE_AHEAD=0; "
-                  "same run):", "", "| batch | tok/s no decode-ahead | decode-ahead / none |", "|---|---|---|"]
-        for r in result["plain_no_decode_ahead"]:
+    for key, label, column in (
+            ("plain_unfused", "eager torch elementwise ops and cuBLAS instead of every Triton kernel "
+             "(HYPERDRAFT_DISABLE_FUSED_KERNELS=1)", "unfused"),
+            ("plain_cublas", "cuBLAS for every projection instead of the few-row Triton GEMV "
+             "(HYPERDRAFT_DISABLE_GEMV=1)", "cuBLAS"),
+            ("plain_no_pdl", "every kernel launched plainly instead of with programmatic dependent launch "
+             "(HYPERDRAFT_DISABLE_PDL=1)", "no PDL"),
+            ("plain_one_graph", "one CUDA graph per forward instead of layer-cut segments", "one graph"),
+            ("plain_no_decode_ahead", "each step decoded when scheduled instead of queued ahead "
+             "(HYPERDRAFT_DECODE_AHEAD=0)", "no decode-ahead")):
+        if not result.get(key):
+            continue
+        lines += ["", f"Same engine with {label}, same run:", "",
+                  f"| batch | tok/s {column} | default / {column} |", "|---|---|---|"]
+        for r in result[key]:
             lines.append(f"| {r['batch']} | {r['tok_per_s']:.1f} | {plain[r['batch']]['tok_per_s'] / r['tok_per_s']:.2f}x |")
     lines += ["", "## 3. Speculative decode, simulated acceptance (EAGLE-3 head)", "",
               "| setting | alpha | batch | tok/s | accept len | E | c | v | ideal | speedup | of ideal |",

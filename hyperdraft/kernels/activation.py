@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
+from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 BLOCK = 1024
 
 
 @jit
-def _silu_mul(Gate, Up, Out, stride_g, stride_u, width, BLOCK: tl.constexpr):
+def _silu_mul(Gate, Up, Out, stride_g, stride_u, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -32,7 +34,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_tokens, width), dtype=gate.dtype, device=gate.device)
     if out.numel():
         _silu_mul[(num_tokens, triton.cdiv(width, BLOCK))](gate, up, out, gate.stride(0), up.stride(0), width,
-                                                            BLOCK=BLOCK, num_warps=4)
+                                                            BLOCK=BLOCK, num_warps=4, **pdl_args(gate.device))
     return out
 
 

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
+from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) outweighs its keys
 MAX_SPLITS = 32  # measured: 64 splits of 128 keys ran slower than 33 of 256 at batch 1 x 8k
@@ -85,8 +86,9 @@ def _attn_stage1(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_row,
     stride_tb, stride_tq, stride_tw, tail_q, tail_w, num_heads, head_dim, num_splits, scale_log2,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAIL: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAIL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     tile = tl.program_id(2) // num_splits
@@ -151,10 +153,11 @@ def _attn_stage1(
 @jit
 def _attn_merge(
     Out, PartO, PartLse, ExtStarts, ExtLens, stride_ot, stride_oh, num_heads, head_dim, num_splits,
-    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query i, q head h, request b): one output row from its splits' partial outputs, all loaded at once
     (a loop over splits would wait on one load after another)."""
+    pdl_wait(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -250,12 +253,12 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
         out.stride(0), out.stride(1), page_table.stride(0), *tail_strides, tail_q, tail_w, num_heads, head_dim,
         num_splits, head_dim ** -0.5 * math.log2(math.e),
         GROUP=group, PAGE_SIZE=page_size, SPLIT=num_splits > 1, BLOCK_M=cfg.m, BLOCK_N=cfg.n, BLOCK_D=cfg.d,
-        HAS_TAIL=tail_mask is not None, IEEE=q.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages,
+        HAS_TAIL=tail_mask is not None, IEEE=q.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages, **pdl_args(q.device),
     )
     if num_splits > 1:
         _attn_merge[(max_extend_len, num_heads, batch)](
             out, part_o, part_lse, extend_starts, extend_lens, out.stride(0), out.stride(1), num_heads, head_dim,
-            num_splits, SPLITS=_next_pow2(num_splits), BLOCK_D=cfg.d, num_warps=4,
+            num_splits, SPLITS=_next_pow2(num_splits), BLOCK_D=cfg.d, num_warps=4, **pdl_args(q.device),
         )
     return out
 

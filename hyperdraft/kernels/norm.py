@@ -14,11 +14,13 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
+from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 
 @jit
 def _rms_norm(X, R, W, Out, ResOut, stride_xn, stride_xm, stride_rn, num_inner, dim, eps,
-              HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+              HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)
     row = n * num_inner + m  # row index into the contiguous outputs
@@ -58,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm[(num_rows, num_inner)](
         x3, residual if residual is not None else x3, weight, out, new_residual, x3.stride(0), x3.stride(1),
         residual.stride(0) if residual is not None else 0, num_inner, dim, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=min(16, max(1, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=min(16, max(1, block // 256)), **pdl_args(x.device),
     )
     return out, new_residual
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
+from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 
 @jit
@@ -34,7 +35,8 @@ def _rotate_heads(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H: 
 
 @jit
 def _rope(Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, half,
-          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     _rotate_heads(Q, Cos, Sin, t, stride_qt, stride_qh, num_q_heads, half, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(K, Cos, Sin, t, stride_kt, stride_kh, num_k_heads, half, BLOCK_HK, BLOCK_HALF)
@@ -50,7 +52,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         _rope[(num_tokens,)](
             q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q_heads, k.shape[1], half,
             BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **pdl_args(q.device),
         )
     return q, k
 

@@ -18,7 +18,8 @@ a busy-loop on one of two cores), where F.linear's single-thread decode only los
 `fuse_rows` packs projections that read the same input (q/k/v, gate/up) into one weight buffer whose row
 slices become the modules' own parameters, so `project` runs them as one product: fewer, larger products
 stream the weights faster and cost fewer parallel regions per layer (about 1.2 ms of a 17 ms SmolLM2 decode).
-CUDA models are packed the same way and run each group as one F.linear; CPU products of 12+ rows still run
+CUDA models are packed the same way and run each group as one product (kernels/gemv.py's GEMV for a few rows,
+F.linear above); CPU products of 12+ rows still run
 per projection, so CPU prefill keeps its numerics.
 """
 
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hyperdraft.kernels.gemv import cuda_linear
 
 # Up to this many rows, `W @ x^T` beats F.linear (by 1.2-3x at 2..8 rows, 1.2-1.4x at 9..11); from 12 rows on MKL
 # picks the same kernel for both.
@@ -45,7 +48,10 @@ def uses_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., in]; the fast orientation when uses_skinny_path holds."""
+    """F.linear(x, weight, bias) for x [..., in]; the fast orientation when uses_skinny_path holds, and on CUDA
+    the few-row Triton GEMV (kernels/gemv.py)."""
+    if x.is_cuda:
+        return cuda_linear(x, weight, bias)
     if not uses_skinny_path(x, weight):
         return F.linear(x, weight, bias)
     flat = x.dim() == 2 and x.is_contiguous()
@@ -102,20 +108,20 @@ def _pointers(linears) -> list[int]:
 def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """(lin(x) for lin in linears), as one product when fuse_rows packed them and they still share that buffer
     (a later .to() or parameter swap gives them their own storage again; then each runs alone). On CUDA the
-    packed product is one cuBLAS call instead of two or three: the small k/v GEMVs alone stream their weights
-    well below bandwidth."""
+    packed product is one launch instead of two or three: the small k/v GEMVs alone stream their weights well
+    below bandwidth."""
     fused: FusedRows | None = getattr(linears[0], "fused_rows", None)
     if fused is not None and _pointers(linears) == fused.ptrs:
         if uses_skinny_path(x, linears[0].weight):
             return skinny_linear(x, fused.weight, fused.bias).split(fused.sizes, -1)
         if x.is_cuda:
-            return F.linear(x, fused.weight, fused.bias).split(fused.sizes, -1)
+            return cuda_linear(x, fused.weight, fused.bias).split(fused.sizes, -1)
     return tuple(lin(x) for lin in linears)
 
 
-def fuse_projections(model: nn.Module) -> None:
-    """fuse_rows over every decoder layer's q/k/v and gate/up projections (see the module doc and `project`)."""
-    for layer in model.model.layers:
+def fuse_projections(layers) -> None:
+    """fuse_rows over each decoder layer's q/k/v and gate/up projections (see the module doc and `project`)."""
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj)
         fuse_rows(mlp.gate_proj, mlp.up_proj)

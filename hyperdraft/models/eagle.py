@@ -51,6 +51,7 @@ from torch import nn
 
 from hyperdraft.models.config import ModelConfig, model_config_from_dict
 from hyperdraft.models.decoder import MLP, AttentionFn, Attention, DecoderLayer, DecoderLM, IdentityNorm, RMSNorm, rope_inv_freq
+from hyperdraft.models.cpu_linear import Linear, fuse_projections
 from hyperdraft.models.loader import DTYPES
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
@@ -139,7 +140,7 @@ class _Head(nn.Module):
         else:
             self._shared["embed_tokens"] = target.model.embed_tokens
         if own_lm_head:
-            self.lm_head = nn.Linear(cfg.hidden_size, lm_rows, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, lm_rows, bias=False)
         else:
             self._shared["lm_head"] = target.lm_head
         self.register_buffer("inv_freq", rope_inv_freq(cfg.layer), persistent=False)
@@ -178,7 +179,7 @@ class EagleHead(_Head):
 
     def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool):
         super().__init__(cfg, target, own_embed, own_lm_head, cfg.vocab_size)
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(cfg.layer, i) for i in range(cfg.num_layers))
         self.layers[0].input_layernorm = IdentityNorm()
 
@@ -204,9 +205,9 @@ class Eagle3Layer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, 0)
         h2, d = 2 * cfg.hidden_size, cfg.head_dim
-        self.self_attn.q_proj = nn.Linear(h2, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.self_attn.k_proj = nn.Linear(h2, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.self_attn.v_proj = nn.Linear(h2, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.self_attn.q_proj = Linear(h2, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.self_attn.k_proj = Linear(h2, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.self_attn.v_proj = Linear(h2, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -223,7 +224,7 @@ class Eagle3Head(_Head):
 
     def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool):
         super().__init__(cfg, target, own_embed, own_lm_head, cfg.draft_vocab_size)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.fc = Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.midlayer = Eagle3Layer(cfg.layer)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
@@ -350,6 +351,7 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
     head.to(dtype)  # floating tensors only: d2t/t2d keep their integer/bool dtypes
     head.inv_freq = rope_inv_freq(cfg.layer).to(device)  # RoPE frequencies stay fp32 whatever the weights' dtype
     head.finish_loading()
+    fuse_projections(head.layers if cfg.kind != "eagle3" else [head.midlayer])
     return head.eval()
 
 

@@ -1,0 +1,140 @@
+"""x @ W^T (+ bias) for a few rows (decode, verify: M <= 16 tokens) as weight-streaming Triton kernels.
+
+At a handful of rows a projection only reads W once, so its time is W's bytes over the memory bandwidth. cuBLAS
+streams the small projections of an 8B decoder at 68-80% of the copy bandwidth on an H100, and every product
+boundary drains the GPU. Here each program owns a few output columns and walks K in long steps (tens of KB of
+weights in flight per program, hundreds of programs); before waiting on the previous kernel (kernels/pdl.py) it
+asks L2 for its first weight tile, so the weight stream does not stop between kernels. One row runs on CUDA
+cores (`_gemv_vec`); 2..16 rows on tensor cores over the rows padded to 16 (`_gemv_dot`: per-row FMAs would be
+compute-bound there). Measured on an 8B layer chain: benchmarks/results/pdl_chain_h100.md.
+
+Batch invariance within each kernel: a row's result depends only on that row (the dot kernel always pads to 16
+rows, so the tensor-core accumulation order is fixed), so a token gets bit-identical projections in any verify
+of 2..16 rows. The reference is F.linear (another summation order: equal up to rounding).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+import hyperdraft.kernels as kernels
+from hyperdraft.kernels._triton import jit, tl, triton
+from hyperdraft.kernels.pdl import pdl_args, pdl_wait
+
+MAX_ROWS = 16
+# One row: a vector kernel, 8 output columns x 2048-wide K steps per program (CUDA-core FMAs keep up with the
+# weight stream at one row, not at several). 2..16 rows: a tensor-core kernel over the rows padded to 16.
+VEC_BLOCK_N, VEC_BLOCK_K, VEC_WARPS = 8, 2048, 8
+DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 6
+# HYPERDRAFT_DISABLE_GEMV=1 keeps cuBLAS for every product (A/B measurements); so does
+# HYPERDRAFT_DISABLE_FUSED_KERNELS=1, with every other Triton kernel.
+ENABLED = os.environ.get("HYPERDRAFT_DISABLE_GEMV") != "1"
+
+
+@jit
+def _l2_prefetch(ptrs):
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@jit
+def _weights_first(W, cols, N, K, BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+    """Ask L2 for this program's first weight tile (weights never depend on the previous kernel), then wait."""
+    if PDL:
+        lines = tl.minimum(tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
+        _l2_prefetch(W + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * K + lines[None, :])
+    pdl_wait(PDL)
+
+
+@jit
+def _gemv_vec(X, W, Bias, Out, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _weights_first(W, cols, N, K, BLOCK_K, LINE, PDL)
+    w_rows = W + cols[:, None].to(tl.int64) * K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN:  # no masks: the loads stay 16 bytes wide
+            w = tl.load(w_rows + ks[None, :])
+            x = tl.load(X + ks)
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+            x = tl.load(X + ks, mask=ks < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(Out + cols, out.to(Out.dtype.element_ty), mask=cols < N)
+
+
+@jit
+def _gemv_dot(X, W, Bias, Out, M, N, K, stride_xm, stride_om, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+              IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _weights_first(W, cols, N, K, BLOCK_K, LINE, PDL)
+    rows = tl.arange(0, 16)  # padded: a row's result never depends on how many others there are
+    w_rows = W + cols[:, None].to(tl.int64) * K
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0)
+        if EVEN:
+            w = tl.load(w_rows + ks[None, :])
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+        if IEEE:  # fp32 stays fp32 (no TF32), as F.linear computes it by default
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + rows[:, None] * stride_om + cols[None, :], acc.to(Out.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv serves this product: CUDA, <= MAX_ROWS rows, row-major weight, no autograd."""
+    width = weight.shape[-1]
+    return (ENABLED and kernels.use_fused_kernels(x) and 0 < x.numel() <= MAX_ROWS * width
+            and x.shape[-1] == width and weight.dim() == 2 and weight.is_contiguous() and x.stride(-1) == 1
+            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] with at most MAX_ROWS rows; weight: [N, K] contiguous -> x @ weight^T + bias, [..., N]."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    assert m <= MAX_ROWS and rows.stride(-1) == 1
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    b = bias if bias is not None else weight
+    line = 128 // x.element_size()
+    if m == 1:
+        block_k = min(VEC_BLOCK_K, triton.next_power_of_2(k))
+        _gemv_vec[(triton.cdiv(n, VEC_BLOCK_N),)](
+            rows, weight, b, out, n, k, HAS_BIAS=bias is not None,
+            EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N, BLOCK_K=block_k,
+            LINE=min(block_k, line), num_warps=VEC_WARPS, num_stages=3, **pdl_args(x.device))
+    else:
+        # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps 4 stages in 228 KB
+        block_k = min(DOT_BLOCK_K // x.element_size() * 2, max(16, triton.next_power_of_2(k)))
+        _gemv_dot[(triton.cdiv(n, DOT_BLOCK_N),)](
+            rows, weight, b, out, m, n, k, rows.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            IEEE=x.dtype == torch.float32, EVEN=n % DOT_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=DOT_BLOCK_N, BLOCK_K=block_k,
+            LINE=min(block_k, line), num_warps=DOT_WARPS, num_stages=DOT_STAGES, **pdl_args(x.device))
+    return out.view(*x.shape[:-1], n)
+
+
+def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CUDA product: gemv for a few rows, cuBLAS (F.linear) otherwise."""
+    return gemv(x, weight, bias) if gemv_fits(x, weight) else F.linear(x, weight, bias)
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)

@@ -1,0 +1,116 @@
+"""kernels/gemv.py (the few-row Triton GEMV the CUDA models use) against F.linear, its batch invariance, the
+dispatch in cuda_linear, and programmatic dependent launch (kernels/pdl.py) inside a CUDA graph. Run on a GPU
+machine: `python3 -m pytest tests/gpu/test_gemv.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hyperdraft.kernels.gemv as gemv_module
+from hyperdraft.kernels import pdl
+from hyperdraft.kernels.activation import silu_mul
+from hyperdraft.kernels.gemv import MAX_ROWS, cuda_linear, gemv, gemv_reference
+from hyperdraft.kernels.norm import rms_norm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = "cuda"
+# bf16/fp16: one rounding of the fp32 result (2^-8 relative) plus another summation order; fp32: the order only.
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=1e-2),
+       torch.float16: dict(atol=4e-3, rtol=2e-3)}
+
+
+def _inputs(m, n, k, dtype, seed, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    return x, w, b
+
+
+def _poisoned(fn, *args):
+    """Run fn with the module's output allocation filled with NaN, so an element the kernel skips stays NaN."""
+    real_empty = torch.empty
+    try:
+        gemv_module.torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
+        return fn(*args)
+    finally:
+        gemv_module.torch.empty = real_empty
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 8, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (77, 300), (8, 16), (1000, 2049)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_linear(m, n, k, dtype, bias):
+    """Ragged N (not a multiple of the 8-column block) and K (not a multiple of the K block, smaller than one
+    prefetched line), every row count up to MAX_ROWS, with and without bias."""
+    x, w, b = _inputs(m, n, k, dtype, seed=m * 7 + n, bias=bias)
+    out = _poisoned(gemv, x, w, b)
+    ref = gemv_reference(x.double(), w.double(), None if b is None else b.double())
+    assert out.shape == (m, n) and out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rows_do_not_depend_on_the_batch(dtype):
+    """From 2 to 16 rows (verify widths) a token's projection is bit-identical whatever rows share the call."""
+    x, w, _ = _inputs(16, 4096, 4096, dtype, seed=5)
+    full = gemv(x, w)
+    for i in range(0, 16, 2):
+        assert torch.equal(gemv(x[i:i + 2], w), full[i:i + 2])
+    assert torch.equal(gemv(x[2:8], w), full[2:8])
+    strided = torch.randn(3, 2 * 4096, device=DEVICE, dtype=dtype)[:, :4096]  # rows with a stride
+    assert torch.equal(gemv(strided, w), gemv(strided.contiguous(), w))
+    assert torch.equal(gemv(strided[:1], w), gemv(strided[:1].contiguous(), w))
+
+
+def test_cuda_linear_dispatch():
+    """Up to MAX_ROWS rows go to the GEMV, more to cuBLAS; a 3-d input keeps its leading dims."""
+    x, w, b = _inputs(MAX_ROWS + 1, 512, 256, torch.bfloat16, seed=9, bias=True)
+    assert torch.equal(cuda_linear(x, w, b), F.linear(x, w, b))
+    few = x[:MAX_ROWS]
+    assert torch.equal(cuda_linear(few, w, b), gemv(few, w, b))
+    assert cuda_linear(few.view(2, MAX_ROWS // 2, 256), w).shape == (2, MAX_ROWS // 2, 512)
+
+
+def _layer_chain(h, weights):
+    """RMSNorm -> GEMV -> SiLU*up -> GEMV -> RMSNorm(+residual), repeated: every PDL kernel reads what the one
+    before it wrote, so a missing wait shows up as a stale read."""
+    x, residual = rms_norm(h, weights[0][0], 1e-6)
+    for norm_w, up_w, down_w in weights:
+        gu = gemv(x, up_w)
+        act = silu_mul(gu[:, : gu.shape[1] // 2], gu[:, gu.shape[1] // 2:])
+        x, residual = rms_norm(gemv(act, down_w), norm_w, 1e-6, residual)
+    return x
+
+
+def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
+    """The same kernels captured in one CUDA graph with programmatic dependent launch give bit-identical results
+    to plain eager launches (PDL changes when a kernel may start, never what it computes)."""
+    if not pdl.pdl_enabled(torch.device(DEVICE)):
+        pytest.skip("PDL needs a Hopper or newer GPU")  # the plain path is what runs there; nothing else to compare
+    g = torch.Generator().manual_seed(3)
+    dtype, hidden, inter = torch.bfloat16, 1024, 2816
+    weights = [(torch.rand(hidden, generator=g).to(DEVICE, dtype) + 0.5,
+                (torch.randn(2 * inter, hidden, generator=g) / hidden**0.5).to(DEVICE, dtype),
+                (torch.randn(hidden, inter, generator=g) / inter**0.5).to(DEVICE, dtype)) for _ in range(16)]
+    h = torch.randn(2, hidden, generator=g).to(DEVICE, dtype)
+    static_h = h.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _layer_chain(static_h, weights)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = _layer_chain(static_h, weights)
+    outs = []
+    for seed in range(4):
+        static_h.copy_(torch.randn(2, hidden, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype))
+        graph.replay()
+        outs.append((static_h.clone(), static_out.clone()))
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    for inp, out in outs:
+        assert torch.equal(_layer_chain(inp, weights), out)
