@@ -177,9 +177,8 @@ def main() -> None:
     }
     for rows in (6, 16):
         variants[f"M={rows}: cuBLAS, small kernels PDL"] = Chain("cublas", True, 0, False, 0, 0, 0, rows)
-        for dot in [(32, 512, 4, 4), (32, 512, 4, 3), (16, 512, 4, 4), (16, 512, 4, 6), (32, 256, 4, 4),
-                    (32, 256, 4, 6), (64, 256, 4, 3), (16, 1024, 4, 3), (16, 256, 4, 8)] if rows == 6 else [
-                        (32, 512, 4, 4), (16, 512, 4, 4)]:
+        for dot in [(32, 256, 4, 6), (32, 128, 4, 8), (32, 256, 2, 6), (32, 256, 8, 6), (64, 128, 4, 6),
+                    (32, 256, 4, 5), (32, 512, 8, 3), (64, 256, 8, 4)] if rows == 6 else [(32, 256, 4, 6)]:
             variants[f"M={rows}: kernels/gemv.py dot {dot}, PDL"] = Chain("module", True, 0, False, 0, 0, 0, rows, dot)
     lines = [f"device {torch.cuda.get_device_name()}; copy {copy_bw:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB "
              f"-> {weight_bytes / copy_bw / 1e6:.3f} ms at copy speed", "",
