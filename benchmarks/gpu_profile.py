@@ -105,7 +105,7 @@ def main() -> None:
              f"{1000 * wall / a.steps:.2f} ms/step profiled, "
              f"GPU kernel time {gpu_total / a.steps:.2f} ms/step",
              f"{'kernel':<90} {'ms/step':>8} {'calls/step':>10}"]
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:int(os.environ.get("PROFILE_TOP", "25"))]:
         lines.append(f"{e.key[:90]:<90} {e.self_device_time_total / 1e3 / a.steps:8.3f} {e.count / a.steps:10.1f}")
     host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     lines += ["", f"{'host op (self CPU time)':<90} {'ms/step':>8} {'calls/step':>10}"]

@@ -175,6 +175,12 @@ def penalised_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return sb.penalties.apply(logits) if sb.penalties is not None else logits
 
 
+def token_logprobs(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits[rows])[tokens], rows/tokens: [M] -> [M]. One log-sum-exp reduction per row instead of a
+    full [N, V] log_softmax written out and gathered from."""
+    return logits[rows, tokens] - torch.logsumexp(logits, -1)[rows]
+
+
 def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits: [N, V] float32, already penalised -> p: [N, V]. Greedy rows become one-hot at the argmax."""
     if sb.all_greedy:

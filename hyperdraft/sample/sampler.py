@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.kernels.argmax import argmax_rows
-from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits
+from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits, token_logprobs
 from hyperdraft.sample.rng import DOMAIN_SAMPLE, sample_from_probs
 
 
@@ -19,5 +19,5 @@ class Sampler:
         else:
             probs = probs_from_logits(logits, sb)
             tokens = sample_from_probs(probs, sb.seeds, sb.positions, DOMAIN_SAMPLE)
-        logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+        logprobs = token_logprobs(logits, torch.arange(logits.shape[0], device=logits.device), tokens)
         return tokens, logprobs

@@ -24,7 +24,7 @@ from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.model_worker import ResultsCopy, forward_input
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
 from hyperdraft.sample.batch_cache import SamplingBatchCache
-from hyperdraft.sample.logits_ops import penalised_logits, probs_from_logits
+from hyperdraft.sample.logits_ops import penalised_logits, probs_from_logits, token_logprobs
 from hyperdraft.sample.sampler import Sampler
 from hyperdraft.spec.compaction import compact_accepted, leading_fed_count
 from hyperdraft.spec.metrics import PhaseTimer, SpecMetrics
@@ -203,7 +203,7 @@ class ChainRound:
             num_accepted, tokens = verify_greedy_chain(target, draft, lens)
         else:
             num_accepted, tokens = verify_chain(p, draft, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
-        logprobs = torch.log_softmax(logits, -1).gather(1, tokens.view(-1, 1)).view(bsz, k + 1)
+        logprobs = token_logprobs(logits, torch.arange(bsz * (k + 1), device=logits.device), tokens.flatten()).view(bsz, k + 1)
         if target_hidden is not None:  # verify row j of request b sits at packed row start_b + j
             if self.dense:
                 accepted_hidden = target_hidden[: self.num_rows].view(bsz, k + 1, -1)
@@ -277,7 +277,7 @@ class TreeRound:
                                                      max_depth=self.tier.steps, max_children=self.tier.topk)
         self._compact(num_accepted, path)
         rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
-        logprobs = torch.log_softmax(logits, -1)[rows.flatten(), tokens.clamp_min(0).flatten()].view_as(tokens)
+        logprobs = token_logprobs(logits, rows.flatten(), tokens.clamp_min(0).flatten()).view_as(tokens)
         if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
             self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
         self.depth = tokens.shape[1]
