@@ -11,8 +11,15 @@ forward, which streams 15 GB per token. Prints GB/s of weight read per call.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.graph_timing import graph_ms  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096), "head_fc": (4096, 12288)}
@@ -25,23 +32,7 @@ def seconds_per_call(call, weights: list[torch.Tensor], graph_passes: int = 4) -
             for w in weights:
                 call(w)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / (5 * graph_passes * len(weights))
+    return graph_ms(run, reps=5, warm_replays=1) / 1000 / (graph_passes * len(weights))
 
 
 def main() -> None:

@@ -15,13 +15,13 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.graph_timing import graph_ms  # noqa: E402
 from hyperdraft.kernels.gemv import gemv  # noqa: E402
 
 HIDDEN, INTER, QKV, LAYERS = 4096, 14336, 6144, 32
@@ -54,12 +54,18 @@ def _gemv(X, W, Out, N, K, PDL: tl.constexpr, PREFETCH_K: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _rms(X, R, W, Out, ResOut, D: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+def _prologue(PDL: tl.constexpr, EARLY: tl.constexpr):
+    """EARLY lets the next kernel be scheduled before this one's wait as well as after it."""
     if PDL:
         if EARLY:
             gdc_launch_dependents()
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def _rms(X, R, W, Out, ResOut, D: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    _prologue(PDL, EARLY)
     cols = tl.arange(0, D)
     x = tl.load(X + cols).to(tl.float32)
     if HAS_RES:
@@ -71,22 +77,14 @@ def _rms(X, R, W, Out, ResOut, D: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.c
 
 @triton.jit
 def _copy(X, Out, D: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
-    if PDL:
-        if EARLY:
-            gdc_launch_dependents()
-        gdc_wait()
-        gdc_launch_dependents()
+    _prologue(PDL, EARLY)
     cols = tl.arange(0, D)
     tl.store(Out + cols, tl.load(X + cols))
 
 
 @triton.jit
 def _silu_mul(X, Out, D: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK: tl.constexpr):
-    if PDL:
-        if EARLY:
-            gdc_launch_dependents()
-        gdc_wait()
-        gdc_launch_dependents()
+    _prologue(PDL, EARLY)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     g = tl.load(X + cols).to(tl.float32)
     u = tl.load(X + D + cols).to(tl.float32)
@@ -132,26 +130,6 @@ class Chain:
             _rms[(1,)](buf["h2"], buf["h"], lw["n1"], buf["x"], buf["h"], D=HIDDEN, HAS_RES=True, num_warps=8, **kw)
 
 
-def time_graph(fn, reps: int = 30) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -164,7 +142,7 @@ def main() -> None:
     weight_bytes = sum(t.numel() * 2 for lw in layers for t in lw.values())
     src = torch.empty(2 * 1024**3 // 4, device=dev)
     dst = torch.empty_like(src)
-    copy_ms = time_graph(lambda: dst.copy_(src), reps=10)
+    copy_ms = graph_ms(lambda: dst.copy_(src), reps=10)
     copy_bw = 2 * src.numel() * 4 / copy_ms / 1e6
     shapes = dict(h=HIDDEN, x=HIDDEN, qkv=QKV, s1=HIDDEN, s2=HIDDEN, s3=HIDDEN, attn=HIDDEN, o=HIDDEN, gu=2 * INTER,
                   act=INTER, h2=HIDDEN)
@@ -193,7 +171,7 @@ def main() -> None:
             buf["h"][:HIDDEN].copy_(h0)
             chain.forward(layers, buf)
 
-        ms = time_graph(run)
+        ms = graph_ms(run)
         run()
         torch.cuda.synchronize()
         out = buf["x"][:HIDDEN].float().clone()
