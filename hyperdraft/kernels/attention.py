@@ -253,7 +253,8 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
         out.stride(0), out.stride(1), page_table.stride(0), *tail_strides, tail_q, tail_w, num_heads, head_dim,
         num_splits, head_dim ** -0.5 * math.log2(math.e),
         GROUP=group, PAGE_SIZE=page_size, SPLIT=num_splits > 1, BLOCK_M=cfg.m, BLOCK_N=cfg.n, BLOCK_D=cfg.d,
-        HAS_TAIL=tail_mask is not None, IEEE=q.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages, **pdl_args(q.device),
+        HAS_TAIL=tail_mask is not None, IEEE=q.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages,
+        **pdl_args(q.device),
     )
     if num_splits > 1:
         _attn_merge[(max_extend_len, num_heads, batch)](

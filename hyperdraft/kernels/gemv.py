@@ -122,11 +122,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N, BLOCK_K=block_k,
             LINE=min(block_k, line), num_warps=VEC_WARPS, num_stages=3, **pdl_args(x.device))
     else:
-        # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps 4 stages in 228 KB
+        # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps DOT_STAGES in 228 KB
         block_k = min(DOT_BLOCK_K // x.element_size() * 2, max(16, triton.next_power_of_2(k)))
         _gemv_dot[(triton.cdiv(n, DOT_BLOCK_N),)](
             rows, weight, b, out, m, n, k, rows.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            IEEE=x.dtype == torch.float32, EVEN=n % DOT_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=DOT_BLOCK_N, BLOCK_K=block_k,
+            IEEE=x.dtype == torch.float32, EVEN=n % DOT_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=DOT_BLOCK_N,
+            BLOCK_K=block_k,
             LINE=min(block_k, line), num_warps=DOT_WARPS, num_stages=DOT_STAGES, **pdl_args(x.device))
     return out.view(*x.shape[:-1], n)
 

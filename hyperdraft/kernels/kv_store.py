@@ -11,7 +11,8 @@ from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 @jit
 def _kv_store(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
-              stride_vcs, stride_vch, num_heads, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+              stride_vcs, stride_vch, num_heads, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+              PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
@@ -32,7 +33,8 @@ def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     _kv_store[(num_tokens,)](
         k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), num_heads, head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **pdl_args(k.device),
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        **pdl_args(k.device),
     )
 
 

@@ -175,9 +175,11 @@ def penalised_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return sb.penalties.apply(logits) if sb.penalties is not None else logits
 
 
-def token_logprobs(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits[rows])[tokens], rows/tokens: [M] -> [M]. One log-sum-exp reduction per row instead of a
-    full [N, V] log_softmax written out and gathered from."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """log softmax(logits[rows])[tokens]; tokens, rows: [M] (rows None: every row, M = N) -> [M]. One log-sum-exp
+    reduction per row instead of a full [N, V] log_softmax written out and gathered from."""
+    if rows is None:
+        return logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
     return logits[rows, tokens] - torch.logsumexp(logits, -1)[rows]
 
 

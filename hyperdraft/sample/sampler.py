@@ -19,5 +19,5 @@ class Sampler:
         else:
             probs = probs_from_logits(logits, sb)
             tokens = sample_from_probs(probs, sb.seeds, sb.positions, DOMAIN_SAMPLE)
-        logprobs = token_logprobs(logits, torch.arange(logits.shape[0], device=logits.device), tokens)
+        logprobs = token_logprobs(logits, tokens)
         return tokens, logprobs

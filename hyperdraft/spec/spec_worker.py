@@ -203,7 +203,7 @@ class ChainRound:
             num_accepted, tokens = verify_greedy_chain(target, draft, lens)
         else:
             num_accepted, tokens = verify_chain(p, draft, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
-        logprobs = token_logprobs(logits, torch.arange(bsz * (k + 1), device=logits.device), tokens.flatten()).view(bsz, k + 1)
+        logprobs = token_logprobs(logits, tokens.flatten()).view(bsz, k + 1)
         if target_hidden is not None:  # verify row j of request b sits at packed row start_b + j
             if self.dense:
                 accepted_hidden = target_hidden[: self.num_rows].view(bsz, k + 1, -1)
@@ -277,7 +277,7 @@ class TreeRound:
                                                      max_depth=self.tier.steps, max_children=self.tier.topk)
         self._compact(num_accepted, path)
         rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
-        logprobs = token_logprobs(logits, rows.flatten(), tokens.clamp_min(0).flatten()).view_as(tokens)
+        logprobs = token_logprobs(logits, tokens.clamp_min(0).flatten(), rows.flatten()).view_as(tokens)
         if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
             self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
         self.depth = tokens.shape[1]
