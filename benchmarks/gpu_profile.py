@@ -71,6 +71,15 @@ def idle_gaps(events: list[dict], steps: int, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def kernel_sequence(events: list[dict], steps: int) -> str:
+    """The last step's GPU work in launch order (start offset, duration, name): which small kernels a step runs."""
+    work = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda e: e["ts"])
+    last = work[-(len(work) // steps):]
+    t0 = last[0]["ts"]
+    return "\n".join(f"{e['ts'] - t0:9.1f} {e['dur']:7.1f}  {e['name'][:110]}" for e in last)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", action="store_true", help="EAGLE-3 chain 5 at simulated alpha 0.8 instead of plain decode")
@@ -115,6 +124,9 @@ def main() -> None:
     lines += ["", graph_launch_timing(events), "", idle_gaps(events, a.steps)]
     text = "\n".join(lines)
     print(text)
+    if os.environ.get("PROFILE_SEQUENCE"):
+        with open(os.path.join(os.environ.get("OUT", "."), f"gpu_sequence_{'spec' if a.spec else 'plain'}.txt"), "w") as f:
+            f.write(kernel_sequence(events, a.steps) + "\n")
     with open(os.path.join(os.environ.get("OUT", "."), f"gpu_profile_{'spec' if a.spec else 'plain'}{os.environ.get('PROFILE_TAG', '')}.txt"), "w") as f:
         f.write(text + "\n")
 

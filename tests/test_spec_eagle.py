@@ -158,3 +158,20 @@ def test_head_buffers_are_sized_from_the_head(models):
     assert proposer.hidden_buf.shape[-1] == 32 != llm.engine.model_config.hidden_size
     assert proposer.pool.k.shape[1:] == (llm.engine.runner.pool.num_slots, 1, 16)
     assert proposer.hidden_buf.shape[1] >= llm.engine.spec.max_verify_tokens + 1
+
+
+def test_engine_steps_record_no_autograd(models):
+    """Weights are frozen at load and a step runs without grad mode, including the products outside the runners'
+    inference mode (EAGLE-3's fc over the verify rows): autograd there would build graphs every step, and on CUDA
+    would send the product to cuBLAS instead of the few-row GEMV (kernels/gemv.gemv_fits)."""
+    llm = LLM(models["target"], device="cpu", dtype="float32", speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=models["eagle3"], **CHAIN)
+    head = llm.engine.worker.proposer.head
+    for module in (llm.engine.runner.model, head):
+        assert not any(p.requires_grad for p in module.parameters())
+    grad_modes = []
+    head.fc.register_forward_hook(lambda mod, inputs, out: grad_modes.append((torch.is_grad_enabled(), out.requires_grad)))
+    llm.generate(input_ids=[[5, 6, 7, 8]], sampling_params=SamplingParams(temperature=0.0, max_new_tokens=12),
+                 use_tqdm=False)
+    assert grad_modes and not any(enabled or requires for enabled, requires in grad_modes)
+    assert_engine_clean(llm)

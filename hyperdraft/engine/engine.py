@@ -230,6 +230,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # ---- the loop -----------------------------------------------------------------------------------------------
+    @torch.no_grad()  # products outside the runners' inference mode (EAGLE-3's fc) must not record autograd
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
         if batch is None:

@@ -26,7 +26,7 @@ except ImportError:  # no triton (CPU), or one without grid dependency control
 
 # HYPERDRAFT_DISABLE_PDL=1 launches every kernel plainly (A/B measurements, older drivers).
 ENABLED = os.environ.get("HYPERDRAFT_DISABLE_PDL") != "1"
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter has no grid dependency control
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter has no grid dependency control
 
 
 @functools.cache
@@ -35,7 +35,7 @@ def _device_has_pdl(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    return (ENABLED and gdc_wait is not None and device.type == "cuda" and not _INTERPRETED
+    return (ENABLED and gdc_wait is not None and device.type == "cuda" and not INTERPRETED
             and _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device()))
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
 from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
-from hyperdraft.kernels.rope import apply_rope, apply_rope_reference
+from hyperdraft.kernels.rope import apply_rope, apply_rope_reference, rope_table
 from hyperdraft.models.config import ModelConfig
 from hyperdraft.models.cpu_linear import Linear, project
 
@@ -159,9 +159,8 @@ class DecoderLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2], fp32 like HF
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """-> (cos, sin), each [T, 1, D] in dtype, from fp32 angles as HF computes them."""
+        return rope_table(positions, self.inv_freq, dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn, capture_layers: tuple[int, ...] = ()

@@ -53,6 +53,9 @@ from hyperdraft.models.config import ModelConfig, model_config_from_dict
 from hyperdraft.models.decoder import MLP, AttentionFn, Attention, DecoderLayer, DecoderLM, IdentityNorm, RMSNorm, rope_inv_freq
 from hyperdraft.models.cpu_linear import Linear, fuse_projections
 from hyperdraft.models.loader import DTYPES
+from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.rope import rope_table
+from hyperdraft.kernels.vocab_map import spread_logits, spread_logits_reference
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
 
@@ -157,13 +160,12 @@ class _Head(nn.Module):
         return self._part("embed_tokens")(input_ids).to(dtype)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """-> logits [N, rows of lm_head] in the lm_head's dtype."""
         lm = self._part("lm_head")
-        return lm(hidden.to(lm.weight.dtype)).float()
+        return lm(hidden.to(lm.weight.dtype))
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_table(positions, self.inv_freq, dtype)
 
     def _check_hidden(self, hidden: torch.Tensor) -> None:
         if hidden.dim() != 2 or hidden.shape[-1] != self.hidden_size:
@@ -193,7 +195,7 @@ class EagleHead(_Head):
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._lm_head(hidden)
+        return self._lm_head(hidden).float()
 
     def project_target_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
         self._check_hidden(target_hidden)  # the target's final normed hidden; fc runs inside forward
@@ -230,6 +232,7 @@ class Eagle3Head(_Head):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)
+        self.register_buffer("target_to_draft", torch.zeros(cfg.vocab_size, dtype=torch.int32), persistent=False)
         self.identity_vocab = cfg.draft_vocab_size == cfg.vocab_size
 
     def finish_loading(self) -> None:
@@ -241,6 +244,9 @@ class Eagle3Head(_Head):
             raise ValueError("t2d does not mark exactly the target ids that d2t maps the draft vocabulary to")
         self.draft_to_target = ids
         self.identity_vocab = bool((self.d2t == 0).all()) and cfg.draft_vocab_size == cfg.vocab_size
+        inverse = torch.full((cfg.vocab_size,), -1, dtype=torch.int32, device=ids.device)
+        inverse[ids] = torch.arange(cfg.draft_vocab_size, dtype=torch.int32, device=ids.device)
+        self.target_to_draft = inverse  # spread_logits's map: the draft id of each target id, -1 outside
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionFn):
         self._check_hidden(hidden)
@@ -250,10 +256,10 @@ class Eagle3Head(_Head):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._lm_head(self.norm(hidden))  # [N, Vd]
         if self.identity_vocab:
-            return logits
-        out = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        out[:, self.draft_to_target] = logits
-        return out
+            return logits.float()
+        if use_fused_kernels(logits) and logits.stride(-1) == 1:
+            return spread_logits(logits, self.target_to_draft)
+        return spread_logits_reference(logits, self.draft_to_target, self.config.vocab_size)
 
     def project_target_hidden(self, target_hidden: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """[T, 3*Ht] (or the 3 captured [T, Ht] states, ascending layer order) -> [T, H]."""
@@ -352,7 +358,7 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
     head.inv_freq = rope_inv_freq(cfg.layer).to(device)  # RoPE frequencies stay fp32 whatever the weights' dtype
     head.finish_loading()
     fuse_projections(head.layers if cfg.kind != "eagle3" else [head.midlayer])
-    return head.eval()
+    return head.eval().requires_grad_(False)
 
 
 def _check_weight_names(path: str, cfg, state: dict, weights: dict) -> None:

@@ -90,4 +90,4 @@ def load_model(model_path: str, dtype: str, device: torch.device, load_format: s
     model.to(torch_dtype)
     fuse_projections(model.model.layers)  # q/k/v and gate/up as one product each (models/cpu_linear.py)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in fp32 whatever the weights' dtype
-    return model.eval()
+    return model.eval().requires_grad_(False)

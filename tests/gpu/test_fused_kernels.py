@@ -17,7 +17,7 @@ import torch
 import hyperdraft.kernels as kernels
 from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
 from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
-from hyperdraft.kernels.rope import apply_rope, apply_rope_reference
+from hyperdraft.kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -94,6 +94,50 @@ def test_rope(dtype, num_tokens, heads, kv_heads, head_dim):
     torch.testing.assert_close(out_q, ref_q, **TOL[dtype])
     torch.testing.assert_close(out_k, ref_k, **TOL[dtype])
     torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim:], v_before, atol=0, rtol=0)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens,head_dim", [(1, 128), (6, 64), (300, 80), (2, 256)])
+def test_rope_cos_sin(dtype, num_tokens, head_dim):
+    """The table kernel == the torch table bit for bit (same fp32 angles, the math library's cos/sin, one rounding
+    to dtype), at positions from 0 up to 131071, with Llama-3 scaled frequencies (half = 40: a ragged block)."""
+    from hyperdraft.models.config import model_config_from_dict
+    from hyperdraft.models.decoder import rope_inv_freq
+
+    cfg = model_config_from_dict(dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=head_dim * 4,
+                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=head_dim, vocab_size=64, rope_theta=500000.0,
+                                      rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                        high_freq_factor=4.0, original_max_position_embeddings=8192)))
+    inv_freq = rope_inv_freq(cfg).to(DEVICE)
+    positions = torch.randint(0, 131072, (num_tokens,), generator=torch.Generator().manual_seed(9))
+    positions[0] = 0
+    positions[-1] = 131071
+    positions = positions.to(DEVICE)
+    _poison((num_tokens, 1, head_dim), (num_tokens, 1, head_dim), dtype=dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+    ref_cos, ref_sin = rope_cos_sin_reference(positions, inv_freq, dtype)
+    exact = TOL.get(dtype, TOL[torch.bfloat16]) if INTERPRET else dict(atol=0, rtol=0)  # numpy: not CUDA cos
+    torch.testing.assert_close(cos, ref_cos, **exact)
+    torch.testing.assert_close(sin, ref_sin, **exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,draft_vocab,vocab", [(1, 32000, 128256), (6, 100, 5000), (16, 777, 777)])
+def test_spread_logits(dtype, rows, draft_vocab, vocab):
+    """Draft-vocabulary logits spread over the target vocabulary == the torch index_put, bit for bit, for a
+    scrambled (non-monotone) draft-to-target map; target ids outside it are -inf."""
+    from hyperdraft.kernels.vocab_map import spread_logits, spread_logits_reference
+
+    g = torch.Generator().manual_seed(10)
+    draft_to_target = torch.randperm(vocab, generator=g)[:draft_vocab].to(DEVICE)
+    target_to_draft = torch.full((vocab,), -1, dtype=torch.int32, device=DEVICE)
+    target_to_draft[draft_to_target] = torch.arange(draft_vocab, dtype=torch.int32, device=DEVICE)
+    logits = _randn(rows, draft_vocab, dtype=dtype, seed=11) * 5
+    _poison((rows, vocab), dtype=torch.float32)
+    out = spread_logits(logits, target_to_draft)
+    torch.testing.assert_close(out, spread_logits_reference(logits, draft_to_target, vocab), atol=0, rtol=0)
+    assert int(torch.isinf(out).sum()) == rows * (vocab - draft_vocab)
 
 
 @pytest.mark.skipif(INTERPRET, reason="a whole model under the interpreter is too slow")
