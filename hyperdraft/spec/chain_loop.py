@@ -27,6 +27,7 @@ def draft_chain(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, ste
     which feeds d_{j-1} (and, for an EAGLE head, feeds_hidden: the head's own output at the step before) and gives
     d_j."""
     logits, hidden = first.logits, first.hidden[catch_up.logits_indices]
+    anchor.plan(steps - 1, 1, 1, page_table)
     tokens = torch.zeros(logits.shape[0], steps, dtype=torch.int64, device=logits.device)
     qs = []
     for j in range(steps):

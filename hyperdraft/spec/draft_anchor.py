@@ -5,7 +5,9 @@ committed token). Every later draft step feeds k nodes per request at one RoPE p
 their K/V at consecutive indices past the root: a chain feeds one node per depth (index = position), a tree's
 beam writes depth d's frontier at offsets 1 + (d-1)*topk + f past the root (tree_draft.py). Both are built here
 from device tensors alone, so a step costs no host-to-device copy and no host decision: that makes a whole round
-capturable as one CUDA graph (draft_graphs.py), and the eager path runs the very same batches.
+capturable as one CUDA graph (draft_graphs.py), and the eager path runs the very same batches. The steps' tensors
+(slots, positions, lengths) are built for every depth at once before the first step (DraftAnchor.plan): at batch 1
+each step's dozen index kernels cost about as much as its attention.
 
 The catch-up's host side (CatchUpRows) travels as ONE packed int64 block per round, which unpack_catch_up turns
 into the catch-up ForwardBatch on the device.
@@ -21,6 +23,25 @@ from hyperdraft.engine.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass
+class StepPlan:
+    """The device tensors of a round's draft steps at depths 1 .. D (k nodes per request each), built together
+    before the first step: one set of launches per round instead of one per step. Row d-1 is depth d's."""
+
+    stride: int
+    k: int
+    slots: torch.Tensor  # [D, B*k] int64 pool slots (0 for padding rows)
+    positions: torch.Tensor  # [D, B*k] int64 RoPE positions
+    seq_lens: torch.Tensor  # [D, B] int32 sequence length after the step
+    extend_starts: torch.Tensor  # [B] int32, the same at every depth
+    extend_lens: torch.Tensor  # [B] int32
+    logits_indices: torch.Tensor  # [B*k] int64
+
+    @property
+    def depths(self) -> int:
+        return self.slots.shape[0]
+
+
+@dataclass
 class DraftAnchor:
     """Where the draft steps of each request write, read on the device off the catch-up batch."""
 
@@ -29,6 +50,7 @@ class DraftAnchor:
     live: torch.Tensor  # [B] bool; False for a graph's padding rows, whose K/V then goes to the padding page
     base_host: list[int] | None  # host copy, for backends that read host lists (torch); None inside a graph
     max_seq_len: int  # static bound inside a graph; 0 = from base_host
+    steps: StepPlan | None = None  # set by plan()
 
     @classmethod
     def after(cls, catch_up: ForwardBatch, base_host: list[int] | None, max_seq_len: int = 0) -> "DraftAnchor":
@@ -38,26 +60,42 @@ class DraftAnchor:
         return cls(catch_up.req_rows, catch_up.positions[last] + 1, catch_up.out_slots[last] != 0, base_host,
                    max_seq_len)
 
+    def plan(self, depths: int, stride: int, k: int, page_table) -> None:
+        """Build the batch tensors of depths 1 .. depths at once; step_batch then slices them."""
+        if depths >= 1:
+            self.steps = self._build(1, depths, stride, k, page_table)
+
+    def _build(self, first_depth: int, depths: int, stride: int, k: int, page_table) -> StepPlan:
+        """Depth d feeds k nodes per request at RoPE position base + d - 1, written at indices base + (d-1)*stride
+        + 0 .. k-1; here for d = first_depth .. first_depth + depths - 1."""
+        bsz, device = self.rows.shape[0], self.base.device
+        shift = torch.arange(first_depth - 1, first_depth - 1 + depths, device=device)[:, None]  # [D, 1]: d - 1
+        first = self.base + shift * stride  # [D, B] index of each request's first node at depth d
+        index = first[..., None] + torch.arange(k, device=device)  # [D, B, k]
+        slots = torch.where(self.live[:, None], page_table.token_slots(self.rows[:, None], index), 0)
+        positions = (self.base + shift)[..., None].expand(depths, bsz, k).reshape(depths, bsz * k)
+        arange = torch.arange(bsz, dtype=torch.int32, device=device)
+        return StepPlan(stride, k, slots.view(depths, bsz * k), positions, (first + k).to(torch.int32), arange * k,
+                        torch.full((bsz,), k, dtype=torch.int32, device=device), torch.arange(bsz * k, device=device))
+
     def step_batch(self, depth: int, stride: int, input_ids: torch.Tensor, page_table,
                    input_hidden: torch.Tensor | None, tail_mask: torch.Tensor | None = None) -> ForwardBatch:
         """The batch of draft step `depth` (>= 1): k = len(input_ids) / B nodes per request, all at RoPE position
         base + depth - 1, written at indices base + (depth-1)*stride + 0 .. k-1. A chain has stride 1 and k = 1
-        (index = position); a beam has stride topk and a [B, k, W] tail mask over its ancestors."""
+        (index = position); a beam has stride topk and a [B, k, W] tail mask over its ancestors. From the plan
+        when one covers it (a sampled tree's narrower frontiers do not), else built here."""
         bsz = self.rows.shape[0]
         k = input_ids.shape[0] // bsz
-        device = self.base.device
-        first = self.base + (depth - 1) * stride  # [B] index of each request's first node of this depth
-        index = first[:, None] + torch.arange(k, device=device)  # [B, k]
-        slots = torch.where(self.live[:, None], page_table.token_slots(self.rows[:, None], index), 0).flatten()
-        positions = (self.base + (depth - 1))[:, None].expand(bsz, k).flatten()
-        arange = torch.arange(bsz, dtype=torch.int64, device=device)
+        plan, row = self.steps, depth - 1
+        if plan is None or (plan.stride, plan.k) != (stride, k) or depth > plan.depths:
+            plan, row = self._build(depth, 1, stride, k, page_table), 0
         shift = (depth - 1) * stride
         prefix = [b + shift for b in self.base_host] if self.base_host is not None else [0] * bsz
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=input_ids, positions=positions, out_slots=slots, req_rows=self.rows,
-            prefix_lens=prefix, extend_lens=[k] * bsz, logits_indices=torch.arange(bsz * k, device=device),
-            tail_mask=tail_mask, seq_lens_t=(first + k).to(torch.int32), extend_starts_t=(arange * k).to(torch.int32),
-            extend_lens_t=torch.full((bsz,), k, dtype=torch.int32, device=device), max_extend_len=k,
+            mode=ForwardMode.DECODE, input_ids=input_ids, positions=plan.positions[row], out_slots=plan.slots[row],
+            req_rows=self.rows, prefix_lens=prefix, extend_lens=[k] * bsz, logits_indices=plan.logits_indices,
+            tail_mask=tail_mask, seq_lens_t=plan.seq_lens[row], extend_starts_t=plan.extend_starts,
+            extend_lens_t=plan.extend_lens, max_extend_len=k,
             max_seq_len=self.max_seq_len or max(prefix, default=0) + k, input_hidden=input_hidden,
         )
 

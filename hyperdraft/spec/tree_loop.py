@@ -32,6 +32,7 @@ def draft_tree(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, step
     bsz = last.shape[0]
     roots = catch_up.input_ids[last]
     root_hidden = first.hidden[last] if feeds_hidden else None
+    anchor.plan(steps - 1, topk, topk, page_table)  # a beam's frontiers (a sampled tree's may be narrower)
 
     def step(depth: int, tokens: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, parent_hidden):
         """Feed the frontier tokens [B, k] (written at offsets 1 + (depth-1)*topk + f past the root) under their
