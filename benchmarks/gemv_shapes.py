@@ -1,0 +1,61 @@
+"""Per-projection GEMV timing: each shape of an 8B decoder's verify (qkv, o, gate_up, down, lm_head) at 1 and 6
+rows, for a list of tensor-core tile configurations of kernels/gemv.py's `_gemv_dot`.
+
+Each measurement chains `copies` products of one shape over distinct weights (nothing stays in L2) in one CUDA graph,
+launched as the engine launches them (PDL on Hopper). Run on a GPU machine:
+PYTHONPATH=. python3 benchmarks/gemv_shapes.py ; prints a table (and writes $OUT/gemv_shapes.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hyperdraft.kernels.gemv as gemv_module  # noqa: E402
+from benchmarks.graph_timing import graph_ms  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+# (BLOCK_N, BLOCK_K, warps, stages); the first is the engine's
+CONFIGS = [(32, 256, 4, 6), (16, 256, 4, 6), (16, 512, 4, 4), (32, 128, 4, 6), (32, 256, 4, 4), (64, 128, 4, 5),
+           (32, 512, 4, 3), (16, 256, 2, 6), (32, 256, 8, 6)]
+
+
+def time_shape(n: int, k: int, rows: int, config=None, budget_bytes: float = 6e9) -> float:
+    """Microseconds per product."""
+    copies = max(4, min(32, int(budget_bytes // (n * k * 2))))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    saved = (gemv_module.DOT_BLOCK_N, gemv_module.DOT_BLOCK_K, gemv_module.DOT_WARPS, gemv_module.DOT_STAGES)
+    if config is not None:
+        gemv_module.DOT_BLOCK_N, gemv_module.DOT_BLOCK_K, gemv_module.DOT_WARPS, gemv_module.DOT_STAGES = config
+    try:
+        ms = graph_ms(lambda: [gemv_module.gemv(x, w) for w in weights], reps=10)
+    finally:
+        gemv_module.DOT_BLOCK_N, gemv_module.DOT_BLOCK_K, gemv_module.DOT_WARPS, gemv_module.DOT_STAGES = saved
+    weights.clear()
+    torch.cuda.empty_cache()
+    return 1000 * ms / copies
+
+
+def main() -> None:
+    lines = ["| shape | N x K | 1 row (vec) us | " + " | ".join(f"6 rows {c} us" for c in CONFIGS) + " |",
+             "|---|---|---|" + "---|" * len(CONFIGS)]
+    for name, (n, k) in SHAPES.items():
+        one = time_shape(n, k, 1)
+        six = [time_shape(n, k, 6, c) for c in CONFIGS]
+        gb = n * k * 2 / 1e3
+        lines.append(f"| {name} | {n} x {k} | {one:.1f} ({gb / one:.0f} GB/s) | "
+                     + " | ".join(f"{t:.1f} ({gb / t:.0f})" for t in six) + " |")
+        print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    with open(os.path.join(os.environ.get("OUT", "."), "gemv_shapes.md"), "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
