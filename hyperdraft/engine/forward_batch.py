@@ -59,6 +59,12 @@ class ForwardBatch:
     max_seq_len: int = 0
     # [T, H] per-token hidden states fed beside the tokens (EAGLE heads); H is the CONSUMING model's hidden size
     input_hidden: torch.Tensor | None = None
+    # logits_indices is arange(T) (every packed row, in order): the forward skips the gather
+    logits_every_row: bool = False
+
+    def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of hidden [T, H] whose logits are wanted."""
+        return hidden if self.logits_every_row else hidden[self.logits_indices]
 
     @property
     def batch_size(self) -> int:

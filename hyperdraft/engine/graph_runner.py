@@ -96,7 +96,7 @@ class _StaticInputs:
             tail_mask=None if self.tail_mask is None else self.tail_mask[:bs],
             seq_lens_t=self.seq_lens[:bs], extend_starts_t=self.extend_starts[:bs], extend_lens_t=self.extend_lens[:bs],
             max_extend_len=q, max_seq_len=max_seq_len,
-            input_hidden=None if self.input_hidden is None else self.input_hidden[:n],
+            input_hidden=None if self.input_hidden is None else self.input_hidden[:n], logits_every_row=not self.one_logit,
         )
 
     def fill(self, fb: ForwardBatch, bs: int, q: int) -> None:

@@ -65,5 +65,5 @@ class ModelRunner(GraphedRunner):
             return self.backend.forward(layer_id, q, k, v, fb, meta)
 
         hidden, captured = self.model(fb.input_ids, fb.positions, attn, capture_layers)
-        logits = self.model.compute_logits(hidden[fb.logits_indices])
+        logits = self.model.compute_logits(fb.logits_rows(hidden))
         return ForwardOutput(logits, hidden, captured)

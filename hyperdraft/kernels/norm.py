@@ -65,6 +65,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, new_residual
 
 
+@jit
+def _embed_hidden_norm(Ids, Table, Hidden, WEmbed, WHidden, Out, stride_h, dim, eps, BLOCK_D: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)  # 0: the token's embedding, 1: the hidden state
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    if part == 0:
+        x = tl.load(Table + tl.load(Ids + t) * dim + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(WEmbed + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(Hidden + t * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(WHidden + cols, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+    normed = (x * inv_rms).to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + t * 2 * dim + part * dim + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+
+
+def embed_hidden_norm(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, embed_weight: torch.Tensor,
+                      hidden_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """EAGLE-3's layer input in one launch: [RMSNorm(table[ids]), RMSNorm(hidden)] side by side, [T, 2H] (both
+    norms round as rms_norm does). ids [T]; table [V, H] contiguous, hidden [T, H] (last dim contiguous), one dtype."""
+    num_tokens, dim = hidden.shape
+    out = torch.empty(num_tokens, 2 * dim, dtype=hidden.dtype, device=hidden.device)
+    assert table.is_contiguous() and table.dtype == hidden.dtype and hidden.stride(-1) == 1 and ids.is_contiguous()
+    if num_tokens:
+        block = triton.next_power_of_2(dim)
+        _embed_hidden_norm[(num_tokens, 2)](ids, table, hidden, embed_weight, hidden_weight, out, hidden.stride(0), dim,
+                                            eps, BLOCK_D=block, num_warps=min(16, max(1, block // 256)),
+                                            **pdl_args(hidden.device))
+    return out
+
+
+def embed_hidden_norm_reference(ids, table, hidden, embed_weight, hidden_weight, eps) -> torch.Tensor:
+    return torch.cat((rms_norm_reference(table[ids].to(hidden.dtype), embed_weight, eps)[0],
+                      rms_norm_reference(hidden, hidden_weight, eps)[0]), dim=-1)
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                        residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:

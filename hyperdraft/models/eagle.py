@@ -54,6 +54,7 @@ from hyperdraft.models.decoder import MLP, AttentionFn, Attention, DecoderLayer,
 from hyperdraft.models.cpu_linear import Linear, fuse_projections
 from hyperdraft.models.loader import DTYPES
 from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_reference
 from hyperdraft.kernels.rope import rope_table
 from hyperdraft.kernels.vocab_map import spread_logits, spread_logits_reference
 
@@ -215,8 +216,16 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, emb, hidden, cos, sin, attn: AttentionFn):
-        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
+    def inputs(self, input_ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, 2H]: the normed token embeddings (table[input_ids]) beside the normed hidden states; on CUDA one
+        launch instead of four (gather, two norms, concatenation)."""
+        norms = (self.input_layernorm.weight, self.hidden_norm.weight, self.input_layernorm.eps)
+        if use_fused_kernels(hidden) and table.dtype == hidden.dtype and table.is_contiguous():
+            return embed_hidden_norm(input_ids, table, hidden, *norms)
+        return embed_hidden_norm_reference(input_ids, table, hidden, *norms)
+
+    def forward(self, x, hidden, cos, sin, attn: AttentionFn):
+        """x: inputs() of the step's tokens and hidden; hidden: the residual stream."""
         h, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), hidden)
         return self.mlp(h) + residual
 
@@ -251,7 +260,8 @@ class Eagle3Head(_Head):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionFn):
         self._check_hidden(hidden)
         cos, sin = self._rope(positions, hidden.dtype)
-        return self.midlayer(self._embed(input_ids, hidden.dtype), hidden, cos, sin, attn)
+        x = self.midlayer.inputs(input_ids, self._part("embed_tokens").weight, hidden)
+        return self.midlayer(x, hidden, cos, sin, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._lm_head(self.norm(hidden))  # [N, Vd]

@@ -18,6 +18,8 @@ import torch
 
 from hyperdraft.engine.host_copy import to_device_many
 from hyperdraft.sampling_params import SamplingParams
+from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.logprob import token_logprobs_kernel
 
 
 @dataclass
@@ -177,7 +179,10 @@ def penalised_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """log softmax(logits[rows])[tokens]; tokens, rows: [M] (rows None: every row, M = N) -> [M]. One log-sum-exp
-    reduction per row instead of a full [N, V] log_softmax written out and gathered from."""
+    reduction per row instead of a full [N, V] log_softmax written out and gathered from; on CUDA two Triton
+    launches (kernels/logprob.py)."""
+    if use_fused_kernels(logits) and logits.stride(-1) == 1 and logits.dtype == torch.float32:
+        return token_logprobs_kernel(logits, tokens, rows)
     if rows is None:
         return logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
     return logits[rows, tokens] - torch.logsumexp(logits, -1)[rows]

@@ -97,6 +97,7 @@ class DraftAnchor:
             tail_mask=tail_mask, seq_lens_t=plan.seq_lens[row], extend_starts_t=plan.extend_starts,
             extend_lens_t=plan.extend_lens, max_extend_len=k,
             max_seq_len=self.max_seq_len or max(prefix, default=0) + k, input_hidden=input_hidden,
+            logits_every_row=True,
         )
 
 

@@ -51,7 +51,7 @@ class HeadRunner(GraphedRunner):
         meta = self.backend.plan(fb)
         g = self.model(fb.input_ids, fb.positions, fb.input_hidden,
                        lambda i, q, k, v: self.backend.forward(i, q, k, v, fb, meta))
-        return ForwardOutput(self.model.compute_logits(g[fb.logits_indices]), g, [])
+        return ForwardOutput(self.model.compute_logits(fb.logits_rows(g)), g, [])
 
 
 class EagleProposer(DraftRounds):

@@ -68,6 +68,22 @@ def test_rms_norm_strided_heads(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,dim", [(1, 4096), (6, 64), (37, 896)])
+def test_embed_hidden_norm(dtype, num_tokens, dim):
+    """EAGLE-3's layer input (normed embeddings beside normed hidden states, one launch) against gather + two
+    torch norms + cat; the hidden rows are a strided view (every other row of a wider buffer)."""
+    from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_reference
+
+    table = _randn(500, dim, dtype=dtype, seed=14)
+    hidden = (_randn(2 * num_tokens, dim, dtype=dtype, seed=15) * 3)[::2]
+    ids = torch.randint(0, 500, (num_tokens,), generator=torch.Generator().manual_seed(16)).to(DEVICE)
+    w_embed, w_hidden = _randn(dim, dtype=dtype, seed=17), _randn(dim, dtype=dtype, seed=18)
+    _poison((num_tokens, 2 * dim), dtype=dtype)
+    out = embed_hidden_norm(ids, table, hidden, w_embed, w_hidden, 1e-5)
+    torch.testing.assert_close(out, embed_hidden_norm_reference(ids, table, hidden, w_embed, w_hidden, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens,width", [(1, 14336), (6, 64), (300, 4864)])
 def test_silu_mul(dtype, num_tokens, width):
     gate_up = _randn(num_tokens, 2 * width, dtype=dtype, seed=6) * 4
@@ -138,6 +154,27 @@ def test_spread_logits(dtype, rows, draft_vocab, vocab):
     out = spread_logits(logits, target_to_draft)
     torch.testing.assert_close(out, spread_logits_reference(logits, draft_to_target, vocab), atol=0, rtol=0)
     assert int(torch.isinf(out).sum()) == rows * (vocab - draft_vocab)
+
+
+@pytest.mark.parametrize("rows,vocab,with_rows", [(1, 128256, False), (6, 128256, True), (9, 5000, False),
+                                                  (3, 4096, True)])
+def test_token_logprobs(rows, vocab, with_rows):
+    """Chosen tokens' log-probabilities == log_softmax + gather in fp64, on logits with a -inf stretch covering a
+    whole chunk and more (logit bias / masked vocabulary) and tokens at both ends of the vocabulary."""
+    from hyperdraft.kernels.logprob import token_logprobs_kernel
+
+    logits = _randn(rows, vocab, dtype=torch.float32, seed=12) * 4
+    logits[0, 100: 100 + 5000] = float("-inf")
+    g = torch.Generator().manual_seed(13)
+    count = 2 * rows if with_rows else rows
+    picked = torch.randint(0, rows, (count,), generator=g) if with_rows else torch.arange(rows)
+    tokens = torch.randint(0, vocab, (count,), generator=g)
+    tokens[0], tokens[-1] = vocab - 1, 0
+    picked, tokens = picked.to(DEVICE), tokens.to(DEVICE)
+    _poison((count,), dtype=torch.float32)
+    out = token_logprobs_kernel(logits, tokens, picked if with_rows else None)
+    ref = torch.log_softmax(logits.double(), -1)[picked, tokens].float()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(INTERPRET, reason="a whole model under the interpreter is too slow")
