@@ -66,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @jit
-def _embed_hidden_norm(Ids, Table, Hidden, WEmbed, WHidden, Out, stride_h, dim, eps, BLOCK_D: tl.constexpr,
+def _embed_hidden_norm(Ids, Table, Hidden, WEmbed, WHidden, Out, stride_ids, stride_h, dim, eps, BLOCK_D: tl.constexpr,
                        PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -74,7 +74,7 @@ def _embed_hidden_norm(Ids, Table, Hidden, WEmbed, WHidden, Out, stride_h, dim, 
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
     if part == 0:
-        x = tl.load(Table + tl.load(Ids + t) * dim + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(Table + tl.load(Ids + t * stride_ids) * dim + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(WEmbed + cols, mask=mask, other=0.0).to(tl.float32)
     else:
         x = tl.load(Hidden + t * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
@@ -87,14 +87,16 @@ def _embed_hidden_norm(Ids, Table, Hidden, WEmbed, WHidden, Out, stride_h, dim, 
 def embed_hidden_norm(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, embed_weight: torch.Tensor,
                       hidden_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """EAGLE-3's layer input in one launch: [RMSNorm(table[ids]), RMSNorm(hidden)] side by side, [T, 2H] (both
-    norms round as rms_norm does). ids [T]; table [V, H] contiguous, hidden [T, H] (last dim contiguous), one dtype."""
+    norms round as rms_norm does). ids [T] (any stride: a chain step feeds a column of its token grid); table [V, H]
+    contiguous and hidden [T, H] (last dim contiguous) of one dtype."""
     num_tokens, dim = hidden.shape
     out = torch.empty(num_tokens, 2 * dim, dtype=hidden.dtype, device=hidden.device)
-    assert table.is_contiguous() and table.dtype == hidden.dtype and hidden.stride(-1) == 1 and ids.is_contiguous()
+    assert table.is_contiguous() and table.dtype == hidden.dtype, "table: contiguous, in the hidden states' dtype"
+    assert hidden.stride(-1) == 1 and ids.dim() == 1, "hidden: last dim contiguous; ids: [T]"
     if num_tokens:
         block = triton.next_power_of_2(dim)
-        _embed_hidden_norm[(num_tokens, 2)](ids, table, hidden, embed_weight, hidden_weight, out, hidden.stride(0), dim,
-                                            eps, BLOCK_D=block, num_warps=min(16, max(1, block // 256)),
+        _embed_hidden_norm[(num_tokens, 2)](ids, table, hidden, embed_weight, hidden_weight, out, ids.stride(0),
+                                            hidden.stride(0), dim, eps, BLOCK_D=block, num_warps=min(16, max(1, block // 256)),
                                             **pdl_args(hidden.device))
     return out
 

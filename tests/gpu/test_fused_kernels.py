@@ -71,12 +71,12 @@ def test_rms_norm_strided_heads(dtype):
 @pytest.mark.parametrize("num_tokens,dim", [(1, 4096), (6, 64), (37, 896)])
 def test_embed_hidden_norm(dtype, num_tokens, dim):
     """EAGLE-3's layer input (normed embeddings beside normed hidden states, one launch) against gather + two
-    torch norms + cat; the hidden rows are a strided view (every other row of a wider buffer)."""
+    torch norms + cat; the hidden rows and the ids are strided views (every other row, a column of a grid)."""
     from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_reference
 
     table = _randn(500, dim, dtype=dtype, seed=14)
     hidden = (_randn(2 * num_tokens, dim, dtype=dtype, seed=15) * 3)[::2]
-    ids = torch.randint(0, 500, (num_tokens,), generator=torch.Generator().manual_seed(16)).to(DEVICE)
+    ids = torch.randint(0, 500, (num_tokens, 3), generator=torch.Generator().manual_seed(16)).to(DEVICE)[:, 1]
     w_embed, w_hidden = _randn(dim, dtype=dtype, seed=17), _randn(dim, dtype=dtype, seed=18)
     _poison((num_tokens, 2 * dim), dtype=dtype)
     out = embed_hidden_norm(ids, table, hidden, w_embed, w_hidden, 1e-5)
