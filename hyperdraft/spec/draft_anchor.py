@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from hyperdraft.engine.forward_batch import ForwardBatch, ForwardMode
+from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.draft_plan import PACKED_FIELDS, round_plan
 
 
 @dataclass
@@ -61,8 +63,10 @@ class DraftAnchor:
                    max_seq_len)
 
     def plan(self, depths: int, stride: int, k: int, page_table) -> None:
-        """Build the batch tensors of depths 1 .. depths at once; step_batch then slices them."""
-        if depths >= 1:
+        """Build the batch tensors of depths 1 .. depths at once (unless unpack_round already has); step_batch then
+        slices them."""
+        planned = self.steps is not None and (self.steps.depths, self.steps.stride, self.steps.k) == (depths, stride, k)
+        if depths >= 1 and not planned:
             self.steps = self._build(1, depths, stride, k, page_table)
 
     def _build(self, first_depth: int, depths: int, stride: int, k: int, page_table) -> StepPlan:
@@ -128,7 +132,24 @@ class CatchUpRows:
         return out + [0, 0, width, 0, *[0] * width] * (bs - len(self.rows))
 
 
-PACKED_FIELDS = 4
+def unpack_round(packed: torch.Tensor, page_table, max_seq_len: int, prefix_lens: list[int],
+                 base_host: list[int] | None, depths: int, k: int) -> tuple[ForwardBatch, DraftAnchor]:
+    """unpack_catch_up, DraftAnchor.after and plan(depths, stride = k, k) in one: on CUDA a single launch
+    (kernels/draft_plan.round_plan) instead of ~40 index kernels; elsewhere these functions themselves."""
+    if base_host is not None or not use_fused_kernels(packed):
+        fb = unpack_catch_up(packed, page_table, max_seq_len, prefix_lens)
+        anchor = DraftAnchor.after(fb, base_host, 0 if base_host is not None else max_seq_len)
+        anchor.plan(depths, k, k, page_table)
+        return fb, anchor
+    p = round_plan(packed, page_table.table, page_table.page_size, depths, k, k)
+    bs, width = packed.shape[0], packed.shape[1] - PACKED_FIELDS
+    fb = ForwardBatch(
+        mode=ForwardMode.DRAFT_EXTEND, input_ids=p.ids, positions=p.positions, out_slots=p.slots, req_rows=p.rows,
+        prefix_lens=prefix_lens, extend_lens=[width] * bs, logits_indices=p.logits_indices, seq_lens_t=p.seq_lens,
+        extend_starts_t=p.ext_starts, extend_lens_t=p.ext_lens, max_extend_len=width, max_seq_len=max_seq_len)
+    steps = StepPlan(k, k, p.step_slots, p.step_positions, p.step_seq_lens, p.step_ext_starts, p.step_ext_lens,
+                     p.step_logits_indices) if depths >= 1 else None
+    return fb, DraftAnchor(p.rows, p.base, p.live, None, max_seq_len, steps)
 
 
 def unpack_catch_up(packed: torch.Tensor, page_table, max_seq_len: int, prefix_lens: list[int]) -> ForwardBatch:

@@ -24,7 +24,7 @@ import torch
 from hyperdraft.engine.forward_batch import ForwardBatch
 from hyperdraft.engine.graph_runner import capture_segments
 from hyperdraft.spec.chain_loop import choose_argmax, draft_chain
-from hyperdraft.spec.draft_anchor import PACKED_FIELDS, CatchUpRows, DraftAnchor, unpack_catch_up
+from hyperdraft.spec.draft_anchor import PACKED_FIELDS, CatchUpRows, unpack_round
 from hyperdraft.spec.tier import Tier
 from hyperdraft.spec.tree_loop import beam_log_q, draft_tree
 
@@ -36,7 +36,7 @@ class DraftLoopGraphs:
     """Greedy draft rounds, one captured graph per (tier, padded batch size, catch-up width). The widths captured for
     a batch size are 1 (the common round after a rejection: the same shapes as the eager path) and the widest
     catch-up its tiers can leave. The only input is one packed int64 buffer per width (CatchUpRows.packed), filled
-    by ONE host-to-device copy: the graph builds the catch-up batch from it (unpack_catch_up) and gathers the
+    by ONE host-to-device copy: the graph builds the catch-up batch from it (unpack_round) and gathers the
     head's hidden inputs itself (catch_up_hidden). The outputs are static buffers valid until the next replay: a
     chain's draft tokens [bs, steps]; a tree's (tokens, parents, fed), each [bs, N]."""
 
@@ -89,9 +89,9 @@ class DraftLoopGraphs:
                 cut()
             return self.runner.forward_eager(step_fb)
 
-        fb = unpack_catch_up(self.packed[width][:bs], self.page_table, self.max_seq_len, starts or [0] * bs)
+        fb, anchor = unpack_round(self.packed[width][:bs], self.page_table, self.max_seq_len, starts or [0] * bs,
+                                  base_host, tier.steps - 1, tier.topk)
         fb.input_hidden = self.catch_up_hidden(fb.req_rows, width)
-        anchor = DraftAnchor.after(fb, base_host, 0 if base_host is not None else self.max_seq_len)
         if cut is not None:  # a few-kernel first segment: the GPU starts while the host launches the catch-up
             cut()
         first = self.runner.forward_eager(fb)
@@ -127,15 +127,13 @@ class DraftLoopGraphs:
         self.packed[width][:bs].view(-1).copy_(packed, non_blocking=True)  # the round's one host-to-device copy
         return self._replay(tier, bs, width, len(catch_up.rows))
 
-    def run_packed(self, rows: torch.Tensor, tier: Tier, bs: int, width: int) -> tuple[torch.Tensor, ...]:
-        """run() for a catch-up already packed on the device: rows [B, PACKED_FIELDS + width] (draft-ahead builds
-        it from a verify's results; no host copy at all)."""
-        real = rows.shape[0]
-        buf = self.packed[width]
-        buf[:real].copy_(rows)
-        if bs > real:  # padding rows: row 0, start 0, count width, not live, tokens 0 (see CatchUpRows.packed)
-            buf[real:bs].zero_()
-            buf[real:bs, 2] = width
+    def packed_rows(self, bs: int, width: int) -> torch.Tensor:
+        """The [bs, PACKED_FIELDS + width] input block a caller may fill on the device before run_packed."""
+        return self.packed[width][:bs]
+
+    def run_packed(self, tier: Tier, bs: int, width: int, real: int) -> tuple[torch.Tensor, ...]:
+        """run() for a catch-up already packed on the device into packed_rows(bs, width), padding rows included
+        (draft-ahead builds it from a verify's results; no host copy at all); real = the live requests."""
         return self._replay(tier, bs, width, real)
 
     def _replay(self, tier: Tier, bs: int, width: int, real: int) -> tuple[torch.Tensor, ...]:

@@ -23,7 +23,8 @@ A drafter gives: runner, sample_drafts, feeds_hidden, and
   catch_up_hidden(rows, width)          the padded catch-up's hidden inputs [B * width, H], or None
   caught_up(reqs)                       record what the catch-up fed
   catch_up_width(tier)                  the widest catch-up a round of tier can leave for the next one
-  ahead_catch_up(reqs, a, tokens, w)    optional: the next round's packed catch-up from this round's results
+  ahead_catch_up(reqs, a, tokens, out)  optional: the next round's packed catch-up from this round's results,
+                                        written into out (padding rows too)
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ class DraftRounds:
         reach = width + (tier.steps - 1) * tier.topk
         if not self.runner.page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + reach for r in reqs]):
             return
-        packed = self.ahead_catch_up(reqs, num_accepted, tokens, width)
-        self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(packed, tier, *fit))
+        self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit))
+        self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(tier, *fit, len(reqs)))
 
     def _take_ahead(self, reqs: list[Request], tier: Tier, sampled: bool, sampling: SamplingBatch):
         """The outputs of the draft queued for exactly this round, or None (a queued draft for another batch or tier

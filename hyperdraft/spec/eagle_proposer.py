@@ -25,6 +25,7 @@ from hyperdraft.engine.host_copy import to_device
 from hyperdraft.attention.base import make_attention_backend
 from hyperdraft.engine.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.engine.model_runner import ForwardOutput, GraphedRunner
+from hyperdraft.kernels.draft_plan import pack_catch_up
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.eagle import target_capture_layers
@@ -144,14 +145,13 @@ class EagleProposer(DraftRounds):
         return fb
 
     def ahead_catch_up(self, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
-                       width: int) -> torch.Tensor:
-        """The next round's packed catch-up (CatchUpRows.packed layout, [B, PACKED_FIELDS + width]) from this
-        round's results, on the device: head positions n .. n+a (n = req.num_computed, not yet committed) fed with
-        t_{n+1} .. t_{n+a+1} = the a accepted drafts and the bonus token (tokens[:, :a+1])."""
+                       out: torch.Tensor) -> None:
+        """Write the next round's packed catch-up (CatchUpRows.packed layout) into out [bs >= B, PACKED_FIELDS + W]
+        from this round's results, on the device: head positions n .. n+a (n = req.num_computed, not yet committed)
+        fed with t_{n+1} .. t_{n+a+1} = the a accepted drafts and the bonus token (tokens[:, :a+1]); rows past B
+        are padding."""
         rows_starts = to_device([[r.row, r.num_computed] for r in reqs], torch.int64, self.device)
-        count = (num_accepted + 1)[:, None]
-        fed = torch.where(torch.arange(width, device=self.device) < count, tokens[:, :width], 0)
-        return torch.cat([rows_starts, count, torch.ones_like(count), fed], 1)
+        pack_catch_up(rows_starts, num_accepted, tokens, out)
 
     def catch_up_width(self, tier) -> int:
         """Positions the catch-up after a round of `tier` can feed: the root and every accepted draft."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.draft_plan import accept_chain
 from hyperdraft.sample.rng import DOMAIN_ACCEPT, DOMAIN_SAMPLE, sample_from_probs, uniform
 
 
@@ -63,7 +65,9 @@ def verify_greedy_chain(target: torch.Tensor, draft: torch.Tensor, draft_len: to
 
     The same tokens without the coins and the vocabulary-wide race: each coin u lies in (0, 1), so u * 1 < p(d)
     holds exactly when p(d) = 1; the residual of two one-hots, or p itself after the last draft, is the one-hot of
-    p's argmax, which the race always picks."""
+    p's argmax, which the race always picks. On CUDA one launch (kernels/draft_plan.accept_chain)."""
+    if use_fused_kernels(target):
+        return accept_chain(target, draft, draft_len)
     bsz, k = draft.shape
     idx = torch.arange(k, device=draft.device)
     num_accepted = ((draft == target[:, :k]) & (idx < draft_len[:, None])).long().cumprod(1).sum(1)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.draft_plan import accept_chain
 from hyperdraft.sample.rng import DOMAIN_ACCEPT, DOMAIN_SAMPLE, sample_from_probs, uniform
 from hyperdraft.spec.tree import DraftTree
 
@@ -31,7 +33,10 @@ def simulate_chain(
     seq_lens: torch.Tensor,  # [B] int64, sequence index of d_0
     greedy_target: torch.Tensor | None = None,  # [B, K+1] argmax of every row, when every p is one-hot (p unused)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as verify_chain: -> (num_accepted [B], tokens [B, K+1])."""
+    """Same contract as verify_chain: -> (num_accepted [B], tokens [B, K+1]). Greedy targets on CUDA: one launch
+    (kernels/draft_plan.accept_chain)."""
+    if greedy_target is not None and use_fused_kernels(draft):
+        return accept_chain(greedy_target, draft, draft_len, (alpha, seeds, seq_lens, DOMAIN_ACCEPT))
     bsz, k = draft.shape
     idx = torch.arange(k, device=draft.device)
     coins = uniform(seeds.repeat_interleave(k), (seq_lens[:, None] + idx).flatten(), DOMAIN_ACCEPT).view(bsz, k)

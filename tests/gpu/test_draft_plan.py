@@ -1,0 +1,133 @@
+"""A draft round's bookkeeping kernels (kernels/draft_plan.py) against the torch code they replace, element for
+element: the catch-up batch, anchor and step plan (unpack_round), the packed catch-up of draft-ahead, and the chain
+accept decision (greedy and simulated). Run on a GPU machine: `python3 -m pytest tests/gpu/test_draft_plan.py`
+(with TRITON_INTERPRET=1 and triton installed, also on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import hyperdraft.kernels as kernels
+from hyperdraft.kernels.draft_plan import PACKED_FIELDS, accept_chain, pack_catch_up_kernel, pack_catch_up_reference, round_plan
+from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.sample.rng import DOMAIN_ACCEPT
+from hyperdraft.spec.draft_anchor import CatchUpRows, unpack_round
+from hyperdraft.spec.rejection import verify_greedy_chain
+from hyperdraft.spec.simulated import simulate_chain
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _poison_int(numel: int) -> None:
+    if DEVICE == "cuda":  # freed at once: the caching allocator hands these blocks to the launcher's outputs
+        for dtype in (torch.int64, torch.int32, torch.bool):
+            torch.full((numel,), -7 if dtype != torch.bool else True, dtype=dtype, device=DEVICE)
+
+
+def _page_table(page_size: int, rows: int, seed: int) -> PageTable:
+    """A table whose row r holds 4 + r % 5 shuffled pages (its later entries stay 0, the padding page)."""
+    table = PageTable(num_pages=64, page_size=page_size, max_rows=rows + 1, max_pages_per_row=12, device=DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    pages = torch.randperm(63, generator=g) + 1
+    for r in range(rows):
+        n = 4 + r % 5
+        table._table[r, :n] = pages[(r * 7) % 50 : (r * 7) % 50 + n].to(DEVICE)
+    return table
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("width,depths,k", [(1, 4, 1), (6, 4, 1), (3, 0, 1), (4, 3, 4), (6, 2, 3)])
+def test_round_plan(monkeypatch, page_size, width, depths, k):
+    """unpack_round's kernel path == its torch path (unpack_catch_up, DraftAnchor.after, plan) on a batch with
+    ragged counts, starts near a row's end (indices past its pages), and padding rows."""
+    rows = [0, 3, 1, 4, 2]
+    table = _page_table(page_size, len(rows), seed=page_size + width)
+    g = torch.Generator().manual_seed(width * 10 + depths)
+    tokens = [torch.randint(0, 1000, (1 + i % width,), generator=g).tolist() for i in range(len(rows))]
+    # Each request's tokens end 0-5 slots before its row's last page ends, so later depths run past its pages.
+    starts = [max(0, (4 + r % 5) * page_size - len(t) - off) for r, t, off in zip(rows, tokens, [3, 1, 0, 2, 5])]
+    packed_host = CatchUpRows(rows, starts, tokens).packed(len(rows) + 2, width)
+    packed = torch.tensor(packed_host, dtype=torch.int64, device=DEVICE).view(len(rows) + 2, PACKED_FIELDS + width)
+    max_seq_len = table.max_pages_per_row * page_size
+
+    _poison_int(4096)
+    plan = round_plan(packed, table.table, page_size, depths, k, k)
+    monkeypatch.setattr(kernels, "FUSED_ENABLED", False)
+    fb, anchor = unpack_round(packed, table, max_seq_len, [0] * packed.shape[0], None, depths, k)
+
+    def same(a, b):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b), (a, b)
+
+    same(plan.ids, fb.input_ids)
+    same(plan.positions, fb.positions)
+    same(plan.slots, fb.out_slots)
+    same(plan.rows, fb.req_rows)
+    same(plan.logits_indices, fb.logits_indices)
+    same(plan.seq_lens, fb.seq_lens_t)
+    same(plan.ext_starts, fb.extend_starts_t)
+    same(plan.ext_lens, fb.extend_lens_t)
+    same(plan.base, anchor.base)
+    same(plan.live, anchor.live)
+    assert plan.live.tolist() == [True] * len(rows) + [False] * 2  # the real rows' last tokens sit on real pages
+    if depths == 0:
+        assert anchor.steps is None
+        return
+    steps = anchor.steps
+    same(plan.step_slots, steps.slots)
+    same(plan.step_positions, steps.positions)
+    same(plan.step_seq_lens, steps.seq_lens)
+    same(plan.step_ext_starts, steps.extend_starts)
+    same(plan.step_ext_lens, steps.extend_lens)
+    same(plan.step_logits_indices, steps.logits_indices)
+
+
+@pytest.mark.parametrize("real,bs,width", [(1, 1, 6), (3, 8, 6), (5, 5, 1), (2, 4, 4)])
+def test_pack_catch_up(real, bs, width):
+    """Draft-ahead's packed catch-up: accepted drafts then the bonus token, zeros past them, padding rows."""
+    g = torch.Generator().manual_seed(real * 100 + bs)
+    rows_starts = torch.randint(0, 50, (real, 2), generator=g).to(DEVICE)
+    num_accepted = torch.randint(0, width, (real,), generator=g).to(DEVICE)
+    tokens = torch.randint(0, 1000, (real, width + 2), generator=g).to(DEVICE)[:, :width + 1]  # a strided view
+    out = torch.full((bs, PACKED_FIELDS + width), -7, dtype=torch.int64, device=DEVICE)
+    ref = pack_catch_up_reference(rows_starts, num_accepted, tokens, out.clone())
+    assert torch.equal(pack_catch_up_kernel(rows_starts, num_accepted, tokens, out), ref)
+
+
+def _chain_case(bsz: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, 4, (bsz, k + 1), generator=g)
+    draft = torch.where(torch.rand(bsz, k, generator=g) < 0.7, target[:, :k], torch.randint(0, 4, (bsz, k), generator=g))
+    draft_len = torch.randint(0, k + 1, (bsz,), generator=g)
+    return target.to(DEVICE), draft.to(DEVICE), draft_len.to(DEVICE)
+
+
+@pytest.mark.parametrize("bsz,k", [(1, 5), (64, 5), (33, 3), (16, 1), (8, 7)])
+def test_accept_chain_greedy(monkeypatch, bsz, k):
+    target, draft, draft_len = _chain_case(bsz, k, seed=bsz + k)
+    _poison_int(bsz * (k + 1))
+    num_accepted, tokens = accept_chain(target, draft, draft_len)
+    monkeypatch.setattr(kernels, "FUSED_ENABLED", False)
+    ref_accepted, ref_tokens = verify_greedy_chain(target, draft, draft_len)
+    assert torch.equal(num_accepted, ref_accepted) and torch.equal(tokens, ref_tokens)
+    assert len(set(num_accepted.tolist())) > 1 or bsz == 1  # the case exercises several accept lengths
+
+
+@pytest.mark.parametrize("bsz,k,alpha", [(1, 5, 0.8), (64, 5, 0.6), (128, 3, 0.9), (16, 7, 0.5)])
+def test_accept_chain_simulated(monkeypatch, bsz, k, alpha):
+    """The simulated accept decision draws the same coins as sample/rng.uniform, bit for bit."""
+    target, draft, draft_len = _chain_case(bsz, k, seed=7 * bsz + k)
+    g = torch.Generator().manual_seed(bsz)
+    seeds = torch.randint(-2**62, 2**62, (bsz,), generator=g).to(DEVICE)
+    seq_lens = torch.randint(0, 10_000, (bsz,), generator=g).to(DEVICE)
+    _poison_int(bsz * (k + 1))
+    num_accepted, tokens = accept_chain(target, draft, draft_len, (alpha, seeds, seq_lens, DOMAIN_ACCEPT))
+    monkeypatch.setattr(kernels, "FUSED_ENABLED", False)
+    ref_accepted, ref_tokens = simulate_chain(None, draft, draft_len, alpha, seeds, seq_lens, greedy_target=target)
+    assert torch.equal(num_accepted, ref_accepted) and torch.equal(tokens, ref_tokens)
