@@ -12,12 +12,14 @@ import torch
 
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels._triton import jit, tl, triton
+from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 CHUNK = 4096
 
 
 @jit
-def _chunk_argmax(X, Vals, Idxs, stride_x, width, num_chunks, CHUNK: tl.constexpr):
+def _chunk_argmax(X, Vals, Idxs, stride_x, width, num_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -29,7 +31,8 @@ def _chunk_argmax(X, Vals, Idxs, stride_x, width, num_chunks, CHUNK: tl.constexp
 
 
 @jit
-def _merge_argmax(Vals, Idxs, Out, num_chunks, BLOCK_C: tl.constexpr):
+def _merge_argmax(Vals, Idxs, Out, num_chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     ok = c < num_chunks
@@ -48,8 +51,10 @@ def argmax_kernel(x: torch.Tensor) -> torch.Tensor:
     num_chunks = triton.cdiv(width, CHUNK)
     vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     idxs = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
-    _chunk_argmax[(rows, num_chunks)](x, vals, idxs, x.stride(0), width, num_chunks, CHUNK=CHUNK, num_warps=8)
-    _merge_argmax[(rows,)](vals, idxs, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1)
+    _chunk_argmax[(rows, num_chunks)](x, vals, idxs, x.stride(0), width, num_chunks, CHUNK=CHUNK, num_warps=8,
+                                      **pdl_args(x.device))
+    _merge_argmax[(rows,)](vals, idxs, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
+                           **pdl_args(x.device))
     return out
 
 

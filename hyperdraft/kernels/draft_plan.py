@@ -60,7 +60,8 @@ def _round_plan(
     Packed, Table, Ids, Positions, Slots, Rows, LogitsIdx, SeqLens, ExtStarts, ExtLens, Base, Live,
     StepSlots, StepPositions, StepSeqLens, StepExtStarts, StepExtLens, StepLogitsIdx,
     batch, stride_packed, stride_table, page_size, last_page, depths, stride, k,
-    FIELDS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    FIELDS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program b: request b's catch-up rows, anchor, and its nodes at every planned depth."""
     pdl_wait(PDL)
@@ -129,15 +130,17 @@ def round_plan(packed: torch.Tensor, table: torch.Tensor, page_size: int, depths
     assert packed.stride(1) == 1 and table.stride(1) == 1
     if batch:
         _round_plan[(batch,)](packed, table, *plan, batch, packed.stride(0), table.stride(0), page_size,
-                              table.shape[1] - 1, depths, stride, k, FIELDS=PACKED_FIELDS, WIDTH=width, BLOCK_W=_pow2(width),
-                              BLOCK_K=_pow2(k), BLOCK_D=_pow2(depths), num_warps=1, **pdl_args(dev))
+                              table.shape[1] - 1, depths, stride, k, FIELDS=PACKED_FIELDS, WIDTH=width,
+                              BLOCK_W=_pow2(width), BLOCK_K=_pow2(k), BLOCK_D=_pow2(depths), num_warps=1,
+                              **pdl_args(dev))
     return plan
 
 
 @jit
 def _pack_catch_up(RowsStarts, NumAccepted, Tokens, Out, real, stride_tokens, stride_out,
-                   FIELDS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+                   FIELDS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     """Program b: the packed catch-up of request b (< real), or a padding row (row 0, start 0, count W, not live)."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     w = tl.arange(0, BLOCK_W)
     w_ok = w < WIDTH
@@ -170,7 +173,8 @@ def pack_catch_up_kernel(rows_starts, num_accepted, tokens, out):
     assert out.stride(1) == 1 and tokens.shape[1] >= width
     if out.shape[0]:
         _pack_catch_up[(out.shape[0],)](rows_starts, num_accepted, tokens, out, rows_starts.shape[0], tokens.stride(0),
-                                        out.stride(0), FIELDS=PACKED_FIELDS, WIDTH=width, BLOCK_W=_pow2(width), num_warps=1)
+                                        out.stride(0), FIELDS=PACKED_FIELDS, WIDTH=width, BLOCK_W=_pow2(width),
+                                        num_warps=1, **pdl_args(out.device))
     return out
 
 
@@ -186,10 +190,11 @@ def pack_catch_up_reference(rows_starts, num_accepted, tokens, out):
 
 @jit
 def _accept_chain(Target, Draft, DraftLen, Seeds, SeqLens, NumAccepted, Tokens, alpha, domain_hash,
-                  stride_target, stride_draft, k, SIMULATE: tl.constexpr, BLOCK_K: tl.constexpr):
+                  stride_target, stride_draft, k, SIMULATE: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program b. Draft j passes iff j < len_b and (SIMULATE: its coin < alpha; else: it equals the target's argmax
     at row j); the accepted count a is the number of leading passes, and the token after them is the target's
     argmax at row a (the bonus, or the recovery in place of the first failed draft)."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_K)
     j_ok = j < k
@@ -228,5 +233,5 @@ def accept_chain(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Ten
     if bsz:
         _accept_chain[(bsz,)](target, draft, draft_len, seeds, seq_lens, num_accepted, tokens, float(alpha),
                               domain_hash, target.stride(0), draft.stride(0), k, SIMULATE=simulate is not None,
-                              BLOCK_K=_pow2(k + 1), num_warps=1)
+                              BLOCK_K=_pow2(k + 1), num_warps=1, **pdl_args(draft.device))
     return num_accepted, tokens

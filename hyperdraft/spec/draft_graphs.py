@@ -5,9 +5,11 @@ loop is capturable. DraftLoopGraphs captures it for greedy drafts (argmax chains
 size, catch-up width): a round then launches one draft graph instead of one per step, and the host work between
 steps (a batch build, a graph launch, the beam's bookkeeping ops) is gone. The graph and the eager path run the
 same functions; only `forward` differs (the runner's eager forward under capture, its graph-or-eager dispatch
-outside). The round is captured as one segment per forward, launched back to back: a launch call's host time grows
-with the graph's kernel count and its first kernel starts only when the call returns, so a short first segment gets
-the GPU going while the host launches the rest (measured on an H100: ~0.5 ms of GPU idle per round with one graph).
+outside). The round is captured as three segments, launched back to back: the batch plan (a few kernels), the
+catch-up forward, then every draft step. A launch call's host time grows with the graph's kernel count and its first
+kernel starts only when the call returns, so a short first segment gets the GPU going while the host launches the
+rest, and the catch-up runs while the host launches the steps (measured on an H100: ~0.5 ms of GPU idle per round
+with one graph; a segment per draft step instead costs ~5 us of GPU idle at each boundary).
 
 Drafts drawn from q, or penalised, run step by step (each forward may still replay a per-step graph): their
 sampling transform has host-chosen branches (top-k, top-p, ...) that would multiply the graphs.
@@ -82,11 +84,15 @@ class DraftLoopGraphs:
 
     def _loop(self, tier: Tier, bs: int, width: int, starts: list[int] | None, base_host: list[int] | None,
               cut=None) -> tuple[torch.Tensor, ...]:
-        """The round on the packed buffer, eagerly; cut() (under capture) starts a new graph segment before every
-        draft step. starts / base_host: host copies for backends that read host lists (None under capture)."""
+        """The round on the packed buffer, eagerly; cut() (under capture) starts a new graph segment before the
+        catch-up forward and before the first draft step. starts / base_host: host copies for backends that read
+        host lists (None under capture)."""
+        steps_begun = []
+
         def step_forward(step_fb: ForwardBatch):
-            if cut is not None:
+            if cut is not None and not steps_begun:
                 cut()
+            steps_begun.append(True)
             return self.runner.forward_eager(step_fb)
 
         fb, anchor = unpack_round(self.packed[width][:bs], self.page_table, self.max_seq_len, starts or [0] * bs,

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hyperdraft.kernels as kernels
-from hyperdraft.kernels.draft_plan import PACKED_FIELDS, accept_chain, pack_catch_up_kernel, pack_catch_up_reference, round_plan
+from hyperdraft.kernels.draft_plan import (PACKED_FIELDS, accept_chain, pack_catch_up_kernel, pack_catch_up_reference,
+                                           round_plan)
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.sample.rng import DOMAIN_ACCEPT
 from hyperdraft.spec.draft_anchor import CatchUpRows, unpack_round
@@ -103,7 +104,8 @@ def test_pack_catch_up(real, bs, width):
 def _chain_case(bsz: int, k: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     target = torch.randint(0, 4, (bsz, k + 1), generator=g)
-    draft = torch.where(torch.rand(bsz, k, generator=g) < 0.7, target[:, :k], torch.randint(0, 4, (bsz, k), generator=g))
+    other = torch.randint(0, 4, (bsz, k), generator=g)
+    draft = torch.where(torch.rand(bsz, k, generator=g) < 0.7, target[:, :k], other)
     draft_len = torch.randint(0, k + 1, (bsz,), generator=g)
     return target.to(DEVICE), draft.to(DEVICE), draft_len.to(DEVICE)
 
