@@ -15,6 +15,7 @@ of 2..16 rows. The reference is F.linear (another summation order: equal up to r
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,6 +30,10 @@ MAX_ROWS = 16
 # weight stream at one row, not at several). 2..16 rows: a tensor-core kernel over the rows padded to 16.
 VEC_BLOCK_N, VEC_BLOCK_K, VEC_WARPS = 8, 2048, 8
 DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 6
+# Where 32-column tiles make between one and two waves of programs, the second wave runs mostly empty: wider tiles
+# (half the programs, shorter K steps, one stage less) measured 19.8 us against 20.5 for a 6144 x 4096 qkv product
+# at 6 rows on an H100 (benchmarks/results/gemv_shapes_h100.md); every other 8B shape is best at the default.
+WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES = 64, 128, 5
 # HYPERDRAFT_DISABLE_GEMV=1 keeps cuBLAS for every product (A/B measurements); so does
 # HYPERDRAFT_DISABLE_FUSED_KERNELS=1, with every other Triton kernel.
 ENABLED = os.environ.get("HYPERDRAFT_DISABLE_GEMV") != "1"
@@ -97,6 +102,13 @@ def _gemv_dot(X, W, Bias, Out, M, N, K, stride_xm, stride_om, HAS_BIAS: tl.const
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 30  # the interpreter: no waves to fill
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether gemv serves this product: CUDA, <= MAX_ROWS rows, row-major weight, no autograd."""
     width = weight.shape[-1]
@@ -122,13 +134,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N, BLOCK_K=block_k,
             LINE=min(block_k, line), num_warps=VEC_WARPS, num_stages=3, **pdl_args(x.device))
     else:
-        # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps DOT_STAGES in 228 KB
-        block_k = min(DOT_BLOCK_K // x.element_size() * 2, max(16, triton.next_power_of_2(k)))
-        _gemv_dot[(triton.cdiv(n, DOT_BLOCK_N),)](
+        sms = _num_sms(x.device)
+        wide = sms < triton.cdiv(n, DOT_BLOCK_N) < 2 * sms  # a function of the weight only: batch invariance holds
+        block_n, block_k, stages = (WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES) if wide else (
+            DOT_BLOCK_N, DOT_BLOCK_K, DOT_STAGES)
+        # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps the stages in 228 KB
+        block_k = min(block_k // x.element_size() * 2, max(16, triton.next_power_of_2(k)))
+        _gemv_dot[(triton.cdiv(n, block_n),)](
             rows, weight, b, out, m, n, k, rows.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            IEEE=x.dtype == torch.float32, EVEN=n % DOT_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=DOT_BLOCK_N,
-            BLOCK_K=block_k,
-            LINE=min(block_k, line), num_warps=DOT_WARPS, num_stages=DOT_STAGES, **pdl_args(x.device))
+            IEEE=x.dtype == torch.float32, EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n,
+            BLOCK_K=block_k, LINE=min(block_k, line), num_warps=DOT_WARPS, num_stages=stages, **pdl_args(x.device))
     return out.view(*x.shape[:-1], n)
 
 
