@@ -58,7 +58,5 @@ def main() -> None:
         f.write(text + "\n")
 
 
-
-
 if __name__ == "__main__":
     main()

@@ -21,7 +21,7 @@ import torch
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
-from hyperdraft.kernels.uniform import _hash, _hash_int
+from hyperdraft.kernels.uniform import fold_domain, uniform_at
 
 PACKED_FIELDS = 4  # row, start, count, live; then W tokens (spec/draft_anchor.CatchUpRows.packed)
 
@@ -201,13 +201,7 @@ def _accept_chain(Target, Draft, DraftLen, Seeds, SeqLens, NumAccepted, Tokens, 
     draft = tl.load(Draft + b * stride_draft + j, mask=j_ok, other=0)
     passed = j_ok & (j < tl.load(DraftLen + b))
     if SIMULATE:  # sample/rng.uniform(seed, seq_len + j, DOMAIN_ACCEPT), column 0, bit for bit
-        seed = tl.load(Seeds + b)
-        pos = tl.load(SeqLens + b) + j
-        h = _hash(domain_hash.to(tl.uint32) ^ (seed & 0xFFFFFFFF).to(tl.uint32))
-        h = _hash(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-        key = _hash(h ^ (pos & 0xFFFFFFFF).to(tl.uint32))
-        bits = _hash(key ^ _hash(tl.full((), 0x632BE5AB, tl.uint32))) >> 9
-        coin = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        coin = uniform_at(tl.load(Seeds + b), tl.load(SeqLens + b) + j, domain_hash, j * 0)  # column 0 for every j
         passed = passed & (coin < alpha)
     else:
         passed = passed & (draft == tl.load(Target + b * stride_target + j, mask=j_ok, other=-1))
@@ -229,7 +223,7 @@ def accept_chain(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Ten
         alpha, seeds, seq_lens, domain_hash = 0.0, draft_len, draft_len, 0
     else:
         alpha, seeds, seq_lens, domain = simulate
-        seeds, seq_lens, domain_hash = seeds.contiguous(), seq_lens.contiguous(), _hash_int(domain * 0x9E3779B9)
+        seeds, seq_lens, domain_hash = seeds.contiguous(), seq_lens.contiguous(), fold_domain(domain)
     if bsz:
         _accept_chain[(bsz,)](target, draft, draft_len, seeds, seq_lens, num_accepted, tokens, float(alpha),
                               domain_hash, target.stride(0), draft.stride(0), k, SIMULATE=simulate is not None,

@@ -25,17 +25,22 @@ def _hash(x):
 
 
 @jit
-def _uniform(Seeds, Positions, Out, domain_hash, width, BLOCK: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    seed = tl.load(Seeds + n)
-    pos = tl.load(Positions + n)
+def uniform_at(seed, pos, domain_hash, cols):
+    """The uniforms of (seed, position) at columns cols (int64 seed and positions, scalars or blocks; the other
+    kernels that draw coins call this)."""
     h = _hash(domain_hash.to(tl.uint32) ^ (seed & 0xFFFFFFFF).to(tl.uint32))
     h = _hash(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
     key = _hash(h ^ (pos & 0xFFFFFFFF).to(tl.uint32))
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     index = _hash(cols.to(tl.uint32) + 0x632BE5AB)
     bits = _hash(key ^ index) >> 9
-    u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+@jit
+def _uniform(Seeds, Positions, Out, domain_hash, width, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u = uniform_at(tl.load(Seeds + n), tl.load(Positions + n), domain_hash, cols)
     tl.store(Out + n * width + cols, u, mask=cols < width)
 
 
@@ -48,11 +53,15 @@ def _hash_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
+def fold_domain(domain: int) -> int:
+    """The seed-independent first round of the hash, folded on the host (uniform_at's domain_hash)."""
+    return _hash_int(domain * 0x9E3779B9)
+
+
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, domain: int, width: int = 1) -> torch.Tensor:
     """seeds, positions: [N] int64 -> [N, width] float32 in (0, 1); the same numbers as sample.rng.uniform."""
     out = torch.empty((seeds.shape[0], width), dtype=torch.float32, device=seeds.device)
     if out.numel():
-        domain_hash = _hash_int(domain * 0x9E3779B9)  # the seed-independent first round, folded on the host
-        _uniform[(seeds.shape[0], triton.cdiv(width, BLOCK))](seeds, positions, out, domain_hash, width,
+        _uniform[(seeds.shape[0], triton.cdiv(width, BLOCK))](seeds, positions, out, fold_domain(domain), width,
                                                              BLOCK=BLOCK, num_warps=4)
     return out

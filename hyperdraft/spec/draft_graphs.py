@@ -87,12 +87,13 @@ class DraftLoopGraphs:
         """The round on the packed buffer, eagerly; cut() (under capture) starts a new graph segment before the
         catch-up forward and before the first draft step. starts / base_host: host copies for backends that read
         host lists (None under capture)."""
-        steps_begun = []
+        first_step = True
 
         def step_forward(step_fb: ForwardBatch):
-            if cut is not None and not steps_begun:
+            nonlocal first_step
+            if cut is not None and first_step:
                 cut()
-            steps_begun.append(True)
+            first_step = False
             return self.runner.forward_eager(step_fb)
 
         fb, anchor = unpack_round(self.packed[width][:bs], self.page_table, self.max_seq_len, starts or [0] * bs,
