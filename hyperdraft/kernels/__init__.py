@@ -11,6 +11,9 @@ only torch.
   cos/sin table of a forward's positions
 - vocab_map.py: an EAGLE-3 head's draft-vocabulary logits spread over the target vocabulary
 - uniform.py, argmax.py: counter-based uniforms (bit-identical to sample/rng.py), row argmax over a vocabulary
+- logprob.py: chosen tokens' log-probabilities (one log-sum-exp per row)
+- gemv.py: projections of at most 16 rows, streaming the weights; pdl.py: programmatic dependent launch
+- draft_plan.py: a draft round's bookkeeping (catch-up batch and step plan, draft-ahead packing, chain accept)
 """
 
 from __future__ import annotations
