@@ -102,6 +102,35 @@ def _gemv_dot(X, W, Bias, Out, M, N, K, stride_xm, stride_om, HAS_BIAS: tl.const
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+@jit
+def _gemv_dot_t(X, W, Bias, Out, M, N, K, stride_xm, stride_om, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr,
+                PDL: tl.constexpr):
+    """_gemv_dot with the operands swapped: Out^T tile [BLOCK_N, 16] = W tile [BLOCK_N, BLOCK_K] @ X^T, so the weight
+    is the wide operand (Hopper's warp-group MMA wants >= 64 rows there)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _weights_first(W, cols, N, K, BLOCK_K, LINE, PDL)
+    rows = tl.arange(0, 16)
+    w_rows = W + cols[:, None].to(tl.int64) * K
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0)
+        if EVEN:
+            w = tl.load(w_rows + ks[None, :])
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+        if IEEE:
+            acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(x))
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(Out + rows[None, :] * stride_om + cols[:, None], acc.to(Out.dtype.element_ty),
+             mask=(rows[None, :] < M) & (cols[:, None] < N))
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":

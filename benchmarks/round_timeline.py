@@ -1,0 +1,153 @@
+"""Where a batch-1 speculative round's wall time goes, from CUDA events (no profiler, PDL as in the real run).
+
+Events are recorded on the compute stream at host points of each step: step entry, before and after the verify
+forward, before and after draft-ahead. An event's GPU timestamp is when the stream reached it: if the host enqueued
+it late, the GPU idled until then. So "step entry - previous draft end" is GPU time lost waiting for the host to come
+back from the previous step's results (plus a few us of event overhead), and the other spans are GPU work.
+
+Run on a GPU machine: python3 benchmarks/round_timeline.py [--steps 5] ; prints medians in us per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.gpu_bench import LLAMA_8B, make_engine, write_configs  # noqa: E402
+from hyperdraft.sampling_params import SamplingParams  # noqa: E402
+
+SPANS = (("host wait before step", "draft_end", "entry"), ("pre-verify work", "entry", "verify_start"),
+         ("verify forward", "verify_start", "verify_end"), ("accept", "verify_end", "draft_start"),
+         ("draft-ahead", "draft_start", "draft_end"))
+
+
+class Marks:
+    """Named events per step, each with the host time at which it was enqueued; the wrapped methods call mark(name).
+    An event's lead (GPU time at which the stream reached it minus the host time at which it was enqueued, both from
+    one synced origin) is how far the host ran ahead of the GPU there: near zero, the GPU was waiting for the host."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.host: list[dict] = []
+        torch.cuda.synchronize()
+        self.origin = torch.cuda.Event(enable_timing=True)
+        self.origin.record()
+        self.t0 = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.steps[-1][name] = ev
+        self.host[-1][name] = time.perf_counter() - self.t0
+
+    def leads(self) -> dict[str, tuple[float, float, float]]:
+        """-> {mark: (median lead, median host time since the step's entry, median GPU time since it)} in us."""
+        out: dict[str, list[tuple[float, float, float]]] = {}
+        for evs, host in zip(self.steps, self.host):
+            entry_gpu, entry_host = self.origin.elapsed_time(evs["entry"]) * 1000, host["entry"] * 1e6
+            for name, ev in evs.items():
+                gpu, cpu = self.origin.elapsed_time(ev) * 1000, host[name] * 1e6
+                out.setdefault(name, []).append((gpu - cpu, cpu - entry_host, gpu - entry_gpu))
+        return {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in out.items()}
+
+
+def instrument(engine, marks: Marks) -> None:
+    worker, runner, proposer = engine.worker, engine.worker.runner, engine.worker.proposer
+    run, forward, ahead = worker.run, runner.forward, proposer.draft_ahead
+
+    def run_marked(batch):
+        marks.steps.append({})
+        marks.host.append({})
+        marks.mark("entry")
+        return run(batch)
+
+    def forward_marked(fb, **kw):
+        marks.mark("verify_start")
+        out = forward(fb, **kw)
+        marks.mark("verify_end")
+        return out
+
+    def ahead_marked(*a, **kw):
+        marks.mark("draft_start")
+        out = ahead(*a, **kw)
+        marks.mark("draft_end")
+        return out
+
+    worker.run, runner.forward, proposer.draft_ahead = run_marked, forward_marked, ahead_marked
+    import hyperdraft.spec.spec_worker as spec_worker
+
+    init, accept = spec_worker.ChainRound.__init__, spec_worker.ChainRound.accept
+
+    def init_marked(self, *a, **kw):
+        init(self, *a, **kw)
+        marks.mark("round_built")
+
+    def accept_marked(self, *a, **kw):
+        marks.mark("accept_start")
+        out = accept(self, *a, **kw)
+        marks.mark("accept_end")
+        return out
+
+    spec_worker.ChainRound.__init__, spec_worker.ChainRound.accept = init_marked, accept_marked
+
+
+def spans(marks: Marks) -> dict[str, float]:
+    rows: dict[str, list[float]] = {name: [] for name, _, _ in SPANS}
+    rows["round"] = []
+    for prev, cur in zip(marks.steps, marks.steps[1:]):
+        both = {**{f"prev_{k}": v for k, v in prev.items()}, **cur}
+        if not all(k in cur for k in ("entry", "verify_start", "verify_end", "draft_start", "draft_end")):
+            continue
+        if "draft_end" not in prev:
+            continue
+        for name, a, b in SPANS:
+            start = both["prev_draft_end"] if a == "draft_end" else both[a]
+            rows[name].append(start.elapsed_time(both[b]) * 1000)
+        rows["round"].append(prev["draft_end"].elapsed_time(cur["draft_end"]) * 1000)
+    return {k: statistics.median(v) for k, v in rows.items() if v}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=200)
+    a = ap.parse_args()
+    target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=a.steps,
+                speculative_eagle_topk=1, speculative_num_draft_tokens=a.steps + 1,
+                speculative_simulate_accept_rate=0.8)
+    engine, _ = make_engine(target, "cuda", 8, spec, 8 * 4096)
+    params = SamplingParams(temperature=0.0, max_new_tokens=(a.rounds + 30) * (a.steps + 1), ignore_eos=True)
+    req = engine.add_request(input_ids=torch.randint(10, 120000, (512,)).tolist(), params=params)
+    for _ in range(20):
+        engine.step()
+    torch.cuda.synchronize()
+    marks = Marks()
+    instrument(engine, marks)
+    for _ in range(a.rounds):
+        engine.step()
+    torch.cuda.synchronize()
+    engine.abort(req.rid)
+    med = spans(marks)
+    lines = [f"chain {a.steps}, batch 1, {a.rounds} rounds: median us per round (CUDA events)"]
+    lines += [f"{k:<24} {v:9.1f}" for k, v in med.items()]
+    lines += ["", "per mark, median us: lead of the host over the GPU (near 0: the GPU waited for the host), "
+              "host time and GPU time since the step's entry"]
+    lines += [f"{k:<24} {lead:9.1f} {cpu:9.1f} {gpu:9.1f}" for k, (lead, cpu, gpu) in marks.leads().items()]
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(os.environ.get("OUT", "."), f"round_timeline{os.environ.get('PROFILE_TAG', '')}.txt"),
+              "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
