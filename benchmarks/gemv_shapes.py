@@ -20,7 +20,7 @@ import hyperdraft.kernels.gemv as gemv_module  # noqa: E402
 from benchmarks.graph_timing import graph_ms  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "lm_head": (128256, 4096)}
+          "lm_head": (128256, 4096), "head qkv": (6144, 8192), "head fc": (4096, 12288), "head lm_head": (32000, 4096)}
 # (BLOCK_N, BLOCK_K, warps, stages); the first is the engine's
 CONFIGS = [(32, 256, 4, 6), (16, 256, 4, 6), (16, 512, 4, 4), (32, 128, 4, 6), (32, 256, 4, 4), (64, 128, 4, 5),
            (32, 512, 4, 3), (16, 256, 2, 6), (32, 256, 8, 6)]
@@ -44,7 +44,7 @@ def time_shape(n: int, k: int, rows: int, config=None, budget_bytes: float = 6e9
 
 
 def time_swapped(n: int, k: int, rows: int, config, budget_bytes: float = 6e9) -> float:
-    """Microseconds per product of the swapped-operand kernel `_gemv_dot_t` at tile config."""
+    """Microseconds per product of `_gemv_dot` with swapped operands (SWAP) at tile config."""
     import triton
 
     block_n, block_k, warps, stages = config
@@ -56,8 +56,8 @@ def time_swapped(n: int, k: int, rows: int, config, budget_bytes: float = 6e9) -
 
     def run():
         for w in weights:
-            gemv_module._gemv_dot_t[(triton.cdiv(n, block_n),)](
-                x, w, w, out, rows, n, k, x.stride(0), out.stride(0), HAS_BIAS=False, IEEE=False,
+            gemv_module._gemv_dot[(triton.cdiv(n, block_n),)](
+                x, w, w, out, rows, n, k, x.stride(0), out.stride(0), HAS_BIAS=False, IEEE=False, SWAP=True,
                 EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, LINE=64,
                 num_warps=warps, num_stages=stages, **pdl)
 
@@ -72,7 +72,7 @@ def time_swapped(n: int, k: int, rows: int, config, budget_bytes: float = 6e9) -
 
 
 SWAPPED = [(64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (64, 64, 4, 8), (128, 64, 4, 6), (128, 128, 4, 3),
-           (128, 128, 8, 4), (64, 128, 8, 4)]
+           (128, 128, 8, 4), (64, 128, 8, 4), (64, 256, 4, 4), (64, 512, 4, 2)]
 
 
 def main_swapped() -> None:

@@ -207,7 +207,7 @@ def test_padded_catch_up_root_logits_match_recomputation(models, llm_factory, em
         seqs = [r.prompt_ids + r.output_ids for r in reqs]
         width = self.runner.graphs.extend_width(len(reqs), max(counts))
         fb, out = original(self, reqs, tokens_in)
-        seen.extend((s, width, row) for s, row in zip(seqs, out.logits.clone()))
+        seen.extend((s, width, row) for s, row in zip(seqs, out.target_logits().clone()))
         return fb, out
 
     monkeypatch.setattr(eagle_proposer.EagleProposer, "catch_up", spy)

@@ -87,7 +87,7 @@ def test_head_state_matches_recomputation_from_scratch(models, monkeypatch, algo
         seqs = [r.prompt_ids + r.output_ids for r in reqs]
         counts = [r.num_computed - r.draft_num_computed for r in reqs]
         fb, out = original(self, reqs, tokens_in)
-        seen.extend((s, c, row) for s, c, row in zip(seqs, counts, out.logits))
+        seen.extend((s, c, row) for s, c, row in zip(seqs, counts, out.target_logits()))
         return fb, out
 
     monkeypatch.setattr(eagle_proposer.EagleProposer, "catch_up", spy)

@@ -28,6 +28,7 @@ runs the forward eagerly on the static buffers: the graph bookkeeping is tested 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 import time
@@ -258,7 +259,8 @@ class GraphRunner:
                 segment.replay()
             out = self.outputs[key]
         n = real * q
-        return type(out)(out.logits[: real if shape.one_logit else n], out.hidden[:n], [c[:n] for c in out.captured])
+        return dataclasses.replace(out, logits=out.logits[: real if shape.one_logit else n], hidden=out.hidden[:n],
+                                   captured=[c[:n] for c in out.captured])
 
 
 def capture_segments(pool, device, run) -> tuple[list, object]:

@@ -13,6 +13,8 @@ import torch
 
 from hyperdraft.attention.base import make_attention_backend
 from hyperdraft.engine.forward_batch import ForwardBatch
+from hyperdraft.kernels.argmax import argmax_rows
+from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.decoder import DecoderLM
@@ -20,9 +22,21 @@ from hyperdraft.models.decoder import DecoderLM
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [N, V] float32, rows at fb.logits_indices
+    logits: torch.Tensor  # [N, V] float32, rows at fb.logits_indices ([N, Vd] draft-vocabulary logits under vocab)
     hidden: torch.Tensor  # [T, H] final normed hidden states of every token
     captured: list[torch.Tensor]  # per requested layer, [T, H] input hidden states
+    vocab: VocabMap | None = None  # set when the logits cover a draft vocabulary (an EAGLE-3 head's)
+
+    def target_logits(self) -> torch.Tensor:
+        """[N, V] over the target vocabulary (-inf outside a draft vocabulary)."""
+        return self.logits if self.vocab is None else self.vocab.spread(self.logits)
+
+    def greedy_tokens(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """argmax of target_logits() [N] int64, without building them under a draft vocabulary; into out if given."""
+        if self.vocab is not None:
+            return self.vocab.argmax(self.logits, out)
+        tokens = argmax_rows(self.logits)
+        return tokens if out is None else out.copy_(tokens)
 
 
 class GraphedRunner:

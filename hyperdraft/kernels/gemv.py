@@ -31,9 +31,10 @@ MAX_ROWS = 16
 VEC_BLOCK_N, VEC_BLOCK_K, VEC_WARPS = 8, 2048, 8
 DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 6
 # Where 32-column tiles make between one and two waves of programs, the second wave runs mostly empty: wider tiles
-# (half the programs, shorter K steps, one stage less) measured 19.8 us against 20.5 for a 6144 x 4096 qkv product
-# at 6 rows on an H100 (benchmarks/results/gemv_shapes_h100.md); every other 8B shape is best at the default.
-WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES = 64, 128, 5
+# (half the programs) with the operands swapped (W is the MMA's 64-row operand) measured 19.0 us against 20.5 for
+# a 6144 x 4096 qkv product at 6 rows on an H100, 19.8 unswapped (benchmarks/results/gemv_shapes_h100.md); every
+# other 8B shape is best at the default.
+WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES = 64, 256, 3
 # HYPERDRAFT_DISABLE_GEMV=1 keeps cuBLAS for every product (A/B measurements); so does
 # HYPERDRAFT_DISABLE_FUSED_KERNELS=1, with every other Triton kernel.
 ENABLED = os.environ.get("HYPERDRAFT_DISABLE_GEMV") != "1"
@@ -78,12 +79,18 @@ def _gemv_vec(X, W, Bias, Out, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
 
 @jit
 def _gemv_dot(X, W, Bias, Out, M, N, K, stride_xm, stride_om, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-              IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+              IEEE: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              LINE: tl.constexpr, PDL: tl.constexpr):
+    """Out tile [16, BLOCK_N] = X [16, K] @ W tile^T, rows padded to 16; SWAP computes its transpose, W tile @ X^T
+    ([BLOCK_N, 16]: the weight is then the MMA's wide operand), the same products in another tile order."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     _weights_first(W, cols, N, K, BLOCK_K, LINE, PDL)
     rows = tl.arange(0, 16)  # padded: a row's result never depends on how many others there are
     w_rows = W + cols[:, None].to(tl.int64) * K
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    else:
+        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
@@ -93,42 +100,23 @@ def _gemv_dot(X, W, Bias, Out, M, N, K, stride_xm, stride_om, HAS_BIAS: tl.const
         else:
             w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
         if IEEE:  # fp32 stays fp32 (no TF32), as F.linear computes it by default
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            if SWAP:
+                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
-            acc += tl.dot(x, tl.trans(w))
+            if SWAP:
+                acc += tl.dot(w, tl.trans(x))
+            else:
+                acc += tl.dot(x, tl.trans(w))
+    if SWAP:
+        out = tl.trans(acc)
+    else:
+        out = acc
     if HAS_BIAS:
-        acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + rows[:, None] * stride_om + cols[None, :], acc.to(Out.dtype.element_ty),
+        out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + rows[:, None] * stride_om + cols[None, :], out.to(Out.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-
-@jit
-def _gemv_dot_t(X, W, Bias, Out, M, N, K, stride_xm, stride_om, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr,
-                PDL: tl.constexpr):
-    """_gemv_dot with the operands swapped: Out^T tile [BLOCK_N, 16] = W tile [BLOCK_N, BLOCK_K] @ X^T, so the weight
-    is the wide operand (Hopper's warp-group MMA wants >= 64 rows there)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _weights_first(W, cols, N, K, BLOCK_K, LINE, PDL)
-    rows = tl.arange(0, 16)
-    w_rows = W + cols[:, None].to(tl.int64) * K
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
-                    other=0.0)
-        if EVEN:
-            w = tl.load(w_rows + ks[None, :])
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
-        if IEEE:
-            acc += tl.dot(w, tl.trans(x), input_precision="ieee")
-        else:
-            acc += tl.dot(w, tl.trans(x))
-    if HAS_BIAS:
-        acc += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(Out + rows[None, :] * stride_om + cols[:, None], acc.to(Out.dtype.element_ty),
-             mask=(rows[None, :] < M) & (cols[:, None] < N))
 
 
 @functools.cache
@@ -171,7 +159,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         block_k = min(block_k // x.element_size() * 2, max(16, triton.next_power_of_2(k)))
         _gemv_dot[(triton.cdiv(n, block_n),)](
             rows, weight, b, out, m, n, k, rows.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            IEEE=x.dtype == torch.float32, EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n,
+            IEEE=x.dtype == torch.float32, SWAP=wide, EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n,
             BLOCK_K=block_k, LINE=min(block_k, line), num_warps=DOT_WARPS, num_stages=stages, **pdl_args(x.device))
     return out.view(*x.shape[:-1], n)
 

@@ -1,16 +1,23 @@
-"""An EAGLE-3 head's logits over its draft vocabulary, spread over the target vocabulary in one launch.
+"""An EAGLE-3 head's logits over its draft vocabulary, in target ids: spread over the target vocabulary in one
+launch, or reduced straight to the greedy target token.
 
 The head scores Vd draft ids (Vd = 32k for Llama-3 heads); everything downstream (the chooser, beams, q for
 sampled drafts, verification) works in target ids, where a token outside the draft vocabulary has logit -inf.
 Eager torch builds that row as a cast, a fill and an index_put (three launches, ~10 us per draft step on an H100);
 here each program gathers one block of target ids through the inverse map, so every output element is written once.
+A greedy chain needs only the argmax of that row: VocabMap.argmax takes it over the Vd draft logits (ties to the
+smallest target id, as over the spread row), so a greedy draft step never builds the [N, V] row at all.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels._triton import jit, tl, triton
+from hyperdraft.kernels.argmax import argmax_kernel
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 BLOCK = 1024  # 126 programs over a 128k vocabulary: each writes 4 KB
@@ -45,3 +52,28 @@ def spread_logits_reference(draft_logits: torch.Tensor, draft_to_target: torch.T
     out = torch.full((draft_logits.shape[0], vocab), float("-inf"), dtype=torch.float32, device=draft_logits.device)
     out[:, draft_to_target] = draft_logits.float()
     return out
+
+
+@dataclass(frozen=True)
+class VocabMap:
+    """A draft vocabulary inside a target vocabulary of `vocab` ids."""
+
+    draft_to_target: torch.Tensor  # [Vd] int64: the target id of each draft id (distinct)
+    target_to_draft: torch.Tensor  # [V] int32: the draft id of each target id, -1 outside the draft vocabulary
+
+    @property
+    def vocab(self) -> int:
+        return self.target_to_draft.shape[0]
+
+    def spread(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[N, Vd] -> [N, V] fp32, -inf outside the draft vocabulary."""
+        if use_fused_kernels(draft_logits) and draft_logits.stride(-1) == 1:
+            return spread_logits(draft_logits, self.target_to_draft)
+        return spread_logits_reference(draft_logits, self.draft_to_target, self.vocab)
+
+    def argmax(self, draft_logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, Vd] -> the argmax of spread(draft_logits) [N] int64 (written into out when given, any stride)."""
+        if use_fused_kernels(draft_logits) and draft_logits.stride(-1) == 1:
+            return argmax_kernel(draft_logits, self.draft_to_target, out)
+        tokens = self.spread(draft_logits).argmax(-1)
+        return tokens if out is None else out.copy_(tokens)

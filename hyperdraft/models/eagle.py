@@ -56,7 +56,7 @@ from hyperdraft.models.loader import DTYPES
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_reference
 from hyperdraft.kernels.rope import rope_table
-from hyperdraft.kernels.vocab_map import spread_logits, spread_logits_reference
+from hyperdraft.kernels.vocab_map import VocabMap
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
 
@@ -131,6 +131,8 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
 class _Head(nn.Module):
     """Parts both heads share: RoPE, embedding/lm_head ownership, KV-pool sizing."""
 
+    vocab_map: VocabMap | None = None  # set when the head scores a draft vocabulary (compute_draft_logits)
+
     def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool, lm_rows: int):
         super().__init__()
         self.config = cfg
@@ -198,6 +200,9 @@ class EagleHead(_Head):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm_head(hidden).float()
 
+    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden)  # the head scores the whole target vocabulary
+
     def project_target_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
         self._check_hidden(target_hidden)  # the target's final normed hidden; fc runs inside forward
         return target_hidden
@@ -257,6 +262,11 @@ class Eagle3Head(_Head):
         inverse[ids] = torch.arange(cfg.draft_vocab_size, dtype=torch.int32, device=ids.device)
         self.target_to_draft = inverse  # spread_logits's map: the draft id of each target id, -1 outside
 
+    @property
+    def vocab_map(self) -> VocabMap | None:
+        """Built from the current buffers each time (they follow the module across .to())."""
+        return None if self.identity_vocab else VocabMap(self.draft_to_target, self.target_to_draft)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionFn):
         self._check_hidden(hidden)
         cos, sin = self._rope(positions, hidden.dtype)
@@ -264,12 +274,15 @@ class Eagle3Head(_Head):
         return self.midlayer(x, hidden, cos, sin, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._lm_head(self.norm(hidden))  # [N, Vd]
-        if self.identity_vocab:
-            return logits.float()
-        if use_fused_kernels(logits) and logits.stride(-1) == 1:
-            return spread_logits(logits, self.target_to_draft)
-        return spread_logits_reference(logits, self.draft_to_target, self.config.vocab_size)
+        """[N, V] over the target vocabulary, -inf outside the draft vocabulary."""
+        logits = self.compute_draft_logits(hidden)
+        return logits if self.vocab_map is None else self.vocab_map.spread(logits)
+
+    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, Vd] over the draft vocabulary (vocab_map says which target ids), or [N, V] fp32 when it is the
+        target's own."""
+        logits = self._lm_head(self.norm(hidden))
+        return logits.float() if self.vocab_map is None else logits
 
     def project_target_hidden(self, target_hidden: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """[T, 3*Ht] (or the 3 captured [T, Ht] states, ascending layer order) -> [T, H]."""

@@ -12,11 +12,12 @@ from typing import Callable
 import torch
 
 from hyperdraft.engine.forward_batch import ForwardBatch
-from hyperdraft.kernels.argmax import argmax_rows
+from hyperdraft.engine.model_runner import ForwardOutput
 from hyperdraft.spec.draft_anchor import DraftAnchor
 
-# (step j, logits [B, V], draft tokens chosen so far [B, j]) -> (draft token [B], q [B, V] or None when one-hot)
-Chooser = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+# (step j, the step's forward output (logits [B, V] or [B, Vd] with its vocab map), draft tokens chosen so far
+# [B, j], destination [B]) -> q [B, V], or None when q is one-hot; writes the chosen draft tokens into the destination
+Chooser = Callable[[int, ForwardOutput, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 def draft_chain(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, steps: int, choose: Chooser, page_table,
@@ -26,19 +27,19 @@ def draft_chain(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, ste
     first: the catch-up's ForwardOutput, whose logits rows give d_0. forward(fb) -> ForwardOutput runs step j,
     which feeds d_{j-1} (and, for an EAGLE head, feeds_hidden: the head's own output at the step before) and gives
     d_j."""
-    logits, hidden = first.logits, first.hidden[catch_up.logits_indices]
+    out, hidden = first, first.hidden[catch_up.logits_indices]
     anchor.plan(steps - 1, 1, 1, page_table)
-    tokens = torch.zeros(logits.shape[0], steps, dtype=torch.int64, device=logits.device)
+    tokens = torch.empty(out.logits.shape[0], steps, dtype=torch.int64, device=out.logits.device)  # every column chosen
     qs = []
     for j in range(steps):
         if j > 0:
             out = forward(anchor.step_batch(j, 1, tokens[:, j - 1], page_table, hidden if feeds_hidden else None))
-            logits, hidden = out.logits, out.hidden
-        tokens[:, j], q = choose(j, logits, tokens[:, :j])
+            hidden = out.hidden
+        q = choose(j, out, tokens[:, :j], tokens[:, j])
         if q is not None:
             qs.append(q)
     return tokens, qs
 
 
-def choose_argmax(j: int, logits: torch.Tensor, prefix: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return argmax_rows(logits), None
+def choose_argmax(j: int, out: ForwardOutput, prefix: torch.Tensor, dest: torch.Tensor) -> None:
+    out.greedy_tokens(dest)  # straight into the token grid

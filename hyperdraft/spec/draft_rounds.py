@@ -83,8 +83,10 @@ class DraftRounds:
         else:
             fb, first = self.catch_up(reqs, rows.tokens)
 
-            def choose(j: int, logits: torch.Tensor, prefix: torch.Tensor):
-                return choose_draft(logits, sampling.at_offset(prefix), sampled)
+            def choose(j: int, out, prefix: torch.Tensor, dest: torch.Tensor):
+                tokens, q = choose_draft(out.target_logits(), sampling.at_offset(prefix), sampled)
+                dest.copy_(tokens)
+                return q
 
             tokens, qs = draft_chain(self.runner.forward, fb, first, DraftAnchor.after(fb, rows.step_bases), steps,
                                      choose, self.runner.page_table, self.feeds_hidden)

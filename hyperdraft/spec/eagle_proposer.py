@@ -52,7 +52,7 @@ class HeadRunner(GraphedRunner):
         meta = self.backend.plan(fb)
         g = self.model(fb.input_ids, fb.positions, fb.input_hidden,
                        lambda i, q, k, v: self.backend.forward(i, q, k, v, fb, meta))
-        return ForwardOutput(self.model.compute_logits(fb.logits_rows(g)), g, [])
+        return ForwardOutput(self.model.compute_draft_logits(fb.logits_rows(g)), g, [], self.model.vocab_map)
 
 
 class EagleProposer(DraftRounds):
@@ -76,7 +76,7 @@ class EagleProposer(DraftRounds):
         """-> (head outputs [T, H], logits over the target vocab at fb.logits_indices), from a graph or eagerly."""
         fb.input_hidden = hidden.to(self.dtype)
         out = self.runner.forward(fb)
-        return out.hidden, out.logits
+        return out.hidden, out.target_logits()
 
     def target_hidden(self, out) -> torch.Tensor:
         """What the head consumes from a target forward: [T, H] (EAGLE-3 projects its 3 aux states through fc)."""

@@ -41,9 +41,9 @@ def draft_tree(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, step
         hidden_in = parent_hidden.flatten(0, 1) if parent_hidden is not None else None
         out = forward(anchor.step_batch(depth, topk, tokens.flatten(), page_table, hidden_in, mask))
         hidden = out.hidden.view(bsz, k, -1) if feeds_hidden else None
-        return distribution(out.logits, k).view(bsz, k, -1), hidden
+        return distribution(out.target_logits(), k).view(bsz, k, -1), hidden
 
-    root = distribution(first.logits, 1)
+    root = distribution(first.target_logits(), 1)
     if sampled_streams is not None:
         seeds, positions = sampled_streams
         return grow_sampled_tree(root, root_hidden, step, steps, topk, roots, num_nodes, seeds, positions)

@@ -241,3 +241,31 @@ def test_argmax_matches_torch(rows, width):
     torch.testing.assert_close(argmax_kernel(x), x.argmax(-1), atol=0, rtol=0)
     strided = _randn(rows, width + 3, dtype=torch.float32, seed=11)[:, :width]  # rows with a stride
     torch.testing.assert_close(argmax_kernel(strided), strided.argmax(-1), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,draft_vocab,vocab", [(1, 32000, 128256), (6, 32000, 128256), (5, 100, 5000),
+                                                    (3, 777, 777)])
+def test_draft_vocab_argmax_matches_spread_argmax(dtype, rows, draft_vocab, vocab):
+    """VocabMap.argmax over draft logits == torch.argmax over the spread target row, for a scrambled (non-monotone)
+    map, with ties planted across and inside chunks whose draft order disagrees with their target order; written
+    into a strided destination (a token grid's column), poisoned first."""
+    from hyperdraft.kernels.vocab_map import VocabMap, spread_logits_reference
+
+    g = torch.Generator().manual_seed(12)
+    draft_to_target = torch.randperm(vocab, generator=g)[:draft_vocab].to(DEVICE)
+    target_to_draft = torch.full((vocab,), -1, dtype=torch.int32, device=DEVICE)
+    target_to_draft[draft_to_target] = torch.arange(draft_vocab, dtype=torch.int32, device=DEVICE)
+    vocab_map = VocabMap(draft_to_target, target_to_draft)
+    logits = (_randn(rows, draft_vocab, dtype=torch.float32, seed=13) * 3).to(dtype)
+    top = logits.float().max().item() + 1.0
+    order = draft_to_target.argsort(descending=True)  # draft ids from the largest target id down
+    if rows >= 2:
+        logits[0, order[:2]] = top  # a tie: the later draft id has the smaller target id
+        logits[1, order[[0, draft_vocab // 2, draft_vocab - 1]]] = top  # a tie across chunks
+    grid = torch.full((rows, 4), -7, dtype=torch.int64, device=DEVICE)
+    vocab_map.argmax(logits, grid[:, 2])
+    want = spread_logits_reference(logits, draft_to_target, vocab).argmax(-1)
+    assert torch.equal(grid[:, 2], want)
+    assert bool((grid[:, [0, 1, 3]] == -7).all())  # nothing written outside the column
+    assert torch.equal(vocab_map.argmax(logits), want)
