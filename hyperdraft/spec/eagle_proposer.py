@@ -158,10 +158,10 @@ class EagleProposer(DraftRounds):
         return tier.steps + 1
 
     # ---- after verify -------------------------------------------------------------------------------------------
-    def store_accepted_hidden(self, reqs: list[Request], accepted_hidden: torch.Tensor) -> None:
-        """accepted_hidden: [B, D+1, H] target hidden states of the root and accepted nodes, in path order (rows
-        past each request's accepted count are ignored by the next catch-up)."""
-        rows = to_device([r.row for r in reqs], torch.int64, self.device)
+    def store_accepted_hidden(self, rows: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
+        """rows: [B] the requests' page-table rows, on the device; accepted_hidden: [B, D+1, H] target hidden states
+        of the root and accepted nodes, in path order (rows past each request's accepted count are ignored by the
+        next catch-up)."""
         self.hidden_buf[rows, : accepted_hidden.shape[1]] = accepted_hidden.to(self.dtype)
 
     def commit(self, reqs: list[Request], steps: int, num_accepted: list[int]) -> None:

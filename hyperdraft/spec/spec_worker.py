@@ -166,8 +166,9 @@ class ChainRound:
         self.dense = self.num_rows == len(reqs) * k1
         starts = list(itertools.accumulate((1 + k for k in self.rows_fed), initial=0))[:-1]  # packed row of row 0
         flat = [] if self.dense else [b * k1 + j for b, k in enumerate(self.rows_fed) for j in range(k + 1)]
-        self.last, self.lens, self.starts, self.flat_index = to_device_many(
-            [[_last_token(r) for r in reqs], self.proposal.lens, starts, flat], torch.int64, worker.device)
+        self.last, self.lens, self.starts, self.flat_index, self.rows = to_device_many(
+            [[_last_token(r) for r in reqs], self.proposal.lens, starts, flat, [r.row for r in reqs]], torch.int64,
+            worker.device)
 
     def inputs(self) -> list[ForwardInput]:
         return [ForwardInput(r.row, r.num_computed, [0] * (1 + k), 1 + k) for r, k in zip(self.reqs, self.rows_fed)]
@@ -210,7 +211,7 @@ class ChainRound:
             else:
                 rows = (self.starts[:, None] + torch.arange(k + 1, device=grid.device)).clamp_max(self.num_rows - 1)
                 accepted_hidden = target_hidden[rows]
-            self.w.proposer.store_accepted_hidden(self.reqs, accepted_hidden)
+            self.w.proposer.store_accepted_hidden(self.rows, accepted_hidden)
         self.num_accepted, self.tokens = num_accepted, tokens  # what the next round's catch-up feeds (draft-ahead)
         return [num_accepted, tokens, logprobs]
 
@@ -279,7 +280,7 @@ class TreeRound:
         rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
         logprobs = token_logprobs(logits, tokens.clamp_min(0).flatten(), rows.flatten()).view_as(tokens)
         if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
-            self.w.proposer.store_accepted_hidden(self.reqs, target_hidden[rows])
+            self.w.proposer.store_accepted_hidden(self.rows, target_hidden[rows])
         self.depth = tokens.shape[1]
         self.num_accepted, self.tokens = num_accepted, tokens  # what the next round's catch-up feeds (draft-ahead)
         return [num_accepted, tokens, logprobs, self.valid_draft]
