@@ -112,7 +112,13 @@ def spans(marks: Marks) -> dict[str, float]:
             start = both["prev_draft_end"] if a == "draft_end" else both[a]
             rows[name].append(start.elapsed_time(both[b]) * 1000)
         rows["round"].append(prev["draft_end"].elapsed_time(cur["draft_end"]) * 1000)
-    return {k: statistics.median(v) for k, v in rows.items() if v}
+    med = {k: statistics.median(v) for k, v in rows.items() if v}
+    if rows["round"]:  # the tail: rounds the host made the GPU wait for (a collection, a descheduled thread)
+        ordered = sorted(rows["round"])
+        med["round mean"] = statistics.fmean(ordered)
+        med["round p90"] = ordered[int(0.9 * (len(ordered) - 1))]
+        med["round max"] = ordered[-1]
+    return med
 
 
 def main() -> None:
