@@ -3,8 +3,9 @@ rows, for a list of tensor-core tile configurations of kernels/gemv.py's `_gemv_
 
 Each measurement chains `copies` products of one shape over distinct weights (nothing stays in L2) in one CUDA graph,
 launched as the engine launches them (PDL on Hopper). Run on a GPU machine:
-PYTHONPATH=. python3 benchmarks/gemv_shapes.py ; prints a table (and writes $OUT/gemv_shapes.md). Results, with a
-split-K and a TMA variant that were tried and dropped: benchmarks/results/gemv_shapes_h100.md.
+PYTHONPATH=. python3 benchmarks/gemv_shapes.py ; prints a table (and writes $OUT/gemv_shapes.md); `--swapped` times
+the six-row kernel with swapped operands (SWAP) over its own tile list instead. Results, with split-K, TMA and
+CUDA-core variants that were tried and dropped: benchmarks/results/gemv_shapes_h100.md.
 """
 
 from __future__ import annotations
