@@ -232,6 +232,33 @@ def test_compute_logits_maps_draft_vocab_with_d2t_offsets(tmp_path, target_path,
     assert torch.isclose(torch.softmax(logits, -1).sum(-1), torch.ones(5)).all()
 
 
+@torch.no_grad()
+def test_head_forward_output_keeps_draft_vocab_logits(tmp_path, target_path, target):
+    """The head's ForwardOutput carries [N, Vd] draft logits and the head's VocabMap: target_logits() is
+    compute_logits(), and greedy_tokens() is its argmax, written into a strided destination column when given."""
+    from hyperdraft.engine.model_runner import ForwardOutput
+
+    path = write(tmp_path, target_path, kind="eagle3", draft_vocab_size=DRAFT_V, seed=4)
+    head = load_eagle_head(path, target)
+    assert head.vocab_map is not None and head.vocab_map.vocab == V
+    hidden = torch.randn(6, 64)
+    draft_logits = head.compute_draft_logits(hidden)
+    assert draft_logits.shape == (6, DRAFT_V)
+    out = ForwardOutput(draft_logits, hidden, [], head.vocab_map)
+    full = head.compute_logits(hidden)
+    assert torch.equal(out.target_logits(), full)
+    assert torch.equal(out.greedy_tokens(), full.argmax(-1))
+    grid = torch.full((6, 3), -1, dtype=torch.int64)
+    out.greedy_tokens(grid[:, 1])
+    assert torch.equal(grid[:, 1], full.argmax(-1)) and bool((grid[:, [0, 2]] == -1).all())
+    # ties go to the smallest target id, whatever the draft order (the argmax of the spread row)
+    top = head.vocab_map.draft_to_target.argsort(descending=True)[:2]  # the later one has the smaller target id
+    tied = torch.zeros(1, DRAFT_V)
+    tied[0, top] = 1.0
+    assert int(ForwardOutput(tied, hidden[:1], [], head.vocab_map).greedy_tokens()) == int(
+        head.vocab_map.draft_to_target[top].min())
+
+
 def test_bad_d2t_and_t2d_are_rejected(tmp_path, target_path, target):
     path = write(tmp_path, target_path, kind="eagle3", draft_vocab_size=DRAFT_V)
     d2t = load_file(os.path.join(path, "model.safetensors"))["d2t"].clone()
