@@ -103,14 +103,11 @@ def spans(marks: Marks) -> dict[str, float]:
     rows: dict[str, list[float]] = {name: [] for name, _, _ in SPANS}
     rows["round"] = []
     for prev, cur in zip(marks.steps, marks.steps[1:]):
-        both = {**{f"prev_{k}": v for k, v in prev.items()}, **cur}
-        if not all(k in cur for k in ("entry", "verify_start", "verify_end", "draft_start", "draft_end")):
-            continue
-        if "draft_end" not in prev:
+        if "draft_end" not in prev or not all(b in cur for _, _, b in SPANS):
             continue
         for name, a, b in SPANS:
-            start = both["prev_draft_end"] if a == "draft_end" else both[a]
-            rows[name].append(start.elapsed_time(both[b]) * 1000)
+            start = (prev if b == "entry" else cur)[a]  # only the host wait spans two steps
+            rows[name].append(start.elapsed_time(cur[b]) * 1000)
         rows["round"].append(prev["draft_end"].elapsed_time(cur["draft_end"]) * 1000)
     med = {k: statistics.median(v) for k, v in rows.items() if v}
     if rows["round"]:  # the tail: rounds the host made the GPU wait for (a collection, a descheduled thread)

@@ -35,8 +35,7 @@ class ForwardOutput:
         """argmax of target_logits() [N] int64, without building them under a draft vocabulary; into out if given."""
         if self.vocab is not None:
             return self.vocab.argmax(self.logits, out)
-        tokens = argmax_rows(self.logits)
-        return tokens if out is None else out.copy_(tokens)
+        return argmax_rows(self.logits, out)
 
 
 class GraphedRunner:

@@ -72,9 +72,12 @@ def argmax_kernel(x: torch.Tensor, column_ids: torch.Tensor | None = None,
     return out
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim of [..., V] -> [...] int64; the kernel on CUDA, torch.argmax elsewhere."""
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax over the last dim of [..., V] -> [...] int64; the kernel on CUDA, torch.argmax elsewhere. out: a [N]
+    int64 destination of any stride, for 2-d x."""
     if use_fused_kernels(x) and x.dim() >= 1 and x.shape[-1] > 0 and x.stride(-1) == 1:
+        if out is not None:
+            return argmax_kernel(x, None, out)
         flat = x.reshape(-1, x.shape[-1])
         return argmax_kernel(flat).view(x.shape[:-1])
-    return x.argmax(-1)
+    return x.argmax(-1) if out is None else out.copy_(x.argmax(-1))

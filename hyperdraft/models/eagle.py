@@ -275,8 +275,8 @@ class Eagle3Head(_Head):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] over the target vocabulary, -inf outside the draft vocabulary."""
-        logits = self.compute_draft_logits(hidden)
-        return logits if self.vocab_map is None else self.vocab_map.spread(logits)
+        vocab_map, logits = self.vocab_map, self.compute_draft_logits(hidden)
+        return logits if vocab_map is None else vocab_map.spread(logits)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, Vd] over the draft vocabulary (vocab_map says which target ids), or [N, V] fp32 when it is the
