@@ -1,4 +1,4 @@
-"""x @ W^T (+ bias) for a few rows (decode, verify: M <= 16 tokens) as weight-streaming Triton kernels.
+"""x @ W^T (+ bias, + a residual) for a few rows (decode, verify: M <= 16 tokens) as weight-streaming Triton kernels.
 
 At a handful of rows a projection only reads W once, so its time is W's bytes over the memory bandwidth. cuBLAS
 streams the small projections of an 8B decoder at 68-80% of the copy bandwidth on an H100, and every product
@@ -56,8 +56,15 @@ def _weights_first(W, cols, N, K, BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL
 
 
 @jit
-def _gemv_vec(X, W, Bias, Out, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+def _add_residual(out, res_ptrs, mask, DTYPE: tl.constexpr):
+    """out + residual, rounded as eager torch rounds `F.linear(x, W) + residual`: the product to the output dtype
+    first, then the sum (bit-identical to the two launches it replaces)."""
+    return out.to(DTYPE).to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@jit
+def _gemv_vec(X, W, Bias, Res, Out, N, K, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     _weights_first(W, cols, N, K, BLOCK_K, LINE, PDL)
     w_rows = W + cols[:, None].to(tl.int64) * K
@@ -74,13 +81,15 @@ def _gemv_vec(X, W, Bias, Out, N, K, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+    if HAS_RES:
+        out = _add_residual(out, Res + cols, cols < N, Out.dtype.element_ty)
     tl.store(Out + cols, out.to(Out.dtype.element_ty), mask=cols < N)
 
 
 @jit
-def _gemv_dot(X, W, Bias, Out, M, N, K, stride_xm, stride_om, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-              IEEE: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              LINE: tl.constexpr, PDL: tl.constexpr):
+def _gemv_dot(X, W, Bias, Res, Out, M, N, K, stride_xm, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
+              HAS_RES: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """Out tile [16, BLOCK_N] = X [16, K] @ W tile^T, rows padded to 16; SWAP computes its transpose, W tile @ X^T
     ([BLOCK_N, 16]: the weight is then the MMA's wide operand), the same products in another tile order."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,6 +124,9 @@ def _gemv_dot(X, W, Bias, Out, M, N, K, stride_xm, stride_om, HAS_BIAS: tl.const
         out = acc
     if HAS_BIAS:
         out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        out = _add_residual(out, Res + rows[:, None] * stride_rm + cols[None, :],
+                            (rows[:, None] < M) & (cols[None, :] < N), Out.dtype.element_ty)
     tl.store(Out + rows[:, None] * stride_om + cols[None, :], out.to(Out.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -135,19 +147,23 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K] with at most MAX_ROWS rows; weight: [N, K] contiguous -> x @ weight^T + bias, [..., N]."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] with at most MAX_ROWS rows; weight: [N, K] contiguous -> x @ weight^T + bias (+ residual, [..., N]
+    in x's dtype, added in the same launch), [..., N]."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     assert m <= MAX_ROWS and rows.stride(-1) == 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else weight
+    res = residual.reshape(m, n) if residual is not None else out  # a placeholder pointer when there is none
+    assert res.stride(-1) == 1 and res.dtype == x.dtype
     line = 128 // x.element_size()
     if m == 1:
         block_k = min(VEC_BLOCK_K, triton.next_power_of_2(k))
         _gemv_vec[(triton.cdiv(n, VEC_BLOCK_N),)](
-            rows, weight, b, out, n, k, HAS_BIAS=bias is not None,
+            rows, weight, b, res, out, n, k, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
             EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N, BLOCK_K=block_k,
             LINE=min(block_k, line), num_warps=VEC_WARPS, num_stages=3, **pdl_args(x.device))
     else:
@@ -158,16 +174,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps the stages in 228 KB
         block_k = min(block_k // x.element_size() * 2, max(16, triton.next_power_of_2(k)))
         _gemv_dot[(triton.cdiv(n, block_n),)](
-            rows, weight, b, out, m, n, k, rows.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            IEEE=x.dtype == torch.float32, SWAP=wide, EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n,
+            rows, weight, b, res, out, m, n, k, rows.stride(0), res.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, SWAP=wide, EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n,
             BLOCK_K=block_k, LINE=min(block_k, line), num_warps=DOT_WARPS, num_stages=stages, **pdl_args(x.device))
     return out.view(*x.shape[:-1], n)
 
 
-def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The CUDA product: gemv for a few rows, cuBLAS (F.linear) otherwise."""
-    return gemv(x, weight, bias) if gemv_fits(x, weight) else F.linear(x, weight, bias)
+def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The CUDA product (+ residual): gemv for a few rows, cuBLAS (F.linear) otherwise."""
+    if gemv_fits(x, weight) and (residual is None or residual.dtype == x.dtype):
+        return gemv(x, weight, bias, residual)
+    return gemv_reference(x, weight, bias, residual)
 
 
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    out = F.linear(x, weight, bias)
+    return out if residual is None else out + residual

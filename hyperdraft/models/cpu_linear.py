@@ -47,11 +47,14 @@ def uses_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., in]; the fast orientation when uses_skinny_path holds, and on CUDA
-    the few-row Triton GEMV (kernels/gemv.py)."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) (+ residual) for x [..., in]; the fast orientation when uses_skinny_path holds, and
+    on CUDA the few-row Triton GEMV (kernels/gemv.py), which adds the residual in the same launch."""
     if x.is_cuda:
-        return cuda_linear(x, weight, bias)
+        return cuda_linear(x, weight, bias, residual)
+    if residual is not None:
+        return skinny_linear(x, weight, bias) + residual
     if not uses_skinny_path(x, weight):
         return F.linear(x, weight, bias)
     flat = x.dim() == 2 and x.is_contiguous()
@@ -67,8 +70,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state-dict names) whose forward uses skinny_linear."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T + b, plus residual ([..., out]) when given."""
+        return skinny_linear(x, self.weight, self.bias, residual)
 
 
 @dataclass

@@ -113,9 +113,10 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """-> down(SiLU(gate) * up), plus residual when given (on CUDA inside the down projection's launch)."""
         gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj((silu_mul if use_fused_kernels(gate) else silu_mul_reference)(gate, up))
+        return self.down_proj((silu_mul if use_fused_kernels(gate) else silu_mul_reference)(gate, up), residual)
 
 
 class DecoderLayer(nn.Module):

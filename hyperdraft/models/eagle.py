@@ -232,7 +232,7 @@ class Eagle3Layer(nn.Module):
     def forward(self, x, hidden, cos, sin, attn: AttentionFn):
         """x: inputs() of the step's tokens and hidden; hidden: the residual stream."""
         h, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), hidden)
-        return self.mlp(h) + residual
+        return self.mlp(h, residual)
 
 
 class Eagle3Head(_Head):

@@ -53,6 +53,21 @@ def test_gemv_matches_linear(m, n, k, dtype, bias):
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("n,k", [(4096, 14336), (6144, 4096), (77, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_residual_equals_product_then_add(m, n, k, dtype):
+    """The residual epilogue (an EAGLE-3 head's down projection + its residual stream) is bit-identical to the
+    product followed by an eager add, in every dtype, on both kernels (1 row: vector; 6: tensor cores, swapped
+    on the 6144-column weight), with bias; no element left unwritten."""
+    x, w, b = _inputs(m, n, k, dtype, seed=n + m, bias=True)
+    residual = torch.randn(m, n, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype) * 4
+    fused = _poisoned(gemv, x, w, b, residual)
+    assert not fused.isnan().any()
+    assert torch.equal(fused, gemv(x, w, b) + residual)
+    torch.testing.assert_close(cuda_linear(x, w, b, residual), fused, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [4096, 6144])  # on an H100, 6144 columns take the wide tile (WIDE_BLOCK_N)
 def test_gemv_rows_do_not_depend_on_the_batch(dtype, n):
