@@ -62,7 +62,7 @@ class RoundSpy:
 
         def accept(round_, *args, **kwargs):
             out = original(round_, *args, **kwargs)
-            num_accepted = out[0].tolist()
+            num_accepted = round_.num_accepted.tolist()
             prop = round_.proposal
             for b, r in enumerate(round_.reqs):
                 spy.records.append(dict(req=r, base=r.num_computed, tokens=prop.tokens[b].tolist(),

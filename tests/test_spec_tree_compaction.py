@@ -41,7 +41,7 @@ class RoundSpy:
 
         def accept(round_, *args, **kwargs):
             out = original(round_, *args, **kwargs)
-            num_accepted, tokens = out[0].tolist(), out[1].tolist()
+            num_accepted, tokens = round_.num_accepted.tolist(), round_.tokens.tolist()
             prop = round_.proposal
             page_table = round_.w.runner.page_table
             spy.rounds.append([

@@ -64,7 +64,7 @@ class SiblingSpy:
 
         def accept(round_, *args, **kwargs):
             out = original(round_, *args, **kwargs)
-            num_accepted, tokens = out[0].tolist(), out[1].tolist()
+            num_accepted, tokens = round_.num_accepted.tolist(), round_.tokens.tolist()
             parents, node_tokens = round_.proposal.parents.tolist(), round_.proposal.tokens.tolist()
             for b, a in enumerate(num_accepted):
                 cur = 0

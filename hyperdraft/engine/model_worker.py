@@ -12,6 +12,7 @@ scheduled. HYPERDRAFT_DECODE_AHEAD=0 turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, replace
 
@@ -33,6 +34,21 @@ def forward_input(item: ScheduledRequest) -> ForwardInput:
     req = item.req
     tokens = req.token_ids(req.num_computed, req.num_computed + item.num_tokens)
     return ForwardInput(req.row, req.num_computed, tokens, num_logits=1 if item.samples else 0)
+
+
+@contextlib.contextmanager
+def results_stream(stream: torch.cuda.Stream | None):
+    """Queue the enclosed GPU work on `stream` (None: where it is), after everything queued so far on the current
+    stream. A step's results tail (logprobs, packing, the copy to the host) needs nothing the next GPU work needs,
+    so on its own stream it runs beside the next draft instead of delaying it. The caller keeps every input it
+    hands over alive until the results are waited for: the allocator would otherwise reuse their memory for the
+    current stream's next work while this stream still reads it."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
 
 
 class ResultsCopy:

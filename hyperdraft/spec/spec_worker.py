@@ -21,7 +21,7 @@ from hyperdraft.engine.graph_runner import GraphShape
 from hyperdraft.engine.host_copy import to_device, to_device_many
 from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.engine.model_runner import ModelRunner
-from hyperdraft.engine.model_worker import ResultsCopy, forward_input
+from hyperdraft.engine.model_worker import ResultsCopy, forward_input, results_stream
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import penalised_logits, probs_from_logits, token_logprobs
@@ -54,6 +54,7 @@ class SpecWorker:
         self.prefill_sampling = SamplingBatchCache(self.vocab_size, self.device)
         # Benchmark-only (lossy) accept rate; a benchmark may sweep it on a live engine that started in that mode.
         self.simulate_accept_rate = spec.simulate_accept_rate
+        self.results_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def uniform_chain_rows(self, batch_size: int, steps: int) -> bool:
         """Feed every chain request the tier's full width when a captured verify graph of that width can run the
@@ -89,12 +90,16 @@ class SpecWorker:
 
         num_verify_rows = round_.num_rows if round_ else 0
         with self.timer.phase("accept_commit"):
-            pieces = round_.accept(out.logits[:num_verify_rows], target_hidden) if round_ else []
+            if round_ is not None:  # what the next round needs: accept counts, tokens, the drafter's hidden states
+                round_.accept(out.logits[:num_verify_rows], target_hidden)
         sampling_prefills = [it.req for it in prefills if it.samples]
+        prefill_pieces = []
         if sampling_prefills:
             sbp = self.prefill_sampling.get(sampling_prefills)
-            pieces += list(self.sampler.sample(out.logits[num_verify_rows:], sbp))
-        results_copy = ResultsCopy(pieces)  # the step's one device-to-host copy, queued
+            prefill_pieces = list(self.sampler.sample(out.logits[num_verify_rows:], sbp))
+        # round_ and out keep the tail's inputs alive until the results are waited for (results_stream)
+        with results_stream(self.results_stream):
+            results_copy = ResultsCopy((round_.result_pieces() if round_ else []) + prefill_pieces)
         if round_ is not None and not prefills and hasattr(self.proposer, "draft_ahead"):
             # the next round's draft runs while the host commits this one (spec/draft_rounds.py)
             self.proposer.draft_ahead(reqs, round_.tier, sb, round_.num_accepted, round_.tokens)
@@ -183,7 +188,7 @@ class ChainRound:
     def tail_mask(self, extend_lens: list[int]):
         return None  # chains are causal
 
-    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> list[torch.Tensor]:
+    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
         bsz, k = len(self.reqs), self.proposal.max_len
         grid = verify_logits  # [B*(K+1), V]
         if not self.dense:  # rows past a request's drafts stay unused
@@ -204,7 +209,6 @@ class ChainRound:
             num_accepted, tokens = verify_greedy_chain(target, draft, lens)
         else:
             num_accepted, tokens = verify_chain(p, draft, lens, self.proposal.q, self.sb.seeds, self.sb.positions)
-        logprobs = token_logprobs(logits, tokens.flatten()).view(bsz, k + 1)
         if target_hidden is not None:  # verify row j of request b sits at packed row start_b + j
             if self.dense:
                 accepted_hidden = target_hidden[: self.num_rows].view(bsz, k + 1, -1)
@@ -213,7 +217,12 @@ class ChainRound:
                 accepted_hidden = target_hidden[rows]
             self.w.proposer.store_accepted_hidden(self.rows, accepted_hidden)
         self.num_accepted, self.tokens = num_accepted, tokens  # what the next round's catch-up feeds (draft-ahead)
-        return [num_accepted, tokens, logprobs]
+        self.logits = logits
+
+    def result_pieces(self) -> list[torch.Tensor]:
+        """What the host reads after accept(): [B] accept counts, [B, K+1] tokens, their [B, K+1] logprobs."""
+        logprobs = token_logprobs(self.logits, self.tokens.flatten()).view_as(self.tokens)
+        return [self.num_accepted, self.tokens, logprobs]
 
     def results(self, host: list[float]) -> tuple[list[RequestResult], int]:
         bsz, k1 = len(self.reqs), self.proposal.max_len + 1
@@ -257,7 +266,7 @@ class TreeRound:
     def positions(self) -> torch.Tensor:
         return (self.base[:, None] + self.tree.depth).flatten()
 
-    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> list[torch.Tensor]:
+    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
         bsz, n = len(self.reqs), self.n
         sampled = self.proposal.q is not None  # children drawn from q without replacement (tree_sampled.py)
         greedy = self.sb.all_greedy and not sampled  # p one-hot at each node's argmax: verify from the argmax tokens
@@ -278,12 +287,17 @@ class TreeRound:
                                                      max_depth=self.tier.steps, max_children=self.tier.topk)
         self._compact(num_accepted, path)
         rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
-        logprobs = token_logprobs(logits, tokens.clamp_min(0).flatten(), rows.flatten()).view_as(tokens)
         if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
             self.w.proposer.store_accepted_hidden(self.rows, target_hidden[rows])
         self.depth = tokens.shape[1]
         self.num_accepted, self.tokens = num_accepted, tokens  # what the next round's catch-up feeds (draft-ahead)
-        return [num_accepted, tokens, logprobs, self.valid_draft]
+        self.logits, self.path_rows = logits, rows
+
+    def result_pieces(self) -> list[torch.Tensor]:
+        """What the host reads after accept(): [B] accept counts, [B, D+1] path tokens (-1 past the path), their
+        logprobs, [B] valid draft K/V counts."""
+        logprobs = token_logprobs(self.logits, self.tokens.clamp_min(0).flatten(), self.path_rows.flatten())
+        return [self.num_accepted, self.tokens, logprobs.view_as(self.tokens), self.valid_draft]
 
     def _compact(self, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
         rows = self.rows
