@@ -13,7 +13,7 @@ import torch
 
 from hyperdraft.attention.torch_backend import TorchAttentionBackend
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
-from hyperdraft.kernels.attention import num_kv_splits, paged_attention_reference
+from hyperdraft.kernels.attention import num_kv_splits, paged_attention_reference, split_tiles, tile_config
 from hyperdraft.kernels.kv_move import kv_move_reference
 from hyperdraft.kernels.kv_store import kv_store_reference
 from hyperdraft.kvcache.kv_pool import KVPool
@@ -129,6 +129,16 @@ def test_split_count_comes_from_static_sizes():
     assert num_kv_splits(1, 8, 1, 8192, 132) > 8
     assert num_kv_splits(256, 8, 1, 8192, 132) == 1
     assert num_kv_splits(1, 8, 1, 100, 132) == 1
+
+
+def test_short_splits_run_a_two_stage_pipeline():
+    """Batch-1 split-K (a few key blocks per program) takes 2 stages; long splits keep the 3-stage default."""
+    tiles = tile_config(4, 1, 128, torch.bfloat16)
+    assert tiles.stages == 3
+    assert split_tiles(tiles, 4096, num_kv_splits(1, 8, 1, 4096, 132)).stages == 2
+    assert split_tiles(tiles, 8192, num_kv_splits(32, 8, 1, 8192, 132)).stages == 3
+    assert split_tiles(tiles, 131072, num_kv_splits(1, 8, 1, 131072, 132)).stages == 3
+    assert split_tiles(tiles, 4096, 1) == tiles
 
 
 def test_backend_choice_on_cpu(llama_path, make_llm):

@@ -14,8 +14,8 @@ import torch
 
 from hyperdraft.attention.base import AttentionBackend
 from hyperdraft.engine.forward_batch import ForwardBatch
-from hyperdraft.kernels.attention import (attention_workspace, num_kv_splits, num_row_tiles, paged_attention,
-                                          tile_config)
+from hyperdraft.kernels.attention import (Tiles, attention_workspace, num_kv_splits, num_row_tiles, paged_attention,
+                                          split_tiles, tile_config)
 from hyperdraft.kernels.kv_store import kv_store
 
 
@@ -31,6 +31,7 @@ class TritonAttentionMeta:
     # Filled by the first layer (the query head count is known only there) and reused by every later one.
     num_splits: int = 0
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+    tiles: Tiles | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -54,13 +55,15 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_attention(
             q, k_cache, v_cache, self.page_table.table, meta.req_rows, meta.seq_lens, meta.extend_starts,
             meta.extend_lens, page_size=self.page_table.page_size, max_extend_len=meta.max_extend_len,
-            tail_mask=meta.tail_mask, num_splits=meta.num_splits, workspace=meta.workspace,
+            tail_mask=meta.tail_mask, num_splits=meta.num_splits, workspace=meta.workspace, tiles=meta.tiles,
         )
 
     def _size_splits(self, meta: TritonAttentionMeta, q: torch.Tensor) -> None:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = self.pool.k.shape[2]
         group = num_heads // num_kv_heads
-        tiles = num_row_tiles(group, meta.max_extend_len, tile_config(group, meta.max_extend_len, head_dim, q.dtype).m)
-        meta.num_splits = num_kv_splits(meta.req_rows.shape[0], num_kv_heads, tiles, meta.max_seq_len, self.num_sms)
+        tiles = tile_config(group, meta.max_extend_len, head_dim, q.dtype)
+        row_tiles = num_row_tiles(group, meta.max_extend_len, tiles.m)
+        meta.num_splits = num_kv_splits(meta.req_rows.shape[0], num_kv_heads, row_tiles, meta.max_seq_len, self.num_sms)
+        meta.tiles = split_tiles(tiles, meta.max_seq_len, meta.num_splits)
         meta.workspace = attention_workspace(num_tokens, num_heads, head_dim, meta.num_splits, q.device)

@@ -254,13 +254,17 @@ class GraphRunner:
             else:  # ... which later replays overwrite in place, as a graph does: a consumer keeping a view is caught
                 for dst, src in zip([out.logits, out.hidden, *out.captured], [fresh.logits, fresh.hidden, *fresh.captured]):
                     dst.copy_(src)
+                if out.logits_hidden is not None:
+                    out.logits_hidden.copy_(fresh.logits_hidden)
         else:
             for segment in self.graphs[key]:
                 segment.replay()
             out = self.outputs[key]
         n = real * q
-        return dataclasses.replace(out, logits=out.logits[: real if shape.one_logit else n], hidden=out.hidden[:n],
-                                   captured=[c[:n] for c in out.captured])
+        rows = real if shape.one_logit else n
+        return dataclasses.replace(out, logits=out.logits[:rows], hidden=out.hidden[:n],
+                                   captured=[c[:n] for c in out.captured],
+                                   logits_hidden=None if out.logits_hidden is None else out.logits_hidden[:rows])
 
 
 def capture_segments(pool, device, run) -> tuple[list, object]:

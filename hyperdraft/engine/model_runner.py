@@ -26,6 +26,13 @@ class ForwardOutput:
     hidden: torch.Tensor  # [T, H] final normed hidden states of every token
     captured: list[torch.Tensor]  # per requested layer, [T, H] input hidden states
     vocab: VocabMap | None = None  # set when the logits cover a draft vocabulary (an EAGLE-3 head's)
+    # [N, H] the hidden rows the logits came from, when the model keeps them (an EAGLE head: its next draft step
+    # feeds them, and a second gather of the same rows would cost a launch per round)
+    logits_hidden: torch.Tensor | None = None
+
+    def hidden_at_logits(self, logits_indices: torch.Tensor) -> torch.Tensor:
+        """[N, H]: hidden[logits_indices], the rows the logits were computed from."""
+        return self.logits_hidden if self.logits_hidden is not None else self.hidden[logits_indices]
 
     def target_logits(self) -> torch.Tensor:
         """[N, V] over the target vocabulary (-inf outside a draft vocabulary)."""

@@ -27,7 +27,7 @@ def draft_chain(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, ste
     first: the catch-up's ForwardOutput, whose logits rows give d_0. forward(fb) -> ForwardOutput runs step j,
     which feeds d_{j-1} (and, for an EAGLE head, feeds_hidden: the head's own output at the step before) and gives
     d_j."""
-    out, hidden = first, first.hidden[catch_up.logits_indices]
+    out, hidden = first, first.hidden_at_logits(catch_up.logits_indices)
     anchor.plan(steps - 1, 1, 1, page_table)
     tokens = torch.empty(out.logits.shape[0], steps, dtype=torch.int64, device=out.logits.device)  # every column chosen
     qs = []

@@ -52,7 +52,8 @@ class HeadRunner(GraphedRunner):
         meta = self.backend.plan(fb)
         g = self.model(fb.input_ids, fb.positions, fb.input_hidden,
                        lambda i, q, k, v: self.backend.forward(i, q, k, v, fb, meta))
-        return ForwardOutput(self.model.compute_draft_logits(fb.logits_rows(g)), g, [], self.model.vocab_map)
+        rows = fb.logits_rows(g)
+        return ForwardOutput(self.model.compute_draft_logits(rows), g, [], self.model.vocab_map, rows)
 
 
 class EagleProposer(DraftRounds):

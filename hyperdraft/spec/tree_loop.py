@@ -31,7 +31,7 @@ def draft_tree(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, step
     last = catch_up.logits_indices
     bsz = last.shape[0]
     roots = catch_up.input_ids[last]
-    root_hidden = first.hidden[last] if feeds_hidden else None
+    root_hidden = first.hidden_at_logits(last) if feeds_hidden else None
     anchor.plan(steps - 1, topk, topk, page_table)  # a beam's frontiers (a sampled tree's may be narrower)
 
     def step(depth: int, tokens: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, parent_hidden):
