@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
-from hyperdraft.kernels.pdl import pdl_args, pdl_wait
+from hyperdraft.kernels.pdl import INTERPRETED, pdl_args, pdl_wait
+from hyperdraft.kernels.rope import write_cos_sin_row
 
 
 @jit
@@ -66,11 +67,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @jit
-def _embed_hidden_norm(Ids, Table, Hidden, WEmbed, WHidden, Out, stride_ids, stride_h, dim, eps, BLOCK_D: tl.constexpr,
-                       PDL: tl.constexpr):
+def _embed_hidden_norm(Ids, Table, Hidden, WEmbed, WHidden, Out, Pos, InvFreq, Cos, Sin, stride_ids, stride_h, dim, eps,
+                       half, BLOCK_D: tl.constexpr, ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)  # 0: the token's embedding, 1: the hidden state
+    if ROPE and part == 0:  # the step's cos/sin row too: one launch fewer per draft step
+        write_cos_sin_row(Pos, InvFreq, Cos, Sin, t, half, BLOCK_HALF, LIBDEVICE)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
     if part == 0:
@@ -85,20 +89,28 @@ def _embed_hidden_norm(Ids, Table, Hidden, WEmbed, WHidden, Out, stride_ids, str
 
 
 def embed_hidden_norm(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, embed_weight: torch.Tensor,
-                      hidden_weight: torch.Tensor, eps: float) -> torch.Tensor:
+                      hidden_weight: torch.Tensor, eps: float, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """EAGLE-3's layer input in one launch: [RMSNorm(table[ids]), RMSNorm(hidden)] side by side, [T, 2H] (both
     norms round as rms_norm does). ids [T] (any stride: a chain step feeds a column of its token grid); table [V, H]
-    contiguous and hidden [T, H] (last dim contiguous) of one dtype."""
+    contiguous and hidden [T, H] (last dim contiguous) of one dtype. With rope = (positions [T], inv_freq [D/2] fp32)
+    the same launch also builds rope_cos_sin(positions, inv_freq, hidden.dtype), bit-identical: -> (x, cos, sin)."""
     num_tokens, dim = hidden.shape
     out = torch.empty(num_tokens, 2 * dim, dtype=hidden.dtype, device=hidden.device)
     assert table.is_contiguous() and table.dtype == hidden.dtype, "table: contiguous, in the hidden states' dtype"
     assert hidden.stride(-1) == 1 and ids.dim() == 1, "hidden: last dim contiguous; ids: [T]"
+    positions, inv_freq = rope if rope is not None else (ids, out)  # placeholder pointers without rope
+    half = inv_freq.shape[0] if rope is not None else 1
+    cos = torch.empty(num_tokens, 1, 2 * half, dtype=hidden.dtype, device=hidden.device) if rope is not None else out
+    sin = torch.empty_like(cos) if rope is not None else out
+    assert rope is None or (positions.is_contiguous() and inv_freq.is_contiguous() and inv_freq.dtype == torch.float32)
     if num_tokens:
         block = triton.next_power_of_2(dim)
-        _embed_hidden_norm[(num_tokens, 2)](ids, table, hidden, embed_weight, hidden_weight, out, ids.stride(0),
-                                            hidden.stride(0), dim, eps, BLOCK_D=block, num_warps=min(16, max(1, block // 256)),
+        _embed_hidden_norm[(num_tokens, 2)](ids, table, hidden, embed_weight, hidden_weight, out, positions, inv_freq, cos,
+                                            sin, ids.stride(0), hidden.stride(0), dim, eps, half, BLOCK_D=block,
+                                            ROPE=rope is not None, BLOCK_HALF=triton.next_power_of_2(half),
+                                            LIBDEVICE=not INTERPRETED, num_warps=min(16, max(1, block // 256)),
                                             **pdl_args(hidden.device))
-    return out
+    return out if rope is None else (out, cos, sin)
 
 
 def embed_hidden_norm_reference(ids, table, hidden, embed_weight, hidden_weight, eps) -> torch.Tensor:

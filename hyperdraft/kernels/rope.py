@@ -68,7 +68,12 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 @jit
 def _rope_cos_sin(Pos, InvFreq, Cos, Sin, half, BLOCK_HALF: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    write_cos_sin_row(Pos, InvFreq, Cos, Sin, tl.program_id(0).to(tl.int64), half, BLOCK_HALF, LIBDEVICE)
+
+
+@jit
+def write_cos_sin_row(Pos, InvFreq, Cos, Sin, t, half, BLOCK_HALF: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Row t of the cos/sin table (also called from other kernels that have a program per token)."""
     d = tl.arange(0, BLOCK_HALF)
     mask = d < half
     angle = tl.load(Pos + t).to(tl.float32) * tl.load(InvFreq + d, mask=mask, other=0.0)

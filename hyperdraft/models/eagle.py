@@ -221,13 +221,16 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def inputs(self, input_ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, 2H]: the normed token embeddings (table[input_ids]) beside the normed hidden states; on CUDA one
-        launch instead of four (gather, two norms, concatenation)."""
+    def inputs(self, input_ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> ([T, 2H]: the normed token embeddings (table[input_ids]) beside the normed hidden states, and the RoPE
+        cos/sin of positions); on CUDA one launch instead of five (gather, two norms, concatenation, cos/sin)."""
         norms = (self.input_layernorm.weight, self.hidden_norm.weight, self.input_layernorm.eps)
-        if use_fused_kernels(hidden) and table.dtype == hidden.dtype and table.is_contiguous():
-            return embed_hidden_norm(input_ids, table, hidden, *norms)
-        return embed_hidden_norm_reference(input_ids, table, hidden, *norms)
+        if (use_fused_kernels(hidden) and table.dtype == hidden.dtype and table.is_contiguous()
+                and positions.is_contiguous()):
+            return embed_hidden_norm(input_ids, table, hidden, *norms, rope=(positions, inv_freq.float()))
+        return (embed_hidden_norm_reference(input_ids, table, hidden, *norms),
+                *rope_table(positions, inv_freq, hidden.dtype))
 
     def forward(self, x, hidden, cos, sin, attn: AttentionFn):
         """x: inputs() of the step's tokens and hidden; hidden: the residual stream."""
@@ -269,8 +272,7 @@ class Eagle3Head(_Head):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionFn):
         self._check_hidden(hidden)
-        cos, sin = self._rope(positions, hidden.dtype)
-        x = self.midlayer.inputs(input_ids, self._part("embed_tokens").weight, hidden)
+        x, cos, sin = self.midlayer.inputs(input_ids, self._part("embed_tokens").weight, hidden, positions, self.inv_freq)
         return self.midlayer(x, hidden, cos, sin, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,27 @@ def test_embed_hidden_norm(dtype, num_tokens, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,dim,head_dim", [(1, 4096, 128), (6, 4096, 128), (37, 896, 64)])
+def test_embed_hidden_norm_with_rope_table(dtype, num_tokens, dim, head_dim):
+    """The draft step's input launch that also builds the step's RoPE cos/sin: each output bit-identical to its own
+    launch (embed_hidden_norm without rope, rope_cos_sin), every element written (poisoned first)."""
+    from hyperdraft.kernels.norm import embed_hidden_norm
+
+    table = _randn(500, dim, dtype=dtype, seed=24)
+    hidden = _randn(num_tokens, dim, dtype=dtype, seed=25) * 3
+    ids = torch.randint(0, 500, (num_tokens,), generator=torch.Generator().manual_seed(26)).to(DEVICE)
+    positions = torch.randint(0, 100000, (num_tokens,), generator=torch.Generator().manual_seed(27)).to(DEVICE)
+    inv_freq = (1.0 / 500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)).to(DEVICE)
+    w_embed, w_hidden = _randn(dim, dtype=dtype, seed=28), _randn(dim, dtype=dtype, seed=29)
+    _poison((num_tokens, 2 * dim), dtype=dtype)
+    x, cos, sin = embed_hidden_norm(ids, table, hidden, w_embed, w_hidden, 1e-5, rope=(positions, inv_freq))
+    assert not (x.isnan().any() or cos.isnan().any() or sin.isnan().any())
+    assert torch.equal(x, embed_hidden_norm(ids, table, hidden, w_embed, w_hidden, 1e-5))
+    ref_cos, ref_sin = rope_cos_sin(positions, inv_freq, dtype)
+    assert cos.shape == ref_cos.shape and torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens,width", [(1, 14336), (6, 64), (300, 4864)])
 def test_silu_mul(dtype, num_tokens, width):
     gate_up = _randn(num_tokens, 2 * width, dtype=dtype, seed=6) * 4
