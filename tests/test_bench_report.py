@@ -1,0 +1,36 @@
+"""benchmarks/gpu_bench_report.py's expected accept length of a finite run (the 'E_run' column): exact values at the
+edges, and the untruncated E in the long limit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from benchmarks.gpu_bench_report import expected_run_accept, expected_tokens
+
+
+def test_edges_and_long_limit():
+    assert expected_run_accept(0.8, 5, 1) == pytest.approx(1.0)  # one token: one round, whatever it accepts
+    assert expected_run_accept(1.0, 5, 60) == pytest.approx(6.0)  # every draft accepted: 10 rounds of 6
+    assert expected_run_accept(0.0, 5, 60) == pytest.approx(1.0)
+    assert expected_run_accept(0.8, 5, 200_000) == pytest.approx(expected_tokens(0.8, 5), rel=1e-4)
+    assert expected_run_accept(0.8, 5, 255) < expected_tokens(0.8, 5)  # the cut last round
+
+
+def test_matches_a_simulation():
+    """Pooled accept length of 20000 simulated 255-token runs (fixed seed). Its standard error is ~0.0016 tokens
+    (one 255-token run's accept length has a standard deviation of ~0.23), so the 0.01 tolerance is ~6 standard
+    errors: a false failure has probability below 1e-8."""
+    rng = random.Random(7)
+    tokens_total = rounds_total = 0
+    for _ in range(20000):
+        left = 255
+        while left:
+            a = 0
+            while a < 5 and rng.random() < 0.8:
+                a += 1
+            left -= min(a + 1, left)
+            rounds_total += 1
+        tokens_total += 255
+    assert tokens_total / rounds_total == pytest.approx(expected_run_accept(0.8, 5, 255), abs=0.01)
