@@ -132,6 +132,10 @@ class DecoderLayer(nn.Module):
         (None at layer 0). -> (this layer's MLP output, running sum before it): the layer's output is their sum,
         left unformed so that the next norm adds it in the same kernel."""
         h, residual = self.input_layernorm.add_norm(x, residual)
+        return self.forward_normed(h, residual, cos, sin, attn)
+
+    def forward_normed(self, h, residual, cos, sin, attn: AttentionFn):
+        """The layer after its input norm: h = input_layernorm(layer input), residual = the layer input."""
         h = self.self_attn(h, cos, sin, attn)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
@@ -173,14 +177,17 @@ class DecoderLM(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         captured, residual = [], None
         for i, layer in enumerate(self.model.layers):
+            # the input norm forms the layer's input (the running sum) anyway: a captured state costs no add
+            h, residual = layer.input_layernorm.add_norm(x, residual)
             if i in capture_layers:
-                captured.append(x if residual is None else x + residual)
-            x, residual = layer(x, residual, cos, sin, attn)
+                captured.append(residual)
+            x, residual = layer.forward_normed(h, residual, cos, sin, attn)
             if self.layer_hook is not None:
                 self.layer_hook(i + 1)
+        normed, total = self.model.norm.add_norm(x, residual)
         if len(self.model.layers) in capture_layers:
-            captured.append(x + residual)
-        return self.model.norm.add_norm(x, residual)[0], captured
+            captured.append(total)
+        return normed, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
