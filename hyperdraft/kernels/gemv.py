@@ -83,7 +83,7 @@ def _gemv_vec(X, W, Bias, Res, Out, N, K, HAS_BIAS: tl.constexpr, HAS_RES: tl.co
         out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)
     if HAS_RES:
         out = _add_residual(out, Res + cols, cols < N, Out.dtype.element_ty)
-    tl.store(Out + cols, out.to(Out.dtype.element_ty), mask=cols < N)
+    tl.store(Out + cols, out.to(X.dtype.element_ty).to(Out.dtype.element_ty), mask=cols < N)
 
 
 @jit
@@ -127,7 +127,7 @@ def _gemv_dot(X, W, Bias, Res, Out, M, N, K, stride_xm, stride_rm, stride_om, HA
     if HAS_RES:
         out = _add_residual(out, Res + rows[:, None] * stride_rm + cols[None, :],
                             (rows[:, None] < M) & (cols[None, :] < N), Out.dtype.element_ty)
-    tl.store(Out + rows[:, None] * stride_om + cols[None, :], out.to(Out.dtype.element_ty),
+    tl.store(Out + rows[:, None] * stride_om + cols[None, :], out.to(X.dtype.element_ty).to(Out.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
@@ -148,14 +148,16 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x: [..., K] with at most MAX_ROWS rows; weight: [N, K] contiguous -> x @ weight^T + bias (+ residual, [..., N]
-    in x's dtype, added in the same launch), [..., N]."""
+    in x's dtype, added in the same launch), [..., N]. The result is rounded to x's dtype, then stored as out_dtype
+    (float32 logits: `.float()` of the product without its own launch)."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     assert m <= MAX_ROWS and rows.stride(-1) == 1
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert residual is None or out_dtype in (None, x.dtype)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     b = bias if bias is not None else weight
     res = residual.reshape(m, n) if residual is not None else out  # a placeholder pointer when there is none
     assert res.stride(-1) == 1 and res.dtype == x.dtype
@@ -181,14 +183,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The CUDA product (+ residual): gemv for a few rows, cuBLAS (F.linear) otherwise."""
+                residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The CUDA product (+ residual, as out_dtype): gemv for a few rows, cuBLAS (F.linear) otherwise."""
     if gemv_fits(x, weight) and (residual is None or residual.dtype == x.dtype):
-        return gemv(x, weight, bias, residual)
-    return gemv_reference(x, weight, bias, residual)
+        return gemv(x, weight, bias, residual, out_dtype)
+    return gemv_reference(x, weight, bias, residual, out_dtype)
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     out = F.linear(x, weight, bias)
-    return out if residual is None else out + residual
+    out = out if residual is None else out + residual
+    return out if out_dtype is None else out.to(out_dtype)

@@ -48,13 +48,16 @@ def uses_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) (+ residual) for x [..., in]; the fast orientation when uses_skinny_path holds, and
-    on CUDA the few-row Triton GEMV (kernels/gemv.py), which adds the residual in the same launch."""
+                  residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) (+ residual, then cast to out_dtype) for x [..., in]; the fast orientation when
+    uses_skinny_path holds, and on CUDA the few-row Triton GEMV (kernels/gemv.py), which adds the residual and
+    stores out_dtype in the same launch."""
     if x.is_cuda:
-        return cuda_linear(x, weight, bias, residual)
-    if residual is not None:
-        return skinny_linear(x, weight, bias) + residual
+        return cuda_linear(x, weight, bias, residual, out_dtype)
+    if residual is not None or out_dtype is not None:
+        out = skinny_linear(x, weight, bias)
+        out = out if residual is None else out + residual
+        return out if out_dtype is None else out.to(out_dtype)
     if not uses_skinny_path(x, weight):
         return F.linear(x, weight, bias)
     flat = x.dim() == 2 and x.is_contiguous()
@@ -70,9 +73,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state-dict names) whose forward uses skinny_linear."""
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W^T + b, plus residual ([..., out]) when given."""
-        return skinny_linear(x, self.weight, self.bias, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W^T + b, plus residual ([..., out]) when given, cast to out_dtype when given."""
+        return skinny_linear(x, self.weight, self.bias, residual, out_dtype)
 
 
 @dataclass

@@ -190,4 +190,5 @@ class DecoderLM(nn.Module):
         return normed, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """fp32 logits of the lm_head's product in the model's dtype (as HF's `.float()`; on CUDA in one launch)."""
+        return self.lm_head(hidden, out_dtype=torch.float32)

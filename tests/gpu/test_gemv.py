@@ -68,6 +68,16 @@ def test_gemv_residual_equals_product_then_add(m, n, k, dtype):
     torch.testing.assert_close(cuda_linear(x, w, b, residual), fused, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemv_float32_output_equals_cast(m, dtype):
+    """fp32 logits straight from the kernel: bit-identical to the product in the input dtype, then `.float()`."""
+    x, w, _ = _inputs(m, 1000, 4096, dtype, seed=41 + m)
+    logits = _poisoned(gemv, x, w, None, None, torch.float32)
+    assert logits.dtype == torch.float32 and torch.equal(logits, gemv(x, w).float())
+    assert torch.equal(cuda_linear(x, w, out_dtype=torch.float32), logits)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [4096, 6144])  # on an H100, 6144 columns take the wide tile (WIDE_BLOCK_N)
 def test_gemv_rows_do_not_depend_on_the_batch(dtype, n):
