@@ -160,7 +160,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     b = bias if bias is not None else weight
     res = residual.reshape(m, n) if residual is not None else out  # a placeholder pointer when there is none
-    assert res.stride(-1) == 1 and res.dtype == x.dtype
+    assert residual is None or (res.stride(-1) == 1 and res.dtype == x.dtype)
     line = 128 // x.element_size()
     if m == 1:
         block_k = min(VEC_BLOCK_K, triton.next_power_of_2(k))
