@@ -57,8 +57,8 @@ def _weights_first(W, cols, N, K, BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL
 
 @jit
 def _add_residual(out, res_ptrs, mask, DTYPE: tl.constexpr):
-    """out + residual, rounded as eager torch rounds `F.linear(x, W) + residual`: the product to the output dtype
-    first, then the sum (bit-identical to the two launches it replaces)."""
+    """out + residual, rounded as eager torch rounds `F.linear(x, W) + residual`: the product to the activation
+    dtype first, then the sum (bit-identical to the two launches it replaces)."""
     return out.to(DTYPE).to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
@@ -82,7 +82,7 @@ def _gemv_vec(X, W, Bias, Res, Out, N, K, HAS_BIAS: tl.constexpr, HAS_RES: tl.co
     if HAS_BIAS:
         out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)
     if HAS_RES:
-        out = _add_residual(out, Res + cols, cols < N, Out.dtype.element_ty)
+        out = _add_residual(out, Res + cols, cols < N, X.dtype.element_ty)
     tl.store(Out + cols, out.to(X.dtype.element_ty).to(Out.dtype.element_ty), mask=cols < N)
 
 
@@ -126,7 +126,7 @@ def _gemv_dot(X, W, Bias, Res, Out, M, N, K, stride_xm, stride_rm, stride_om, HA
         out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if HAS_RES:
         out = _add_residual(out, Res + rows[:, None] * stride_rm + cols[None, :],
-                            (rows[:, None] < M) & (cols[None, :] < N), Out.dtype.element_ty)
+                            (rows[:, None] < M) & (cols[None, :] < N), X.dtype.element_ty)
     tl.store(Out + rows[:, None] * stride_om + cols[None, :], out.to(X.dtype.element_ty).to(Out.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 

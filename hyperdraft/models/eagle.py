@@ -162,10 +162,10 @@ class _Head(nn.Module):
     def _embed(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._part("embed_tokens")(input_ids).to(dtype)
 
-    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """-> logits [N, rows of lm_head] in the lm_head's dtype."""
+    def _lm_head(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """-> logits [N, rows of lm_head] in the lm_head's dtype (stored as out_dtype when given)."""
         lm = self._part("lm_head")
-        return lm(hidden.to(lm.weight.dtype))
+        return lm(hidden.to(lm.weight.dtype), out_dtype=out_dtype)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_table(positions, self.inv_freq, dtype)
@@ -198,7 +198,7 @@ class EagleHead(_Head):
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._lm_head(hidden).float()
+        return self._lm_head(hidden, out_dtype=torch.float32)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden)  # the head scores the whole target vocabulary
@@ -283,8 +283,7 @@ class Eagle3Head(_Head):
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, Vd] over the draft vocabulary (vocab_map says which target ids), or [N, V] fp32 when it is the
         target's own."""
-        logits = self._lm_head(self.norm(hidden))
-        return logits.float() if self.vocab_map is None else logits
+        return self._lm_head(self.norm(hidden), out_dtype=torch.float32 if self.vocab_map is None else None)
 
     def project_target_hidden(self, target_hidden: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """[T, 3*Ht] (or the 3 captured [T, Ht] states, ascending layer order) -> [T, H]."""
