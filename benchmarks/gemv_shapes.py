@@ -58,8 +58,8 @@ def time_swapped(n: int, k: int, rows: int, config, budget_bytes: float = 6e9) -
     def run():
         for w in weights:
             gemv_module._gemv_dot[(triton.cdiv(n, block_n),)](
-                x, w, w, out, out, out, out, rows, n, k, x.stride(0), out.stride(0), out.stride(0), 1, HAS_BIAS=False,
-                HAS_RES=False, ARGMAX=False, HAS_IDS=False, IEEE=False, SWAP=True,
+                x, w, w, out, out, rows, n, k, x.stride(0), out.stride(0), out.stride(0), HAS_BIAS=False,
+                HAS_RES=False, IEEE=False, SWAP=True,
                 EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, LINE=64,
                 num_warps=warps, num_stages=stages, **pdl)
 

@@ -256,9 +256,6 @@ class GraphRunner:
                     dst.copy_(src)
                 if out.logits_hidden is not None:
                     out.logits_hidden.copy_(fresh.logits_hidden)
-                if out.argmax_parts is not None:
-                    out.argmax_parts.vals.copy_(fresh.argmax_parts.vals)
-                    out.argmax_parts.idxs.copy_(fresh.argmax_parts.idxs)
         else:
             for segment in self.graphs[key]:
                 segment.replay()
@@ -267,8 +264,7 @@ class GraphRunner:
         rows = real if shape.one_logit else n
         return dataclasses.replace(out, logits=out.logits[:rows], hidden=out.hidden[:n],
                                    captured=[c[:n] for c in out.captured],
-                                   logits_hidden=None if out.logits_hidden is None else out.logits_hidden[:rows],
-                                   argmax_parts=None if out.argmax_parts is None else out.argmax_parts.rows(rows))
+                                   logits_hidden=None if out.logits_hidden is None else out.logits_hidden[:rows])
 
 
 def capture_segments(pool, device, run) -> tuple[list, object]:

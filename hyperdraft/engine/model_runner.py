@@ -13,7 +13,7 @@ import torch
 
 from hyperdraft.attention.base import make_attention_backend
 from hyperdraft.engine.forward_batch import ForwardBatch
-from hyperdraft.kernels.argmax import ArgmaxParts, argmax_rows
+from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
@@ -29,8 +29,6 @@ class ForwardOutput:
     # [N, H] the hidden rows the logits came from, when the model keeps them (an EAGLE head: its next draft step
     # feeds them, and a second gather of the same rows would cost a launch per round)
     logits_hidden: torch.Tensor | None = None
-    # each logits row's argmax in pieces, when the lm_head GEMV left them (greedy tokens then take one merge launch)
-    argmax_parts: ArgmaxParts | None = None
 
     def hidden_at_logits(self, logits_indices: torch.Tensor) -> torch.Tensor:
         """[N, H]: hidden[logits_indices], the rows the logits were computed from."""
@@ -42,8 +40,6 @@ class ForwardOutput:
 
     def greedy_tokens(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """argmax of target_logits() [N] int64, without building them under a draft vocabulary; into out if given."""
-        if self.argmax_parts is not None:  # already over the target ids under a draft vocabulary
-            return self.argmax_parts.merge(out)
         if self.vocab is not None:
             return self.vocab.argmax(self.logits, out)
         return argmax_rows(self.logits, out)
@@ -89,5 +85,5 @@ class ModelRunner(GraphedRunner):
             return self.backend.forward(layer_id, q, k, v, fb, meta)
 
         hidden, captured = self.model(fb.input_ids, fb.positions, attn, capture_layers)
-        logits, argmax_parts = self.model.logits_and_argmax(fb.logits_rows(hidden))
-        return ForwardOutput(logits, hidden, captured, argmax_parts=argmax_parts)
+        logits = self.model.compute_logits(fb.logits_rows(hidden))
+        return ForwardOutput(logits, hidden, captured)

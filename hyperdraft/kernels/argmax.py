@@ -8,15 +8,9 @@ NaN-free input is assumed (logits of a healthy model); torch would return a NaN'
 With column ids (an EAGLE-3 head's draft-to-target map) the answer is the maximal column's id, ties going to the
 smallest id: the argmax of the row spread over the target vocabulary (-inf elsewhere), without building that row.
 The result may go straight into a strided destination (a column of a draft round's token grid).
-
-Where the logits come from the few-row GEMV (kernels/gemv.gemv_argmax), stage 1 is already done: each GEMV program
-stores its own columns' max and first id (ArgmaxParts), and only the merge runs (draft steps and greedy verify save
-a launch and a pass over the logits).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +19,6 @@ from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 CHUNK = 4096
-MERGE_BLOCK = 4096  # tile pairs a merge step reads at once (a GEMV over a 128k vocabulary leaves 4-16k)
 
 
 @jit
@@ -48,49 +41,14 @@ def _chunk_argmax(X, ColumnIds, Vals, Idxs, stride_x, width, num_chunks, HAS_IDS
 
 @jit
 def _merge_argmax(Vals, Idxs, Out, stride_out, num_chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    """Row n's answer from its chunks' (max, first id) pairs, BLOCK_C chunks at a time (one block for the few
-    4096-wide chunks of argmax_kernel; a loop over the thousands of tiles a GEMV epilogue leaves, ArgmaxParts)."""
     pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
-    best = float("-inf")
-    first = 2147483647
-    for c0 in range(0, num_chunks, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        ok = c < num_chunks
-        vals = tl.load(Vals + n * num_chunks + c, mask=ok, other=float("-inf"))
-        idxs = tl.load(Idxs + n * num_chunks + c, mask=ok, other=2147483647)
-        block_best = tl.max(vals, axis=0)
-        block_first = tl.min(tl.where(vals == block_best, idxs, 2147483647), axis=0)
-        # a later block wins only with a larger value; an equal one contributes its smaller id
-        first = tl.where(block_best > best, block_first,
-                         tl.where(block_best == best, tl.minimum(first, block_first), first))
-        best = tl.maximum(best, block_best)
-    tl.store(Out + n * stride_out, first.to(tl.int64))
-
-
-@dataclass
-class ArgmaxParts:
-    """Each row's argmax, left in pieces by the GEMV that computed the logits (kernels/gemv.gemv_argmax): every
-    program of the product stored its columns' max and the smallest (column id of a) maximal column, so the answer
-    needs only the merge launch, not a second pass over the logits. Same answer as argmax_kernel on those logits."""
-
-    vals: torch.Tensor  # [N, P] float32: tile maxima of the stored logits (P = tiles of the product)
-    idxs: torch.Tensor  # [N, P] int32: the smallest column (or column id) reaching its tile's maximum
-
-    def rows(self, n: int) -> ArgmaxParts:
-        return ArgmaxParts(self.vals[:n], self.idxs[:n])
-
-    def merge(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """-> [N] int64 (into out, any stride, when given)."""
-        rows, num_parts = self.vals.shape
-        if out is None:
-            out = torch.empty(rows, dtype=torch.int64, device=self.vals.device)
-        assert out.shape == (rows,) and out.dtype == torch.int64
-        if rows:
-            block = min(triton.next_power_of_2(num_parts), MERGE_BLOCK)
-            _merge_argmax[(rows,)](self.vals, self.idxs, out, out.stride(0), num_parts, BLOCK_C=block,
-                                   num_warps=1 if block <= 256 else 8, **pdl_args(self.vals.device))
-        return out
+    c = tl.arange(0, BLOCK_C)
+    ok = c < num_chunks
+    vals = tl.load(Vals + n * num_chunks + c, mask=ok, other=float("-inf"))
+    idxs = tl.load(Idxs + n * num_chunks + c, mask=ok, other=2147483647)
+    best = tl.max(vals, axis=0)
+    tl.store(Out + n * stride_out, tl.min(tl.where(vals == best, idxs, 2147483647), axis=0).to(tl.int64))
 
 
 def argmax_kernel(x: torch.Tensor, column_ids: torch.Tensor | None = None,

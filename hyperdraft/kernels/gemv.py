@@ -11,9 +11,6 @@ compute-bound there). Measured on an 8B layer chain: benchmarks/results/pdl_chai
 Batch invariance within each kernel: a row's result depends only on that row (the dot kernel always pads to 16
 rows, so the tensor-core accumulation order is fixed), so a token gets bit-identical projections in any verify
 of 2..16 rows. The reference is F.linear (another summation order: equal up to rounding).
-
-For logits, gemv_argmax also leaves each row's argmax in pieces (kernels/argmax.ArgmaxParts): each program's
-columns' max and smallest maximal column, taken from the values exactly as stored.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 import hyperdraft.kernels as kernels
-from hyperdraft.kernels.argmax import ArgmaxParts
 from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
@@ -67,25 +63,7 @@ def _add_residual(out, res_ptrs, mask, DTYPE: tl.constexpr):
 
 
 @jit
-def _store_tile_argmax(v, rows, row_ok, cols, col_ok, ColumnIds, ArgVals, ArgIdxs, num_parts, HAS_IDS: tl.constexpr):
-    """v [R, BLOCK_N]: this program's logits as stored (fp32) -> per row, the tile's max and the smallest column
-    (or column id) reaching it, at part program_id of the row (kernels/argmax.ArgmaxParts)."""
-    v = tl.where(col_ok[None, :], v, float("-inf"))
-    best = tl.max(v, axis=1)
-    top = (v == best[:, None]) & col_ok[None, :]
-    if HAS_IDS:  # only the maximal columns' ids are read
-        ids = tl.load(ColumnIds + cols[None, :] + 0 * rows[:, None], mask=top & row_ok[:, None],
-                      other=2147483647).to(tl.int32)
-    else:
-        ids = cols[None, :] + 0 * rows[:, None]
-    part = rows.to(tl.int64) * num_parts + tl.program_id(0)
-    tl.store(ArgVals + part, best, mask=row_ok)
-    tl.store(ArgIdxs + part, tl.min(tl.where(top, ids, 2147483647), axis=1), mask=row_ok)
-
-
-@jit
-def _gemv_vec(X, W, Bias, Res, Out, ArgVals, ArgIdxs, ColumnIds, N, K, num_parts, HAS_BIAS: tl.constexpr,
-              HAS_RES: tl.constexpr, ARGMAX: tl.constexpr, HAS_IDS: tl.constexpr, EVEN: tl.constexpr,
+def _gemv_vec(X, W, Bias, Res, Out, N, K, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     _weights_first(W, cols, N, K, BLOCK_K, LINE, PDL)
@@ -105,18 +83,12 @@ def _gemv_vec(X, W, Bias, Res, Out, ArgVals, ArgIdxs, ColumnIds, N, K, num_parts
         out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)
     if HAS_RES:
         out = _add_residual(out, Res + cols, cols < N, X.dtype.element_ty)
-    out = out.to(X.dtype.element_ty).to(Out.dtype.element_ty)
-    tl.store(Out + cols, out, mask=cols < N)
-    if ARGMAX:
-        row = tl.arange(0, 1)
-        _store_tile_argmax(out.to(tl.float32)[None, :], row, row < 1, cols, cols < N, ColumnIds, ArgVals, ArgIdxs,
-                           num_parts, HAS_IDS)
+    tl.store(Out + cols, out.to(X.dtype.element_ty).to(Out.dtype.element_ty), mask=cols < N)
 
 
 @jit
-def _gemv_dot(X, W, Bias, Res, Out, ArgVals, ArgIdxs, ColumnIds, M, N, K, stride_xm, stride_rm, stride_om, num_parts,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ARGMAX: tl.constexpr, HAS_IDS: tl.constexpr,
-              EVEN: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemv_dot(X, W, Bias, Res, Out, M, N, K, stride_xm, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
+              HAS_RES: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """Out tile [16, BLOCK_N] = X [16, K] @ W tile^T, rows padded to 16; SWAP computes its transpose, W tile @ X^T
     ([BLOCK_N, 16]: the weight is then the MMA's wide operand), the same products in another tile order."""
@@ -155,11 +127,8 @@ def _gemv_dot(X, W, Bias, Res, Out, ArgVals, ArgIdxs, ColumnIds, M, N, K, stride
     if HAS_RES:
         out = _add_residual(out, Res + rows[:, None] * stride_rm + cols[None, :],
                             (rows[:, None] < M) & (cols[None, :] < N), X.dtype.element_ty)
-    out = out.to(X.dtype.element_ty).to(Out.dtype.element_ty)
-    tl.store(Out + rows[:, None] * stride_om + cols[None, :], out, mask=(rows[:, None] < M) & (cols[None, :] < N))
-    if ARGMAX:
-        _store_tile_argmax(out.to(tl.float32), rows, rows < M, cols, cols < N, ColumnIds, ArgVals, ArgIdxs, num_parts,
-                           HAS_IDS)
+    tl.store(Out + rows[:, None] * stride_om + cols[None, :], out.to(X.dtype.element_ty).to(Out.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @functools.cache
@@ -183,21 +152,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """x: [..., K] with at most MAX_ROWS rows; weight: [N, K] contiguous -> x @ weight^T + bias (+ residual, [..., N]
     in x's dtype, added in the same launch), [..., N]. The result is rounded to x's dtype, then stored as out_dtype
     (float32 logits: `.float()` of the product without its own launch)."""
-    return _launch(x, weight, bias, residual, out_dtype, argmax=False, column_ids=None)[0]
-
-
-def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-                column_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ArgmaxParts]:
-    """gemv(x, weight, out_dtype=out_dtype) for logits, plus each row's argmax in pieces (ArgmaxParts): every
-    program also stores its columns' max and the smallest maximal column (or its id in column_ids [N], distinct
-    ints: a draft-to-target vocabulary map), so greedy decoding costs one merge launch instead of a pass over the
-    logits and a merge. x must be 2-d."""
-    assert x.dim() == 2 and (column_ids is None or column_ids.shape == (weight.shape[0],))
-    out, parts = _launch(x, weight, None, None, out_dtype, argmax=True, column_ids=column_ids)
-    return out, parts
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias, residual, out_dtype, argmax: bool, column_ids):
     n, k = weight.shape
     rows = x.reshape(-1, k)
     m = rows.shape[0]
@@ -209,7 +163,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias, residual, out_dtype, ar
     assert residual is None or (res.stride(-1) == 1 and res.dtype == x.dtype)
     line = 128 // x.element_size()
     if m == 1:
-        block_n, block_k = VEC_BLOCK_N, min(VEC_BLOCK_K, triton.next_power_of_2(k))
+        block_k = min(VEC_BLOCK_K, triton.next_power_of_2(k))
+        _gemv_vec[(triton.cdiv(n, VEC_BLOCK_N),)](
+            rows, weight, b, res, out, n, k, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+            EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N, BLOCK_K=block_k,
+            LINE=min(block_k, line), num_warps=VEC_WARPS, num_stages=3, **pdl_args(x.device))
     else:
         sms = _num_sms(x.device)
         wide = sms < triton.cdiv(n, DOT_BLOCK_N) < 2 * sms  # a function of the weight only: batch invariance holds
@@ -217,22 +175,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias, residual, out_dtype, ar
             DOT_BLOCK_N, DOT_BLOCK_K, DOT_STAGES)
         # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps the stages in 228 KB
         block_k = min(block_k // x.element_size() * 2, max(16, triton.next_power_of_2(k)))
-    num_parts = triton.cdiv(n, block_n)
-    parts = ArgmaxParts(torch.empty(m, num_parts, dtype=torch.float32, device=x.device),
-                        torch.empty(m, num_parts, dtype=torch.int32, device=x.device)) if argmax else None
-    arg_vals, arg_idxs = (parts.vals, parts.idxs) if argmax else (out, out)  # placeholders when unused
-    ids = column_ids if column_ids is not None else out
-    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, ARGMAX=argmax, HAS_IDS=column_ids is not None,
-                 EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-                 LINE=min(block_k, line), **pdl_args(x.device))
-    if m == 1:
-        _gemv_vec[(num_parts,)](rows, weight, b, res, out, arg_vals, arg_idxs, ids, n, k, num_parts, **flags,
-                                num_warps=VEC_WARPS, num_stages=3)
-    else:
-        _gemv_dot[(num_parts,)](rows, weight, b, res, out, arg_vals, arg_idxs, ids, m, n, k, rows.stride(0),
-                                res.stride(0), out.stride(0), num_parts, IEEE=x.dtype == torch.float32, SWAP=wide,
-                                **flags, num_warps=DOT_WARPS, num_stages=stages)
-    return out.view(*x.shape[:-1], n), parts
+        _gemv_dot[(triton.cdiv(n, block_n),)](
+            rows, weight, b, res, out, m, n, k, rows.stride(0), res.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, SWAP=wide, EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n,
+            BLOCK_K=block_k, LINE=min(block_k, line), num_warps=DOT_WARPS, num_stages=stages, **pdl_args(x.device))
+    return out.view(*x.shape[:-1], n)
 
 
 def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperdraft.kernels.argmax import ArgmaxParts
-from hyperdraft.kernels.gemv import cuda_linear, gemv_argmax, gemv_fits
+from hyperdraft.kernels.gemv import cuda_linear
 
 # Up to this many rows, `W @ x^T` beats F.linear (by 1.2-3x at 2..8 rows, 1.2-1.4x at 9..11); from 12 rows on MKL
 # picks the same kernel for both.
@@ -78,14 +77,6 @@ class Linear(nn.Linear):
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T + b, plus residual ([..., out]) when given, cast to out_dtype when given."""
         return skinny_linear(x, self.weight, self.bias, residual, out_dtype)
-
-    def forward_argmax(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
-                       column_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ArgmaxParts | None]:
-        """forward(x, out_dtype=out_dtype) for logits [N, out], plus the rows' argmax in pieces when the CUDA GEMV
-        computed them (column_ids: the id of each output column, for a draft vocabulary), else None."""
-        if self.bias is None and x.dim() == 2 and gemv_fits(x, self.weight):
-            return gemv_argmax(x, self.weight, out_dtype, column_ids)
-        return self.forward(x, out_dtype=out_dtype), None
 
 
 @dataclass

@@ -18,7 +18,6 @@ from torch import nn
 
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
-from hyperdraft.kernels.argmax import ArgmaxParts
 from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
 from hyperdraft.kernels.rope import apply_rope, apply_rope_reference, rope_table
 from hyperdraft.models.config import ModelConfig
@@ -193,7 +192,3 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the lm_head's product in the model's dtype (as HF's `.float()`; on CUDA in one launch)."""
         return self.lm_head(hidden, out_dtype=torch.float32)
-
-    def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ArgmaxParts | None]:
-        """compute_logits(hidden), plus the rows' argmax in pieces where the lm_head GEMV leaves them (CUDA)."""
-        return self.lm_head.forward_argmax(hidden, out_dtype=torch.float32)

@@ -49,7 +49,6 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from hyperdraft.kernels.argmax import ArgmaxParts
 from hyperdraft.models.config import ModelConfig, model_config_from_dict
 from hyperdraft.models.decoder import MLP, AttentionFn, Attention, DecoderLayer, DecoderLM, IdentityNorm, RMSNorm, rope_inv_freq
 from hyperdraft.models.cpu_linear import Linear, fuse_projections
@@ -168,12 +167,6 @@ class _Head(nn.Module):
         lm = self._part("lm_head")
         return lm(hidden.to(lm.weight.dtype), out_dtype=out_dtype)
 
-    def _lm_head_argmax(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None,
-                        column_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ArgmaxParts | None]:
-        """_lm_head, plus the rows' argmax in pieces where the GEMV leaves them (Linear.forward_argmax)."""
-        lm = self._part("lm_head")
-        return lm.forward_argmax(hidden.to(lm.weight.dtype), out_dtype=out_dtype, column_ids=column_ids)
-
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_table(positions, self.inv_freq, dtype)
 
@@ -209,9 +202,6 @@ class EagleHead(_Head):
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden)  # the head scores the whole target vocabulary
-
-    def draft_logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ArgmaxParts | None]:
-        return self._lm_head_argmax(hidden, torch.float32)
 
     def project_target_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
         self._check_hidden(target_hidden)  # the target's final normed hidden; fc runs inside forward
@@ -294,12 +284,6 @@ class Eagle3Head(_Head):
         """[N, Vd] over the draft vocabulary (vocab_map says which target ids), or [N, V] fp32 when it is the
         target's own."""
         return self._lm_head(self.norm(hidden), out_dtype=torch.float32 if self.vocab_map is None else None)
-
-    def draft_logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ArgmaxParts | None]:
-        """compute_draft_logits, plus the rows' argmax in pieces (as target ids under the vocabulary map)."""
-        vocab_map = self.vocab_map
-        return self._lm_head_argmax(self.norm(hidden), torch.float32 if vocab_map is None else None,
-                                    None if vocab_map is None else vocab_map.draft_to_target)
 
     def project_target_hidden(self, target_hidden: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """[T, 3*Ht] (or the 3 captured [T, Ht] states, ascending layer order) -> [T, H]."""

@@ -53,8 +53,7 @@ class HeadRunner(GraphedRunner):
         g = self.model(fb.input_ids, fb.positions, fb.input_hidden,
                        lambda i, q, k, v: self.backend.forward(i, q, k, v, fb, meta))
         rows = fb.logits_rows(g)
-        logits, argmax_parts = self.model.draft_logits_and_argmax(rows)
-        return ForwardOutput(logits, g, [], self.model.vocab_map, rows, argmax_parts)
+        return ForwardOutput(self.model.compute_draft_logits(rows), g, [], self.model.vocab_map, rows)
 
 
 class EagleProposer(DraftRounds):

@@ -19,7 +19,7 @@ import torch
 from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch, leading_tail_mask
 from hyperdraft.engine.graph_runner import GraphShape
 from hyperdraft.engine.host_copy import to_device, to_device_many
-from hyperdraft.kernels.argmax import ArgmaxParts, argmax_rows
+from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.engine.model_runner import ModelRunner
 from hyperdraft.engine.model_worker import ResultsCopy, forward_input, results_stream
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
@@ -91,8 +91,7 @@ class SpecWorker:
         num_verify_rows = round_.num_rows if round_ else 0
         with self.timer.phase("accept_commit"):
             if round_ is not None:  # what the next round needs: accept counts, tokens, the drafter's hidden states
-                parts = out.argmax_parts.rows(num_verify_rows) if out.argmax_parts is not None else None
-                round_.accept(out.logits[:num_verify_rows], target_hidden, parts)
+                round_.accept(out.logits[:num_verify_rows], target_hidden)
         sampling_prefills = [it.req for it in prefills if it.samples]
         prefill_pieces = []
         if sampling_prefills:
@@ -151,13 +150,6 @@ def _last_token(req) -> int:
     return req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
 
 
-def _greedy_targets(logits: torch.Tensor, argmax_parts: ArgmaxParts | None, bsz: int) -> torch.Tensor:
-    """[B, rows per request] argmax of every verify row: from the lm_head's pieces when they cover these very logits
-    (no penalty rewrote them, no row was moved), else a pass over the logits."""
-    fits = argmax_parts is not None and argmax_parts.vals.shape[0] == logits.shape[0]
-    return (argmax_parts.merge() if fits else argmax_rows(logits)).view(bsz, -1)
-
-
 class ChainRound:
     """Drafts form a chain; verify rows are [last, d_0 .. d_{len-1}] per request (lengths may differ)."""
 
@@ -196,9 +188,7 @@ class ChainRound:
     def tail_mask(self, extend_lens: list[int]):
         return None  # chains are causal
 
-    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None,
-               argmax_parts: ArgmaxParts | None = None) -> None:
-        """argmax_parts: the verify rows' argmax in pieces (ForwardOutput.argmax_parts), if the lm_head left them."""
+    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
         bsz, k = len(self.reqs), self.proposal.max_len
         grid = verify_logits  # [B*(K+1), V]
         if not self.dense:  # rows past a request's drafts stay unused
@@ -209,7 +199,7 @@ class ChainRound:
         greedy = self.sb.all_greedy and self.proposal.q is None
         sbv = self.sb.for_verify(self.proposal.tokens) if not greedy or self.sb.penalties is not None else None
         logits = penalised_logits(grid, sbv) if sbv is not None else grid
-        target = _greedy_targets(logits, argmax_parts if logits is verify_logits else None, bsz) if greedy else None
+        target = argmax_rows(logits).view(bsz, k + 1) if greedy else None
         p = None if greedy else probs_from_logits(logits, sbv).view(bsz, k + 1, -1)
         draft, lens, alpha = self.proposal.tokens, self.lens, self.w.simulate_accept_rate
         if alpha is not None:  # benchmark-only, lossy (see spec/simulated.py)
@@ -276,8 +266,7 @@ class TreeRound:
     def positions(self) -> torch.Tensor:
         return (self.base[:, None] + self.tree.depth).flatten()
 
-    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None,
-               argmax_parts: ArgmaxParts | None = None) -> None:
+    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
         bsz, n = len(self.reqs), self.n
         sampled = self.proposal.q is not None  # children drawn from q without replacement (tree_sampled.py)
         greedy = self.sb.all_greedy and not sampled  # p one-hot at each node's argmax: verify from the argmax tokens
@@ -285,7 +274,7 @@ class TreeRound:
         if not greedy or self.sb.penalties is not None:
             sbt = self.sb.for_tree(self.tree.tokens, self.tree.mask, self.tree.depth)
         logits = penalised_logits(verify_logits, sbt) if sbt is not None else verify_logits
-        target = _greedy_targets(logits, argmax_parts if logits is verify_logits else None, bsz) if greedy else None
+        target = argmax_rows(logits).view(bsz, n) if greedy else None
         p = None if greedy else probs_from_logits(logits, sbt).view(bsz, n, -1)
         alpha = self.w.simulate_accept_rate
         if alpha is not None:  # benchmark-only, lossy (see spec/simulated.py)
