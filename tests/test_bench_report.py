@@ -34,3 +34,15 @@ def test_matches_a_simulation():
             rounds_total += 1
         tokens_total += 255
     assert tokens_total / rounds_total == pytest.approx(expected_run_accept(0.8, 5, 255), abs=0.01)
+
+
+def test_accept_draws_replay_the_gpu_runs_draws():
+    """benchmarks/accept_draws.py replays gpu_bench's request order on the CPU: its draws for the batch-1 rows at
+    alpha 0.8 are the accept lengths the H100 run measured (benchmarks/results/gpu_bench_h100.md: chain 5 3.58,
+    chain 3 2.88, both 24 runs). Deterministic: the coins are a function of seed and position only."""
+    from benchmarks.accept_draws import bench_seeds, pooled_accept
+
+    seeds = bench_seeds((1, 8, 32))[(0.8, 1)]
+    assert len(seeds) == 24
+    assert round(pooled_accept(seeds, 0.8, 5, 512, 256), 2) == 3.58
+    assert round(pooled_accept(seeds, 0.8, 3, 512, 256), 2) == 2.88
