@@ -122,13 +122,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--profile", action="store_true",
+                    help="then cProfile as many more rounds: where the host's time per round goes (round_profile.txt)")
     a = ap.parse_args()
     target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=a.steps,
                 speculative_eagle_topk=1, speculative_num_draft_tokens=a.steps + 1,
                 speculative_simulate_accept_rate=0.8)
     engine, _ = make_engine(target, "cuda", 8, spec, 8 * 4096)
-    params = SamplingParams(temperature=0.0, max_new_tokens=(a.rounds + 30) * (a.steps + 1), ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=((1 + a.profile) * a.rounds + 30) * (a.steps + 1),
+                            ignore_eos=True)
     req = engine.add_request(input_ids=torch.randint(10, 120000, (512,)).tolist(), params=params)
     for _ in range(20):
         engine.step()
@@ -138,6 +141,7 @@ def main() -> None:
     for _ in range(a.rounds):
         engine.step()
     torch.cuda.synchronize()
+    profile = host_profile(engine, a.rounds) if a.profile else ""
     engine.abort(req.rid)
     med = spans(marks)
     lines = [f"chain {a.steps}, batch 1, {a.rounds} rounds: median us per round (CUDA events)"]
@@ -150,6 +154,31 @@ def main() -> None:
     with open(os.path.join(os.environ.get("OUT", "."), f"round_timeline{os.environ.get('PROFILE_TAG', '')}.txt"),
               "w") as f:
         f.write(text + "\n")
+    if profile:
+        print(profile)
+        with open(os.path.join(os.environ.get("OUT", "."), "round_profile.txt"), "w") as f:
+            f.write(profile + "\n")
+
+
+def host_profile(engine, rounds: int, top: int = 40) -> str:
+    """cProfile of `rounds` engine steps: host functions by cumulative, then own, time (the CUDA-event marks stay
+    installed; their cost is a few us per round)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(rounds):
+        engine.step()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    out.write(f"host profile of {rounds} rounds (divide by it for per-round times)\n")
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 if __name__ == "__main__":
