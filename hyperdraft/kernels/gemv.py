@@ -177,8 +177,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         block_k = min(block_k // x.element_size() * 2, max(16, triton.next_power_of_2(k)))
         _gemv_dot[(triton.cdiv(n, block_n),)](
             rows, weight, b, res, out, m, n, k, rows.stride(0), res.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, SWAP=wide, EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n,
-            BLOCK_K=block_k, LINE=min(block_k, line), num_warps=DOT_WARPS, num_stages=stages, **pdl_args(x.device))
+            HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, SWAP=wide,
+            EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, line),
+            num_warps=DOT_WARPS, num_stages=stages, **pdl_args(x.device))
     return out.view(*x.shape[:-1], n)
 
 
@@ -192,6 +193,10 @@ def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    out = F.linear(x, weight, bias)
+    return finish_product(F.linear(x, weight, bias), residual, out_dtype)
+
+
+def finish_product(out: torch.Tensor, residual: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """An eager product's epilogue, as the kernels fuse it: + residual (in the product's dtype), then as out_dtype."""
     out = out if residual is None else out + residual
     return out if out_dtype is None else out.to(out_dtype)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperdraft.kernels.gemv import cuda_linear
+from hyperdraft.kernels.gemv import cuda_linear, finish_product
 
 # Up to this many rows, `W @ x^T` beats F.linear (by 1.2-3x at 2..8 rows, 1.2-1.4x at 9..11); from 12 rows on MKL
 # picks the same kernel for both.
@@ -55,9 +55,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.is_cuda:
         return cuda_linear(x, weight, bias, residual, out_dtype)
     if residual is not None or out_dtype is not None:
-        out = skinny_linear(x, weight, bias)
-        out = out if residual is None else out + residual
-        return out if out_dtype is None else out.to(out_dtype)
+        return finish_product(skinny_linear(x, weight, bias), residual, out_dtype)
     if not uses_skinny_path(x, weight):
         return F.linear(x, weight, bias)
     flat = x.dim() == 2 and x.is_contiguous()

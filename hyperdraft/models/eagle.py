@@ -283,7 +283,7 @@ class Eagle3Head(_Head):
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, Vd] over the draft vocabulary (vocab_map says which target ids), or [N, V] fp32 when it is the
         target's own."""
-        return self._lm_head(self.norm(hidden), out_dtype=torch.float32 if self.vocab_map is None else None)
+        return self._lm_head(self.norm(hidden), out_dtype=torch.float32 if self.identity_vocab else None)
 
     def project_target_hidden(self, target_hidden: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """[T, 3*Ht] (or the 3 captured [T, Ht] states, ascending layer order) -> [T, H]."""
