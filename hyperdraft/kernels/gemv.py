@@ -1,20 +1,25 @@
-"""x @ W^T (+ bias, + a residual) for a few rows (decode, verify: M <= 16 tokens) as weight-streaming Triton kernels.
+"""x @ W^T (+ bias, + a residual) for a few rows (decode, verify: M <= 16 tokens) as weight-streaming kernels.
 
 At a handful of rows a projection only reads W once, so its time is W's bytes over the memory bandwidth. cuBLAS
 streams the small projections of an 8B decoder at 68-80% of the copy bandwidth on an H100, and every product
 boundary drains the GPU. Here each program owns a few output columns and walks K in long steps (tens of KB of
 weights in flight per program, hundreds of programs); before waiting on the previous kernel (kernels/pdl.py) it
 asks L2 for its first weight tile, so the weight stream does not stop between kernels. One row runs on CUDA
-cores (`_gemv_vec`); 2..16 rows on tensor cores over the rows padded to 16 (`_gemv_dot`: per-row FMAs would be
-compute-bound there). Measured on an 8B layer chain: benchmarks/results/pdl_chain_h100.md.
+cores (`_gemv_vec`); 2..16 rows on tensor cores (per-row FMAs would be compute-bound there): `gemv_mma.cu` where
+it fits (bf16/fp16, K a multiple of 1024, 16-column weight blocks, a GPU it was measured on; its weight operands go
+from global memory straight into MMA registers, 2-3% faster than `_gemv_dot` on an 8B layer's shapes,
+benchmarks/results/gemv_shapes_h100.md), else `_gemv_dot` over the rows padded to 16 (cp.async tiles in shared
+memory). Measured on an 8B layer chain: benchmarks/results/pdl_chain_h100.md.
 
-Batch invariance within each kernel: a row's result depends only on that row (the dot kernel always pads to 16
-rows, so the tensor-core accumulation order is fixed), so a token gets bit-identical projections in any verify
-of 2..16 rows. The reference is F.linear (another summation order: equal up to rounding).
+Batch invariance within each kernel: a row's result depends only on that row (the MMA forms each output from its
+own weight row and x row; the dot kernel always pads to 16 rows, so its accumulation order is fixed), and which
+kernel runs depends on the weight, not the row count, so a token gets bit-identical projections in any verify of
+2..16 rows. The reference is F.linear (another summation order: equal up to rounding).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -22,10 +27,12 @@ import torch
 import torch.nn.functional as F
 
 import hyperdraft.kernels as kernels
+from hyperdraft.kernels import cuda_kernels
 from hyperdraft.kernels._triton import jit, tl, triton
-from hyperdraft.kernels.pdl import pdl_args, pdl_wait
+from hyperdraft.kernels.pdl import pdl_args, pdl_enabled, pdl_wait
 
 MAX_ROWS = 16
+MMA_K_MULTIPLE = 1024  # gemv_mma.cu: 4 warps split K, each in batches of 8 chunks of 32
 # One row: a vector kernel, 8 output columns x 2048-wide K steps per program (CUDA-core FMAs keep up with the
 # weight stream at one row, not at several). 2..16 rows: a tensor-core kernel over the rows padded to 16.
 VEC_BLOCK_N, VEC_BLOCK_K, VEC_WARPS = 8, 2048, 8
@@ -168,6 +175,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             rows, weight, b, res, out, n, k, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
             EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N, BLOCK_K=block_k,
             LINE=min(block_k, line), num_warps=VEC_WARPS, num_stages=3, **pdl_args(x.device))
+    elif mma_fits(rows, weight, bias, res):
+        _launch_mma(rows, weight, bias, residual is not None, res, out)
     else:
         sms = _num_sms(x.device)
         wide = sms < triton.cdiv(n, DOT_BLOCK_N) < 2 * sms  # a function of the weight only: batch invariance holds
@@ -181,6 +190,29 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, line),
             num_warps=DOT_WARPS, num_stages=stages, **pdl_args(x.device))
     return out.view(*x.shape[:-1], n)
+
+
+def mma_fits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res: torch.Tensor) -> bool:
+    """Whether gemv_mma.cu (kernels/cuda_kernels.py) runs this product of 2..16 rows: bf16/fp16, 16-column weight
+    blocks, K in whole K splits, 16-byte aligned rows; else the Triton tensor-core kernel does. The conditions
+    depend on the weight (and alignment) only, never on the row count, so a token gets the same kernel in any verify."""
+    n, k = weight.shape
+    return (rows.dtype in (torch.bfloat16, torch.float16) and n % 16 == 0 and k % MMA_K_MULTIPLE == 0
+            and rows.stride(0) % 8 == 0 and rows.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and (bias is None or bias.stride(0) == 1) and cuda_kernels.module(rows.device) is not None)
+
+
+def _launch_mma(rows, weight, bias, has_res: bool, res, out) -> None:
+    m, k = rows.shape
+    n = weight.shape[0]
+    pdl = pdl_enabled(rows.device)
+    flags = (bias is not None) | (has_res << 1) | ((out.dtype != rows.dtype) << 2) | (pdl << 3)
+    name = f"gemv_mma_{'bf16' if rows.dtype == torch.bfloat16 else 'f16'}_rows{8 if m <= 8 else 16}"
+    ptr = ctypes.c_void_p
+    args = [ptr(rows.data_ptr()), ptr(weight.data_ptr()), ptr((bias if bias is not None else weight).data_ptr()),
+            ptr(res.data_ptr()), ptr(out.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(rows.stride(0)),
+            ctypes.c_int(res.stride(0)), ctypes.c_int(out.stride(0)), ctypes.c_int(flags)]
+    cuda_kernels.module(rows.device).launch(name, n // 16, 128, args, torch.cuda.current_stream(rows.device), pdl)
 
 
 def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

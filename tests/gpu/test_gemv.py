@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import hyperdraft.kernels.gemv as gemv_module
-from hyperdraft.kernels import pdl
+from hyperdraft.kernels import cuda_kernels, pdl
 from hyperdraft.kernels.activation import silu_mul
 from hyperdraft.kernels.gemv import MAX_ROWS, cuda_linear, gemv, gemv_reference
 from hyperdraft.kernels.norm import rms_norm
@@ -69,10 +69,11 @@ def test_gemv_residual_equals_product_then_add(m, n, k, dtype):
 
 
 @pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("n", [1000, 1024])  # 1024 columns: gemv_mma.cu at six rows in bf16/fp16
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gemv_float32_output_equals_cast(m, dtype):
+def test_gemv_float32_output_equals_cast(m, n, dtype):
     """fp32 logits straight from the kernel: bit-identical to the product in the input dtype, then `.float()`."""
-    x, w, _ = _inputs(m, 1000, 4096, dtype, seed=41 + m)
+    x, w, _ = _inputs(m, n, 4096, dtype, seed=41 + m)
     logits = _poisoned(gemv, x, w, None, None, torch.float32)
     assert logits.dtype == torch.float32 and torch.equal(logits, gemv(x, w).float())
     assert torch.equal(cuda_linear(x, w, out_dtype=torch.float32), logits)
@@ -90,6 +91,49 @@ def test_gemv_rows_do_not_depend_on_the_batch(dtype, n):
     strided = torch.randn(3, 2 * 4096, device=DEVICE, dtype=dtype)[:, :4096]  # rows with a stride
     assert torch.equal(gemv(strided, w), gemv(strided.contiguous(), w))
     assert torch.equal(gemv(strided[:1], w), gemv(strided[:1].contiguous(), w))
+
+
+MEASURED = torch.cuda.is_available() and torch.cuda.get_device_capability() in cuda_kernels.MEASURED_ARCHS
+
+
+@pytest.mark.skipif(not MEASURED, reason="gemv_mma.cu runs only on the GPUs it was measured on (Triton elsewhere)")
+def test_mma_kernel_serves_an_8b_layers_few_row_products():
+    """On the measured GPUs (with nvcc) the CUDA kernel is the one that runs 2..16 rows of every 8B-layer and
+    EAGLE-3-head shape, bf16 and fp16; fp32, ragged shapes and misaligned rows keep the Triton kernel."""
+    assert cuda_kernels.module(torch.device(DEVICE)) is not None, "nvcc build or cubin load failed (see the log)"
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (6144, 8192),
+                 (4096, 12288), (32000, 4096)]:
+        w = torch.empty(n, k, device=DEVICE, dtype=torch.bfloat16)
+        for m in (2, 6, 16):
+            x = torch.empty(m, k, device=DEVICE, dtype=torch.bfloat16)
+            assert gemv_module.mma_fits(x, w, None, x), (n, k, m)
+    w = torch.empty(1000, 4096, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.empty(6, 4096, device=DEVICE, dtype=torch.bfloat16)
+    assert not gemv_module.mma_fits(x, w, None, x)  # 1000 columns: not whole 16-column blocks
+    w32 = torch.empty(4096, 4096, device=DEVICE)
+    assert not gemv_module.mma_fits(x.float(), w32, None, x.float())
+    misaligned = torch.empty(6, 4097, device=DEVICE, dtype=torch.bfloat16)[:, 1:]
+    assert not gemv_module.mma_fits(misaligned, torch.empty(1024, 4096, device=DEVICE, dtype=torch.bfloat16), None, x)
+
+
+@pytest.mark.skipif(not MEASURED, reason="gemv_mma.cu runs only on the GPUs it was measured on (Triton elsewhere)")
+@pytest.mark.parametrize("m", [2, 6, 9, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mma_kernel_and_triton_fallback_agree(monkeypatch, m, dtype):
+    """gemv_mma.cu (bias, residual, fp32 output) against the Triton tensor-core kernel it replaces and against
+    float64: the same products up to the summation order; the residual epilogue rounds like the Triton one."""
+    x, w, b = _inputs(m, 2048, 3072, dtype, seed=11 * m, bias=True)
+    residual = torch.randn(m, 2048, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    fast = _poisoned(gemv, x, w, b, residual)
+    fast_logits = _poisoned(gemv, x, w, b, None, torch.float32)
+    monkeypatch.setattr(cuda_kernels, "module", lambda device: None)
+    assert not gemv_module.mma_fits(x, w, b, x)
+    slow = gemv(x, w, b, residual)
+    ref = gemv_reference(x.double(), w.double(), b.double(), residual.double())
+    assert not fast.isnan().any() and not fast_logits.isnan().any()
+    torch.testing.assert_close(fast.double(), ref, **TOL[dtype])
+    torch.testing.assert_close(fast.float(), slow.float(), **TOL[dtype])
+    assert torch.equal(fast, (fast_logits.to(dtype) + residual))  # the product rounds to dtype before the residual
 
 
 def test_cuda_linear_dispatch():
