@@ -13,6 +13,8 @@ only torch.
 - uniform.py, argmax.py: counter-based uniforms (bit-identical to sample/rng.py), row argmax over a vocabulary
 - logprob.py: chosen tokens' log-probabilities (one log-sum-exp per row)
 - gemv.py: projections of at most 16 rows, streaming the weights; pdl.py: programmatic dependent launch
+- gemv_mma.cu (CUDA C, built with nvcc and launched by cuda_kernels.py): gemv.py's 2..16-row tensor-core kernel
+  where it fits, its weight operands loaded straight into MMA registers (Triton's layouts cannot say that)
 - draft_plan.py: a draft round's bookkeeping (catch-up batch and step plan, draft-ahead packing, chain accept)
 """
 

@@ -47,6 +47,7 @@ class CudaModule:
     """One cubin loaded into the device's primary context (the one torch uses)."""
 
     def __init__(self, cubin: bytes, device: torch.device):
+        self.index = device.index
         self.driver = ctypes.CDLL("libcuda.so.1")
         with torch.cuda.device(device):
             torch.cuda.init()
@@ -66,7 +67,11 @@ class CudaModule:
         cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, 0, stream.cuda_stream,
                             ctypes.pointer(self.pdl_attr) if pdl else None, int(pdl))
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
-        _check(self.driver.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), f"launch {name}")
+        if torch.cuda.current_device() == self.index:
+            _check(self.driver.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), f"launch {name}")
+        else:  # the driver launches in the current context: make it this device's (torch's primary context)
+            with torch.cuda.device(self.index):
+                _check(self.driver.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), f"launch {name}")
 
 
 def _check(rc: int, what: str) -> None:

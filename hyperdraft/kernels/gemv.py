@@ -34,7 +34,8 @@ from hyperdraft.kernels.pdl import pdl_args, pdl_enabled, pdl_wait
 MAX_ROWS = 16
 MMA_K_MULTIPLE = 1024  # gemv_mma.cu: 4 warps split K, each in batches of 8 chunks of 32
 # One row: a vector kernel, 8 output columns x 2048-wide K steps per program (CUDA-core FMAs keep up with the
-# weight stream at one row, not at several). 2..16 rows: a tensor-core kernel over the rows padded to 16.
+# weight stream at one row, not at several). 2..16 rows: tensor cores, gemv_mma.cu or else (below) a Triton kernel
+# over the rows padded to 16.
 VEC_BLOCK_N, VEC_BLOCK_K, VEC_WARPS = 8, 2048, 8
 DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 6
 # Where 32-column tiles make between one and two waves of programs, the second wave runs mostly empty: wider tiles
@@ -175,7 +176,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             rows, weight, b, res, out, n, k, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
             EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N, BLOCK_K=block_k,
             LINE=min(block_k, line), num_warps=VEC_WARPS, num_stages=3, **pdl_args(x.device))
-    elif mma_fits(rows, weight, bias, res):
+    elif mma_fits(rows, weight, bias):
         _launch_mma(rows, weight, bias, residual is not None, res, out)
     else:
         sms = _num_sms(x.device)
@@ -192,7 +193,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out.view(*x.shape[:-1], n)
 
 
-def mma_fits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res: torch.Tensor) -> bool:
+def mma_fits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether gemv_mma.cu (kernels/cuda_kernels.py) runs this product of 2..16 rows: bf16/fp16, 16-column weight
     blocks, K in whole K splits, 16-byte aligned rows; else the Triton tensor-core kernel does. The conditions
     depend on the weight (and alignment) only, never on the row count, so a token gets the same kernel in any verify."""

@@ -106,14 +106,14 @@ def test_mma_kernel_serves_an_8b_layers_few_row_products():
         w = torch.empty(n, k, device=DEVICE, dtype=torch.bfloat16)
         for m in (2, 6, 16):
             x = torch.empty(m, k, device=DEVICE, dtype=torch.bfloat16)
-            assert gemv_module.mma_fits(x, w, None, x), (n, k, m)
+            assert gemv_module.mma_fits(x, w, None), (n, k, m)
     w = torch.empty(1000, 4096, device=DEVICE, dtype=torch.bfloat16)
     x = torch.empty(6, 4096, device=DEVICE, dtype=torch.bfloat16)
-    assert not gemv_module.mma_fits(x, w, None, x)  # 1000 columns: not whole 16-column blocks
+    assert not gemv_module.mma_fits(x, w, None)  # 1000 columns: not whole 16-column blocks
     w32 = torch.empty(4096, 4096, device=DEVICE)
-    assert not gemv_module.mma_fits(x.float(), w32, None, x.float())
+    assert not gemv_module.mma_fits(x.float(), w32, None)
     misaligned = torch.empty(6, 4097, device=DEVICE, dtype=torch.bfloat16)[:, 1:]
-    assert not gemv_module.mma_fits(misaligned, torch.empty(1024, 4096, device=DEVICE, dtype=torch.bfloat16), None, x)
+    assert not gemv_module.mma_fits(misaligned, torch.empty(1024, 4096, device=DEVICE, dtype=torch.bfloat16), None)
 
 
 @pytest.mark.skipif(not MEASURED, reason="gemv_mma.cu runs only on the GPUs it was measured on (Triton elsewhere)")
@@ -127,7 +127,7 @@ def test_mma_kernel_and_triton_fallback_agree(monkeypatch, m, dtype):
     fast = _poisoned(gemv, x, w, b, residual)
     fast_logits = _poisoned(gemv, x, w, b, None, torch.float32)
     monkeypatch.setattr(cuda_kernels, "module", lambda device: None)
-    assert not gemv_module.mma_fits(x, w, b, x)
+    assert not gemv_module.mma_fits(x, w, b)
     slow = gemv(x, w, b, residual)
     ref = gemv_reference(x.double(), w.double(), b.double(), residual.double())
     assert not fast.isnan().any() and not fast_logits.isnan().any()
