@@ -39,4 +39,9 @@ def test_launch_structs_have_the_driver_layout():
 
 
 def test_no_cuda_module_off_the_gpu():
+    """Off the GPU there is no module, so gemv's dispatch never picks the CUDA kernel, even for a shape it fits."""
+    from hyperdraft.kernels.gemv import mma_fits
+
     assert cuda_kernels.module(torch.device("cpu")) is None
+    x = torch.zeros(6, 1024, dtype=torch.bfloat16)
+    assert not mma_fits(x, torch.zeros(16, 1024, dtype=torch.bfloat16), None)
