@@ -62,8 +62,9 @@ class CudaModule:
         """args: ctypes scalars (pointers as c_void_p), in the kernel's parameter order."""
         fn = self.functions.get(name)
         if fn is None:
-            fn = self.functions[name] = ctypes.c_void_p()
+            fn = ctypes.c_void_p()
             _check(self.driver.cuModuleGetFunction(ctypes.byref(fn), self.handle, name.encode()), name)
+            self.functions[name] = fn
         cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, 0, stream.cuda_stream,
                             ctypes.pointer(self.pdl_attr) if pdl else None, int(pdl))
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
