@@ -13,6 +13,8 @@ so the decoder keeps its rotate-half RoPE. llama.cpp stores Llama 3 RoPE scaling
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import re
 from typing import Any
@@ -209,8 +211,15 @@ def load_gguf_weights(model: torch.nn.Module, path: str) -> None:
 
 
 def load_gguf_tokenizer(path: str):
-    """The tokenizer embedded in a GGUF file, converted by transformers (chat template kept)."""
+    """The tokenizer embedded in a GGUF file, converted by transformers (chat template kept). The conversion parses
+    the whole vocabulary out of the file's metadata (11 s for SmolLM2's on a CI core), so it is done once per file
+    and process; each caller gets its own copy (0.2 s), as tokenizers keep per-call state."""
+    st = os.stat(path)
+    return copy.deepcopy(_converted_tokenizer(os.path.realpath(path), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=2)
+def _converted_tokenizer(path: str, mtime_ns: int, size: int):
     from transformers import AutoTokenizer
 
-    path = os.path.abspath(path)
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
