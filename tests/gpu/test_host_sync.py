@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
-from hyperdraft.testing.host_sync_cases import PARAMS, engine_args, write_models
+from helpers.host_sync_cases import PARAMS, engine_args, write_models
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

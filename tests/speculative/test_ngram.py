@@ -11,7 +11,7 @@ from hyperdraft import SamplingParams
 from hyperdraft.request import Request
 from hyperdraft.spec.ngram import SEPARATOR, NgramHistory, NgramProposer, longest_match, ngram_match
 
-from spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, spec_models  # noqa: F401  (fixtures)
+from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, spec_models  # noqa: F401  (fixtures)
 
 
 def lookup_reference(seq: list[int], k: int, lo: int, hi: int, history: list[int] = ()) -> list[int]:

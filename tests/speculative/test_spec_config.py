@@ -8,7 +8,7 @@ import pytest
 
 from hyperdraft.config import EngineArgs
 from hyperdraft.spec.spec_config import resolve_spec_config
-from spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, spec_models  # noqa: F401
+from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, spec_models  # noqa: F401
 
 
 def resolve(**kw):

@@ -12,7 +12,7 @@ from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 from tests.conftest import assert_engine_clean
 
-MT_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mt_bench_questions.jsonl")
+MT_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "mt_bench_questions.jsonl")
 NUM_QUESTIONS = 16
 NEW_TOKENS = 64
 # Used only where shared/ is not beside the checkout: the check is the same, on other real prompts.

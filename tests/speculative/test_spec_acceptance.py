@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hyperdraft import LLM
-from spec_fixtures import (_single_torch_thread, assert_clean, ceil_div, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
+from helpers.spec_fixtures import (_single_torch_thread, assert_clean, ceil_div, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
                            spec_models, spec_state)
 
 # ---- full acceptance ----------------------------------------------------------------------------------------------

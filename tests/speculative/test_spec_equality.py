@@ -14,8 +14,8 @@ import pytest
 
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.llm import meta_info
-from spec_fixtures import spec_off_reference, step_until_done  # noqa: F401
-from spec_fixtures import (_single_torch_thread, assert_clean, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
+from helpers.spec_fixtures import spec_off_reference, step_until_done  # noqa: F401
+from helpers.spec_fixtures import (_single_torch_thread, assert_clean, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
                            spec_models, spec_state)
 
 DRAFTERS = {

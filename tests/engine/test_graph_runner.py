@@ -19,7 +19,7 @@ from hyperdraft.engine.graph_runner import EMULATE_GRAPHS_ENV, GraphRunner, Grap
 from hyperdraft import LLM
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
-from spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
+from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
 NEW_TOKENS = [2, 17, 5, 11, 24, 8, 14, 3, 20, 9]  # requests finish at different steps: batch sizes 10 .. 1
 _REF: dict = {}

@@ -25,7 +25,7 @@ import pytest
 
 from hyperdraft import LLM
 from hyperdraft.spec import spec_worker
-from spec_fixtures import _single_torch_thread, assert_clean, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
+from helpers.spec_fixtures import _single_torch_thread, assert_clean, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
 NEW_TOKENS = 20
 # (topk, steps): num_draft_tokens = topk + (steps-1)*topk^2 + 1, every candidate plus the root

@@ -17,9 +17,9 @@ import pytest
 
 from conftest import assert_engine_clean
 from hyperdraft import LLM, SamplingParams
-from server_fixtures import (WORDS, ServerProcess, add_chat_template, free_port, prompts, scrape_metrics,
+from helpers.server_fixtures import (WORDS, ServerProcess, add_chat_template, free_port, prompts, scrape_metrics,
                              split_characters, stream_text, wait_engine_idle)
-from spec_fixtures import spec_models  # noqa: F401 - the session fixture
+from helpers.spec_fixtures import spec_models  # noqa: F401 - the session fixture
 
 NUM_STEPS = 4
 ALGORITHMS = ("NGRAM", "STANDALONE")

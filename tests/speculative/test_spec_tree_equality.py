@@ -17,8 +17,8 @@ import pytest
 
 from hyperdraft import LLM
 from hyperdraft.llm import meta_info
-from spec_fixtures import spec_off_reference, step_until_done  # noqa: F401
-from spec_fixtures import (_single_torch_thread, assert_clean, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
+from helpers.spec_fixtures import spec_off_reference, step_until_done  # noqa: F401
+from helpers.spec_fixtures import (_single_torch_thread, assert_clean, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
                            spec_models, spec_state)
 
 # (topk, num_draft_tokens, steps): every num_draft_tokens in [2, topk + (steps-1)*topk^2 + 1]

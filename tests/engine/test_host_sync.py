@@ -1,6 +1,6 @@
 """At most one device-to-host transfer per engine step, found on CPU.
 
-HostReadCounter (hyperdraft/testing/host_reads.py) records every tensor operation that would copy device data to the
+HostReadCounter (tests/helpers/host_reads.py) records every tensor operation that would copy device data to the
 host or block on it on a GPU (item/tolist/bool(t)/nonzero/x[mask]/x[tensor] = scalar, ...). The engine itself runs
 unmodified. A step that returns tokens must make exactly one such transfer, the `tolist` of its results, for plain
 decoding and every speculative shape (chain, tree, sampled tree, NGRAM, STANDALONE), greedy and sampled, with
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
-from hyperdraft.testing.host_reads import HostReadCounter
-from hyperdraft.testing.host_sync_cases import CASES, PARAMS, engine_args, write_models
+from helpers.host_reads import HostReadCounter
+from helpers.host_sync_cases import CASES, PARAMS, engine_args, write_models
 from tests.conftest import assert_engine_clean
 
 

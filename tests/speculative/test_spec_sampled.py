@@ -16,7 +16,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from hyperdraft import SamplingParams
-from spec_fixtures import SMALL_VOCAB, _single_torch_thread, llm_factory, spec_models, spec_state  # noqa: F401
+from helpers.spec_fixtures import SMALL_VOCAB, _single_torch_thread, llm_factory, spec_models, spec_state  # noqa: F401
 
 N_REQ = 3000
 NEW_TOKENS = 4

@@ -24,7 +24,7 @@ import torch
 
 from hyperdraft import SamplingParams
 from hyperdraft.spec import spec_worker
-from spec_fixtures import _single_torch_thread, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
+from helpers.spec_fixtures import _single_torch_thread, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
 ATOL = 1e-5
 TOPK, STEPS, NUM_DRAFT_TOKENS = 2, 4, 8

@@ -27,7 +27,7 @@ from hyperdraft.models.eagle import load_eagle_head, target_capture_layers
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
-from spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
+from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
 MAX_BS = 4
 NEW_TOKENS = [6, 40, 9, 34, 4, 28, 8, 44]  # 8 requests finishing at different steps: eager above 4, graphs below

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from hyperdraft import LLM, SamplingParams
-from spec_fixtures import (_single_torch_thread, assert_clean, ceil_div, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
+from helpers.spec_fixtures import (_single_torch_thread, assert_clean, ceil_div, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
                            spec_models, with_eos)
 
 STEPS = 3

@@ -19,7 +19,7 @@ import pytest
 from conftest import assert_engine_clean
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.server.launch import FAULT_ENV
-from server_fixtures import (API_KEY, ServerProcess, add_chat_template, assert_idle, client_aborts, prompts,
+from helpers.server_fixtures import (API_KEY, ServerProcess, add_chat_template, assert_idle, client_aborts, prompts,
                              scrape_metrics, split_characters, stream_text, wait_client_aborts, wait_engine_idle)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
