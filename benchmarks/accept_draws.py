@@ -1,6 +1,6 @@
 """The accept lengths gpu_bench's chain rows draw, replayed on the CPU, and where each draw sits among other seeds.
 
-Simulated acceptance is a function of each request's seed and of its drafts' positions (spec/simulated.py: coin j
+Simulated acceptance is a function of each request's seed and of its drafts' positions (speculative/verify/simulated.py: coin j
 of a round is uniform(seed, sequence index of d_j, DOMAIN_ACCEPT); d_j is accepted iff it and every draft before it
 drew a coin below alpha). gpu_bench sets no seed, so each request takes the engine's next draw from
 random.Random(random_seed) in arrival order, and every setting's fresh engine sees the same requests in the same order

@@ -18,7 +18,7 @@ import torch
 
 from hyperdraft.attention.torch_backend import TorchAttentionBackend
 from hyperdraft.attention.triton_backend import TritonAttentionBackend
-from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.kernels.attention import Tiles, num_kv_splits, num_row_tiles, paged_attention, tile_config
 from hyperdraft.kernels.kv_move import kv_move, kv_move_reference
 from hyperdraft.kernels.kv_store import kv_store, kv_store_reference

@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hyperdraft.spec.draft_graphs import DRAFT_LOOP_GRAPH_ENV  # noqa: E402
-from hyperdraft.spec.draft_rounds import DRAFT_AHEAD_ENV  # noqa: E402
+from hyperdraft.speculative.drafting.graphs import DRAFT_LOOP_GRAPH_ENV  # noqa: E402
+from hyperdraft.speculative.proposers.model_proposer import DRAFT_AHEAD_ENV  # noqa: E402
 from hyperdraft.engine.model_worker import DECODE_AHEAD_ENV  # noqa: E402
 
 LLAMA_8B = dict(
@@ -377,7 +377,7 @@ def main() -> None:
     # A/B rows in the same run: the torch elementwise ops and cuBLAS instead of every Triton kernel (the fusion's
     # gain), cuBLAS projections only (the GEMV's gain), plain launches (PDL's gain), and one graph per forward
     # instead of layer-cut segments (the GPU then waits for the whole launch call).
-    import hyperdraft.engine.graph_runner as graph_runner
+    import hyperdraft.runner.graph_runner as graph_runner
     import hyperdraft.kernels as kernels
     import hyperdraft.kernels.gemv as gemv
     import hyperdraft.kernels.pdl as pdl

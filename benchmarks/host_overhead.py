@@ -91,7 +91,7 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
 
     from hyperdraft.config import EngineArgs
     from hyperdraft.engine.engine import Engine
-    from hyperdraft.engine.model_runner import GraphedRunner
+    from hyperdraft.runner.model_runner import GraphedRunner
     from hyperdraft.sampling_params import SamplingParams
 
     torch.set_num_threads(1)

@@ -82,7 +82,7 @@ def instrument(engine, marks: Marks) -> None:
         return out
 
     worker.run, runner.forward, proposer.draft_ahead = run_marked, forward_marked, ahead_marked
-    import hyperdraft.spec.spec_worker as spec_worker
+    import hyperdraft.speculative.worker as spec_worker
 
     init, accept = spec_worker.ChainRound.__init__, spec_worker.ChainRound.accept
 

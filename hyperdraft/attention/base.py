@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardBatch
+from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperdraft.attention.base import AttentionBackend
-from hyperdraft.engine.forward_batch import ForwardBatch
+from hyperdraft.core.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hyperdraft.attention.base import AttentionBackend
-from hyperdraft.engine.forward_batch import ForwardBatch
+from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft.kernels.attention import (Tiles, attention_workspace, num_kv_splits, num_row_tiles, paged_attention,
                                           split_tiles, tile_config)
 from hyperdraft.kernels.kv_store import kv_store

@@ -10,9 +10,9 @@ import random
 import torch
 
 from hyperdraft.config import EngineArgs
-from hyperdraft.engine.graph_runner import (EMULATE_GRAPHS_ENV, GraphRunner, default_batch_sizes, draft_loop_plan,
+from hyperdraft.runner.graph_runner import (EMULATE_GRAPHS_ENV, GraphRunner, default_batch_sizes, draft_loop_plan,
                                             graph_plan)
-from hyperdraft.engine.model_runner import ModelRunner
+from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.scheduler import Scheduler, StepOutput
 from hyperdraft.engine.stop import StopChecker
@@ -22,13 +22,13 @@ from hyperdraft.models.loader import load_model
 from hyperdraft.request import Request
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.models.eagle import load_eagle_head
-from hyperdraft.spec.draft_graphs import DRAFT_LOOP_GRAPH_ENV, DraftLoopGraphs
-from hyperdraft.spec.draft_rounds import DraftRounds
-from hyperdraft.spec.draft_model import DraftModelProposer
-from hyperdraft.spec.eagle_proposer import EagleProposer
-from hyperdraft.spec.ngram import NgramProposer
-from hyperdraft.spec.spec_config import resolve_spec_config
-from hyperdraft.spec.spec_worker import SpecWorker
+from hyperdraft.speculative.drafting.graphs import DRAFT_LOOP_GRAPH_ENV, DraftLoopGraphs
+from hyperdraft.speculative.proposers.model_proposer import DraftRounds
+from hyperdraft.speculative.proposers.draft_model import DraftModelProposer
+from hyperdraft.speculative.proposers.eagle import EagleProposer
+from hyperdraft.speculative.proposers.ngram import NgramProposer
+from hyperdraft.speculative.config import resolve_spec_config
+from hyperdraft.speculative.worker import SpecWorker
 
 logger = logging.getLogger("hyperdraft")
 
@@ -175,7 +175,7 @@ class Engine:
                                        self.args.effective_max_running_requests))
 
     def _capture_graphs(self, sizes: list[int]) -> None:
-        """CUDA graphs for every runner and shape the configured tiers can run (engine/graph_runner.py)."""
+        """CUDA graphs for every runner and shape the configured tiers can run (runner/graph_runner.py)."""
         for runner, mode_shapes, layers in graph_plan(self.spec, self.worker, sizes):
             runner.graphs = GraphRunner(runner, sizes, emulate=self.device.type == "cpu")
             for mode, shapes in mode_shapes.items():

@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
-from hyperdraft.engine.graph_runner import GraphShape
-from hyperdraft.engine.model_runner import ModelRunner
+from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.runner.graph_runner import GraphShape
+from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch, ScheduledRequest
 from hyperdraft.request import Request, same_requests
 from hyperdraft.sample.batch_cache import SamplingBatchCache

@@ -4,8 +4,8 @@ decision (accept_chain).
 
 Each replaces a dozen or more tiny torch kernels (aranges, gathers, wheres, casts, a scan) of a few microseconds
 each: at batch 1 on an H100 they summed to ~150 us of a ~7.6 ms chain-5 round, time the GPU spends on nothing
-but indices. The torch references are the code these kernels stand in for (spec/draft_anchor.py's unpack_catch_up,
-DraftAnchor.after and plan; spec/rejection.py's verify_greedy_chain and spec/simulated.py's simulate_chain); the
+but indices. The torch references are the code these kernels stand in for (speculative/drafting/anchor.py's unpack_catch_up,
+DraftAnchor.after and plan; speculative/verify/rejection.py's verify_greedy_chain and speculative/verify/simulated.py's simulate_chain); the
 GPU tests compare the two element for element.
 
 Shapes: B requests (a graph's padded batch), W = catch-up width, D = draft depths planned, k = nodes per depth and

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device_many
+from hyperdraft.core.host_copy import to_device_many
 
 
 class PageTable:
@@ -94,7 +94,7 @@ class PageTable:
         return True
 
     def reserve_ahead(self, rows: list[int], num_tokens: list[int]) -> bool:
-        """reserve() for work queued ahead of the scheduler (engine/model_worker.py, spec/draft_rounds.py): every row
+        """reserve() for work queued ahead of the scheduler (engine/model_worker.py, speculative/proposers/model_proposer.py): every row
         gets its room or the caller skips the work; a row whose room would pass its page-table width is a refusal,
         not an error. Rows reserved before a refusal keep their room (their next schedule asks for it anyway)."""
         width = self.max_pages_per_row * self.page_size

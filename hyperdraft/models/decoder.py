@@ -151,7 +151,7 @@ class DecoderBody(nn.Module):
 
 class DecoderLM(nn.Module):
     # Called with the number of layers done after each layer, when set: CUDA-graph capture cuts the forward into
-    # segments there (engine/graph_runner.py).
+    # segments there (runner/graph_runner.py).
     layer_hook: Callable[[int], None] | None = None
 
     def __init__(self, cfg: ModelConfig):

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device
+from hyperdraft.core.host_copy import to_device
 from hyperdraft.request import Request, same_requests
 from hyperdraft.sample.logits_ops import SamplingBatch, flat_token_index
 

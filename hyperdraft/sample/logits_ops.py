@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device_many
+from hyperdraft.core.host_copy import to_device_many
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.logprob import token_logprobs_kernel

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardMode, build_forward_batch, ForwardInput
-from hyperdraft.engine.graph_runner import EMULATE_GRAPHS_ENV, GraphRunner, GraphShape, default_batch_sizes
+from hyperdraft.core.forward_batch import ForwardMode, build_forward_batch, ForwardInput
+from hyperdraft.runner.graph_runner import EMULATE_GRAPHS_ENV, GraphRunner, GraphShape, default_batch_sizes
 from hyperdraft import LLM
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
@@ -155,7 +155,7 @@ def test_batches_that_do_not_fit_run_eagerly(models, llm_factory, emulated_graph
 def test_segment_cuts_and_layer_hook(tmp_path):
     """Graph segments cut at layer boundaries: the cut points, and a layer hook that sees every layer once and
     leaves the forward's outputs unchanged (what segmented capture relies on)."""
-    from hyperdraft.engine.graph_runner import segment_cuts
+    from hyperdraft.runner.graph_runner import segment_cuts
     from hyperdraft.models.loader import load_model
     from hyperdraft.testing.tiny import make_tiny_model
 

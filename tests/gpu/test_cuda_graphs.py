@@ -85,7 +85,7 @@ def _run(path, dtype, **args):
     proposer = getattr(engine.worker, "proposer", None)
     draft_graphs = getattr(getattr(proposer, "runner", None), "graphs", None)
     draft_shapes = set() if draft_graphs is None else {shape for (shape, _), n in draft_graphs.replays.items() if n}
-    loop = getattr(proposer, "draft_loop", None)  # greedy rounds: one graph per round (spec/draft_graphs.py)
+    loop = getattr(proposer, "draft_loop", None)  # greedy rounds: one graph per round (speculative/drafting/graphs.py)
     loop_keys = set() if loop is None else {(tier, w) for (tier, _, w), n in loop.replays.items() if n}
     llm.shutdown()
     return outs, replays, draft_shapes, loop_keys

@@ -16,9 +16,9 @@ from hyperdraft.kernels.draft_plan import (PACKED_FIELDS, accept_chain, pack_cat
                                            round_plan)
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.sample.rng import DOMAIN_ACCEPT
-from hyperdraft.spec.draft_anchor import CatchUpRows, unpack_round
-from hyperdraft.spec.rejection import verify_greedy_chain
-from hyperdraft.spec.simulated import simulate_chain
+from hyperdraft.speculative.drafting.anchor import CatchUpRows, unpack_round
+from hyperdraft.speculative.verify.rejection import verify_greedy_chain
+from hyperdraft.speculative.verify.simulated import simulate_chain
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
 
 
 def _forward(llm, inputs):

@@ -236,7 +236,7 @@ def test_compute_logits_maps_draft_vocab_with_d2t_offsets(tmp_path, target_path,
 def test_head_forward_output_keeps_draft_vocab_logits(tmp_path, target_path, target):
     """The head's ForwardOutput carries [N, Vd] draft logits and the head's VocabMap: target_logits() is
     compute_logits(), and greedy_tokens() is its argmax, written into a strided destination column when given."""
-    from hyperdraft.engine.model_runner import ForwardOutput
+    from hyperdraft.runner.model_runner import ForwardOutput
 
     path = write(tmp_path, target_path, kind="eagle3", draft_vocab_size=DRAFT_V, seed=4)
     head = load_eagle_head(path, target)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import KINDS, generate_ids, greedy, hf_greedy, hf_logits, random_prompts
-from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
 
 PROMPT_LENGTHS = [1, 2, 5, 17, 31, 64, 100, 137, 200]
 NEW_TOKENS = 12

@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from hyperdraft.spec.adaptive import (DEFAULT_ADAPTIVE_CONFIG, AdaptiveConfig, AdaptiveController, EmaSlot,
+from hyperdraft.speculative.adaptive.ema import (DEFAULT_ADAPTIVE_CONFIG, AdaptiveConfig, AdaptiveController, EmaSlot,
                                       SlotConfig, load_adaptive_config, resolve_initial_steps)
-from hyperdraft.spec.tier import Tier
+from hyperdraft.speculative.adaptive.tier import Tier
 
 
 def slot(start: int, ladder=(1, 3, 7), **overrides) -> EmaSlot:

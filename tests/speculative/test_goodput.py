@@ -1,4 +1,4 @@
-"""Goodput policy (hyperdraft/spec/goodput.py): pure unit tests on synthetic acceptance and cost tables."""
+"""Goodput policy (hyperdraft/speculative/adaptive/goodput.py): pure unit tests on synthetic acceptance and cost tables."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hyperdraft.spec.goodput import GoodputSlot, choose_tier, expected_tokens, goodput_slot_factory
-from hyperdraft.spec.tier import Tier
+from hyperdraft.speculative.adaptive.goodput import GoodputSlot, choose_tier, expected_tokens, goodput_slot_factory
+from hyperdraft.speculative.adaptive.tier import Tier
 
 CHAINS = [Tier(s) for s in (0, 1, 3, 5, 7)]
 
@@ -230,7 +230,7 @@ def test_factory_passes_goodput_options_and_rejects_unknown_keys():
 
 
 def test_runs_under_the_adaptive_controller():
-    from hyperdraft.spec.adaptive import AdaptiveController, load_adaptive_config
+    from hyperdraft.speculative.adaptive.ema import AdaptiveController, load_adaptive_config
 
     cfg = load_adaptive_config({"strategy": "goodput", "goodput": {"warmup": 0, "decide_every": 1, "explore_every": 0},
                                 "1": {"candidate_steps": [1, 3]}, "8": {"candidate_steps": [0, 1]}})

@@ -18,11 +18,11 @@ import json
 import pytest
 import torch
 
-import hyperdraft.spec.eagle_proposer as eagle_proposer
+import hyperdraft.speculative.proposers.eagle as eagle_proposer
 from hyperdraft import LLM
-from hyperdraft.engine.forward_batch import ForwardMode
-from hyperdraft.engine.graph_runner import EMULATE_GRAPHS_ENV, GraphShape
-from hyperdraft.spec.draft_graphs import DRAFT_LOOP_GRAPH_ENV
+from hyperdraft.core.forward_batch import ForwardMode
+from hyperdraft.runner.graph_runner import EMULATE_GRAPHS_ENV, GraphShape
+from hyperdraft.speculative.drafting.graphs import DRAFT_LOOP_GRAPH_ENV
 from hyperdraft.models.eagle import load_eagle_head, target_capture_layers
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint

@@ -10,10 +10,10 @@ import torch
 
 from hyperdraft import SamplingParams
 from hyperdraft.sample.logits_ops import SamplingBatch, probs_from_logits
-from hyperdraft.spec.rejection import verify_chain, verify_greedy_chain
-from hyperdraft.spec.simulated import simulate_chain, simulate_tree
-from hyperdraft.spec.tree import build_tree
-from hyperdraft.spec.tree_verify import verify_greedy_tree, verify_tree
+from hyperdraft.speculative.verify.rejection import verify_chain, verify_greedy_chain
+from hyperdraft.speculative.verify.simulated import simulate_chain, simulate_tree
+from hyperdraft.speculative.verify.tree_buffers import build_tree
+from hyperdraft.speculative.verify.tree_rejection import verify_greedy_tree, verify_tree
 
 
 def _random_trees(seed: int, b: int = 800, n: int = 12, vocab: int = 4):

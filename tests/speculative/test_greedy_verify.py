@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyperdraft.spec.rejection import verify_chain, verify_greedy_chain
+from hyperdraft.speculative.verify.rejection import verify_chain, verify_greedy_chain
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 7])

@@ -9,7 +9,7 @@ import torch
 
 from hyperdraft import SamplingParams
 from hyperdraft.request import Request
-from hyperdraft.spec.ngram import SEPARATOR, NgramHistory, NgramProposer, longest_match, ngram_match
+from hyperdraft.speculative.proposers.ngram import SEPARATOR, NgramHistory, NgramProposer, longest_match, ngram_match
 
 from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, spec_models  # noqa: F401  (fixtures)
 

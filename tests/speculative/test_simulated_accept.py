@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hyperdraft import LLM
-from hyperdraft.spec.simulated import simulate_chain
+from hyperdraft.speculative.verify.simulated import simulate_chain
 from helpers.spec_fixtures import (_single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_models,  # noqa: F401
                            spec_off_reference, spec_state)
 

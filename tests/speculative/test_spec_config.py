@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from hyperdraft.config import EngineArgs
-from hyperdraft.spec.spec_config import resolve_spec_config
+from hyperdraft.speculative.config import resolve_spec_config
 from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, spec_models  # noqa: F401
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hyperdraft.spec.eagle_proposer as eagle_proposer
+import hyperdraft.speculative.proposers.eagle as eagle_proposer
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.eagle import load_eagle_head, target_capture_layers
 from hyperdraft.models.loader import load_model
@@ -128,7 +128,7 @@ def test_sglang_defaults_depend_on_the_target(models):
     state = llm.get_server_info()["internal_states"][0]
     assert (state["speculative_num_steps"], state["speculative_eagle_topk"], state["speculative_num_draft_tokens"]) == (5, 4, 8)
     from hyperdraft.config import EngineArgs
-    from hyperdraft.spec.spec_config import resolve_spec_config
+    from hyperdraft.speculative.config import resolve_spec_config
 
     cfg = resolve_spec_config(EngineArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x"), "Qwen2ForCausalLM")
     assert (cfg.num_steps, cfg.topk, cfg.num_draft_tokens) == (3, 1, 4)

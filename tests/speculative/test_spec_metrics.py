@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from hyperdraft.spec.metrics import SpecMetrics
+from hyperdraft.speculative.metrics import SpecMetrics
 
 
 def _reference(m: SpecMetrics, lens, num_accepted, proposed=None) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hyperdraft.spec.rejection import verify_chain
+from hyperdraft.speculative.verify.rejection import verify_chain
 
 V, K, N = 5, 3, 50_000
 ALPHA = 1e-6  # per test

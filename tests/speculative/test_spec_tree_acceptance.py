@@ -24,7 +24,7 @@ import shutil
 import pytest
 
 from hyperdraft import LLM
-from hyperdraft.spec import spec_worker
+from hyperdraft.speculative import worker as spec_worker
 from helpers.spec_fixtures import _single_torch_thread, assert_clean, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
 NEW_TOKENS = 20

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hyperdraft import SamplingParams
-from hyperdraft.spec import spec_worker
+from hyperdraft.speculative import worker as spec_worker
 from helpers.spec_fixtures import _single_torch_thread, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
 ATOL = 1e-5

@@ -8,7 +8,7 @@ import pytest
 
 from hyperdraft import LLM
 from hyperdraft.config import EngineArgs
-from hyperdraft.spec.spec_config import resolve_spec_config
+from hyperdraft.speculative.config import resolve_spec_config
 from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_models, spec_state  # noqa: F401
 
 

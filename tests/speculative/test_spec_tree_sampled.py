@@ -24,7 +24,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from hyperdraft import SamplingParams
-from hyperdraft.spec import spec_worker
+from hyperdraft.speculative import worker as spec_worker
 from helpers.spec_fixtures import SMALL_VOCAB, _single_torch_thread, _widened_copy, llm_factory, spec_models, spec_state  # noqa: F401
 
 N_REQ = 3000

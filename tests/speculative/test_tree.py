@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyperdraft.spec.tree import build_tree, positions
+from hyperdraft.speculative.verify.tree_buffers import build_tree, positions
 
 # Tree A:        0
 #              /   \

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyperdraft.spec.tree import build_tree
+from hyperdraft.speculative.verify.tree_buffers import build_tree
 
 
 def _reference(parents: list[int]) -> tuple[list[int], list[set[int]]]:

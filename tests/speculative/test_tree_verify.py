@@ -17,8 +17,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hyperdraft.spec.tree import DraftTree, build_tree
-from hyperdraft.spec.tree_verify import verify_tree
+from hyperdraft.speculative.verify.tree_buffers import DraftTree, build_tree
+from hyperdraft.speculative.verify.tree_rejection import verify_tree
 
 V = 6
 ALPHA = 1e-6  # per test

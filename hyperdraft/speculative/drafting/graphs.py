@@ -23,12 +23,12 @@ from collections import Counter
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardBatch
-from hyperdraft.engine.graph_runner import capture_segments
-from hyperdraft.spec.chain_loop import choose_argmax, draft_chain
-from hyperdraft.spec.draft_anchor import PACKED_FIELDS, CatchUpRows, unpack_round
-from hyperdraft.spec.tier import Tier
-from hyperdraft.spec.tree_loop import beam_log_q, draft_tree
+from hyperdraft.core.forward_batch import ForwardBatch
+from hyperdraft.runner.graph_runner import capture_segments
+from hyperdraft.speculative.drafting.chain import choose_argmax, draft_chain
+from hyperdraft.speculative.drafting.anchor import PACKED_FIELDS, CatchUpRows, unpack_round
+from hyperdraft.speculative.adaptive.tier import Tier
+from hyperdraft.speculative.drafting.tree import beam_log_q, draft_tree
 
 logger = logging.getLogger("hyperdraft")
 DRAFT_LOOP_GRAPH_ENV = "HYPERDRAFT_DRAFT_LOOP_GRAPH"  # "0": per-step draft graphs only (A/B benchmarks)

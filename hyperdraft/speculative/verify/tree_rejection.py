@@ -1,6 +1,6 @@
 """Lossless verification of draft trees: multi-candidate recursive rejection sampling.
 
-Terms, for one request (see hyperdraft.spec.tree for node, parent, depth, children, q):
+Terms, for one request (see hyperdraft.speculative.verify.tree_buffers for node, parent, depth, children, q):
   p[v]       the target's sampling distribution for the token that follows node v (verify row v), after the
              request's penalties, temperature, top-k/top-p/min-p; greedy requests have a one-hot p at the argmax
   r          the distribution still to be matched at the current node: p[v], then residuals after rejections
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.sample.rng import DOMAIN_ACCEPT, DOMAIN_SAMPLE, sample_from_probs, uniform
-from hyperdraft.spec.tree import DraftTree
+from hyperdraft.speculative.verify.tree_buffers import DraftTree
 
 _TINY = 1e-30
 

@@ -37,14 +37,14 @@ import torch
 
 from hyperdraft.request import Request, same_requests
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
-from hyperdraft.spec.chain_loop import draft_chain
-from hyperdraft.spec.draft_anchor import CatchUpRows, DraftAnchor
-from hyperdraft.spec.draft_choice import choose_draft, draws_from_q
-from hyperdraft.spec.draft_graphs import DraftLoopGraphs
-from hyperdraft.spec.proposal import Proposal, TreeProposal
-from hyperdraft.spec.tier import Tier
-from hyperdraft.spec.tree_loop import draft_tree
-from hyperdraft.spec.tree_sampled import draft_q
+from hyperdraft.speculative.drafting.chain import draft_chain
+from hyperdraft.speculative.drafting.anchor import CatchUpRows, DraftAnchor
+from hyperdraft.speculative.drafting.choice import choose_draft, draws_from_q
+from hyperdraft.speculative.drafting.graphs import DraftLoopGraphs
+from hyperdraft.speculative.proposal import Proposal, TreeProposal
+from hyperdraft.speculative.adaptive.tier import Tier
+from hyperdraft.speculative.drafting.tree import draft_tree
+from hyperdraft.speculative.drafting.sampled_tree import draft_q
 
 
 DRAFT_AHEAD_ENV = "HYPERDRAFT_DRAFT_AHEAD"  # "0": no draft-ahead (A/B benchmarks, tests)

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hyperdraft.spec.tier import Tier
+from hyperdraft.speculative.adaptive.tier import Tier
 
 logger = logging.getLogger("hyperdraft")
 

@@ -21,7 +21,7 @@ import torch
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.draft_plan import accept_chain
 from hyperdraft.sample.rng import DOMAIN_ACCEPT, DOMAIN_SAMPLE, sample_from_probs, uniform
-from hyperdraft.spec.tree import DraftTree
+from hyperdraft.speculative.verify.tree_buffers import DraftTree
 
 
 def simulate_chain(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device
+from hyperdraft.core.host_copy import to_device
 
 
 class ForwardMode(enum.Enum):

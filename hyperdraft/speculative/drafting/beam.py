@@ -120,7 +120,7 @@ def draft_step_shapes(steps: int, topk: int, num_nodes: int, sampled: bool) -> s
     """(tokens per request, tail-mask width) of every draft forward after the root's, as step_mask builds them: a
     beam feeds topk nodes at each depth 1..steps-1 over 1 + depth*topk keys; a sampled tree (tree_sampled.py) feeds
     min(topk, that depth's budget) nodes. The CUDA-graph plan captures these shapes."""
-    from hyperdraft.spec.tree_sampled import level_budgets
+    from hyperdraft.speculative.drafting.sampled_tree import level_budgets
 
     shapes = {(topk, 1 + depth * topk) for depth in range(1, steps)}
     if sampled:

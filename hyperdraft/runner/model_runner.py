@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hyperdraft.attention.base import make_attention_backend
-from hyperdraft.engine.forward_batch import ForwardBatch
+from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.kvcache.kv_pool import KVPool
@@ -48,7 +48,7 @@ class ForwardOutput:
 class GraphedRunner:
     """Forward dispatch shared by every runner: a captured graph when one fits the batch, else eager."""
 
-    graphs = None  # a GraphRunner once CUDA graphs are captured (engine/graph_runner.py)
+    graphs = None  # a GraphRunner once CUDA graphs are captured (runner/graph_runner.py)
     input_hidden_size: int | None = None  # per-token hidden inputs (fb.input_hidden) this model consumes, if any
 
     def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:

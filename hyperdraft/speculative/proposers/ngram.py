@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hyperdraft.engine.host_copy import host_to_device
+from hyperdraft.core.host_copy import host_to_device
 from hyperdraft.request import Request
-from hyperdraft.spec.proposal import Proposal
+from hyperdraft.speculative.proposal import Proposal
 
 HISTORY_TOKENS = 1 << 16  # finished requests' tokens kept for matching (512 KiB)
 SEPARATOR = -1  # between sequences in the history; no token id equals it, so no match or draft crosses it

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
-from hyperdraft.engine.model_runner import ModelRunner
+from hyperdraft.core.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.engine.scheduler import ScheduledRequest
 from hyperdraft.request import Request
 from hyperdraft.sample.logits_ops import SamplingBatch
-from hyperdraft.spec.draft_rounds import DraftRounds
-from hyperdraft.spec.proposal import Proposal
+from hyperdraft.speculative.proposers.model_proposer import DraftRounds
+from hyperdraft.speculative.proposal import Proposal
 
 
 class DraftModelProposer(DraftRounds):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardBatch
+from hyperdraft.core.forward_batch import ForwardBatch
 
 logger = logging.getLogger("hyperdraft")
 EMULATE_GRAPHS_ENV = "HYPERDRAFT_EMULATE_CUDA_GRAPH"
@@ -301,7 +301,7 @@ def graph_plan(spec, worker, sizes: list[int]) -> list[tuple[object, dict, tuple
 
     Target: one-token decodes without speculation (or for a steps-0 tier); otherwise each tier's verify width,
     for the batch sizes that can route to that tier. A draft model or EAGLE head: see _draft_plan."""
-    from hyperdraft.engine.forward_batch import ForwardMode
+    from hyperdraft.core.forward_batch import ForwardMode
 
     if spec is None:
         return [(worker.runner, {ForwardMode.DECODE: {GraphShape(1, 0): sizes}}, ())]
@@ -328,10 +328,10 @@ def _draft_plan(spec, worker, tiers, sizes: list[int]) -> dict:
     (frontier size, tail-mask width), for a beam and, when drafts may be drawn from q, for a sampled tree's level
     budgets; and the catch-up extend, padded per batch size to the widest catch-up a tier routed there can leave
     for the next round (catch_up_widths). Anything else (a wider catch-up after a tier switch, a frontier shape not
-    listed) runs eagerly. Greedy rounds run as one graph each (spec/draft_graphs.py, draft_loop_plan); these
+    listed) runs eagerly. Greedy rounds run as one graph each (speculative/drafting/graphs.py, draft_loop_plan); these
     per-step graphs serve the rest."""
-    from hyperdraft.engine.forward_batch import ForwardMode
-    from hyperdraft.spec.tree_draft import draft_step_shapes
+    from hyperdraft.core.forward_batch import ForwardMode
+    from hyperdraft.speculative.drafting.beam import draft_step_shapes
 
     steps: dict[GraphShape, list[int]] = {GraphShape(1, 0): sizes}
     may_sample = spec.use_rejection_sampling is not False  # None: sampled trees whenever a request samples
@@ -361,7 +361,7 @@ def catch_up_widths(spec, worker, sizes: list[int]) -> dict[int, int]:
 
 def draft_loop_plan(spec, worker, sizes: list[int]) -> dict:
     """Tier -> {batch size: catch-up width}: the whole-round draft graphs of every drafting tier, chain or tree, at
-    the batch sizes routed to it (spec/draft_graphs.py)."""
+    the batch sizes routed to it (speculative/drafting/graphs.py)."""
     width_of = catch_up_widths(spec, worker, sizes)
     plan: dict = {}
     for tier in (t for t in _plan_tiers(spec, worker) if t.steps > 0):

@@ -12,10 +12,10 @@ from typing import Callable
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardBatch
-from hyperdraft.spec.draft_anchor import DraftAnchor
-from hyperdraft.spec.tree_draft import grow_tree
-from hyperdraft.spec.tree_sampled import grow_sampled_tree
+from hyperdraft.core.forward_batch import ForwardBatch
+from hyperdraft.speculative.drafting.anchor import DraftAnchor
+from hyperdraft.speculative.drafting.beam import grow_tree
+from hyperdraft.speculative.drafting.sampled_tree import grow_sampled_tree
 
 # (logits [R, V], rows per request k) -> [R, V]: log q for a beam, q for a sampled tree. The R = B*k rows are k
 # siblings per request (k = 1 at the root), which share that request's sampling parameters.

@@ -33,7 +33,7 @@ class SpecConfig:
     ngram_min_window: int
     ngram_max_window: int
     adaptive: "AdaptiveConfig | None" = None  # set when speculative_adaptive: the tier ladder per batch-size slot
-    simulate_accept_rate: float | None = None  # benchmark-only LOSSY accept decision (spec/simulated.py)
+    simulate_accept_rate: float | None = None  # benchmark-only LOSSY accept decision (speculative/verify/simulated.py)
 
     @property
     def is_tree(self) -> bool:
@@ -67,7 +67,7 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
     steps, topk, draft_tokens = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
     adaptive = None
     if args.speculative_adaptive:
-        from hyperdraft.spec.adaptive import load_adaptive_config, resolve_initial_steps
+        from hyperdraft.speculative.adaptive.ema import load_adaptive_config, resolve_initial_steps
 
         adaptive = load_adaptive_config(args.speculative_adaptive_config, topk or 1, draft_tokens)
         steps = resolve_initial_steps(adaptive, steps)  # SGLang: the middle of the candidate union when unset

@@ -16,25 +16,25 @@ import time
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardInput, ForwardMode, build_forward_batch, leading_tail_mask
-from hyperdraft.engine.graph_runner import GraphShape
-from hyperdraft.engine.host_copy import to_device, to_device_many
+from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch, leading_tail_mask
+from hyperdraft.runner.graph_runner import GraphShape
+from hyperdraft.core.host_copy import to_device, to_device_many
 from hyperdraft.kernels.argmax import argmax_rows
-from hyperdraft.engine.model_runner import ModelRunner
+from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.engine.model_worker import ResultsCopy, forward_input, results_stream
 from hyperdraft.engine.scheduler import RequestResult, ScheduledBatch
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import penalised_logits, probs_from_logits, token_logprobs
 from hyperdraft.sample.sampler import Sampler
-from hyperdraft.spec.compaction import compact_accepted, leading_fed_count
-from hyperdraft.spec.metrics import PhaseTimer, SpecMetrics
-from hyperdraft.spec.proposal import Proposal, TreeProposal
-from hyperdraft.spec.rejection import verify_chain, verify_greedy_chain
-from hyperdraft.spec.simulated import simulate_chain, simulate_tree
-from hyperdraft.spec.spec_config import SpecConfig
-from hyperdraft.spec.tier import Tier
-from hyperdraft.spec.tree import build_tree
-from hyperdraft.spec.tree_verify import verify_greedy_tree, verify_tree
+from hyperdraft.speculative.verify.compaction import compact_accepted, leading_fed_count
+from hyperdraft.speculative.metrics import PhaseTimer, SpecMetrics
+from hyperdraft.speculative.proposal import Proposal, TreeProposal
+from hyperdraft.speculative.verify.rejection import verify_chain, verify_greedy_chain
+from hyperdraft.speculative.verify.simulated import simulate_chain, simulate_tree
+from hyperdraft.speculative.config import SpecConfig
+from hyperdraft.speculative.adaptive.tier import Tier
+from hyperdraft.speculative.verify.tree_buffers import build_tree
+from hyperdraft.speculative.verify.tree_rejection import verify_greedy_tree, verify_tree
 
 
 class SpecWorker:
@@ -101,7 +101,7 @@ class SpecWorker:
         with results_stream(self.results_stream):
             results_copy = ResultsCopy((round_.result_pieces() if round_ else []) + prefill_pieces)
         if round_ is not None and not prefills and hasattr(self.proposer, "draft_ahead"):
-            # the next round's draft runs while the host commits this one (spec/draft_rounds.py)
+            # the next round's draft runs while the host commits this one (speculative/proposers/model_proposer.py)
             self.proposer.draft_ahead(reqs, round_.tier, sb, round_.num_accepted, round_.tokens)
         host = results_copy.wait()
         results, pos = (round_.results(host) if round_ else ([], 0))
@@ -202,7 +202,7 @@ class ChainRound:
         target = argmax_rows(logits).view(bsz, k + 1) if greedy else None
         p = None if greedy else probs_from_logits(logits, sbv).view(bsz, k + 1, -1)
         draft, lens, alpha = self.proposal.tokens, self.lens, self.w.simulate_accept_rate
-        if alpha is not None:  # benchmark-only, lossy (see spec/simulated.py)
+        if alpha is not None:  # benchmark-only, lossy (see speculative/verify/simulated.py)
             num_accepted, tokens = simulate_chain(p, draft, lens, alpha, self.sb.seeds, self.sb.positions,
                                                   greedy_target=target)
         elif greedy:
@@ -277,7 +277,7 @@ class TreeRound:
         target = argmax_rows(logits).view(bsz, n) if greedy else None
         p = None if greedy else probs_from_logits(logits, sbt).view(bsz, n, -1)
         alpha = self.w.simulate_accept_rate
-        if alpha is not None:  # benchmark-only, lossy (see spec/simulated.py)
+        if alpha is not None:  # benchmark-only, lossy (see speculative/verify/simulated.py)
             num_accepted, path, tokens = simulate_tree(p, self.tree, alpha, self.sb.seeds, self.sb.positions,
                                                        max_depth=self.tier.steps, greedy_target=target)
         elif greedy:
@@ -344,11 +344,11 @@ class StaticTiers:
 def make_tier_source(spec: SpecConfig, graph_sizes: list[int] | None = None):
     if spec.adaptive is None:
         return StaticTiers(Tier(spec.num_steps, spec.topk, spec.num_draft_tokens))
-    from hyperdraft.spec.adaptive import AdaptiveController
+    from hyperdraft.speculative.adaptive.ema import AdaptiveController
 
     factory = None
     if spec.adaptive.strategy == "goodput":
-        from hyperdraft.spec.goodput import GoodputSlot
+        from hyperdraft.speculative.adaptive.goodput import GoodputSlot
 
         options = dict(spec.adaptive.goodput)  # GoodputSlot keyword arguments from the config's "goodput" object
 

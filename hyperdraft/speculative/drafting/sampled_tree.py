@@ -63,7 +63,7 @@ def grow_sampled_tree(root_q, root_hidden, step, steps: int, topk: int, roots, n
     (q [B, k, V] over each fed node's children, hidden [B, k, H] | None).
     seeds: [B]; positions: [B] sequence index of the root's children.
     -> (tokens [B, N], parents [B, N], fed [B, N], q_nodes [B, N, V]); N = num_nodes, node 0 = the root."""
-    from hyperdraft.spec.tree_draft import Candidates, step_mask
+    from hyperdraft.speculative.drafting.beam import Candidates, step_mask
 
     bsz, vocab = root_q.shape
     device = root_q.device

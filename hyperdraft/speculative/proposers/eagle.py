@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from hyperdraft.engine.host_copy import to_device
+from hyperdraft.core.host_copy import to_device
 from hyperdraft.attention.base import make_attention_backend
-from hyperdraft.engine.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
-from hyperdraft.engine.model_runner import ForwardOutput, GraphedRunner
+from hyperdraft.core.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.runner.model_runner import ForwardOutput, GraphedRunner
 from hyperdraft.kernels.draft_plan import pack_catch_up
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.eagle import target_capture_layers
 from hyperdraft.request import Request
-from hyperdraft.spec.draft_rounds import DraftRounds
+from hyperdraft.speculative.proposers.model_proposer import DraftRounds
 
 
 class HeadRunner(GraphedRunner):

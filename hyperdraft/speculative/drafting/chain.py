@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardBatch
-from hyperdraft.engine.model_runner import ForwardOutput
-from hyperdraft.spec.draft_anchor import DraftAnchor
+from hyperdraft.core.forward_batch import ForwardBatch
+from hyperdraft.runner.model_runner import ForwardOutput
+from hyperdraft.speculative.drafting.anchor import DraftAnchor
 
 # (step j, the step's forward output (logits [B, V] or [B, Vd] with its vocab map), draft tokens chosen so far
 # [B, j], destination [B]) -> q [B, V], or None when q is one-hot; writes the chosen draft tokens into the destination

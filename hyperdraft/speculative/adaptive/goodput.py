@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from hyperdraft.spec.tier import Tier
+from hyperdraft.speculative.adaptive.tier import Tier
 
 PRIOR_RATE = 0.5  # acceptance assumed at position 0 before any data (optimistic: invites a deeper tier to be measured)
 EXTRAPOLATION_CAP = 0.95  # a rate carried past the last observed position never exceeds this

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.engine.forward_batch import ForwardBatch, ForwardMode
+from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.draft_plan import PACKED_FIELDS, round_plan
 
