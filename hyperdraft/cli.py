@@ -71,7 +71,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_namespace(ns: argparse.Namespace) -> SamplingParams:
-    values = {name: getattr(ns, name) for name in SAMPLING_HELP if getattr(ns, name, None) is not None}
+    given = vars(ns)  # the subcommand's flags; None = not given
+    values = {name: given[name] for name in SAMPLING_HELP if given.get(name) is not None}
     if "stop_token_ids" in values:  # repeatable and comma-separated: flatten
         values["stop_token_ids"] = [t for group in values["stop_token_ids"] for t in group]
     return SamplingParams.from_dict(values)

@@ -18,6 +18,36 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 
 
+@dataclass(frozen=True)
+class AlgorithmTraits:
+    """What a speculative algorithm's drafts can be; the option checks and help texts read these."""
+
+    draft_model: bool  # runs a draft model or head (speculative_draft_model_path)
+    trees: bool  # can draft trees (speculative_eagle_topk > 1) and draw drafts from q (rejection sampling)
+
+
+# SGLang's algorithm names. speculative/proposers/__init__.py registers one Proposer class under each.
+SPECULATIVE_ALGORITHMS = {
+    "NGRAM": AlgorithmTraits(draft_model=False, trees=False),
+    "STANDALONE": AlgorithmTraits(draft_model=True, trees=True),
+    "EAGLE": AlgorithmTraits(draft_model=True, trees=True),
+    "EAGLE3": AlgorithmTraits(draft_model=True, trees=True),
+}
+SPECULATIVE_ALIASES = {"NEXTN": "EAGLE"}
+SPECULATIVE_NOT_YET = ("MTP",)
+
+
+def _algorithm_help() -> str:
+    names = ", ".join(SPECULATIVE_ALGORITHMS)
+    aliases = ", ".join(f"{alias} = {name}" for alias, name in SPECULATIVE_ALIASES.items())
+    return f"{names} ({aliases}); not yet: {', '.join(SPECULATIVE_NOT_YET)}"
+
+
+def _draft_path_help() -> str:
+    users = ", ".join(name for name, traits in SPECULATIVE_ALGORITHMS.items() if traits.draft_model)
+    return f"draft model directory ({users}: a draft LM for STANDALONE, a head for the EAGLE family) (alias: --speculative-draft-model)"
+
+
 def _opt(default: Any, help: str, **extra) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
@@ -41,10 +71,11 @@ class EngineArgs:
     disable_cuda_graph: bool = _opt(False, "run every forward eagerly (no CUDA graphs)")
     cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default 64, capped by max_running_requests)")
     # ---- speculative decoding (SGLang names) ----
-    speculative_algorithm: str | None = _opt(None, "NGRAM or STANDALONE (EAGLE, EAGLE3, NEXTN: not yet supported)")
-    speculative_draft_model_path: str | None = _opt(None, "draft model directory for STANDALONE (alias: --speculative-draft-model)")
-    speculative_num_steps: int | None = _opt(None, "draft tokens per round (chain depth)")
-    speculative_eagle_topk: int | None = _opt(None, "branching factor per draft step; only 1 is supported for now")
+    speculative_algorithm: str | None = _opt(None, _algorithm_help())
+    speculative_draft_model_path: str | None = _opt(None, _draft_path_help())
+    speculative_num_steps: int | None = _opt(None, "draft tokens per round (chain depth, tree depth)")
+    speculative_eagle_topk: int | None = _opt(None, "branching factor per draft step; > 1 drafts a tree (" + ", ".join(
+        name for name, traits in SPECULATIVE_ALGORITHMS.items() if traits.trees) + ")")
     speculative_num_draft_tokens: int | None = _opt(None, "tokens verified per round, the root included (steps + 1 for chains)")
     speculative_use_rejection_sampling: bool | None = _opt(None, "draft models: sample drafts from q and verify with the real q (True), or draft greedily / top-k with one-hot q (False); unset = per step, sampled when any request samples (measured better at T>0)")
     speculative_adaptive: bool = _opt(False, "switch the draft tier (steps, or a tree shape) per batch size and measured acceptance")
@@ -123,7 +154,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from_namespace(ns: argparse.Namespace, **overrides) -> EngineArgs:
-    values = {f.name: getattr(ns, f.name) for f in fields(EngineArgs) if getattr(ns, f.name, None) is not None}
+    given = vars(ns)  # the subcommand's flags; None = not given
+    values = {f.name: given[f.name] for f in fields(EngineArgs) if given.get(f.name) is not None}
     return EngineArgs.from_kwargs(**{**values, **overrides})
 
 

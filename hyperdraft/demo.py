@@ -53,7 +53,7 @@ def _run(model: str, prompts: list[str], params, spec: dict, device: str, show: 
     label = f"NGRAM speculation ({spec['speculative_num_steps']} draft tokens)" if spec else "no speculation"
     print(f"==> {label}: model loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     try:
-        chat = bool(getattr(llm.tokenizer, "chat_template", None))  # a base model without one gets the raw prompts
+        chat = bool(llm.tokenizer.chat_template)  # a base model without one gets the raw prompts
         ids = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else llm.engine.tokenize(p)
                for p in prompts]
         warm_up = dataclasses.replace(params, max_new_tokens=1)

@@ -8,6 +8,7 @@ from typing import Iterator, Sequence
 from hyperdraft.config import EngineArgs
 from hyperdraft.detokenizer import IncrementalDetokenizer
 from hyperdraft.engine.engine import Engine
+from hyperdraft.options import RuntimeOptions
 from hyperdraft.request import Request
 from hyperdraft.sampling_params import SamplingParams
 
@@ -51,11 +52,13 @@ def meta_info(req: Request) -> dict:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, runtime_options: RuntimeOptions | None = None, **engine_args):
+        """engine_args: EngineArgs fields (the CLI's engine flags); runtime_options: the engine's runtime switches
+        (default: from the environment, see hyperdraft/options.py)."""
         if model is not None:
             engine_args["model"] = model
         self.args = EngineArgs.from_kwargs(**engine_args)
-        self.engine = Engine(self.args)
+        self.engine = Engine(self.args, runtime_options)
         self.tokenizer = self.engine.tokenizer
 
     # ---- generate -----------------------------------------------------------------------------------------------
@@ -114,7 +117,7 @@ class LLM:
         """Token ids of one conversation rendered by the tokenizer's chat template, ending with the generation prompt."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer, but skip_tokenizer_init=True")
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.tokenizer.chat_template:
             raise ValueError("the tokenizer has no chat template, so chat() cannot format messages; "
                              "use generate() with a prompt you format yourself")
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):

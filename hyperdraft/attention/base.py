@@ -32,23 +32,3 @@ class AttentionBackend(ABC):
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: Any
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens -> [T, Hq, D]. Stores k/v first."""
-
-
-def make_attention_backend(name: str, pool: KVPool, page_table: PageTable) -> AttentionBackend:
-    if name == "torch":
-        from hyperdraft.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(pool, page_table)
-    if name == "triton":
-        from hyperdraft.kernels import triton_available
-
-        if pool.k.device.type != "cuda":
-            raise ValueError(f"attention_backend 'triton' needs a CUDA device, but the model is on {pool.k.device}; "
-                             "use attention_backend='torch'")
-        if not triton_available():
-            raise ValueError("attention_backend 'triton' needs the triton package, which is not installed; "
-                             "use attention_backend='torch'")
-        from hyperdraft.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(pool, page_table)
-    raise ValueError(f"attention_backend {name!r} is not supported; allowed values: 'torch', 'triton'")

@@ -92,6 +92,27 @@ class ForwardInput:
     padding: int = 0  # trailing token_ids fed only to fill a captured width: the logits rows end before them
 
 
+def _token_lists(inputs: list[ForwardInput], starts: list[int], with_ids: bool, with_positions: bool):
+    """-> per packed token: ids (when with_ids), RoPE positions (when with_positions), sequence index and page-table
+    row; then the packed rows whose logits are wanted. Host lists, built in one pass."""
+    if all(len(inp.token_ids) == 1 and inp.num_logits == 1 and not inp.padding for inp in inputs):
+        prefix = [inp.prefix_len for inp in inputs]  # one token and its logits per request: the common decode
+        ids = [inp.token_ids[0] for inp in inputs] if with_ids else []
+        pos = [p if inp.positions is None else inp.positions[0] for p, inp in zip(prefix, inputs)] if with_positions else []
+        return ids, pos, prefix, [inp.row for inp in inputs], starts
+    ids, pos, seq_index, row_of_token, logits_idx = [], [], [], [], []
+    for inp, start in zip(inputs, starts):
+        n = len(inp.token_ids)
+        if with_ids:
+            ids += inp.token_ids
+        if with_positions:
+            pos += inp.positions if inp.positions is not None else range(inp.prefix_len, inp.prefix_len + n)
+        seq_index += range(inp.prefix_len, inp.prefix_len + n)
+        row_of_token += [inp.row] * n
+        logits_idx += range(start + n - inp.padding - inp.num_logits, start + n - inp.padding)
+    return ids, pos, seq_index, row_of_token, logits_idx
+
+
 def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_table, device,
                         input_ids: torch.Tensor | None = None, tail_mask: torch.Tensor | None = None,
                         positions: torch.Tensor | None = None) -> ForwardBatch:
@@ -109,23 +130,7 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
     starts = list(itertools.accumulate(ext, initial=0))
     num_tokens = starts.pop()
     own_positions = positions is None and any(inp.positions is not None for inp in inputs)
-    ids, pos, seq_index, row_of_token, logits_idx = [], [], [], [], []
-    # one token and its logits per request
-    if all(n == 1 for n in ext) and all(inp.num_logits == 1 and not inp.padding for inp in inputs):
-        seq_index, row_of_token, logits_idx = prefix, rows, starts
-        if input_ids is None:
-            ids = [inp.token_ids[0] for inp in inputs]
-        if own_positions:
-            pos = [p if inp.positions is None else inp.positions[0] for p, inp in zip(prefix, inputs)]
-    else:
-        for inp, n, start in zip(inputs, ext, starts):
-            if input_ids is None:
-                ids += inp.token_ids
-            if own_positions:
-                pos += inp.positions if inp.positions is not None else range(inp.prefix_len, inp.prefix_len + n)
-            seq_index += range(inp.prefix_len, inp.prefix_len + n)
-            row_of_token += [inp.row] * n
-            logits_idx += range(start + n - inp.padding - inp.num_logits, start + n - inp.padding)
+    ids, pos, seq_index, row_of_token, logits_idx = _token_lists(inputs, starts, input_ids is None, own_positions)
     # int32 lengths last, so one conversion serves all three
     flat = to_device(list(itertools.chain(ids, pos, seq_index, row_of_token, logits_idx, rows, seq, starts, ext)),
                      torch.int64, device)

@@ -4,30 +4,28 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import random
 
 import torch
 
 from hyperdraft.config import EngineArgs
-from hyperdraft.runner.graph_runner import (EMULATE_GRAPHS_ENV, GraphRunner, default_batch_sizes, draft_loop_plan,
-                                            graph_plan)
-from hyperdraft.runner.model_runner import ModelRunner
+from hyperdraft.core.schedule import StepOutput
 from hyperdraft.engine.model_worker import ModelWorker
-from hyperdraft.engine.scheduler import Scheduler, StepOutput
+from hyperdraft.engine.scheduler import Scheduler
 from hyperdraft.engine.stop import StopChecker
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.loader import load_model
+from hyperdraft.options import RuntimeOptions, activated
 from hyperdraft.request import Request
+from hyperdraft.runner.graph_runner import GraphSettings, default_batch_sizes
+from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.sampling_params import SamplingParams
-from hyperdraft.models.eagle import load_eagle_head
-from hyperdraft.speculative.drafting.graphs import DRAFT_LOOP_GRAPH_ENV, DraftLoopGraphs
-from hyperdraft.speculative.proposers.model_proposer import DraftRounds
-from hyperdraft.speculative.proposers.draft_model import DraftModelProposer
-from hyperdraft.speculative.proposers.eagle import EagleProposer
-from hyperdraft.speculative.proposers.ngram import NgramProposer
+from hyperdraft.speculative.adaptive.controller import make_tier_source
 from hyperdraft.speculative.config import resolve_spec_config
+from hyperdraft.speculative.metrics import PhaseTimer
+from hyperdraft.speculative.proposer import Proposer, ProposerContext
+from hyperdraft.speculative.proposers import proposer_class
 from hyperdraft.speculative.worker import SpecWorker
 
 logger = logging.getLogger("hyperdraft")
@@ -90,105 +88,83 @@ def kv_capacity_tokens(args: EngineArgs, bytes_per_slot: int, device: torch.devi
 
 
 class Engine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, options: RuntimeOptions | None = None):
+        """options: the runtime switches (default: RuntimeOptions.from_args, i.e. the environment's); active around
+        everything the engine runs, from loading and capture to every step."""
         if args.model_path is None:
             raise ValueError("model_path is required (pass model=PATH)")
         _configure_logging(args.log_level)
         self.args = args
-        self.device = resolve_device(args.device)
-        model = load_model(args.model_path, args.dtype, self.device, args.load_format)
-        self.model_config = model.config
-        self.tokenizer = load_tokenizer(args)
-        self.context_len = args.context_length or self.model_config.max_position_embeddings
-
-        self.spec = resolve_spec_config(args, self.model_config.architecture)
-        draft = self._load_draft(model) if self.spec and self.spec.algorithm != "NGRAM" else None
-        decode_reserve = self.spec.max_verify_tokens if self.spec else 1
-        bytes_per_slot = sum(_kv_bytes_per_slot(m) for m in (model, draft) if m is not None)
-        capacity = kv_capacity_tokens(args, bytes_per_slot, self.device)
-        max_rows = args.effective_max_running_requests
-        if capacity < args.page_size:
-            raise ValueError(f"max_total_tokens={capacity} is smaller than one page (page_size={args.page_size})")
-        self.page_table = PageTable(
-            num_pages=capacity // args.page_size + 1,  # + the reserved padding page
-            page_size=args.page_size,
-            max_rows=max_rows,
-            max_pages_per_row=-(-(self.context_len + decode_reserve) // args.page_size),
-            device=self.device,
-        )
-        backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.runner = ModelRunner(model, self.page_table, backend)
-        graph_sizes = self._graph_batch_sizes(backend)
-        self.worker = self._make_worker(draft, backend, graph_sizes)
-        if graph_sizes:
-            self._capture_graphs(graph_sizes)
-        eos = self.model_config.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ())
-        chunk = args.effective_chunked_prefill_size
-        self.scheduler = Scheduler(
-            self.page_table,
-            StopChecker(self.tokenizer, eos, self.context_len),
-            max_running_requests=max_rows,
-            prefill_budget=chunk if chunk > 0 else self.context_len,
-            chunked_prefill=chunk > 0,
-            decode_reserve=decode_reserve,
-        )
+        self.options = options if options is not None else RuntimeOptions.from_args(args)
+        with activated(self.options):
+            self.device = resolve_device(args.device)
+            model = load_model(args.model_path, args.dtype, self.device, args.load_format)
+            self.model_config = model.config
+            self.tokenizer = load_tokenizer(args)
+            self.context_len = args.context_length or self.model_config.max_position_embeddings
+            self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
+            proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
+            draft = proposer_cls.load_draft(self.spec, model, args, self.device) if proposer_cls is not None else None
+            self.page_table = self._page_table(model, draft)
+            backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+            graphs = self._graph_settings(backend)
+            self.runner = ModelRunner(model, self.page_table, backend, graphs)
+            self.worker = self._make_worker(proposer_cls, draft, backend, graphs)
+            if graphs is not None:
+                self.worker.capture_graphs(list(graphs.batch_sizes))
+        self.scheduler = self._make_scheduler()
         self._seed_rng = random.Random(args.random_seed)
         self._rid_counter = itertools.count()
 
-    def _load_draft(self, target):
-        if self.spec.algorithm in ("EAGLE", "EAGLE3"):
-            head = load_eagle_head(self.spec.draft_model_path, target, load_format=self.args.load_format)
-            if head.config.kind != self.spec.algorithm.lower():
-                raise ValueError(f"speculative_draft_model_path holds an {head.config.kind.upper()} head "
-                                 f"({head.config.architecture}), but speculative_algorithm is {self.spec.algorithm}")
-            return head
-        draft = load_model(self.spec.draft_model_path, self.args.dtype, self.device, self.args.load_format)
-        if draft.config.vocab_size != self.model_config.vocab_size:
-            raise ValueError(
-                f"speculative_draft_model_path: the draft vocabulary has {draft.config.vocab_size} tokens, the target's "
-                f"{self.model_config.vocab_size}; a STANDALONE draft must share the target's vocabulary"
-            )
-        return draft
+    def _page_table(self, model, draft) -> PageTable:
+        """One page table for every pool, its capacity split by the target's and the draft's bytes per token."""
+        args = self.args
+        bytes_per_slot = sum(_kv_bytes_per_slot(m) for m in (model, draft) if m is not None)
+        capacity = kv_capacity_tokens(args, bytes_per_slot, self.device)
+        if capacity < args.page_size:
+            raise ValueError(f"max_total_tokens={capacity} is smaller than one page (page_size={args.page_size})")
+        return PageTable(
+            num_pages=capacity // args.page_size + 1,  # + the reserved padding page
+            page_size=args.page_size,
+            max_rows=args.effective_max_running_requests,
+            max_pages_per_row=-(-(self.context_len + self._decode_reserve()) // args.page_size),
+            device=self.device,
+        )
 
-    def _make_worker(self, draft, backend: str, graph_sizes: list[int] | None):
+    def _decode_reserve(self) -> int:
+        """K/V room a decoding request needs past its tokens: the widest round any tier can run, or 1."""
+        return self.spec.max_verify_tokens if self.spec is not None else 1
+
+    def _make_worker(self, proposer_cls: type[Proposer] | None, draft, backend: str, graphs: GraphSettings | None):
         if self.spec is None:
-            return ModelWorker(self.runner)
-        if self.spec.algorithm in ("EAGLE", "EAGLE3"):
-            proposer = EagleProposer(draft, self.page_table, backend, self.spec.max_verify_tokens,
-                                     self.args.effective_max_running_requests, self.spec.use_rejection_sampling)
-        elif draft is not None:
-            proposer = DraftModelProposer(ModelRunner(draft, self.page_table, backend), self.spec.use_rejection_sampling)
-        else:
-            proposer = NgramProposer(self.spec.ngram_min_window, self.spec.ngram_max_window, self.device)
-        return SpecWorker(self.runner, proposer, self.spec, graph_sizes)
+            return ModelWorker(self.runner, self.options.decode_ahead)
+        timer = PhaseTimer(self.device, self.options.record_step_time)
+        ctx = ProposerContext(self.spec, self.runner, backend, graphs, self.options, timer,
+                              self.args.effective_max_running_requests)
+        tiers = make_tier_source(self.spec.tier, self.spec.adaptive, list(graphs.batch_sizes) if graphs else None)
+        return SpecWorker(self.runner, proposer_cls.build(ctx, draft), self.spec, tiers, timer)
 
-    def _graph_batch_sizes(self, backend: str) -> list[int] | None:
+    def _graph_settings(self, backend: str) -> GraphSettings | None:
         """The batch sizes to capture CUDA graphs for, or None when every forward runs eagerly."""
-        emulate = self.device.type == "cpu" and os.environ.get(EMULATE_GRAPHS_ENV) == "1"
+        emulate = self.device.type == "cpu" and self.options.emulate_cuda_graphs
         if self.args.disable_cuda_graph or not (emulate or self.device.type == "cuda"):
             return None
         if not emulate and backend != "triton":
             logger.warning("CUDA graphs need attention_backend='triton' (the torch backend builds its metadata on "
                            "the host); running eagerly")
             return None
-        return default_batch_sizes(min(self.args.cuda_graph_max_bs or DEFAULT_GRAPH_MAX_BS,
-                                       self.args.effective_max_running_requests))
+        sizes = default_batch_sizes(min(self.args.cuda_graph_max_bs or DEFAULT_GRAPH_MAX_BS,
+                                        self.args.effective_max_running_requests))
+        return GraphSettings(tuple(sizes), emulate=emulate, segments=self.options.graph_segments)
 
-    def _capture_graphs(self, sizes: list[int]) -> None:
-        """CUDA graphs for every runner and shape the configured tiers can run (runner/graph_runner.py)."""
-        for runner, mode_shapes, layers in graph_plan(self.spec, self.worker, sizes):
-            runner.graphs = GraphRunner(runner, sizes, emulate=self.device.type == "cpu")
-            for mode, shapes in mode_shapes.items():
-                runner.graphs.capture(shapes, mode, layers)
-        proposer = getattr(self.worker, "proposer", None)
-        if isinstance(proposer, DraftRounds) and os.environ.get(DRAFT_LOOP_GRAPH_ENV, "1") != "0":
-            plan = draft_loop_plan(self.spec, self.worker, sizes)
-            if plan:
-                runner = proposer.runner
-                proposer.draft_loop = DraftLoopGraphs(runner, self.page_table, proposer.feeds_hidden,
-                                                      proposer.catch_up_hidden, emulate=self.device.type == "cpu",
-                                                      pool=runner.graphs.pool)
-                proposer.draft_loop.capture(plan)
+    def _make_scheduler(self) -> Scheduler:
+        tokenizer, chunk = self.tokenizer, self.args.effective_chunked_prefill_size
+        eos = self.model_config.eos_token_ids or (
+            (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
+        return Scheduler(self.page_table, StopChecker(tokenizer, eos, self.context_len),
+                         max_running_requests=self.args.effective_max_running_requests,
+                         prefill_budget=chunk if chunk > 0 else self.context_len, chunked_prefill=chunk > 0,
+                         decode_reserve=self._decode_reserve())
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -235,7 +211,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        results = self.worker.run(batch)
+        with activated(self.options):
+            results = self.worker.run(batch)
         return self.scheduler.commit(batch, results)
 
     # ---- introspection ------------------------------------------------------------------------------------------

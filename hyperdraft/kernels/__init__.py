@@ -21,7 +21,8 @@ only torch.
 from __future__ import annotations
 
 import functools
-import os
+
+from hyperdraft import options
 
 
 @functools.cache
@@ -33,11 +34,7 @@ def triton_available() -> bool:
     return True
 
 
-# The fused elementwise kernels (norm.py, activation.py, rope.py) replace eager torch on CUDA unless this is off;
-# set from HYPERDRAFT_DISABLE_FUSED_KERNELS=1, or flip it before building an engine, for A/B measurements.
-FUSED_ENABLED = os.environ.get("HYPERDRAFT_DISABLE_FUSED_KERNELS") != "1"
-
-
 def use_fused_kernels(x) -> bool:
-    """Whether the model should run the Triton elementwise kernels on this tensor (else the torch references)."""
-    return FUSED_ENABLED and x.is_cuda and triton_available()
+    """Whether the model should run the Triton kernels on this tensor (else the torch references): on CUDA, unless
+    the active RuntimeOptions turn them off (A/B measurements)."""
+    return x.is_cuda and options.current().fused_kernels and triton_available()

@@ -4,8 +4,8 @@ API (ctypes, no torch extension build), with programmatic dependent launch like 
 Triton serves every kernel but one: the few-row tensor-core GEMV (gemv_mma.cu), whose weight operands must go from
 global memory straight into MMA registers, which Triton's layouts do not express. Where nvcc is missing, the build
 fails or the GPU is not one it was measured on, `module()` returns None and the Triton kernel runs instead (logged
-once). The cubin is cached under $HYPERDRAFT_CACHE (default ~/.cache/hyperdraft), keyed by the source and the GPU
-architecture. HYPERDRAFT_DISABLE_CUDA_KERNELS=1 turns the CUDA kernels off (A/B measurements).
+once). The cubin is cached under options.cache_dir() ($HYPERDRAFT_CACHE), keyed by the source and the GPU
+architecture. RuntimeOptions.cuda_kernels (HYPERDRAFT_DISABLE_CUDA_KERNELS=1) turns them off (A/B measurements).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import tempfile
 
 import torch
 
+from hyperdraft import options
+
 logger = logging.getLogger("hyperdraft")
-ENABLED = os.environ.get("HYPERDRAFT_DISABLE_CUDA_KERNELS") != "1"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_mma.cu")
 MEASURED_ARCHS = {(9, 0)}  # H100 / H200: where gemv_mma.cu was measured against the Triton kernel
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
@@ -84,14 +85,13 @@ def _nvcc() -> str | None:
     found = shutil.which("nvcc")
     if found:
         return found
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    path = os.path.join(home, "bin", "nvcc")
+    path = os.path.join(options.cuda_home(), "bin", "nvcc")
     return path if os.path.exists(path) else None
 
 
 def _build(arch: str) -> bytes:
     source = open(SOURCE, "rb").read()
-    cache = os.path.join(os.environ.get("HYPERDRAFT_CACHE", os.path.expanduser("~/.cache/hyperdraft")), "cubin")
+    cache = os.path.join(options.cache_dir(), "cubin")
     path = os.path.join(cache, f"gemv_mma_{hashlib.sha256(source).hexdigest()[:16]}_sm{arch}.cubin")
     if not os.path.exists(path):
         nvcc = _nvcc()
@@ -105,11 +105,16 @@ def _build(arch: str) -> bytes:
     return open(path, "rb").read()
 
 
-@functools.cache
 def module(device: torch.device) -> CudaModule | None:
-    """The loaded CUDA kernels for this device, or None (Triton kernels run instead)."""
-    if not ENABLED or device.type != "cuda":
+    """The loaded CUDA kernels for this device, or None (Triton kernels run instead, also where the active
+    RuntimeOptions turn them off)."""
+    if device.type != "cuda" or not options.current().cuda_kernels:
         return None
+    return _load(device)
+
+
+@functools.cache
+def _load(device: torch.device) -> CudaModule | None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     capability = torch.cuda.get_device_capability(index)
     if capability not in MEASURED_ARCHS:
@@ -117,7 +122,7 @@ def module(device: torch.device) -> CudaModule | None:
     try:
         return CudaModule(_build(f"{capability[0]}{capability[1]}"), torch.device("cuda", index))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
+        detail = (e.stderr or b"") if isinstance(e, subprocess.CalledProcessError) else b""
         logger.warning("CUDA kernels unavailable, the Triton GEMV runs instead: %s %s", e,
                        detail.decode(errors="replace")[-500:])
         return None

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
 import hyperdraft.kernels as kernels
+from hyperdraft import options
 from hyperdraft.kernels import cuda_kernels
 from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_enabled, pdl_wait
@@ -43,9 +43,6 @@ DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 6
 # a 6144 x 4096 qkv product at 6 rows on an H100, 19.8 unswapped (benchmarks/results/gemv_shapes_h100.md); every
 # other 8B shape is best at the default.
 WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES = 64, 256, 3
-# HYPERDRAFT_DISABLE_GEMV=1 keeps cuBLAS for every product (A/B measurements); so does
-# HYPERDRAFT_DISABLE_FUSED_KERNELS=1, with every other Triton kernel.
-ENABLED = os.environ.get("HYPERDRAFT_DISABLE_GEMV") != "1"
 
 
 @jit
@@ -149,7 +146,8 @@ def _num_sms(device: torch.device) -> int:
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether gemv serves this product: CUDA, <= MAX_ROWS rows, row-major weight, no autograd."""
     width = weight.shape[-1]
-    return (ENABLED and kernels.use_fused_kernels(x) and 0 < x.numel() <= MAX_ROWS * width
+    # RuntimeOptions.gemv off keeps cuBLAS for every product (A/B measurements); so does fused_kernels off.
+    return (kernels.use_fused_kernels(x) and options.current().gemv and 0 < x.numel() <= MAX_ROWS * width
             and x.shape[-1] == width and weight.dim() == 2 and weight.is_contiguous() and x.stride(-1) == 1
             and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
-from hyperdraft.kernels.pdl import INTERPRETED, pdl_args, pdl_wait
+from hyperdraft.kernels.pdl import pdl_args, pdl_wait
+from hyperdraft.options import triton_interpreted
 from hyperdraft.kernels.rope import write_cos_sin_row
 
 
@@ -108,7 +109,7 @@ def embed_hidden_norm(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tens
         _embed_hidden_norm[(num_tokens, 2)](ids, table, hidden, embed_weight, hidden_weight, out, positions, inv_freq, cos,
                                             sin, ids.stride(0), hidden.stride(0), dim, eps, half, BLOCK_D=block,
                                             ROPE=rope is not None, BLOCK_HALF=triton.next_power_of_2(half),
-                                            LIBDEVICE=not INTERPRETED, num_warps=min(16, max(1, block // 256)),
+                                            LIBDEVICE=not triton_interpreted(), num_warps=min(16, max(1, block // 256)),
                                             **pdl_args(hidden.device))
     return out if rope is None else (out, cos, sin)
 

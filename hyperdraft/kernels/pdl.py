@@ -13,9 +13,11 @@ predecessor's, so ordering stays transitive along the stream. Only weight reads 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from hyperdraft import options
+from hyperdraft.options import triton_interpreted
 
 from hyperdraft.kernels._triton import jit, tl
 
@@ -24,9 +26,6 @@ try:
 except ImportError:  # no triton (CPU), or one without grid dependency control
     gdc_launch_dependents = gdc_wait = None
 
-# HYPERDRAFT_DISABLE_PDL=1 launches every kernel plainly (A/B measurements, older drivers).
-ENABLED = os.environ.get("HYPERDRAFT_DISABLE_PDL") != "1"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter has no grid dependency control
 
 
 @functools.cache
@@ -35,7 +34,9 @@ def _device_has_pdl(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    return (ENABLED and gdc_wait is not None and device.type == "cuda" and not INTERPRETED
+    """RuntimeOptions.pdl off (HYPERDRAFT_DISABLE_PDL=1) launches every kernel plainly (A/B measurements, older
+    drivers); Triton's CPU interpreter has no grid dependency control."""
+    return (device.type == "cuda" and gdc_wait is not None and options.current().pdl and not triton_interpreted()
             and _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device()))
 
 

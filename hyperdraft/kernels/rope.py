@@ -19,7 +19,8 @@ try:
     from triton.language.extra import libdevice
 except ImportError:  # no triton (CPU)
     libdevice = None
-from hyperdraft.kernels.pdl import INTERPRETED, pdl_args, pdl_wait
+from hyperdraft.kernels.pdl import pdl_args, pdl_wait
+from hyperdraft.options import triton_interpreted
 
 
 @jit
@@ -101,7 +102,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     assert positions.is_contiguous() and inv_freq.is_contiguous() and inv_freq.dtype == torch.float32
     if num_tokens:
         _rope_cos_sin[(num_tokens,)](positions, inv_freq, cos, sin, half, BLOCK_HALF=triton.next_power_of_2(half),
-                                     LIBDEVICE=not INTERPRETED, num_warps=1, **pdl_args(positions.device))
+                                     LIBDEVICE=not triton_interpreted(), num_warps=1, **pdl_args(positions.device))
     return cos, sin
 
 

@@ -31,19 +31,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperdraft import options
 from hyperdraft.kernels.gemv import cuda_linear, finish_product
 
 # Up to this many rows, `W @ x^T` beats F.linear (by 1.2-3x at 2..8 rows, 1.2-1.4x at 9..11); from 12 rows on MKL
 # picks the same kernel for both.
 SKINNY_MAX_ROWS = 11
-ENABLED = True  # a switch for A/B measurements against plain F.linear
 
 
 def uses_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # Cheapest tests first: this runs for every projection of every step (about 120 per SmolLM2 forward).
     width = x.shape[-1]
-    return (ENABLED and x.is_cpu and 0 < x.numel() <= SKINNY_MAX_ROWS * width and x.dtype == torch.float32
-            and weight.dtype == torch.float32
+    return (x.is_cpu and 0 < x.numel() <= SKINNY_MAX_ROWS * width and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and options.current().skinny_cpu_linear  # off: A/B against F.linear
             and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))
 
 
@@ -71,6 +71,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state-dict names) whose forward uses skinny_linear."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fused_rows: FusedRows | None = None  # set by fuse_rows on the first of the projections it packs
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T + b, plus residual ([..., out]) when given, cast to out_dtype when given."""
@@ -87,7 +91,7 @@ class FusedRows:
     ptrs: list[int]  # where each projection's weight and bias start inside the buffers, to notice a swap
 
 
-def fuse_rows(*linears: nn.Linear) -> None:
+def fuse_rows(*linears: Linear) -> None:
     """Re-point the projections' weights (and biases) at row blocks of one fresh contiguous buffer. The modules
     keep their parameters and state-dict names; only the storage is shared. Does nothing unless every
     projection has the same input width, device and dtype, and all or none have a bias."""
@@ -111,12 +115,12 @@ def _pointers(linears) -> list[int]:
     return [t.data_ptr() for lin in linears for t in (lin.weight, lin.bias) if t is not None]
 
 
-def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+def project(x: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]:
     """(lin(x) for lin in linears), as one product when fuse_rows packed them and they still share that buffer
     (a later .to() or parameter swap gives them their own storage again; then each runs alone). On CUDA the
     packed product is one launch instead of two or three: the small k/v GEMVs alone stream their weights well
     below bandwidth."""
-    fused: FusedRows | None = getattr(linears[0], "fused_rows", None)
+    fused = linears[0].fused_rows
     if fused is not None and _pointers(linears) == fused.ptrs:
         if uses_skinny_path(x, linears[0].weight):
             return skinny_linear(x, fused.weight, fused.bias).split(fused.sizes, -1)

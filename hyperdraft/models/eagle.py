@@ -133,11 +133,12 @@ class _Head(nn.Module):
 
     vocab_map: VocabMap | None = None  # set when the head scores a draft vocabulary (compute_draft_logits)
 
-    def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool, lm_rows: int):
+    def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool, lm_rows: int,
+                 aux_layer_ids: tuple[int, ...] = ()):
         super().__init__()
         self.config = cfg
         self.target_num_layers = target.config.num_layers
-        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_layer_ids = aux_layer_ids  # target layers whose outputs the head reads (EAGLE-3; () for EAGLE-1)
         # Target modules used by reference live in a plain dict, not as submodules: head.to(), state_dict() and
         # parameters() never reach them, so the target's weights are neither copied nor converted.
         self._shared: dict[str, nn.Module] = {}
@@ -241,8 +242,9 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(_Head):
     """EAGLE-3: fc over 3 target aux states; one midlayer over (embedding, hidden); norm + lm_head over the draft vocab."""
 
-    def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool):
-        super().__init__(cfg, target, own_embed, own_lm_head, cfg.draft_vocab_size)
+    def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool,
+                 aux_layer_ids: tuple[int, ...] = ()):
+        super().__init__(cfg, target, own_embed, own_lm_head, cfg.draft_vocab_size, aux_layer_ids)
         self.fc = Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.midlayer = Eagle3Layer(cfg.layer)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -327,19 +329,40 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
     if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; allowed values: auto, {', '.join(DTYPES)}")
     dtype = param.dtype if dtype in (None, "auto") else DTYPES.get(dtype, dtype)
+    ids = _check_against_target(cfg, tcfg)
+    weights, own_embed, own_lm_head = _head_weights(path, cfg, tcfg, load_format)
+    with torch.device("meta"):
+        head = (Eagle3Head(cfg, target, own_embed, own_lm_head, ids) if cfg.kind == "eagle3"
+                else EagleHead(cfg, target, own_embed, own_lm_head))
+    head = head.to_empty(device=device)
+    _fill_state(head, path, cfg, weights)
+    head.to(dtype)  # floating tensors only: d2t/t2d keep their integer/bool dtypes
+    head.inv_freq = rope_inv_freq(cfg.layer).to(device)  # RoPE frequencies stay fp32 whatever the weights' dtype
+    head.finish_loading()
+    fuse_projections(head.layers if cfg.kind != "eagle3" else [head.midlayer])
+    return head.eval().requires_grad_(False)
+
+
+def _check_against_target(cfg: EagleConfig, tcfg) -> tuple[int, ...]:
+    """Refuse a head that cannot draft for this target -> the target layers an EAGLE-3 head reads (() for EAGLE-1)."""
     if cfg.vocab_size != tcfg.vocab_size:
         raise ValueError(f"draft vocab_size={cfg.vocab_size} differs from the target's vocab_size={tcfg.vocab_size}")
     field, size = ("target_hidden_size", cfg.target_hidden_size) if cfg.kind == "eagle3" else ("hidden_size", cfg.hidden_size)
     if size != tcfg.hidden_size:
         raise ValueError(f"draft {field}={size} differs from the target's hidden_size={tcfg.hidden_size}")
-    ids = ()
-    if cfg.kind == "eagle3":
-        ids = cfg.eagle_aux_hidden_state_layer_ids or default_aux_layer_ids(tcfg.num_layers)
-        if len(ids) != 3 or len(set(ids)) != 3:
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)}: EAGLE-3 needs exactly 3 distinct target layers")
-        if not all(0 <= i < tcfg.num_layers for i in ids):
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)} must lie in [0, {tcfg.num_layers}) "
-                             f"(the target has num_layers={tcfg.num_layers})")
+    if cfg.kind != "eagle3":
+        return ()
+    ids = cfg.eagle_aux_hidden_state_layer_ids or default_aux_layer_ids(tcfg.num_layers)
+    if len(ids) != 3 or len(set(ids)) != 3:
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)}: EAGLE-3 needs exactly 3 distinct target layers")
+    if not all(0 <= i < tcfg.num_layers for i in ids):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)} must lie in [0, {tcfg.num_layers}) "
+                         f"(the target has num_layers={tcfg.num_layers})")
+    return tuple(ids)
+
+
+def _head_weights(path: str, cfg: EagleConfig, tcfg, load_format: str) -> tuple[dict | None, bool, bool]:
+    """-> (the checkpoint's weights, None for dummy weights; whether the head owns its embedding; its lm_head)."""
     if load_format == "dummy":  # random weights (benchmarks); own embeddings / lm_head only where sharing is impossible
         weights = None
         own_embed = cfg.hidden_size != tcfg.hidden_size
@@ -353,10 +376,11 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
     if not own_lm_head and (cfg.hidden_size, cfg.draft_vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
         raise ValueError(f"the draft has no lm_head.weight, and with hidden_size={cfg.hidden_size}, draft_vocab_size="
                          f"{cfg.draft_vocab_size} it cannot share the target's ({tcfg.hidden_size}, {tcfg.vocab_size})")
-    with torch.device("meta"):
-        head = (Eagle3Head if cfg.kind == "eagle3" else EagleHead)(cfg, target, own_embed, own_lm_head)
-    head.aux_layer_ids = tuple(ids)
-    head = head.to_empty(device=device)
+    return weights, own_embed, own_lm_head
+
+
+def _fill_state(head: EagleHead | Eagle3Head, path: str, cfg: EagleConfig, weights: dict | None) -> None:
+    """The checkpoint's tensors into the head's state (random ones for dummy weights), checked by name and shape."""
     state = head.state_dict()
     if cfg.kind == "eagle3":
         state["d2t"].zero_()  # identity defaults for a full-vocabulary head that ships no d2t/t2d
@@ -378,11 +402,6 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
             if tensor.shape != state[name].shape:
                 raise ValueError(f"draft weight {name} has shape {tuple(tensor.shape)}, the head expects {tuple(state[name].shape)}")
             state[name].copy_(tensor)
-    head.to(dtype)  # floating tensors only: d2t/t2d keep their integer/bool dtypes
-    head.inv_freq = rope_inv_freq(cfg.layer).to(device)  # RoPE frequencies stay fp32 whatever the weights' dtype
-    head.finish_loading()
-    fuse_projections(head.layers if cfg.kind != "eagle3" else [head.midlayer])
-    return head.eval().requires_grad_(False)
 
 
 def _check_weight_names(path: str, cfg, state: dict, weights: dict) -> None:

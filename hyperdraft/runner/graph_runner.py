@@ -19,10 +19,14 @@ Segments: a graph's host launch cost grows with its kernel count (about 0.45 ms 
 an H100) and its first kernel starts only when the launch call returns, so at batch 1 that cost is GPU idle time.
 A decoder's forward is therefore captured as a few graphs cut at layer boundaries (after layers L/16 and L/4):
 the GPU starts on the short first segment while the host is still launching the rest. The segments share one
-memory pool and are replayed in capture order. HYPERDRAFT_GRAPH_SEGMENTS=0 captures one graph per forward.
+memory pool and are replayed in capture order. GraphSettings.segments off (RuntimeOptions.graph_segments) captures
+one graph per forward.
 
-emulate=True (CPU tests, HYPERDRAFT_EMULATE_CUDA_GRAPH=1) keeps the static buffers, padding and output slicing but
-runs the forward eagerly on the static buffers: the graph bookkeeping is tested where no GPU exists.
+GraphSettings.emulate (CPU tests, RuntimeOptions.emulate_cuda_graphs) keeps the static buffers, padding and output
+slicing but runs the forward eagerly on the static buffers: the graph bookkeeping is tested where no GPU exists.
+
+What to capture is the caller's business: a plain worker captures one-token decodes, the speculative worker plans
+its verify and draft shapes (speculative/graph_plan.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -40,8 +43,15 @@ import torch
 from hyperdraft.core.forward_batch import ForwardBatch
 
 logger = logging.getLogger("hyperdraft")
-EMULATE_GRAPHS_ENV = "HYPERDRAFT_EMULATE_CUDA_GRAPH"
-SEGMENTED = os.environ.get("HYPERDRAFT_GRAPH_SEGMENTS", "1") != "0"  # flip before capture for A/B runs
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """How a runner captures: the batch sizes (padded up to), emulation on CPU, segmented forwards."""
+
+    batch_sizes: tuple[int, ...]
+    emulate: bool = False
+    segments: bool = True
 
 
 def segment_cuts(num_layers: int) -> tuple[int, ...]:
@@ -129,17 +139,18 @@ class _StaticInputs:
 
 
 class GraphRunner:
-    def __init__(self, runner, batch_sizes: list[int], emulate: bool = False):
+    def __init__(self, runner, settings: GraphSettings):
         self.runner = runner
-        self.batch_sizes = sorted(batch_sizes)
-        self.emulate = emulate
+        self.settings = settings
+        self.batch_sizes = sorted(settings.batch_sizes)
+        self.emulate = settings.emulate
         self.max_seq_len = runner.page_table.max_pages_per_row * runner.page_table.page_size
         self.inputs: dict[GraphShape, _StaticInputs] = {}
         self.sizes: dict[GraphShape, list[int]] = {}
         self.graphs: dict[tuple[GraphShape, int], object] = {}
         self.outputs: dict[tuple[GraphShape, int], object] = {}
         self.capture_layers: tuple[int, ...] = ()
-        self.pool = None
+        self.pool = None  # the graphs' shared memory pool, made at the first capture (memory_pool)
         self.num_replays = 0  # tests and logs: how many forwards a graph served
         self.replays: Counter[tuple[GraphShape, int]] = Counter()  # the same, per (shape, padded batch size)
         self.capture_seconds = 0.0
@@ -175,26 +186,24 @@ class GraphRunner:
         if self.emulate:
             self.outputs[key] = None
             return
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         self.graphs[key], self.outputs[key] = self._capture_segments(fb)
 
+    def memory_pool(self):
+        """The memory pool every graph of this runner shares (and a drafter's whole-round graphs with them)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
+
     def _capture_segments(self, fb: ForwardBatch) -> tuple[list, object]:
-        """Capture one forward as consecutive graphs cut after the layers segment_cuts names (one graph when the
-        model has no layer hook or segments are off)."""
-        model = getattr(self.runner, "model", None)
-        cuts = segment_cuts(model.config.num_layers) if SEGMENTED and hasattr(model, "layer_hook") else ()
+        """Capture one forward as consecutive graphs cut after the layers the runner's segment_cuts names (one graph
+        when it names none or segments are off)."""
+        cuts = self.runner.segment_cuts() if self.settings.segments else ()
 
         def run(cut):
-            if cuts:
-                model.layer_hook = lambda layers_done: cut() if layers_done in cuts else None
-            try:
-                return self.runner.forward_eager(fb, self.capture_layers)
-            finally:
-                if cuts:
-                    model.layer_hook = None
+            after_layer = (lambda layers_done: cut() if layers_done in cuts else None) if cuts else None
+            return self.runner.forward_eager(fb, self.capture_layers, after_layer)
 
-        return capture_segments(self.pool, self.runner.device, run)
+        return capture_segments(self.memory_pool(), self.runner.device, run)
 
     # ---- replay -------------------------------------------------------------------------------------------------
     def match(self, fb: ForwardBatch, capture_layers: tuple[int, ...]) -> tuple[GraphShape, int] | None:
@@ -294,88 +303,3 @@ def capture_segments(pool, device, run) -> tuple[list, object]:
         out = run(cut)
         segments[-1].capture_end()
     return segments, out
-
-
-def graph_plan(spec, worker, sizes: list[int]) -> list[tuple[object, dict, tuple[int, ...]]]:
-    """-> [(runner, {mode: {GraphShape: batch sizes}}, capture_layers)]: what to capture, per model.
-
-    Target: one-token decodes without speculation (or for a steps-0 tier); otherwise each tier's verify width,
-    for the batch sizes that can route to that tier. A draft model or EAGLE head: see _draft_plan."""
-    from hyperdraft.core.forward_batch import ForwardMode
-
-    if spec is None:
-        return [(worker.runner, {ForwardMode.DECODE: {GraphShape(1, 0): sizes}}, ())]
-    tiers = _plan_tiers(spec, worker)
-    verify: dict[GraphShape, list[int]] = {}
-    decode: dict[GraphShape, list[int]] = {}
-    for tier in tiers:
-        tier_sizes = _tier_sizes(spec, worker, tier, sizes)
-        if tier.steps == 0:
-            _add(decode, GraphShape(1, 0), tier_sizes)
-            continue
-        q = tier.num_draft_tokens
-        _add(verify, GraphShape(q, q if tier.is_tree else 0), tier_sizes)
-    layers = tuple(getattr(worker.proposer, "capture_layers", ()))
-    plan = [(worker.runner, {ForwardMode.DECODE: decode, ForwardMode.TARGET_VERIFY: verify}, layers)]
-    draft_runner = getattr(worker.proposer, "runner", None)  # STANDALONE: a ModelRunner; EAGLE: a HeadRunner
-    if draft_runner is not None and any(t.steps > 0 for t in tiers):
-        plan.append((draft_runner, _draft_plan(spec, worker, tiers, sizes), ()))
-    return plan
-
-
-def _draft_plan(spec, worker, tiers, sizes: list[int]) -> dict:
-    """The drafter's shapes: its one-token (chain) draft steps; each tree tier's draft steps, one shape per depth
-    (frontier size, tail-mask width), for a beam and, when drafts may be drawn from q, for a sampled tree's level
-    budgets; and the catch-up extend, padded per batch size to the widest catch-up a tier routed there can leave
-    for the next round (catch_up_widths). Anything else (a wider catch-up after a tier switch, a frontier shape not
-    listed) runs eagerly. Greedy rounds run as one graph each (speculative/drafting/graphs.py, draft_loop_plan); these
-    per-step graphs serve the rest."""
-    from hyperdraft.core.forward_batch import ForwardMode
-    from hyperdraft.speculative.drafting.beam import draft_step_shapes
-
-    steps: dict[GraphShape, list[int]] = {GraphShape(1, 0): sizes}
-    may_sample = spec.use_rejection_sampling is not False  # None: sampled trees whenever a request samples
-    for tier in (t for t in tiers if t.steps > 0 and t.is_tree):
-        for k, w in draft_step_shapes(tier.steps, tier.topk, tier.num_draft_tokens, may_sample):
-            _add(steps, GraphShape(k, w), _tier_sizes(spec, worker, tier, sizes))
-    extend: dict[GraphShape, list[int]] = {}
-    for g, width in catch_up_widths(spec, worker, sizes).items():
-        if width > 1:  # width 1 is the one-token decode graph
-            _add(extend, GraphShape(width, 0, one_logit=True), [g])
-    return {ForwardMode.DECODE: steps, ForwardMode.DRAFT_EXTEND: extend}
-
-
-def _plan_tiers(spec, worker) -> list:
-    return spec.adaptive.candidate_union() if spec.adaptive is not None else [worker.tiers.tier]
-
-
-def catch_up_widths(spec, worker, sizes: list[int]) -> dict[int, int]:
-    """Batch size -> the widest catch-up a drafting tier routed to it can leave (proposer.catch_up_width)."""
-    width_of: dict[int, int] = {}
-    for tier in (t for t in _plan_tiers(spec, worker) if t.steps > 0):
-        width = worker.proposer.catch_up_width(tier)
-        for g in _tier_sizes(spec, worker, tier, sizes):
-            width_of[g] = max(width_of.get(g, 1), width)
-    return width_of
-
-
-def draft_loop_plan(spec, worker, sizes: list[int]) -> dict:
-    """Tier -> {batch size: catch-up width}: the whole-round draft graphs of every drafting tier, chain or tree, at
-    the batch sizes routed to it (speculative/drafting/graphs.py)."""
-    width_of = catch_up_widths(spec, worker, sizes)
-    plan: dict = {}
-    for tier in (t for t in _plan_tiers(spec, worker) if t.steps > 0):
-        for bs in _tier_sizes(spec, worker, tier, sizes):
-            plan.setdefault(tier, {})[bs] = width_of[bs]
-    return plan
-
-
-def _tier_sizes(spec, worker, tier, sizes: list[int]) -> list[int]:
-    """The captured batch sizes that can run `tier` (adaptive: those whose slot has it)."""
-    if spec.adaptive is None:
-        return sizes
-    return worker.tiers.graph_sizes_for_steps(tier.steps) or []
-
-
-def _add(shapes: dict[GraphShape, list[int]], shape: GraphShape, sizes: list[int]) -> None:
-    shapes[shape] = sorted(set(shapes.get(shape, [])) | set(sizes))

@@ -7,17 +7,19 @@ sized from its own model's config.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.attention.base import make_attention_backend
+from hyperdraft.attention.registry import make_attention_backend
 from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.decoder import DecoderLM
+from hyperdraft.runner.graph_runner import GraphRunner, GraphSettings, segment_cuts
 
 
 @dataclass
@@ -46,10 +48,13 @@ class ForwardOutput:
 
 
 class GraphedRunner:
-    """Forward dispatch shared by every runner: a captured graph when one fits the batch, else eager."""
+    """Forward dispatch shared by every runner: a captured graph when one fits the batch, else eager. A runner built
+    with GraphSettings owns a GraphRunner (runner/graph_runner.py), which captures what its owner plans."""
 
-    graphs = None  # a GraphRunner once CUDA graphs are captured (runner/graph_runner.py)
-    input_hidden_size: int | None = None  # per-token hidden inputs (fb.input_hidden) this model consumes, if any
+    def __init__(self, page_table: PageTable, graphs: GraphSettings | None, input_hidden_size: int | None = None):
+        self.page_table = page_table
+        self.input_hidden_size = input_hidden_size  # per-token hidden inputs (fb.input_hidden) the model consumes
+        self.graphs = GraphRunner(self, graphs) if graphs is not None else None
 
     def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """Either way the caller gets the outputs of the path that ran, and nothing else."""
@@ -61,14 +66,21 @@ class GraphedRunner:
                     return self.graphs.replay(fb, key)
         return self.forward_eager(fb, capture_layers)
 
-    def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (),
+                      after_layer: Callable[[int], None] | None = None) -> ForwardOutput:
+        """The forward, eagerly; after_layer(layers done) marks where graph capture may cut (segment_cuts)."""
         raise NotImplementedError
+
+    def segment_cuts(self) -> tuple[int, ...]:
+        """Layer counts after which a captured forward starts a new graph segment (none: one graph)."""
+        return ()
 
 
 class ModelRunner(GraphedRunner):
-    def __init__(self, model: DecoderLM, page_table: PageTable, attention_backend: str):
+    def __init__(self, model: DecoderLM, page_table: PageTable, attention_backend: str,
+                 graphs: GraphSettings | None = None):
+        super().__init__(page_table, graphs)
         self.model = model
-        self.page_table = page_table
         self.config = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -77,13 +89,17 @@ class ModelRunner(GraphedRunner):
         self.pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.backend = make_attention_backend(attention_backend, self.pool, page_table)
 
+    def segment_cuts(self) -> tuple[int, ...]:
+        return segment_cuts(self.config.num_layers)
+
     @torch.inference_mode()
-    def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (),
+                      after_layer: Callable[[int], None] | None = None) -> ForwardOutput:
         meta = self.backend.plan(fb)
 
         def attn(layer_id, q, k, v):
             return self.backend.forward(layer_id, q, k, v, fb, meta)
 
-        hidden, captured = self.model(fb.input_ids, fb.positions, attn, capture_layers)
+        hidden, captured = self.model(fb.input_ids, fb.positions, attn, capture_layers, after_layer)
         logits = self.model.compute_logits(fb.logits_rows(hidden))
         return ForwardOutput(logits, hidden, captured)

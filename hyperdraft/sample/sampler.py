@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from hyperdraft.kernels.argmax import argmax_rows
@@ -9,15 +11,18 @@ from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_
 from hyperdraft.sample.rng import DOMAIN_SAMPLE, sample_from_probs
 
 
+class SampledTokens(NamedTuple):
+    tokens: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor  # [N] float32, under the model distribution after penalties, before temperature and filtering
+
+
 class Sampler:
-    def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [N, V] -> (tokens [N] int64, logprobs [N] float32 under the model distribution after penalties,
-        before temperature and filtering)."""
+    def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
+        """logits: [N, V] -> one token per row and its logprob."""
         logits = penalised_logits(logits.float(), sb)
         if sb.all_greedy:
             tokens = argmax_rows(logits)
         else:
             probs = probs_from_logits(logits, sb)
             tokens = sample_from_probs(probs, sb.seeds, sb.positions, DOMAIN_SAMPLE)
-        logprobs = token_logprobs(logits, tokens)
-        return tokens, logprobs
+        return SampledTokens(tokens, token_logprobs(logits, tokens))

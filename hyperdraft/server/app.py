@@ -13,7 +13,9 @@ import hmac
 import logging
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -26,6 +28,10 @@ from hyperdraft.server.metrics import engine_snapshot
 from hyperdraft.server.options import ServeOptions
 from hyperdraft.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
+if TYPE_CHECKING:
+    from hyperdraft.engine.engine import Engine
+
+_T = TypeVar("_T")
 logger = logging.getLogger("hyperdraft.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -48,8 +54,17 @@ class _ClosingStream(StreamingResponse):
 
 
 def create_app(ctx: ServerContext, args: EngineArgs, opts: ServeOptions) -> FastAPI:
+    app = FastAPI(title="hyperdraft", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=_lifespan(ctx))
+    _register_error_handlers(app, _Routes(ctx, opts))
+    _GenerationRoutes(ctx, opts).register(app)
+    _InfoRoutes(ctx, opts, args).register(app)
+    return app
+
+
+def _lifespan(ctx: ServerContext) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The engine thread lives exactly as long as the app: uvicorn runs this shutdown on SIGINT / SIGTERM, so
         # in-flight requests are failed and their KV freed before the process exits.
         ctx.engine_loop.start()
@@ -57,59 +72,78 @@ def create_app(ctx: ServerContext, args: EngineArgs, opts: ServeOptions) -> Fast
         await asyncio.to_thread(ctx.engine_loop.stop)
         print("hyperdraft: server stopped", file=sys.stderr, flush=True)
 
-    app = FastAPI(title="hyperdraft", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
-    expected_auth = f"Bearer {opts.api_key}".encode() if opts.api_key else None
+    return lifespan
 
-    def error(e: APIError) -> JSONResponse:
-        ctx.metrics.error(e.status)
+
+def _register_error_handlers(app: FastAPI, routes: _Routes) -> None:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown path, wrong method
+        return routes.error(APIError(exc.status_code, str(exc.detail), None, None))
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+class _Routes:
+    """What every group of routes shares: the server context, the API-key check and the error answer.
+
+    The route handlers below carry no return annotation on purpose: FastAPI would take one as a response_model and
+    re-validate every answer through it.
+    """
+
+    def __init__(self, ctx: ServerContext, opts: ServeOptions):
+        self.ctx = ctx
+        self.expected_auth = f"Bearer {opts.api_key}".encode() if opts.api_key else None
+
+    def error(self, e: APIError) -> JSONResponse:
+        self.ctx.metrics.error(e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
-    def authorize(request: Request) -> None:
-        if expected_auth is None:
+    def authorize(self, request: Request) -> None:
+        if self.expected_auth is None:
             return
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected_auth):
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), self.expected_auth):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
                            "invalid_api_key")
 
-    async def engine_call(fn):
-        if not ctx.engine_loop.alive:
+    async def engine_call(self, fn: Callable[[Engine], _T]) -> _T:
+        if not self.ctx.engine_loop.alive:
             raise APIError(503, "the engine thread is not running", None, "engine_dead")
-        return await asyncio.wait_for(asyncio.wrap_future(ctx.engine_loop.call(fn)), ENGINE_CALL_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(self.ctx.engine_loop.call(fn)), ENGINE_CALL_TIMEOUT_S)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
-        return error(APIError(exc.status_code, str(exc.detail), None, None))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate(request, CompletionRequest)
+class _GenerationRoutes(_Routes):
+    """/v1/completions and /v1/chat/completions."""
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate(request, ChatCompletionRequest)
+    def register(self, app: FastAPI) -> None:
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
 
-    async def generate(request: Request, model: type) -> Response:
+    async def completions(self, request: Request):
+        return await self.generate(request, CompletionRequest)
+
+    async def chat_completions(self, request: Request):
+        return await self.generate(request, ChatCompletionRequest)
+
+    async def generate(self, request: Request, model: type) -> Response:
         start = time.perf_counter()
         try:
-            authorize(request)
+            self.authorize(request)
             req = parse_request(model, await _read_body(request))
-            if req.model is not None and req.model != ctx.model_name:
-                raise APIError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
+            if req.model is not None and req.model != self.ctx.model_name:
+                raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.ctx.model_name!r}",
                                "model", "model_not_found")
             req.check_supported()
-            gen = _build(ctx, req, start)
+            gen = _build(self.ctx, req, start)
             await gen.submit()
         except APIError as e:
-            return error(e)
+            return self.error(e)
         except Exception as e:  # noqa: BLE001 - this request fails; the server goes on
             logger.exception("request failed before reaching the engine")
-            return error(APIError(500, f"internal server error: {type(e).__name__}: {e}", None, "internal_error"))
+            return self.error(APIError(500, f"internal server error: {type(e).__name__}: {e}", None, "internal_error"))
         if req.stream:
             return _ClosingStream(gen)
-        return await answer(request, gen)
+        return await self.answer(request, gen)
 
-    async def answer(request: Request, gen: Generation) -> Response:
+    async def answer(self, request: Request, gen: Generation) -> Response:
         collect = asyncio.ensure_future(gen.collect())
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -124,49 +158,58 @@ def create_app(ctx: ServerContext, args: EngineArgs, opts: ServeOptions) -> Fast
         try:
             return JSONResponse(collect.result())
         except APIError as e:
-            return error(e)
+            return self.error(e)
         except Exception as e:  # noqa: BLE001
             logger.exception("request failed while collecting its output")
             gen.abort()
-            return error(APIError(500, f"internal server error: {type(e).__name__}: {e}", None, "internal_error"))
+            return self.error(APIError(500, f"internal server error: {type(e).__name__}: {e}", None, "internal_error"))
 
-    @app.get("/v1/models")
-    async def models(request: Request):
+
+class _InfoRoutes(_Routes):
+    """/v1/models, /health, /server_info and /metrics: what the server is and how it is doing."""
+
+    def __init__(self, ctx: ServerContext, opts: ServeOptions, args: EngineArgs):
+        super().__init__(ctx, opts)
+        self.opts, self.args = opts, args
+
+    def register(self, app: FastAPI) -> None:
+        app.get("/v1/models")(self.models)
+        app.get("/health")(self.health)
+        app.get("/server_info")(self.server_info)
+        app.get("/metrics")(self.metrics)
+
+    async def models(self, request: Request):
         try:
-            authorize(request)
+            self.authorize(request)
         except APIError as e:
-            return error(e)
-        card = {"id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "hyperdraft",
-                "root": args.model_path, "max_model_len": ctx.context_len}
+            return self.error(e)
+        card = {"id": self.ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "hyperdraft",
+                "root": self.args.model_path, "max_model_len": self.ctx.context_len}
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
-    async def health():
-        if not ctx.engine_loop.alive:
-            return error(APIError(503, "the engine thread is not running", None, "engine_dead"))
+    async def health(self):
+        if not self.ctx.engine_loop.alive:
+            return self.error(APIError(503, "the engine thread is not running", None, "engine_dead"))
         return {"status": "ok"}
 
-    @app.get("/server_info")
-    async def server_info(request: Request):
+    async def server_info(self, request: Request):
+        ctx = self.ctx
         try:
-            authorize(request)
-            states, loop_state = await engine_call(lambda engine: ([engine.internal_state()], ctx.engine_loop.state()))
+            self.authorize(request)
+            states, loop_state = await self.engine_call(lambda engine: ([engine.internal_state()], ctx.engine_loop.state()))
         except APIError as e:
-            return error(e)
-        return {**asdict(args), "internal_states": states, "server_state": loop_state,
-                "served_model_name": ctx.model_name, "max_queued_requests": opts.max_queued_requests,
+            return self.error(e)
+        return {**asdict(self.args), "internal_states": states, "server_state": loop_state,
+                "served_model_name": ctx.model_name, "max_queued_requests": self.opts.max_queued_requests,
                 "lossy_benchmark_mode": ctx.lossy, "version": __version__}
 
-    @app.get("/metrics")
-    async def metrics(request: Request):
+    async def metrics(self, request: Request):
         try:
-            authorize(request)
-            snap = await engine_call(lambda engine: engine_snapshot(engine, ctx.lossy))
+            self.authorize(request)
+            snap = await self.engine_call(lambda engine: engine_snapshot(engine, self.ctx.lossy))
         except APIError as e:
-            return error(e)
-        return PlainTextResponse(ctx.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    return app
+            return self.error(e)
+        return PlainTextResponse(self.ctx.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _build(ctx: ServerContext, req, start: float) -> Generation:
@@ -195,7 +238,7 @@ def _build(ctx: ServerContext, req, start: float) -> Generation:
 
 
 def _chat_ids(tok, req: ChatCompletionRequest) -> list[int]:
-    if tok is None or not getattr(tok, "chat_template", None):
+    if tok is None or not tok.chat_template:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages",
                        "unsupported_parameter")
     messages = [m.template_dict(i) for i, m in enumerate(req.messages)]

@@ -52,7 +52,7 @@ class Submission:
     input_ids: list[list[int]]
     params: list[SamplingParams]
     sink: Sink
-    tag: str | None = None  # the client's `user` field; only the test fault hook reads it
+    tag: str | None = None  # the client's `user` field; only the output hook reads it
 
 
 class QueueFull(Exception):
@@ -75,10 +75,13 @@ class _Command:
 
 class EngineLoop:
     def __init__(self, engine: Engine, max_queued_requests: int | None = None,
-                 fault_hook: Callable[[str | None], None] | None = None):
+                 output_hook: Callable[[str | None], None] | None = None):
+        """output_hook(tag): called on the engine thread before each output of a request is handed back, with the
+        request's `user` field. An exception it raises fails that request alone (a 500 for it, its KV freed): the
+        tests inject faults through it to check that one request's failure stays its own."""
         self.engine = engine
         self.max_queued_requests = max_queued_requests
-        self.fault_hook = fault_hook  # tests: raises for a chosen tag, to check one request's failure stays isolated
+        self.output_hook = output_hook
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._rids = itertools.count()
@@ -213,8 +216,8 @@ class EngineLoop:
 
     def _deliver(self, t: _Tracked, new_ids: list[int], now: float) -> None:
         try:
-            if self.fault_hook is not None:
-                self.fault_hook(t.tag)
+            if self.output_hook is not None:
+                self.output_hook(t.tag)
             req = t.req
             logprobs = list(req.output_logprobs[-len(new_ids):]) if new_ids and req.params.return_logprob else []
             event = Event(list(new_ids), logprobs, now, req.finished, req.finish_reason,

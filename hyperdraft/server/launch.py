@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import sys
+from collections.abc import Callable
 
 from hyperdraft.config import EngineArgs
 from hyperdraft.server.options import ServeOptions, check_lossy, lossy_requested
 
 logger = logging.getLogger("hyperdraft.server")
 
-# Tests only: a request whose OpenAI `user` field equals this variable's value fails inside the engine thread when
-# its first output is handled (while it holds KV), to check that one request's internal error stays its own.
-FAULT_ENV = "HYPERDRAFT_TEST_FAULT_USER"
-
-
-def _fault_hook():
-    marker = os.environ.get(FAULT_ENV)
-    if not marker:
-        return None
-
-    def hook(tag: str | None) -> None:
-        if tag == marker:
-            raise RuntimeError(f"fault injected for user={marker!r} (${FAULT_ENV})")
-
-    return hook
-
-
-def serve(args: EngineArgs, opts: ServeOptions) -> None:
+def serve(args: EngineArgs, opts: ServeOptions, output_hook: Callable[[str | None], None] | None = None) -> None:
+    """output_hook: EngineLoop's (tests inject faults through it); the CLI passes none."""
     try:
         import uvicorn
 
@@ -44,9 +28,9 @@ def serve(args: EngineArgs, opts: ServeOptions) -> None:
 
     check_lossy(lossy_requested(args), opts)  # before loading anything
     engine = Engine(args)
-    lossy = getattr(engine.spec, "simulate_accept_rate", None) is not None
+    lossy = engine.spec is not None and engine.spec.simulate_accept_rate is not None
     check_lossy(lossy, opts)
-    loop = EngineLoop(engine, opts.max_queued_requests, _fault_hook())
+    loop = EngineLoop(engine, opts.max_queued_requests, output_hook)
     ctx = ServerContext(loop, copy.deepcopy(engine.tokenizer), ServerMetrics(),
                         opts.served_model_name or args.model_path, engine.context_len, lossy or lossy_requested(args))
     app = create_app(ctx, args, opts)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
-SIMULATE_ENV = "HYPERDRAFT_SIMULATE_ACCEPT_RATE"  # the engine's environment switch for simulated acceptance
+from hyperdraft.options import SIMULATE_ACCEPT_RATE_ENV, RuntimeOptions
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allow-lossy-benchmark-mode", action="store_true",
                        help="allow --speculative-simulate-accept-rate (or $%s): simulated acceptance changes the "
                             "outputs, so the server refuses it unless this is given, and marks every answer "
-                            "with \"lossy_benchmark_mode\": true" % SIMULATE_ENV)
+                            "with \"lossy_benchmark_mode\": true" % SIMULATE_ACCEPT_RATE_ENV)
 
 
 def serve_options_from_namespace(ns: argparse.Namespace) -> ServeOptions:
@@ -48,12 +47,12 @@ def serve_options_from_namespace(ns: argparse.Namespace) -> ServeOptions:
 
 
 def lossy_requested(args) -> bool:
-    """Simulated acceptance asked for, by the engine flag (when this build has it) or its environment variable."""
-    return getattr(args, "speculative_simulate_accept_rate", None) is not None or bool(os.environ.get(SIMULATE_ENV))
+    """Simulated acceptance asked for, by the engine flag or its environment variable."""
+    return RuntimeOptions.from_args(args).simulate_accept_rate is not None
 
 
 def check_lossy(lossy: bool, opts: ServeOptions) -> None:
     if lossy and not opts.allow_lossy_benchmark_mode:
         raise ValueError("speculative_simulate_accept_rate (or $%s) simulates acceptance, so outputs are not the "
                          "model's: the server refuses to start with it unless --allow-lossy-benchmark-mode is given"
-                         % SIMULATE_ENV)
+                         % SIMULATE_ACCEPT_RATE_ENV)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+
+import torch
+
 
 class SpecMetrics:
     def __init__(self, max_draft_tokens: int):
@@ -63,22 +68,15 @@ class SpecMetrics:
 
 
 class PhaseTimer:
-    """Wall time per phase of a speculative step, for benchmarks. Off unless HYPERDRAFT_RECORD_STEP_TIME=1: timing
-    a GPU phase needs a device sync, which the hot path must not pay."""
+    """Wall time per phase of a speculative step, for benchmarks. Off unless RuntimeOptions.record_step_time
+    (HYPERDRAFT_RECORD_STEP_TIME=1): timing a GPU phase needs a device sync, which the hot path must not pay."""
 
-    def __init__(self, device):
-        import os
-
-        self.enabled = os.environ.get("HYPERDRAFT_RECORD_STEP_TIME", "0") == "1"
+    def __init__(self, device: torch.device, enabled: bool):
+        self.enabled = enabled
         self.device = device
         self.seconds: dict[str, float] = {}
 
     def phase(self, name: str):
-        import contextlib
-        import time
-
-        import torch
-
         if not self.enabled:
             return contextlib.nullcontext()
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hyperdraft.core.forward_batch import ForwardMode, build_forward_batch, ForwardInput
-from hyperdraft.runner.graph_runner import EMULATE_GRAPHS_ENV, GraphRunner, GraphShape, default_batch_sizes
+from hyperdraft.runner.graph_runner import GraphRunner, GraphShape, default_batch_sizes
 from hyperdraft import LLM
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
@@ -36,6 +36,8 @@ CASES = {
                         speculative_num_draft_tokens=6, draft="eagle3", target="target6"),
     "adaptive": dict(speculative_algorithm="STANDALONE", speculative_adaptive=True, draft="draft_wide_noisy"),
 }
+
+EMULATE_GRAPHS_ENV = "HYPERDRAFT_EMULATE_CUDA_GRAPH"  # a RuntimeOptions override (hyperdraft/options.py)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +154,7 @@ def test_batches_that_do_not_fit_run_eagerly(models, llm_factory, emulated_graph
             engine.page_table.release_row(r)
 
 
-def test_segment_cuts_and_layer_hook(tmp_path):
+def test_segment_cuts_and_after_layer_hook(tmp_path):
     """Graph segments cut at layer boundaries: the cut points, and a layer hook that sees every layer once and
     leaves the forward's outputs unchanged (what segmented capture relies on)."""
     from hyperdraft.runner.graph_runner import segment_cuts
@@ -173,11 +175,7 @@ def test_segment_cuts_and_layer_hook(tmp_path):
     with torch.inference_mode():
         plain, _ = model(ids, pos, causal, ())
         seen = []
-        model.layer_hook = seen.append
-        try:
-            hooked, _ = model(ids, pos, causal, ())
-        finally:
-            model.layer_hook = None
+        hooked, _ = model(ids, pos, causal, (), after_layer=seen.append)
     assert seen == [1, 2, 3]
     assert torch.equal(plain, hooked)
 

@@ -47,12 +47,14 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m hyperdraft serve` on a free loopback port; a context manager that always stops it."""
 
-    def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None):
+    def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None, fault_user: str | None = None):
+        """fault_user: serve through serve_with_fault.py, which fails this `user`'s requests in the engine thread."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="hyperdraft-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "hyperdraft", "serve", "--model", model, "--port", str(self.port),
-               "--device", "cpu", "--dtype", "float32", *flags]
+        serve = ([sys.executable, "-m", "hyperdraft", "serve"] if fault_user is None else
+                 [sys.executable, os.path.join(os.path.dirname(__file__), "serve_with_fault.py"), fault_user])
+        cmd = [*serve, "--model", model, "--port", str(self.port), "--device", "cpu", "--dtype", "float32", *flags]
         # One intra-op thread, as in the test process: two processes on two cores must not oversubscribe.
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)

@@ -18,7 +18,6 @@ import pytest
 
 from conftest import assert_engine_clean
 from hyperdraft import LLM, SamplingParams
-from hyperdraft.server.launch import FAULT_ENV
 from helpers.server_fixtures import (API_KEY, ServerProcess, add_chat_template, assert_idle, client_aborts, prompts,
                              scrape_metrics, split_characters, stream_text, wait_client_aborts, wait_engine_idle)
 
@@ -36,7 +35,7 @@ def chat_model(llama_path, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(chat_model):
     srv = ServerProcess(chat_model, "--api-key", API_KEY, "--max-running-requests", str(MAX_RUNNING),
-                        env={FAULT_ENV: FAULT_USER})
+                        fault_user=FAULT_USER)
     try:
         yield srv
         srv.assert_alive()

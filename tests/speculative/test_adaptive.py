@@ -8,8 +8,10 @@ import logging
 
 import pytest
 
-from hyperdraft.speculative.adaptive.ema import (DEFAULT_ADAPTIVE_CONFIG, AdaptiveConfig, AdaptiveController, EmaSlot,
-                                      SlotConfig, load_adaptive_config, resolve_initial_steps)
+from hyperdraft.speculative.adaptive.config import (DEFAULT_ADAPTIVE_CONFIG, AdaptiveConfig, SlotConfig,
+                                                    load_adaptive_config, resolve_initial_steps)
+from hyperdraft.speculative.adaptive.controller import AdaptiveController
+from hyperdraft.speculative.adaptive.ema import EmaSlot
 from hyperdraft.speculative.adaptive.tier import Tier
 
 

@@ -230,7 +230,8 @@ def test_factory_passes_goodput_options_and_rejects_unknown_keys():
 
 
 def test_runs_under_the_adaptive_controller():
-    from hyperdraft.speculative.adaptive.ema import AdaptiveController, load_adaptive_config
+    from hyperdraft.speculative.adaptive.config import load_adaptive_config
+    from hyperdraft.speculative.adaptive.controller import AdaptiveController
 
     cfg = load_adaptive_config({"strategy": "goodput", "goodput": {"warmup": 0, "decide_every": 1, "explore_every": 0},
                                 "1": {"candidate_steps": [1, 3]}, "8": {"candidate_steps": [0, 1]}})

@@ -21,8 +21,7 @@ import torch
 import hyperdraft.speculative.proposers.eagle as eagle_proposer
 from hyperdraft import LLM
 from hyperdraft.core.forward_batch import ForwardMode
-from hyperdraft.runner.graph_runner import EMULATE_GRAPHS_ENV, GraphShape
-from hyperdraft.speculative.drafting.graphs import DRAFT_LOOP_GRAPH_ENV
+from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.models.eagle import load_eagle_head, target_capture_layers
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
@@ -47,6 +46,8 @@ CASES = {  # (target, drafter, engine args); the 8-token-vocabulary EAGLE pairs 
                                                                speculative_adaptive_config="adaptive.json")),
 }
 _REF: dict = {}
+
+EMULATE_GRAPHS_ENV = "HYPERDRAFT_EMULATE_CUDA_GRAPH"  # a RuntimeOptions override (hyperdraft/options.py)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def _record(llm: LLM) -> tuple[list, list]:
     """Observe (not replace) the drafter: every round's proposal, and every draft forward's graph match."""
     proposer = llm.engine.worker.proposer
     proposals, matches = [], []
-    for name in ("propose", "propose_tree"):
+    for name in ("propose",):
         def spy(*args, _inner=getattr(proposer, name), **kw):
             out = _inner(*args, **kw)
             proposals.append([out.tokens.clone()] + ([out.parents.clone()] if hasattr(out, "parents") else []))
@@ -211,7 +212,7 @@ def test_padded_catch_up_root_logits_match_recomputation(models, llm_factory, em
         return fb, out
 
     monkeypatch.setattr(eagle_proposer.EagleProposer, "catch_up", spy)
-    monkeypatch.setenv(DRAFT_LOOP_GRAPH_ENV, "0")  # chains too: their catch-up alone (the loop graph hides it)
+    monkeypatch.setenv("HYPERDRAFT_DRAFT_LOOP_GRAPH", "0")  # chains too: their catch-up alone (the loop graph hides it)
     llm = llm_factory(models["small"], page_size=4, skip_tokenizer_init=True, cuda_graph_max_bs=MAX_BS,
                       speculative_algorithm=algo, speculative_draft_model_path=models[head], **shape)
     gen(llm, _prompts("small")[:MAX_BS], [greedy(24)] * MAX_BS)

@@ -9,6 +9,7 @@ import torch
 
 from hyperdraft import SamplingParams
 from hyperdraft.request import Request
+from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.proposers.ngram import SEPARATOR, NgramHistory, NgramProposer, longest_match, ngram_match
 
 from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, spec_models  # noqa: F401  (fixtures)
@@ -82,15 +83,15 @@ def _request(rid: str, prompt: list[int], output: list[int]) -> Request:
 def test_proposer_collects_finished_requests():
     proposer = NgramProposer(1, 12, torch.device("cpu"), history_tokens=100)
     first = _request("a", [10, 11, 12], [13, 14, 15])
-    assert proposer.propose([first], 3, None).lens == [0]  # 15 never occurred before: nothing to draft
+    assert proposer.propose([first], Tier(3), None).lens == [0]  # 15 never occurred before: nothing to draft
     first.finish_reason = "stop"
     second = _request("b", [20, 12, 13], [])  # "12 13" occurred in the finished request: draft what followed
-    proposal = proposer.propose([second], 3, None)
+    proposal = proposer.propose([second], Tier(3), None)
     assert proposal.lens == [2] and proposal.tokens[0, :2].tolist() == [14, 15]
     assert "a" not in proposer.live and "b" in proposer.live
     off = NgramProposer(1, 12, torch.device("cpu"), history_tokens=0)
-    off.propose([first], 3, None)
-    assert off.propose([second], 3, None).lens == [0]
+    off.propose([first], Tier(3), None)
+    assert off.propose([second], Tier(3), None).lens == [0]
 
 
 def test_engine_history_is_lossless_and_drafts_from_earlier_answers(spec_models, llm_factory):
@@ -108,12 +109,12 @@ def test_engine_history_is_lossless_and_drafts_from_earlier_answers(spec_models,
 def test_saved_history_restores_collected_and_pending_requests():
     proposer = NgramProposer(1, 12, torch.device("cpu"), history_tokens=100)
     first = _request("a", [10, 11, 12], [13, 14, 15])
-    proposer.propose([first], 3, None)
+    proposer.propose([first], Tier(3), None)
     saved = proposer.save_history()  # "a" is live, not yet in the history
     first.finish_reason = "stop"
     second = _request("b", [20, 12, 13], [])
-    assert proposer.propose([second], 3, None).lens == [2]  # "a" collected: "12 13" drafts "14 15"
+    assert proposer.propose([second], Tier(3), None).lens == [2]  # "a" collected: "12 13" drafts "14 15"
     proposer.restore_history((proposer.history.tokens[:0], {}))
-    assert proposer.propose([second], 3, None).lens == [0]  # an emptied history drafts nothing
+    assert proposer.propose([second], Tier(3), None).lens == [0]  # an emptied history drafts nothing
     proposer.restore_history(saved)
-    assert proposer.propose([second], 3, None).lens == [2]  # "a", pending in the saved state, is collected again
+    assert proposer.propose([second], Tier(3), None).lens == [2]  # "a", pending in the saved state, is collected again

@@ -24,7 +24,7 @@ import shutil
 import pytest
 
 from hyperdraft import LLM
-from hyperdraft.speculative import worker as spec_worker
+from hyperdraft.speculative.verify.tree import TreeRound
 from helpers.spec_fixtures import _single_torch_thread, assert_clean, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
 NEW_TOKENS = 20
@@ -57,7 +57,7 @@ def prompts() -> list[list[int]]:
 class RoundSpy:
     def __init__(self, monkeypatch):
         self.records: list[dict] = []
-        original = spec_worker.TreeRound.accept
+        original = TreeRound.accept
         spy = self
 
         def accept(round_, *args, **kwargs):
@@ -70,7 +70,7 @@ class RoundSpy:
                                         num_accepted=num_accepted[b]))
             return out
 
-        monkeypatch.setattr(spec_worker.TreeRound, "accept", accept)
+        monkeypatch.setattr(TreeRound, "accept", accept)
 
 
 def show(rec: dict) -> dict:

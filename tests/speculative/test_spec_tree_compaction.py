@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hyperdraft import SamplingParams
-from hyperdraft.speculative import worker as spec_worker
+from hyperdraft.speculative.verify.tree import TreeRound
 from helpers.spec_fixtures import _single_torch_thread, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
 ATOL = 1e-5
@@ -36,21 +36,21 @@ class RoundSpy:
 
     def __init__(self, monkeypatch):
         self.rounds: list[list[dict]] = []
-        original = spec_worker.TreeRound.accept
+        original = TreeRound.accept
         spy = self
 
         def accept(round_, *args, **kwargs):
             out = original(round_, *args, **kwargs)
             num_accepted, tokens = round_.num_accepted.tolist(), round_.tokens.tolist()
             prop = round_.proposal
-            page_table = round_.w.runner.page_table
+            page_table = round_.ctx.target.page_table
             spy.rounds.append([
                 dict(req=r, base=r.num_computed, room=page_table.num_slots(r.row) - r.num_computed - 1,
                      tokens=prop.tokens[b].tolist(), parents=prop.parents[b].tolist(), fed=prop.fed[b].tolist(), emitted=tokens[b][: num_accepted[b] + 1], num_accepted=num_accepted[b])
                 for b, r in enumerate(round_.reqs)])
             return out
 
-        monkeypatch.setattr(spec_worker.TreeRound, "accept", accept)
+        monkeypatch.setattr(TreeRound, "accept", accept)
 
 
 def show(rec: dict) -> dict:

@@ -24,7 +24,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from hyperdraft import SamplingParams
-from hyperdraft.speculative import worker as spec_worker
+from hyperdraft.speculative.verify.tree import TreeRound
 from helpers.spec_fixtures import SMALL_VOCAB, _single_torch_thread, _widened_copy, llm_factory, spec_models, spec_state  # noqa: F401
 
 N_REQ = 3000
@@ -59,7 +59,7 @@ class SiblingSpy:
 
     def __init__(self, monkeypatch):
         self.first = self.later = 0
-        original = spec_worker.TreeRound.accept
+        original = TreeRound.accept
         spy = self
 
         def accept(round_, *args, **kwargs):
@@ -76,7 +76,7 @@ class SiblingSpy:
                     cur = node
             return out
 
-        monkeypatch.setattr(spec_worker.TreeRound, "accept", accept)
+        monkeypatch.setattr(TreeRound, "accept", accept)
 
 
 def sample(llm, options, seed_offset) -> np.ndarray:

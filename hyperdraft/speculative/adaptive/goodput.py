@@ -246,7 +246,7 @@ GOODPUT_KEYS = ("hysteresis", "window", "decide_every", "warmup", "explore_every
 def goodput_slot_factory(cfg) -> Callable[[int, object, int], GoodputSlot]:
     """The AdaptiveController's slot_factory for "strategy": "goodput": every slot runs its ladder (slot_cfg.tiers)
     with the config's "goodput" object as GoodputSlot keyword arguments. Unknown keys raise at start-up."""
-    opts = dict(getattr(cfg, "goodput", None) or {})
+    opts = dict(cfg.goodput)
     unknown = sorted(set(opts) - set(GOODPUT_KEYS))
     if unknown:
         raise ValueError(f"speculative_adaptive_config 'goodput': unknown keys {unknown}; allowed {list(GOODPUT_KEYS)}")

@@ -1,8 +1,18 @@
-"""Tier: one speculative shape the engine can run a step with. Adaptive speculation switches between tiers."""
+"""Tier: one speculative shape the engine can run a step with. Adaptive speculation switches between tiers.
+
+The bounds of a tier and the K/V room a round of it needs are written here once; the speculative config, the
+adaptive config and the pools all ask a Tier.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def max_tree_tokens(steps: int, topk: int) -> int:
+    """The most tokens a tree of this depth and branching can verify: the root, the root's topk children, then
+    topk^2 candidates at each later depth (each frontier node's topk children)."""
+    return 1 + topk + max(steps - 1, 0) * topk * topk
 
 
 @dataclass(frozen=True, order=True)
@@ -17,7 +27,7 @@ class Tier:
         if self.num_draft_tokens == 0:
             object.__setattr__(self, "num_draft_tokens", self.steps + 1 if self.topk == 1 else 0)
         if self.topk > 1:
-            most = self.topk + max(self.steps - 1, 0) * self.topk * self.topk + 1
+            most = max_tree_tokens(self.steps, self.topk)
             if self.steps < 1 or not 2 <= self.num_draft_tokens <= most:
                 raise ValueError(f"tree tier steps={self.steps} topk={self.topk} needs num_draft_tokens in [2, {most}], "
                                  f"got {self.num_draft_tokens}")

@@ -114,18 +114,3 @@ def grow_tree(root_logq, root_hidden, step, steps: int, topk: int, root_tokens, 
         if hidden is not None:
             parent_hidden = hidden.gather(1, parent_slot[:, :, None].expand(-1, -1, hidden.shape[2]))
     return select_tree(cands, root_tokens, num_nodes)
-
-
-def draft_step_shapes(steps: int, topk: int, num_nodes: int, sampled: bool) -> set[tuple[int, int]]:
-    """(tokens per request, tail-mask width) of every draft forward after the root's, as step_mask builds them: a
-    beam feeds topk nodes at each depth 1..steps-1 over 1 + depth*topk keys; a sampled tree (tree_sampled.py) feeds
-    min(topk, that depth's budget) nodes. The CUDA-graph plan captures these shapes."""
-    from hyperdraft.speculative.drafting.sampled_tree import level_budgets
-
-    shapes = {(topk, 1 + depth * topk) for depth in range(1, steps)}
-    if sampled:
-        budgets = level_budgets(num_nodes, steps, topk)
-        for depth, budget in enumerate(budgets[:-1], start=1):
-            k = min(topk, budget)
-            shapes.add((k, 1 + (depth - 1) * topk + k))
-    return shapes

@@ -31,7 +31,6 @@ from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.drafting.tree import beam_log_q, draft_tree
 
 logger = logging.getLogger("hyperdraft")
-DRAFT_LOOP_GRAPH_ENV = "HYPERDRAFT_DRAFT_LOOP_GRAPH"  # "0": per-step draft graphs only (A/B benchmarks)
 
 
 class DraftLoopGraphs:
@@ -42,15 +41,16 @@ class DraftLoopGraphs:
     head's hidden inputs itself (catch_up_hidden). The outputs are static buffers valid until the next replay: a
     chain's draft tokens [bs, steps]; a tree's (tokens, parents, fed), each [bs, N]."""
 
-    def __init__(self, runner, page_table, feeds_hidden: bool, catch_up_hidden, emulate: bool, pool=None):
-        self.runner, self.page_table, self.feeds_hidden, self.emulate = runner, page_table, feeds_hidden, emulate
+    def __init__(self, runner, feeds_hidden: bool, catch_up_hidden):
+        """runner: the drafter's runner, with graphs (whose memory pool these graphs share)."""
+        self.runner, self.page_table, self.feeds_hidden = runner, runner.page_table, feeds_hidden
+        self.emulate = runner.graphs.emulate
         self.catch_up_hidden = catch_up_hidden  # (rows [bs], width) -> [bs * width, H] hidden inputs, or None
-        self.max_seq_len = page_table.max_pages_per_row * page_table.page_size
+        self.max_seq_len = self.page_table.max_pages_per_row * self.page_table.page_size
         self.widths: dict[Tier, dict[int, list[int]]] = {}  # tier -> {batch size: catch-up widths, ascending}
         self.packed: dict[int, torch.Tensor] = {}  # width -> [largest batch size, PACKED_FIELDS + width] int64
         self.graphs: dict[tuple[Tier, int, int], list] = {}  # (tier, batch size, width) -> graph segments
         self.outputs: dict[tuple[Tier, int, int], tuple[torch.Tensor, ...] | None] = {}
-        self.pool = pool
         self.replays: Counter[tuple[Tier, int, int]] = Counter()
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -114,10 +114,8 @@ class DraftLoopGraphs:
         if self.emulate:
             self.outputs[key] = None
             return
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         self.graphs[key], self.outputs[key] = capture_segments(
-            self.pool, self.runner.device, lambda cut: self._loop(tier, bs, width, None, None, cut))
+            self.runner.graphs.memory_pool(), self.runner.device, lambda cut: self._loop(tier, bs, width, None, None, cut))
 
     def padded(self, tier: Tier, batch_size: int, max_count: int) -> tuple[int, int] | None:
         """(padded batch size, catch-up width) of the graph that can run this round, or None."""

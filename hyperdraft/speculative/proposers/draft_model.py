@@ -16,29 +16,38 @@ from __future__ import annotations
 
 import torch
 
+from hyperdraft.config import EngineArgs
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
-from hyperdraft.runner.model_runner import ModelRunner
-from hyperdraft.engine.scheduler import ScheduledRequest
+from hyperdraft.core.schedule import ScheduledRequest
+from hyperdraft.models.decoder import DecoderLM
+from hyperdraft.models.loader import load_model
 from hyperdraft.request import Request
+from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.sample.logits_ops import SamplingBatch
-from hyperdraft.speculative.proposers.model_proposer import DraftRounds
-from hyperdraft.speculative.proposal import Proposal
+from hyperdraft.speculative.adaptive.tier import Tier
+from hyperdraft.speculative.config import SpecConfig
+from hyperdraft.speculative.proposal import Proposal, TreeProposal
+from hyperdraft.speculative.proposer import ProposerCapabilities, ProposerContext
+from hyperdraft.speculative.proposers.model_proposer import ModelProposer
 
 
-class DraftModelProposer(DraftRounds):
-    compacts_draft_pool = True  # after a tree verify its own K/V of the accepted nodes moves like the target's
-    feeds_hidden = False
+class DraftModelProposer(ModelProposer):
+    @classmethod
+    def load_draft(cls, spec: SpecConfig, target: DecoderLM, args: EngineArgs, device: torch.device) -> DecoderLM:
+        draft = load_model(spec.draft_model_path, args.dtype, device, args.load_format)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"speculative_draft_model_path: the draft vocabulary has {draft.config.vocab_size} tokens, the target's "
+                f"{target.config.vocab_size}; a STANDALONE draft must share the target's vocabulary")
+        return draft
 
-    def __init__(self, runner: ModelRunner, sample_drafts: bool):
-        self.runner = runner
-        self.sample_drafts = sample_drafts  # draw d_j ~ q_j and keep q; otherwise greedy drafts (one-hot q)
+    def __init__(self, ctx: ProposerContext, draft: DecoderLM):
+        runner = ModelRunner(draft, ctx.target.page_table, ctx.attention_backend, ctx.graphs)
+        # after a tree verify its own K/V of the accepted nodes moves like the target's
+        super().__init__(ctx, runner, ProposerCapabilities(compacts_draft_pool=True))
+        self.pool = runner.pool
 
-    @property
-    def pool(self):
-        """The draft's own KV pool (compacted along with the target's after a tree verify)."""
-        return self.runner.pool
-
-    def prefill(self, items: list[ScheduledRequest], target_hidden=None) -> None:
+    def extend(self, items: list[ScheduledRequest], target_hidden: torch.Tensor | None = None) -> None:
         """Run the draft over the same prefill chunks the target runs, keeping both pools in lockstep."""
         if not items:
             return
@@ -51,10 +60,10 @@ class DraftModelProposer(DraftRounds):
         for it in items:
             it.req.draft_num_computed += it.num_tokens
 
-    def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
-        if steps == 0:  # adaptive, a tier without speculation: nothing to draft, the next catch-up fills in
+    def propose(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch) -> Proposal | TreeProposal:
+        if tier.steps == 0:  # adaptive, a tier without speculation: nothing to draft, the next catch-up fills in
             return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.runner.device), [0] * len(reqs))
-        return super().propose(reqs, steps, sampling)
+        return super().propose(reqs, tier, sampling)
 
     def catch_up_tokens(self, req: Request) -> list[int]:
         return req.token_ids(req.draft_num_computed, req.seq_len)  # up to the last committed token, index n
@@ -79,17 +88,10 @@ class DraftModelProposer(DraftRounds):
         bonus token, after a fully accepted round); a tree the root plus the accepted nodes the draft never fed."""
         return tier.steps + 1 if tier.is_tree else 2
 
-    def commit_tree(self, reqs: list[Request], valid_draft_tokens: list[int]) -> None:
-        """After a tree round and compaction the draft pool is right for the root plus the leading accepted
-        nodes the draft itself had fed (moved to n+1, n+2, ...)."""
-        for req, m in zip(reqs, valid_draft_tokens):
-            req.draft_num_computed = req.num_computed + 1 + m
-
-    def commit(self, reqs: list[Request], steps: int, num_accepted: list[int]) -> None:
-        """Called before the scheduler's commit, so req.num_computed is still n. At steps 0 (adaptive, no
-        speculation) the draft ran nothing: its state stays as it was and the next round's catch-up fills in."""
-        if steps == 0:
-            return
-        for req, a in zip(reqs, num_accepted):
-            req.draft_num_computed = min(req.num_computed + steps, req.num_computed + a + 1)
+    def commit(self, reqs: list[Request], draft_kv_valid: list[int]) -> None:
+        """The draft pool is right for the root plus the leading accepted nodes the draft itself had fed: a chain of
+        K steps fed the root and drafts 0 .. K-2 (so min(K - 1, accepted) of them); a tree's accepted path was
+        compacted to n+1, n+2, ... Called before the scheduler's commit, so req.num_computed is still n."""
+        for req, valid in zip(reqs, draft_kv_valid):
+            req.draft_num_computed = req.num_computed + 1 + valid
 

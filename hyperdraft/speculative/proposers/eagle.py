@@ -19,36 +19,45 @@ Every buffer here is sized from the head's own dimensions, never the target's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from hyperdraft.core.host_copy import to_device
-from hyperdraft.attention.base import make_attention_backend
+from hyperdraft.attention.registry import make_attention_backend
+from hyperdraft.config import EngineArgs
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
-from hyperdraft.runner.model_runner import ForwardOutput, GraphedRunner
+from hyperdraft.core.host_copy import to_device
+from hyperdraft.core.schedule import ScheduledRequest
 from hyperdraft.kernels.draft_plan import pack_catch_up
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
-from hyperdraft.models.eagle import target_capture_layers
+from hyperdraft.models.decoder import DecoderLM
+from hyperdraft.models.eagle import Eagle3Head, EagleHead, load_eagle_head, target_capture_layers
 from hyperdraft.request import Request
-from hyperdraft.speculative.proposers.model_proposer import DraftRounds
+from hyperdraft.runner.graph_runner import GraphSettings
+from hyperdraft.runner.model_runner import ForwardOutput, GraphedRunner
+from hyperdraft.speculative.config import SpecConfig
+from hyperdraft.speculative.proposer import ProposerCapabilities, ProposerContext
+from hyperdraft.speculative.proposers.model_proposer import ModelProposer
 
 
 class HeadRunner(GraphedRunner):
     """The head's forward over a ForwardBatch (tokens + fb.input_hidden), with its own KV pool: what the graph
     runner captures and replays for draft steps. Every size here is the head's own."""
 
-    def __init__(self, head, page_table: PageTable, attention_backend: str):
+    def __init__(self, head, page_table: PageTable, attention_backend: str, graphs: GraphSettings | None = None):
+        super().__init__(page_table, graphs, input_hidden_size=head.hidden_size)
         self.model = head
-        self.page_table = page_table
         param = next(head.parameters())
         self.device, self.dtype = param.device, param.dtype
         num_slots = page_table.num_pages * page_table.page_size
         self.pool = KVPool(head.num_layers, num_slots, head.num_kv_heads, head.head_dim, self.dtype, self.device)
         self.backend = make_attention_backend(attention_backend, self.pool, page_table)
-        self.input_hidden_size = head.hidden_size
 
     @torch.inference_mode()
-    def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (),
+                      after_layer: Callable[[int], None] | None = None) -> ForwardOutput:
+        """One layer: no segments to cut (after_layer is never called)."""
         meta = self.backend.plan(fb)
         g = self.model(fb.input_ids, fb.positions, fb.input_hidden,
                        lambda i, q, k, v: self.backend.forward(i, q, k, v, fb, meta))
@@ -56,21 +65,28 @@ class HeadRunner(GraphedRunner):
         return ForwardOutput(self.model.compute_draft_logits(rows), g, [], self.model.vocab_map, rows)
 
 
-class EagleProposer(DraftRounds):
-    compacts_draft_pool = False  # the catch-up rewrites the head's K/V from target hidden states instead
+class EagleProposer(ModelProposer):
+    @classmethod
+    def load_draft(cls, spec: SpecConfig, target: DecoderLM, args: EngineArgs, device: torch.device) -> EagleHead | Eagle3Head:
+        head = load_eagle_head(spec.draft_model_path, target, load_format=args.load_format)
+        if head.config.kind != spec.algorithm.lower():
+            raise ValueError(f"speculative_draft_model_path holds an {head.config.kind.upper()} head "
+                             f"({head.config.architecture}), but speculative_algorithm is {spec.algorithm}")
+        return head
 
-    def __init__(self, head, page_table: PageTable, attention_backend: str, max_round_tokens: int, max_rows: int,
-                 sample_drafts: bool):
+    def __init__(self, ctx: ProposerContext, head: EagleHead | Eagle3Head):
         self.head = head
         param = next(head.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.page_table = page_table
-        self.runner = HeadRunner(head, page_table, attention_backend)
-        self.pool = self.runner.pool
-        self.capture_layers = target_capture_layers(head)
-        self.hidden_buf = torch.zeros(max_rows, max_round_tokens + 1, head.hidden_size, dtype=self.dtype, device=self.device)
-        self.sample_drafts = sample_drafts
-        self.feeds_hidden = True
+        self.page_table = ctx.target.page_table
+        runner = HeadRunner(head, self.page_table, ctx.attention_backend, ctx.graphs)
+        # The head's K/V is never compacted: the next catch-up rewrites it from target hidden states.
+        super().__init__(ctx, runner, ProposerCapabilities(target_capture_layers(head), feeds_hidden=True,
+                                                           drafts_ahead=True))
+        self.pool = runner.pool
+        # Sized from the head's own hidden size, for the widest round any tier can run.
+        self.hidden_buf = torch.zeros(ctx.max_rows, ctx.spec.max_verify_tokens + 1, head.hidden_size, dtype=self.dtype,
+                                      device=self.device)
 
     # ---- the head -----------------------------------------------------------------------------------------------
     def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +95,14 @@ class EagleProposer(DraftRounds):
         out = self.runner.forward(fb)
         return out.hidden, out.target_logits()
 
-    def target_hidden(self, out) -> torch.Tensor:
+    def target_hidden(self, out: ForwardOutput) -> torch.Tensor:
         """What the head consumes from a target forward: [T, H] (EAGLE-3 projects its 3 aux states through fc)."""
-        if self.capture_layers:
+        if self.capabilities.capture_layers:
             return self.head.project_target_hidden(torch.cat(out.captured, -1).to(self.dtype))
         return out.hidden.to(self.dtype)
 
     # ---- prefill ------------------------------------------------------------------------------------------------
-    def prefill(self, items, target_hidden: torch.Tensor | None) -> None:
+    def extend(self, items: list[ScheduledRequest], target_hidden: torch.Tensor | None) -> None:
         """items: the prefill chunks of this step; target_hidden: [sum of chunk lengths, H], in item order.
         A chunk [s, e) feeds positions d .. e-2 (d <= s: a position left pending by the previous chunk is fed
         from hidden_buf) and leaves position e-1 pending, so a round always has a position to start from."""
@@ -165,8 +181,5 @@ class EagleProposer(DraftRounds):
         next catch-up)."""
         self.hidden_buf[rows, : accepted_hidden.shape[1]] = accepted_hidden.to(self.dtype)
 
-    def commit(self, reqs: list[Request], steps: int, num_accepted: list[int]) -> None:
+    def commit(self, reqs: list[Request], draft_kv_valid: list[int]) -> None:
         pass  # draft_num_computed already equals n: the steps' K/V was speculative
-
-    def commit_tree(self, reqs: list[Request], valid_draft_tokens: list[int]) -> None:
-        pass

@@ -1,53 +1,53 @@
-"""DraftRounds: propose() and propose_tree() for a drafter whose rounds run through draft_chain / draft_tree.
+"""ModelProposer: propose() for a drafter that runs a model of its own (a STANDALONE draft model, an EAGLE head).
 
-A greedy round that fits a captured graph runs as one (draft_graphs.DraftLoopGraphs); any other round runs the
-catch-up and each draft step through the runner's own graph-or-eager dispatch. Either way the step batches are the
-ones DraftAnchor builds on the device.
+A round is a catch-up (the positions the drafter has not consumed yet, ending at the root: the last committed token)
+followed by the draft steps, as a chain (drafting/chain.py) or a tree (drafting/tree.py). A greedy round that fits a
+captured graph runs as one (drafting/graphs.py); any other runs the catch-up and each step through the runner's own
+graph-or-eager dispatch. Either way the step batches are the ones DraftAnchor builds on the device.
 
-Draft-ahead: right after a greedy round's verify and accept are queued, and before its results reach the host,
-draft_ahead() queues the NEXT round's whole draft graph, its catch-up packed on the device from the accepted tokens
-(the drafter's ahead_catch_up). The GPU drafts while the host commits and schedules, instead of idling until the
-next propose(). That propose() takes the queued drafts when its batch is the same requests under the same tier
-(nothing finished, joined or was retracted) and discards them otherwise. Discarding is harmless: the queued graph
-wrote only draft K/V that the next catch-up rewrites (catch-up positions, with the same values) or that no one reads
-before a draft step overwrites it, in slots reserved for it when it was queued, or since released and written by
-their new owner after it (one stream). The drafts equal those propose() would make. HYPERDRAFT_DRAFT_AHEAD=0 turns it
-off. EAGLE heads give ahead_catch_up; a STANDALONE draft model does not: its K/V of accepted drafts is kept across
-rounds (draft_num_computed reaches past the committed tokens), and the commit that follows the queuing releases those
-slots before the next schedule reserves them again, possibly as other pages.
+Draft-ahead (capabilities.drafts_ahead): right after a greedy round's verify and accept are queued, and before its
+results reach the host, draft_ahead() queues the NEXT round's whole draft graph, its catch-up packed on the device
+from the accepted tokens (the subclass's ahead_catch_up). The GPU drafts while the host commits and schedules,
+instead of idling until the next propose(). That propose() takes the queued drafts when its batch is the same
+requests under the same tier (nothing finished, joined or was retracted) and discards them otherwise. Discarding is
+harmless: the queued graph wrote only draft K/V that the next catch-up rewrites (catch-up positions, with the same
+values) or that no one reads before a draft step overwrites it, in slots reserved for it when it was queued, or since
+released and written by their new owner after it (one stream). The drafts equal those propose() would make.
+RuntimeOptions.draft_ahead turns it off. EAGLE heads draft ahead; a STANDALONE draft model does not: its K/V of
+accepted drafts is kept across rounds (draft_num_computed reaches past the committed tokens), and the commit that
+follows the queuing releases those slots before the next schedule reserves them again, possibly as other pages.
 
-A drafter gives: runner, sample_drafts, feeds_hidden, and
+A subclass gives:
   catch_up_tokens(req)                  the tokens its catch-up feeds, from index req.draft_num_computed on (>= 1);
                                         the last is the root (the last committed token)
   catch_up_batch(reqs, tokens, width)   the catch-up ForwardBatch, ragged (width None) or padded to width
   catch_up_hidden(rows, width)          the padded catch-up's hidden inputs [B * width, H], or None
   caught_up(reqs)                       record what the catch-up fed
   catch_up_width(tier)                  the widest catch-up a round of tier can leave for the next one
-  ahead_catch_up(reqs, a, tokens, out)  optional: the next round's packed catch-up from this round's results,
-                                        written into out (padding rows too)
+  ahead_catch_up(reqs, a, tokens, out)  (drafting ahead only) the next round's packed catch-up from this round's
+                                        results, written into out (padding rows too)
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
 
+from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft.request import Request, same_requests
+from hyperdraft.runner.model_runner import ForwardOutput, GraphedRunner
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
-from hyperdraft.speculative.drafting.chain import draft_chain
+from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.drafting.anchor import CatchUpRows, DraftAnchor
+from hyperdraft.speculative.drafting.chain import draft_chain
 from hyperdraft.speculative.drafting.choice import choose_draft, draws_from_q
 from hyperdraft.speculative.drafting.graphs import DraftLoopGraphs
-from hyperdraft.speculative.proposal import Proposal, TreeProposal
-from hyperdraft.speculative.adaptive.tier import Tier
-from hyperdraft.speculative.drafting.tree import draft_tree
 from hyperdraft.speculative.drafting.sampled_tree import draft_q
-
-
-DRAFT_AHEAD_ENV = "HYPERDRAFT_DRAFT_AHEAD"  # "0": no draft-ahead (A/B benchmarks, tests)
+from hyperdraft.speculative.drafting.tree import draft_tree
+from hyperdraft.speculative.graph_plan import CapturePlan, draft_loop_plan, draft_step_shapes
+from hyperdraft.speculative.proposal import Proposal, TreeProposal
+from hyperdraft.speculative.proposer import Proposer, ProposerCapabilities, ProposerContext
 
 
 @dataclass
@@ -62,64 +62,68 @@ class AheadDraft:
         return tier == self.tier and same_requests(reqs, self.reqs)
 
 
-class DraftRounds:
-    draft_loop: DraftLoopGraphs | None = None
-    timer = None  # a PhaseTimer, set by the SpecWorker
-    ahead: AheadDraft | None = None
-    ahead_used = 0  # rounds served by a queued draft, and queued drafts thrown away (tests, benchmarks)
-    ahead_discarded = 0
+class ModelProposer(Proposer):
+    def __init__(self, ctx: ProposerContext, runner: GraphedRunner, capabilities: ProposerCapabilities):
+        """capabilities.drafts_ahead: the subclass can pack an ahead catch-up; it holds only where whole-round graphs
+        exist and the options allow it."""
+        self.runner = runner
+        self.timer = ctx.timer
+        self.sample_drafts = ctx.spec.use_rejection_sampling  # True: draw from q; False: greedy / top-k; None: auto
+        loops = runner.graphs is not None and ctx.options.draft_loop_graphs
+        self.draft_loop = DraftLoopGraphs(runner, capabilities.feeds_hidden, self.catch_up_hidden) if loops else None
+        self.capabilities = ProposerCapabilities(
+            capabilities.capture_layers, capabilities.feeds_hidden, capabilities.compacts_draft_pool,
+            drafts_ahead=capabilities.drafts_ahead and loops and ctx.options.draft_ahead, runs_as_graph=True)
+        self.ahead: AheadDraft | None = None
+        self.ahead_used = 0  # rounds served by a queued draft, and queued drafts thrown away (tests, benchmarks)
+        self.ahead_discarded = 0
 
-    def propose(self, reqs: list[Request], steps: int, sampling: SamplingBatch) -> Proposal:
-        """A chain of `steps` drafts per request."""
+    def propose(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch) -> Proposal | TreeProposal:
         sampled = draws_from_q(self.sample_drafts, sampling)
-        ahead = self._take_ahead(reqs, Tier(steps), sampled, sampling)
-        if ahead is not None:
-            return Proposal(ahead[0], [steps] * len(reqs))
-        rows = self._catch_up_rows(reqs)
-        fit = self._loop_fit(Tier(steps), rows, sampled, sampling)
-        qs: list[torch.Tensor] = []
-        if fit is not None:
-            (tokens,) = self.draft_loop.run(rows, Tier(steps), *fit)
-        else:
-            fb, first = self.catch_up(reqs, rows.tokens)
-
-            def choose(j: int, out, prefix: torch.Tensor, dest: torch.Tensor):
-                tokens, q = choose_draft(out.target_logits(), sampling.at_offset(prefix), sampled)
-                dest.copy_(tokens)
-                return q
-
-            tokens, qs = draft_chain(self.runner.forward, fb, first, DraftAnchor.after(fb, rows.step_bases), steps,
-                                     choose, self.runner.page_table, self.feeds_hidden)
-        self.caught_up(reqs)
-        return Proposal(tokens, [steps] * len(reqs), torch.stack(qs, 1) if qs else None)
-
-    def propose_tree(self, reqs: list[Request], steps: int, topk: int, num_nodes: int,
-                     sampling: SamplingBatch) -> TreeProposal:
-        """A tree of num_nodes per request: a beam over top-k children, or children drawn from q (a sampled tree,
-        verified with the real q). Depth d's frontier sits at RoPE position root + d, written at offsets
-        1 + (d-1)*topk + f past the root."""
-        sampled = draws_from_q(self.sample_drafts, sampling)
-        tier = Tier(steps, topk, num_nodes)
         ahead = self._take_ahead(reqs, tier, sampled, sampling)
         if ahead is not None:
-            return TreeProposal(*ahead)
+            return TreeProposal(*ahead) if tier.is_tree else Proposal(ahead[0], [tier.steps] * len(reqs))
         rows = self._catch_up_rows(reqs)
         fit = self._loop_fit(tier, rows, sampled, sampling)
         if fit is not None:
             out = self.draft_loop.run(rows, tier, *fit)
+            proposal = TreeProposal(*out) if tier.is_tree else Proposal(out[0], [tier.steps] * len(reqs))
         else:
             fb, first = self.catch_up(reqs, rows.tokens)
-
-            def distribution(logits: torch.Tensor, k: int) -> torch.Tensor:
-                siblings = sampling if k == 1 else sampling.repeat_rows(k)
-                if sampled:
-                    return draft_q(logits, siblings, topk)
-                return torch.log_softmax(penalised_logits(logits, siblings), -1)
-
-            out = draft_tree(self.runner.forward, fb, first, DraftAnchor.after(fb, rows.step_bases), steps, topk,
-                             num_nodes, distribution, self.runner.page_table, self.feeds_hidden,
-                             (sampling.seeds, sampling.positions) if sampled else None)
+            anchor = DraftAnchor.after(fb, rows.step_bases)
+            draft = self._draft_tree if tier.is_tree else self._draft_chain
+            proposal = draft(fb, first, anchor, tier, sampling, sampled)
         self.caught_up(reqs)
+        return proposal
+
+    def _draft_chain(self, fb: ForwardBatch, first: ForwardOutput, anchor: DraftAnchor, tier: Tier,
+                     sampling: SamplingBatch, sampled: bool) -> Proposal:
+        """A chain of tier.steps drafts per request, step by step."""
+
+        def choose(j: int, out, prefix: torch.Tensor, dest: torch.Tensor):
+            tokens, q = choose_draft(out.target_logits(), sampling.at_offset(prefix), sampled)
+            dest.copy_(tokens)
+            return q
+
+        tokens, qs = draft_chain(self.runner.forward, fb, first, anchor, tier.steps, choose, self.runner.page_table,
+                                 self.capabilities.feeds_hidden)
+        return Proposal(tokens, [tier.steps] * fb.batch_size, torch.stack(qs, 1) if qs else None)
+
+    def _draft_tree(self, fb: ForwardBatch, first: ForwardOutput, anchor: DraftAnchor, tier: Tier,
+                    sampling: SamplingBatch, sampled: bool) -> TreeProposal:
+        """A tree of tier.num_draft_tokens per request: a beam over top-k children, or children drawn from q (a
+        sampled tree, verified with the real q). Depth d's frontier sits at RoPE position root + d, written at
+        offsets 1 + (d-1)*topk + f past the root."""
+
+        def distribution(logits: torch.Tensor, k: int) -> torch.Tensor:
+            siblings = sampling if k == 1 else sampling.repeat_rows(k)
+            if sampled:
+                return draft_q(logits, siblings, tier.topk)
+            return torch.log_softmax(penalised_logits(logits, siblings), -1)
+
+        out = draft_tree(self.runner.forward, fb, first, anchor, tier.steps, tier.topk, tier.num_draft_tokens,
+                         distribution, self.runner.page_table, self.capabilities.feeds_hidden,
+                         (sampling.seeds, sampling.positions) if sampled else None)
         return TreeProposal(*out)
 
     def draft_ahead(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch, num_accepted: torch.Tensor,
@@ -129,9 +133,7 @@ class DraftRounds:
         it. Called before the scheduler commits this round: req.num_computed is still this round's n."""
         self.ahead_discarded += self.ahead is not None
         self.ahead = None
-        if (self.draft_loop is None or not hasattr(self, "ahead_catch_up")
-                or os.environ.get(DRAFT_AHEAD_ENV, "1") == "0"
-                or draws_from_q(self.sample_drafts, sampling) or sampling.penalties is not None):
+        if not self.capabilities.drafts_ahead or draws_from_q(self.sample_drafts, sampling) or sampling.penalties is not None:
             return
         width = self.catch_up_width(tier)
         fit = self.draft_loop.padded(tier, len(reqs), width)
@@ -145,6 +147,17 @@ class DraftRounds:
             return
         self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit))
         self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(tier, *fit, len(reqs)))
+
+    def capture_graphs(self, plan: CapturePlan) -> None:
+        """The per-step draft and catch-up shapes of every tier the plan can run, then the whole-round graphs."""
+        graphs = self.runner.graphs
+        if graphs is None or not any(t.steps > 0 for t in plan.tier_sizes):
+            return
+        for mode, shapes in draft_step_shapes(plan, self.catch_up_width).items():
+            graphs.capture(shapes, mode)
+        loops = draft_loop_plan(plan, self.catch_up_width)
+        if self.draft_loop is not None and loops:
+            self.draft_loop.capture(loops)
 
     def _take_ahead(self, reqs: list[Request], tier: Tier, sampled: bool, sampling: SamplingBatch):
         """The outputs of the draft queued for exactly this round, or None (a queued draft for another batch or tier
@@ -176,5 +189,25 @@ class DraftRounds:
         graphs = self.runner.graphs
         width = graphs.extend_width(len(reqs), max(map(len, tokens_in))) if graphs is not None else None
         fb = self.catch_up_batch(reqs, tokens_in, width)
-        with self.timer.phase("draft_extend") if self.timer is not None else contextlib.nullcontext():
+        with self.timer.phase("draft_extend"):
             return fb, self.runner.forward(fb)
+
+    # ---- what a subclass gives (see the module doc) ---------------------------------------------------------------
+    def catch_up_tokens(self, req: Request) -> list[int]:
+        raise NotImplementedError
+
+    def catch_up_batch(self, reqs: list[Request], tokens: list[list[int]], width: int | None) -> ForwardBatch:
+        raise NotImplementedError
+
+    def catch_up_hidden(self, rows: torch.Tensor, width: int) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def caught_up(self, reqs: list[Request]) -> None:
+        raise NotImplementedError
+
+    def catch_up_width(self, tier: Tier) -> int:
+        raise NotImplementedError
+
+    def ahead_catch_up(self, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not draft ahead")

@@ -14,7 +14,9 @@ import torch
 
 from hyperdraft.core.host_copy import host_to_device
 from hyperdraft.request import Request
+from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.proposal import Proposal
+from hyperdraft.speculative.proposer import Proposer, ProposerCapabilities, ProposerContext
 
 HISTORY_TOKENS = 1 << 16  # finished requests' tokens kept for matching (512 KiB)
 SEPARATOR = -1  # between sequences in the history; no token id equals it, so no match or draft crosses it
@@ -64,16 +66,22 @@ class NgramHistory:
         self.tokens = np.concatenate([self.tokens, np.asarray(seq, dtype=np.int64), [SEPARATOR]])[-self.capacity:]
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
+    """No model, no K/V, no graphs: extend and commit have nothing to keep in step."""
+
+    @classmethod
+    def build(cls, ctx: ProposerContext, draft: None) -> "NgramProposer":
+        return cls(ctx.spec.ngram_min_window, ctx.spec.ngram_max_window, ctx.target.device)
+
     def __init__(self, min_window: int, max_window: int, device: torch.device, history_tokens: int = HISTORY_TOKENS):
         self.min_window, self.max_window, self.device = min_window, max_window, device
+        self.capabilities = ProposerCapabilities()
+        self.pool = None
         self.history = NgramHistory(history_tokens) if history_tokens > 0 else None
         self.live: dict[str, Request] = {}  # requests drafted for and not yet finished
 
-    def prefill(self, items, target_hidden=None) -> None:
-        pass  # nothing to keep in sync
-
-    def propose(self, reqs: list[Request], steps: int, sampling) -> Proposal:
+    def propose(self, reqs: list[Request], tier: Tier, sampling) -> Proposal:
+        steps = tier.steps
         self._collect_finished(reqs)
         if steps == 0:  # adaptive step 0: no speculation, and no drafter state to keep warm
             return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.device), [0] * len(reqs))
@@ -94,9 +102,6 @@ class NgramProposer:
                 self.history.add(req.prompt_ids + req.output_ids)
                 del self.live[rid]
         self.live.update((r.rid, r) for r in reqs)
-
-    def commit(self, reqs: list[Request], steps: int, num_accepted: list[int]) -> None:
-        pass
 
     def save_history(self) -> tuple:
         """The history as it stands, including finished requests not yet collected (for benchmarks that repeat a

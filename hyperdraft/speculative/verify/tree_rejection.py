@@ -74,37 +74,9 @@ def verify_tree(
     for d in range(max_depth):
         r = p[rows, cur].float()  # [B, V]
         coins = uniform(seeds, seq_lens + d, DOMAIN_ACCEPT, width=n)  # [B, N]: one coin per candidate node
-        cand = torch.where(done, -1, tree.first_child[rows, cur])  # [B] candidate being tried, -1 = none left
-        chosen = torch.full_like(cand, -1)  # [B] accepted child, -1 = none (yet)
-        q_left = None if q_tree is None else q_tree[rows, cur].float()  # [B, V] q[v], tried tokens zeroed if w/o repl.
-        for _ in range(max_children):
-            trying = cand >= 0
-            c = cand.clamp_min(0)
-            tok = torch.where(trying, tree.tokens[rows, c], 0)  # [B]
-            if q_left is None:
-                q_i = torch.zeros_like(r).scatter_(1, tok[:, None], 1.0)
-            elif sample_without_replacement:
-                q_i = q_left / q_left.sum(-1, keepdim=True).clamp_min(_TINY)
-            else:
-                q_i = q_left
-            q_c = q_i.gather(1, tok[:, None])[:, 0]
-            r_c = r.gather(1, tok[:, None])[:, 0]
-            u = coins.gather(1, c[:, None])[:, 0]
-            # u < min(1, r/q) without division. The second term accepts outright when r(c) >= q(c): the same event
-            # for u in (0, 1), and it keeps greedy exact even for a coin that rounds up to 1.0.
-            accept = trying & ((u * q_c < r_c) | ((r_c >= q_c) & (r_c > 0)))
-            if q_left is not None:
-                # A candidate q gives no mass was not drawn from q (the draft ran out of support): accepting it
-                # would be lossy. Rejecting it leaves r unchanged (q_i(c) = 0), as if it were not in the tree.
-                accept &= q_c > 0
-            reject = trying & ~accept
-            residual = (r - q_i).clamp_min(0)
-            mass = residual.sum(-1, keepdim=True)
-            r = torch.where(reject[:, None] & (mass > 0), residual / mass.clamp_min(_TINY), r)
-            if q_left is not None and sample_without_replacement:
-                q_left = torch.where(reject[:, None], q_left.scatter(1, tok[:, None], 0.0), q_left)
-            chosen = torch.where(accept, cand, chosen)
-            cand = torch.where(reject, tree.next_sibling[rows, c], -1)
+        cand = torch.where(done, -1, tree.first_child[rows, cur])  # [B] first candidate, -1 = none
+        q_v = None if q_tree is None else q_tree[rows, cur].float()  # [B, V]
+        chosen, r = _try_children(r, q_v, cand, coins, tree, max_children, sample_without_replacement)
 
         stop = ~done & (chosen < 0)  # no child accepted: the last token comes from r
         final_r = torch.where(stop[:, None], r, final_r)
@@ -119,6 +91,45 @@ def verify_tree(
     final_r = torch.where(done[:, None], final_r, p[rows, cur].float())  # rows that reached depth max_depth: bonus
     out[rows, num_accepted] = sample_from_probs(final_r, seeds, seq_lens + num_accepted, DOMAIN_SAMPLE)
     return num_accepted, path, out
+
+
+def _try_children(r: torch.Tensor, q_left: torch.Tensor | None, cand: torch.Tensor, coins: torch.Tensor,
+                   tree: DraftTree, max_children: int, sample_without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One level of the walk: try each request's candidates from `cand` on, in sibling order, until one is accepted.
+    r [B, V]: the distribution to match; q_left [B, V]: q of the current node (None: one-hot children), whose tried
+    tokens are zeroed when drawn without replacement; coins [B, N] -> (the accepted child [B], -1 where none, and r
+    after the rejections [B, V])."""
+    rows = torch.arange(cand.shape[0], device=cand.device)
+    chosen = torch.full_like(cand, -1)
+    for _ in range(max_children):
+        trying = cand >= 0
+        c = cand.clamp_min(0)
+        tok = torch.where(trying, tree.tokens[rows, c], 0)  # [B]
+        if q_left is None:
+            q_i = torch.zeros_like(r).scatter_(1, tok[:, None], 1.0)
+        elif sample_without_replacement:
+            q_i = q_left / q_left.sum(-1, keepdim=True).clamp_min(_TINY)
+        else:
+            q_i = q_left
+        q_c = q_i.gather(1, tok[:, None])[:, 0]
+        r_c = r.gather(1, tok[:, None])[:, 0]
+        u = coins.gather(1, c[:, None])[:, 0]
+        # u < min(1, r/q) without division. The second term accepts outright when r(c) >= q(c): the same event
+        # for u in (0, 1), and it keeps greedy exact even for a coin that rounds up to 1.0.
+        accept = trying & ((u * q_c < r_c) | ((r_c >= q_c) & (r_c > 0)))
+        if q_left is not None:
+            # A candidate q gives no mass was not drawn from q (the draft ran out of support): accepting it
+            # would be lossy. Rejecting it leaves r unchanged (q_i(c) = 0), as if it were not in the tree.
+            accept &= q_c > 0
+        reject = trying & ~accept
+        residual = (r - q_i).clamp_min(0)
+        mass = residual.sum(-1, keepdim=True)
+        r = torch.where(reject[:, None] & (mass > 0), residual / mass.clamp_min(_TINY), r)
+        if q_left is not None and sample_without_replacement:
+            q_left = torch.where(reject[:, None], q_left.scatter(1, tok[:, None], 0.0), q_left)
+        chosen = torch.where(accept, cand, chosen)
+        cand = torch.where(reject, tree.next_sibling[rows, c], -1)
+    return chosen, r
 
 
 def verify_greedy_tree(target: torch.Tensor, tree: DraftTree, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,56 @@
+"""What the scheduler hands a worker, and what a worker hands back: one step's batch and per-request results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hyperdraft.core.forward_batch import ForwardInput
+from hyperdraft.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    num_tokens: int  # uncomputed tokens fed this step
+    samples: bool  # the chunk reaches the end of the sequence, so the step yields a token
+
+    @property
+    def is_decode(self) -> bool:
+        return self.samples and self.num_tokens == 1 and self.req.num_computed > 0
+
+    def forward_input(self) -> ForwardInput:
+        """The request's next num_tokens uncomputed tokens, with a logits row when the step samples."""
+        req = self.req
+        tokens = req.token_ids(req.num_computed, req.num_computed + self.num_tokens)
+        return ForwardInput(req.row, req.num_computed, tokens, num_logits=1 if self.samples else 0)
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[ScheduledRequest]  # decodes first, then prefill chunks
+
+    @property
+    def decodes(self) -> list[ScheduledRequest]:
+        return [it for it in self.items if it.is_decode]
+
+    @property
+    def prefills(self) -> list[ScheduledRequest]:
+        return [it for it in self.items if not it.is_decode]
+
+
+@dataclass
+class RequestResult:
+    """What one step did for one request."""
+
+    num_committed: int  # tokens whose K/V is now final (fed tokens, or last token + accepted drafts)
+    new_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_drafted: int | None = None  # draft tokens verified this step; None when the step was no verify
+    num_accepted: int = 0  # of those, accepted by verification
+
+
+@dataclass
+class StepOutput:
+    req: Request
+    new_token_ids: list[int]
+    finished: bool

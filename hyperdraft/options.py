@@ -1,0 +1,149 @@
+"""RuntimeOptions: every runtime switch of the engine in one frozen object, and the one module that reads the process
+environment.
+
+Each switch defaults to the fast path; turning one off exists for A/B measurements and for tests. An Engine builds
+its options once (`RuntimeOptions.from_args`: EngineArgs, then the environment variables below as overrides), holds
+them, and activates them (`activated`) around everything it runs. Kernel dispatch deep inside a forward reads the
+active options (`current`) instead of module globals, so two engines in one process can differ and a benchmark
+passes options instead of patching modules.
+
+  environment variable                  field                      when set
+  HYPERDRAFT_DISABLE_FUSED_KERNELS=1    fused_kernels=False        torch ops (and cuBLAS) instead of the Triton kernels
+  HYPERDRAFT_DISABLE_GEMV=1             gemv=False                 cuBLAS for projections of at most 16 rows
+  HYPERDRAFT_DISABLE_CUDA_KERNELS=1     cuda_kernels=False         Triton instead of the nvcc-built tensor-core GEMV
+  HYPERDRAFT_DISABLE_PDL=1              pdl=False                  plain launches (no programmatic dependent launch)
+  HYPERDRAFT_DISABLE_SKINNY_LINEAR=1    skinny_cpu_linear=False    F.linear for few-row fp32 products on the CPU
+  HYPERDRAFT_GRAPH_SEGMENTS=0           graph_segments=False       one CUDA graph per captured forward
+  HYPERDRAFT_DECODE_AHEAD=0             decode_ahead=False         no plain decode queued before the host reads
+  HYPERDRAFT_DRAFT_AHEAD=0              draft_ahead=False          no draft queued before the host reads
+  HYPERDRAFT_DRAFT_LOOP_GRAPH=0         draft_loop_graphs=False    per-step draft graphs only, no whole-round graphs
+  HYPERDRAFT_EMULATE_CUDA_GRAPH=1       emulate_cuda_graphs=True   on CPU: graph bookkeeping with eager forwards
+  HYPERDRAFT_RECORD_STEP_TIME=1         record_step_time=True      per-phase wall time of speculative steps (syncs)
+  HYPERDRAFT_SIMULATE_ACCEPT_RATE=a     simulate_accept_rate=a     BENCHMARK ONLY, lossy (speculative/verify/simulated.py)
+
+Not switches, but environment too, and read here alone: HYPERDRAFT_CACHE (`cache_dir`), TRITON_INTERPRET
+(`triton_interpreted`) and CUDA_HOME / CUDA_PATH (`cuda_home`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+SIMULATE_ACCEPT_RATE_ENV = "HYPERDRAFT_SIMULATE_ACCEPT_RATE"
+
+# field -> (environment variable, the value that flips the field away from its default)
+_SWITCHES = {
+    "fused_kernels": ("HYPERDRAFT_DISABLE_FUSED_KERNELS", "1"),
+    "gemv": ("HYPERDRAFT_DISABLE_GEMV", "1"),
+    "cuda_kernels": ("HYPERDRAFT_DISABLE_CUDA_KERNELS", "1"),
+    "pdl": ("HYPERDRAFT_DISABLE_PDL", "1"),
+    "skinny_cpu_linear": ("HYPERDRAFT_DISABLE_SKINNY_LINEAR", "1"),
+    "graph_segments": ("HYPERDRAFT_GRAPH_SEGMENTS", "0"),
+    "decode_ahead": ("HYPERDRAFT_DECODE_AHEAD", "0"),
+    "draft_ahead": ("HYPERDRAFT_DRAFT_AHEAD", "0"),
+    "draft_loop_graphs": ("HYPERDRAFT_DRAFT_LOOP_GRAPH", "0"),
+    "emulate_cuda_graphs": ("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1"),
+    "record_step_time": ("HYPERDRAFT_RECORD_STEP_TIME", "1"),
+}
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    fused_kernels: bool = True
+    gemv: bool = True
+    cuda_kernels: bool = True
+    pdl: bool = True
+    skinny_cpu_linear: bool = True
+    graph_segments: bool = True
+    decode_ahead: bool = True
+    draft_ahead: bool = True
+    draft_loop_graphs: bool = True
+    emulate_cuda_graphs: bool = False
+    record_step_time: bool = False
+    simulate_accept_rate: float | None = None
+
+    def __post_init__(self):
+        rate = self.simulate_accept_rate
+        if rate is not None and not 0 <= rate <= 1:
+            raise ValueError(f"simulate_accept_rate must be in [0, 1], got {rate}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "RuntimeOptions":
+        """The defaults, then the environment's switches, then `overrides` (field=value)."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for field, (var, flip) in _SWITCHES.items():
+            default = cls.__dataclass_fields__[field].default
+            values[field] = (not default) if environ.get(var) == flip else default
+        values["simulate_accept_rate"] = _env_rate(environ.get(SIMULATE_ACCEPT_RATE_ENV))
+        return cls(**{**values, **overrides})
+
+    @classmethod
+    def from_args(cls, args, environ: Mapping[str, str] | None = None) -> "RuntimeOptions":
+        """An engine's options: EngineArgs' own fields first (speculative_simulate_accept_rate), the environment for
+        the rest."""
+        env = cls.from_env(environ)
+        if args.speculative_simulate_accept_rate is None:
+            return env
+        return dataclasses.replace(env, simulate_accept_rate=args.speculative_simulate_accept_rate)
+
+
+def _env_rate(text: str | None) -> float | None:
+    if not text:
+        return None
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ValueError(f"{SIMULATE_ACCEPT_RATE_ENV} must be a number in [0, 1], got {text!r}") from None
+    if not 0 <= rate <= 1:
+        raise ValueError(f"{SIMULATE_ACCEPT_RATE_ENV} must be in [0, 1], got {rate}")
+    return rate
+
+
+# ---- the active options --------------------------------------------------------------------------------------------
+_active: contextvars.ContextVar[RuntimeOptions | None] = contextvars.ContextVar("hyperdraft_options", default=None)
+
+
+@functools.cache
+def _process_default() -> RuntimeOptions:
+    return RuntimeOptions.from_env()
+
+
+def current() -> RuntimeOptions:
+    """The options of the engine running now, or the process environment's outside any engine (tests that call
+    kernels and models directly)."""
+    return _active.get() or _process_default()
+
+
+@contextlib.contextmanager
+def activated(options: RuntimeOptions) -> Iterator[RuntimeOptions]:
+    """Make `options` the active ones for the enclosed work (in this thread; nesting restores the outer ones)."""
+    token = _active.set(options)
+    try:
+        yield options
+    finally:
+        _active.reset(token)
+
+
+# ---- environment that is not a switch -----------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """`$HYPERDRAFT_CACHE`, or `~/.cache/hyperdraft`: downloaded models and built CUDA kernels."""
+    return Path(os.environ.get("HYPERDRAFT_CACHE") or Path.home() / ".cache" / "hyperdraft").expanduser()
+
+
+@functools.cache
+def triton_interpreted() -> bool:
+    """TRITON_INTERPRET=1: Triton runs kernels in its CPU interpreter, which lacks libdevice and grid dependencies."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cuda_home() -> str:
+    """The CUDA toolkit to find nvcc in."""
+    return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"

@@ -1,0 +1,112 @@
+"""Proposer: the contract every drafter keeps, what it can do, and what it is built from.
+
+A proposer drafts tokens for the decoding requests of a step; the SpecWorker verifies them in one target forward.
+Per step it is asked, in this order:
+
+  extend(items, target_hidden)      the target's prefill chunks of this step, so the drafter stays in step with
+                                    the target (a draft model runs the same chunks; an EAGLE head consumes the
+                                    target's hidden states of them)
+  propose(reqs, tier, sampling)     a chain (Proposal) or, for a tree tier, a tree (TreeProposal) per request
+  commit(reqs, draft_kv_valid)      after verification: per request, how many accepted nodes past the root still
+                                    have the drafter's own K/V (the rest is rewritten by the next round)
+
+Drafters that read the target's hidden states (capabilities.feeds_hidden) also get target_hidden() of every target
+forward and, after acceptance, the accepted path's states (store_accepted_hidden). A drafter that can queue the next
+round's draft before the host has read this round's results (capabilities.drafts_ahead) gets draft_ahead(). The
+worker asks the capabilities, never the object: there is no attribute probing, and nothing is attached to a
+proposer after it is built.
+
+Adding a drafter: write one class that subclasses Proposer (which gives no-op defaults for the optional hooks),
+is built from (ProposerContext, its draft model) by `build` (by default its constructor) and loads that model in
+`load_draft`, then register it under its algorithm names in speculative/proposers/__init__.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+from hyperdraft.config import EngineArgs
+from hyperdraft.core.schedule import ScheduledRequest
+from hyperdraft.kvcache.kv_pool import KVPool
+from hyperdraft.options import RuntimeOptions
+from hyperdraft.request import Request
+from hyperdraft.runner.graph_runner import GraphSettings
+from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
+from hyperdraft.sample.logits_ops import SamplingBatch
+from hyperdraft.speculative.adaptive.tier import Tier
+from hyperdraft.speculative.config import SpecConfig
+from hyperdraft.speculative.metrics import PhaseTimer
+from hyperdraft.speculative.proposal import Proposal, TreeProposal
+
+if TYPE_CHECKING:
+    from hyperdraft.speculative.graph_plan import CapturePlan
+
+
+@dataclass(frozen=True)
+class ProposerCapabilities:
+    """What a proposer can do; the worker and the graph planner read this and nothing else about it."""
+
+    capture_layers: tuple[int, ...] = ()  # target layers whose INPUT states it reads (EAGLE-3's aux states)
+    feeds_hidden: bool = False  # reads target hidden states: target_hidden / store_accepted_hidden matter
+    compacts_draft_pool: bool = False  # after a tree verify its own K/V of the accepted path moves like the target's
+    drafts_ahead: bool = False  # queues the next round's draft before this round's results reach the host
+    runs_as_graph: bool = False  # has a draft runner whose steps and whole rounds CUDA graphs capture
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """Everything a proposer is built from besides its own draft model."""
+
+    spec: SpecConfig
+    target: ModelRunner  # the target's runner: its page table (shared by every pool), device and dtype
+    attention_backend: str
+    graphs: GraphSettings | None  # None: every draft forward runs eagerly
+    options: RuntimeOptions
+    timer: PhaseTimer
+    max_rows: int  # page-table rows: per-request buffers are sized for all of them
+
+
+class Proposer(Protocol):
+    supports_trees: ClassVar[bool] = True  # False: the algorithm drafts chains only (the config refuses topk > 1)
+    capabilities: ProposerCapabilities
+    pool: KVPool | None  # the drafter's own K/V pool, under the target's page table; None when it keeps none
+
+    @classmethod
+    def load_draft(cls, spec: SpecConfig, target: torch.nn.Module, args: EngineArgs,
+                   device: torch.device) -> torch.nn.Module | None:
+        """The draft model this algorithm runs (None: it needs none), loaded and checked against the target."""
+        return None
+
+    @classmethod
+    def build(cls, ctx: ProposerContext, draft: torch.nn.Module | None) -> "Proposer":
+        """The proposer for this engine, around the draft load_draft returned."""
+        return cls(ctx, draft)
+
+    def propose(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch) -> Proposal | TreeProposal:
+        """Drafts for the decoding requests: a Proposal for a chain tier, a TreeProposal for a tree tier."""
+        ...
+
+    def extend(self, items: list[ScheduledRequest], target_hidden: torch.Tensor | None) -> None:
+        """Keep up with the target's prefill chunks of this step (target_hidden: their [T, H] states, in item order,
+        when capabilities.feeds_hidden)."""
+
+    def commit(self, reqs: list[Request], draft_kv_valid: list[int]) -> None:
+        """After a round that drafted (tier.steps > 0), before the scheduler commits (req.num_computed is still the
+        round's n): per request, the accepted nodes past the root whose K/V the drafter itself holds."""
+
+    def target_hidden(self, out: ForwardOutput) -> torch.Tensor | None:
+        """What the drafter reads from a target forward (capabilities.feeds_hidden): [T, H] in its own sizes."""
+        return None
+
+    def store_accepted_hidden(self, rows: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
+        """rows [B]: page-table rows; accepted_hidden [B, D+1, H]: the accepted path's target states, root first."""
+
+    def draft_ahead(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch, num_accepted: torch.Tensor,
+                    tokens: torch.Tensor) -> None:
+        """Queue the next round's draft from this round's device results (capabilities.drafts_ahead)."""
+
+    def capture_graphs(self, plan: CapturePlan) -> None:
+        """Capture the draft shapes `plan` can run (capabilities.runs_as_graph)."""

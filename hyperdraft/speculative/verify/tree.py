@@ -1,0 +1,118 @@
+"""TreeRound: a round whose drafts form a tree of N nodes per request (node 0 = the last committed token), verified in
+one forward with an ancestor mask (tree_rejection.py walks it); the accepted path is then compacted to contiguous
+indices (compaction.py)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from hyperdraft.core.forward_batch import ForwardInput, leading_tail_mask
+from hyperdraft.core.host_copy import to_device_many
+from hyperdraft.core.schedule import RequestResult
+from hyperdraft.kernels.argmax import argmax_rows
+from hyperdraft.request import Request
+from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits, token_logprobs
+from hyperdraft.speculative.adaptive.tier import Tier
+from hyperdraft.speculative.proposal import TreeProposal
+from hyperdraft.speculative.verify.compaction import compact_accepted, leading_fed_count
+from hyperdraft.speculative.verify.round import RoundContext, RoundOutcome, reserved_room
+from hyperdraft.speculative.verify.simulated import simulate_tree
+from hyperdraft.speculative.verify.tree_buffers import build_tree
+from hyperdraft.speculative.verify.tree_rejection import verify_greedy_tree, verify_tree
+
+
+class TreePieces(NamedTuple):
+    """What the host reads of a tree round."""
+
+    num_accepted: torch.Tensor  # [B] int64
+    tokens: torch.Tensor  # [B, D+1] int64: the accepted path's tokens, then the recovered or bonus token; -1 after
+    logprobs: torch.Tensor  # [B, D+1] float32, of those tokens
+    draft_kv_valid: torch.Tensor  # [B] int64: accepted nodes past the root whose draft K/V was kept (compacted)
+
+
+class TreeRound:
+    def __init__(self, ctx: RoundContext, reqs: list[Request], sampling: SamplingBatch, tier: Tier,
+                 proposal: TreeProposal):
+        self.ctx, self.reqs, self.sampling, self.tier, self.proposal = ctx, reqs, sampling, tier, proposal
+        self.n = tier.num_draft_tokens
+        room = reserved_room(ctx.target, reqs)
+        self.num_nodes = [min(self.n, m + 1) for m in room]  # fewer only when a lone request fills the pool
+        # The beam writes offsets up to (steps-1)*topk whatever the room; past the room they land in the padding
+        # page, so such nodes have no draft K/V to keep.
+        self.room, num_nodes, self.base, self.rows = to_device_many(
+            [room, self.num_nodes, [r.num_computed for r in reqs], [r.row for r in reqs]], torch.int64,
+            ctx.target.device)
+        self.tree = build_tree(proposal.tokens, proposal.parents, q=proposal.q, num_nodes=num_nodes)
+        self.num_rows = len(reqs) * self.n
+
+    # ---- the verify forward's rows -------------------------------------------------------------------------------
+    def inputs(self) -> list[ForwardInput]:
+        return [ForwardInput(r.row, r.num_computed, [0] * self.n, self.n) for r in self.reqs]
+
+    def tail_mask(self, extend_lens: list[int]) -> torch.Tensor:
+        """The ancestor masks of every tree, with causal rows for the prefill chunks riding along."""
+        return leading_tail_mask(self.tree.mask, extend_lens, self.ctx.target.device)
+
+    def packed_ids(self) -> torch.Tensor:
+        return self.tree.tokens.flatten()
+
+    def positions(self) -> torch.Tensor:
+        return (self.base[:, None] + self.tree.depth).flatten()
+
+    # ---- acceptance and compaction, on the device -----------------------------------------------------------------
+    def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
+        """verify_logits [B*N, V]; target_hidden [>= B*N, H] when the drafter reads hidden states."""
+        bsz, n, sb, tier = len(self.reqs), self.n, self.sampling, self.tier
+        sampled = self.proposal.q is not None  # children drawn from q without replacement (drafting/sampled_tree.py)
+        greedy = sb.all_greedy and not sampled  # p one-hot at each node's argmax: verify from the argmax tokens
+        sbt = None
+        if not greedy or sb.penalties is not None:
+            sbt = sb.for_tree(self.tree.tokens, self.tree.mask, self.tree.depth)
+        logits = penalised_logits(verify_logits, sbt) if sbt is not None else verify_logits
+        target = argmax_rows(logits).view(bsz, n) if greedy else None
+        p = None if greedy else probs_from_logits(logits, sbt).view(bsz, n, -1)
+        alpha = self.ctx.simulate_accept_rate
+        if alpha is not None:  # benchmark-only, lossy (see verify/simulated.py)
+            num_accepted, path, tokens = simulate_tree(p, self.tree, alpha, sb.seeds, sb.positions,
+                                                       max_depth=tier.steps, greedy_target=target)
+        elif greedy:
+            num_accepted, path, tokens = verify_greedy_tree(target, self.tree, max_depth=tier.steps)
+        else:
+            num_accepted, path, tokens = verify_tree(p, self.tree, sb.seeds, sb.positions, sampled,
+                                                     max_depth=tier.steps, max_children=tier.topk)
+        self._compact(num_accepted, path)
+        rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
+        if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
+            self.ctx.proposer.store_accepted_hidden(self.rows, target_hidden[rows])
+        self.num_accepted, self.tokens = num_accepted, tokens  # what the next round's catch-up feeds (draft-ahead)
+        self.logits, self.path_rows = logits, rows
+
+    def _compact(self, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
+        """Move the accepted path's K/V to n, n+1, ... in the target's pool, and in the drafter's where it keeps the
+        nodes it fed (capabilities.compacts_draft_pool)."""
+        target, proposer = self.ctx.target, self.ctx.proposer
+        compact_accepted(target.pool, target.page_table, self.rows, self.base, path.clamp_min(0), num_accepted + 1)
+        fed_on_path = self.proposal.fed.gather(1, path.clamp_min(0))
+        fed_on_path = torch.where(fed_on_path <= self.room[:, None], fed_on_path, -1)
+        self.draft_kv_valid = leading_fed_count(fed_on_path, num_accepted)
+        if proposer.capabilities.compacts_draft_pool:
+            compact_accepted(proposer.pool, target.page_table, self.rows, self.base, fed_on_path.clamp_min(0),
+                             1 + self.draft_kv_valid)
+
+    def pieces(self) -> TreePieces:
+        logprobs = token_logprobs(self.logits, self.tokens.clamp_min(0).flatten(), self.path_rows.flatten())
+        return TreePieces(self.num_accepted, self.tokens, logprobs.view_as(self.tokens), self.draft_kv_valid)
+
+    # ---- on the host ---------------------------------------------------------------------------------------------
+    def decode(self, host: TreePieces) -> RoundOutcome:
+        return decode_tree(host, self.num_nodes, self.tier.steps)
+
+
+def decode_tree(host: TreePieces, num_nodes: list[int], depth: int) -> RoundOutcome:
+    """host: TreePieces as lists; num_nodes: each request's tree size (root included); depth: the tier's steps."""
+    drafted = [k - 1 for k in num_nodes]
+    results = [RequestResult(a + 1, tokens[: a + 1], logprobs[: a + 1], d, a)
+               for a, tokens, logprobs, d in zip(host.num_accepted, host.tokens, host.logprobs, drafted)]
+    return RoundOutcome(results, list(host.num_accepted), drafted, [depth] * len(num_nodes), list(host.draft_kv_valid))
