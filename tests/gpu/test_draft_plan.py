@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-import hyperdraft.kernels as kernels
+from hyperdraft.options import RuntimeOptions, activated
 from hyperdraft.kernels.draft_plan import (PACKED_FIELDS, accept_chain, pack_catch_up_kernel, pack_catch_up_reference,
                                            round_plan)
 from hyperdraft.kvcache.page_table import PageTable
@@ -59,8 +59,8 @@ def test_round_plan(monkeypatch, page_size, width, depths, k):
 
     _poison_int(4096)
     plan = round_plan(packed, table.table, page_size, depths, k, k)
-    monkeypatch.setattr(kernels, "FUSED_ENABLED", False)
-    fb, anchor = unpack_round(packed, table, max_seq_len, [0] * packed.shape[0], None, depths, k)
+    with activated(RuntimeOptions.from_env(fused_kernels=False)):  # the torch reference
+        fb, anchor = unpack_round(packed, table, max_seq_len, [0] * packed.shape[0], None, depths, k)
 
     def same(a, b):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -107,8 +107,8 @@ def test_accept_chain_greedy(monkeypatch, bsz, k):
     target, draft, draft_len = _chain_case(bsz, k, seed=bsz + k)
     _poison_int(bsz * (k + 1))
     num_accepted, tokens = accept_chain(target, draft, draft_len)
-    monkeypatch.setattr(kernels, "FUSED_ENABLED", False)
-    ref_accepted, ref_tokens = verify_greedy_chain(target, draft, draft_len)
+    with activated(RuntimeOptions.from_env(fused_kernels=False)):
+        ref_accepted, ref_tokens = verify_greedy_chain(target, draft, draft_len)
     assert torch.equal(num_accepted, ref_accepted) and torch.equal(tokens, ref_tokens)
     assert len(set(num_accepted.tolist())) > 1 or bsz == 1  # the case exercises several accept lengths
 
@@ -122,6 +122,6 @@ def test_accept_chain_simulated(monkeypatch, bsz, k, alpha):
     seq_lens = torch.randint(0, 10_000, (bsz,), generator=g).to(DEVICE)
     _poison_int(bsz * (k + 1))
     num_accepted, tokens = accept_chain(target, draft, draft_len, (alpha, seeds, seq_lens, DOMAIN_ACCEPT))
-    monkeypatch.setattr(kernels, "FUSED_ENABLED", False)
-    ref_accepted, ref_tokens = simulate_chain(None, draft, draft_len, alpha, seeds, seq_lens, greedy_target=target)
+    with activated(RuntimeOptions.from_env(fused_kernels=False)):
+        ref_accepted, ref_tokens = simulate_chain(None, draft, draft_len, alpha, seeds, seq_lens, greedy_target=target)
     assert torch.equal(num_accepted, ref_accepted) and torch.equal(tokens, ref_tokens)

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-import hyperdraft.kernels as kernels
+from hyperdraft.options import RuntimeOptions, activated
 from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
 from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
 from hyperdraft.kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
@@ -220,8 +220,8 @@ def test_model_fused_equals_reference(tmp_path, arch, monkeypatch):
     layers = (1, model.config.num_layers)
     with torch.inference_mode():
         hidden, captured = model(ids, pos, causal, layers)
-        monkeypatch.setattr(kernels, "FUSED_ENABLED", False)
-        ref_hidden, ref_captured = model(ids, pos, causal, layers)
+        with activated(RuntimeOptions.from_env(fused_kernels=False)):
+            ref_hidden, ref_captured = model(ids, pos, causal, layers)
     # fp32 kernels differ from torch in the last bits (1/sqrt vs rsqrt, summation order, FMA contraction); two
     # layers of a random model with large weights amplify that to ~1e-5.
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-4, rtol=1e-4)

@@ -13,6 +13,7 @@ from hyperdraft.kernels import cuda_kernels, pdl
 from hyperdraft.kernels.activation import silu_mul
 from hyperdraft.kernels.gemv import MAX_ROWS, cuda_linear, gemv, gemv_reference
 from hyperdraft.kernels.norm import rms_norm
+from hyperdraft.options import RuntimeOptions, activated
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda"
@@ -126,9 +127,9 @@ def test_mma_kernel_and_triton_fallback_agree(monkeypatch, m, dtype):
     residual = torch.randn(m, 2048, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     fast = _poisoned(gemv, x, w, b, residual)
     fast_logits = _poisoned(gemv, x, w, b, None, torch.float32)
-    monkeypatch.setattr(cuda_kernels, "module", lambda device: None)
-    assert not gemv_module.mma_fits(x, w, b)
-    slow = gemv(x, w, b, residual)
+    with activated(RuntimeOptions.from_env(cuda_kernels=False)):  # the Triton fallback
+        assert not gemv_module.mma_fits(x, w, b)
+        slow = gemv(x, w, b, residual)
     ref = gemv_reference(x.double(), w.double(), b.double(), residual.double())
     assert not fast.isnan().any() and not fast_logits.isnan().any()
     torch.testing.assert_close(fast.double(), ref, **TOL[dtype])
@@ -181,6 +182,6 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
         static_h.copy_(torch.randn(2, hidden, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype))
         graph.replay()
         outs.append((static_h.clone(), static_out.clone()))
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    for inp, out in outs:
-        assert torch.equal(_layer_chain(inp, weights), out)
+    with activated(RuntimeOptions.from_env(pdl=False)):
+        for inp, out in outs:
+            assert torch.equal(_layer_chain(inp, weights), out)
