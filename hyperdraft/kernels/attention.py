@@ -88,6 +88,9 @@ def _attn_stage1(
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAIL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    # Kept whole: one GPU program. The key loops already live in _attend_keys; what is left (the tile's queries, the
+    # split bounds, the mask start, the store) is read by both loops and the store, and a further @jit helper would
+    # only pass the same thirty values through another signature.
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
