@@ -214,7 +214,7 @@ def tile_config(group: int, max_extend_len: int, head_dim: int, dtype: torch.dty
 # Splits of at most this many keys (at the static bound) run a 2-stage pipeline: with a few key blocks per program a
 # deeper one only lengthens the prologue. Batch 1 on an H100 at a 4096-key bound (32 splits): decode 7.7 us per layer
 # against 8.9 with 3 stages at 641 keys, 10.7 against 11.3 at 4090; chain-5 verify 10.4 against 10.7 at 646
-# (benchmarks/verify_attention.py). Long splits keep 3 (7% faster at batch 32 x 8k, 3 splits).
+# (benchmarks/kernels/verify_attention.py). Long splits keep 3 (7% faster at batch 32 x 8k, 3 splits).
 SHORT_SPLIT_KEYS = 512
 
 

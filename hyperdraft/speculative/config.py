@@ -66,7 +66,7 @@ class SpecConfig:
 
 def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None,
                         options: RuntimeOptions | None = None) -> SpecConfig | None:
-    """options: where the simulated accept rate comes from (default: RuntimeOptions.from_args(args))."""
+    """The simulated accept rate is args.speculative_simulate_accept_rate, else options' (the environment's)."""
     if args.speculative_algorithm is None:
         return None
     algo = _algorithm(args.speculative_algorithm)
@@ -97,7 +97,9 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
     tier = _initial_tier(algo, steps, topk, draft_tokens, adaptive is not None)
     if not 1 <= args.speculative_ngram_min_match_window_size <= args.speculative_ngram_max_match_window_size:
         raise ValueError("speculative_ngram_min_match_window_size must be >= 1 and <= speculative_ngram_max_match_window_size")
-    alpha = (options or RuntimeOptions.from_args(args)).simulate_accept_rate
+    alpha = args.speculative_simulate_accept_rate
+    if alpha is None:
+        alpha = (options or RuntimeOptions.from_env()).simulate_accept_rate
     if alpha is not None:
         logger.warning("speculative_simulate_accept_rate=%s: verification is SIMULATED; outputs are not the target "
                        "model's (benchmark mode)", alpha)

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_bench_report.py's expected accept length of a finite run (the 'E_run' column): exact values at the
+"""benchmarks/e2e/gpu_bench_report.py's expected accept length of a finite run (the 'E_run' column): exact values at the
 edges, and the untruncated E in the long limit."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from benchmarks.gpu_bench_report import expected_run_accept, expected_tokens
+from benchmarks.e2e.gpu_bench_report import expected_run_accept, expected_tokens
 
 
 def test_edges_and_long_limit():
@@ -37,10 +37,10 @@ def test_matches_a_simulation():
 
 
 def test_accept_draws_replay_the_gpu_runs_draws():
-    """benchmarks/accept_draws.py replays gpu_bench's request order on the CPU: its draws for the batch-1 rows at
+    """benchmarks/e2e/accept_draws.py replays gpu_bench's request order on the CPU: its draws for the batch-1 rows at
     alpha 0.8 are the accept lengths the H100 run measured (benchmarks/results/gpu_bench_h100.md: chain 5 3.58,
     chain 3 2.88, both 24 runs). Deterministic: the coins are a function of seed and position only."""
-    from benchmarks.accept_draws import bench_seeds, pooled_accept
+    from benchmarks.e2e.accept_draws import bench_seeds, pooled_accept
 
     seeds = bench_seeds((1, 8, 32))[(0.8, 1)]
     assert len(seeds) == 24

@@ -99,3 +99,13 @@ def test_decode_ahead_is_an_option(spec_models, llm_factory, ahead):
     assert [o.token_ids for o in gen(llm, prompts, params)] == [o.token_ids for o in gen(ref, prompts, params)]
     assert llm.engine.runner.graphs is not None and ref.engine.runner.graphs is None
     assert (llm.engine.worker.ahead_used > 0) == ahead
+
+
+def test_the_simulated_rate_comes_from_the_args_first_then_the_options(spec_models, llm_factory):
+    """Explicit options without a rate must not drop the one EngineArgs carry (benchmarks pass both)."""
+    kw = dict(speculative_algorithm="NGRAM")
+    given = llm_factory(spec_models["target"], runtime_options=RuntimeOptions(), speculative_simulate_accept_rate=0.5, **kw)
+    assert given.engine.spec.simulate_accept_rate == 0.5
+    from_options = llm_factory(spec_models["target"], runtime_options=RuntimeOptions(simulate_accept_rate=0.4), **kw)
+    assert from_options.engine.spec.simulate_accept_rate == 0.4
+    assert llm_factory(spec_models["target"], runtime_options=RuntimeOptions(), **kw).engine.spec.simulate_accept_rate is None

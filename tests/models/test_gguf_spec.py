@@ -1,5 +1,5 @@
 """Speculation is lossless on the real embedded model: NGRAM on vs off gives identical greedy tokens for MT-bench
-questions (a CI subset here; benchmarks/mt_bench_lossless.py runs all 80)."""
+questions (a CI subset here; benchmarks/e2e/mt_bench_lossless.py runs all 80)."""
 
 from __future__ import annotations
 

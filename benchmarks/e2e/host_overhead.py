@@ -7,12 +7,16 @@ GraphedRunner.forward (target, draft model and EAGLE head forwards), through a t
 The model is tiny (3 layers, hidden 32), so the ops outside the forwards run at their dispatch cost.
 
 Cases: plain decode, EAGLE-3 chain, NGRAM chain (and EAGLE-3 tree), at batch 1 and 16, greedy. Speculative cases use
-a simulated accept rate (0.8 by default, as benchmarks/gpu_bench.py does), so a step commits several tokens the way a
+a simulated accept rate (0.8 by default, as e2e/gpu_bench.py does), so a step commits several tokens the way a
 trained drafter's would.
 
-  python benchmarks/host_overhead.py                                 # this tree, one table
-  python benchmarks/host_overhead.py --compare /tmp/base --repeats 5 --write   # old tree vs this one, interleaved
-  python benchmarks/host_overhead.py --profile eagle3-chain --bs 16  # cProfile of the measured steps
+  python -m benchmarks.e2e.host_overhead                                 # this tree, one table
+  python -m benchmarks.e2e.host_overhead --compare /tmp/base --repeats 5 --write   # old tree vs this one, interleaved
+  python -m benchmarks.e2e.host_overhead --profile eagle3-chain --bs 16  # cProfile of the measured steps
+
+--write: benchmarks/results/host_overhead_cpu.md. Each (tree, case, batch) runs in a fresh process: this file, run by
+path with PYTHONPATH set to the tree, so the same measuring code imports each tree's hyperdraft. The timing and
+counting wrappers below are instrumentation only (they change no engine behaviour).
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+# The repository root. Not benchmarks.common.REPO_ROOT: the worker processes import nothing from benchmarks/.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
              head_dim=16)
 CASES = {
@@ -49,7 +53,6 @@ PROMPT_LEN = 64
 
 
 def build_models(root: str) -> dict[str, str]:
-    sys.path.insert(0, ROOT)
     from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
     from hyperdraft.testing.tiny import make_tiny_model
 
@@ -61,26 +64,48 @@ def build_models(root: str) -> dict[str, str]:
 COUNTED_STEPS = 10
 
 
-def TorchCallCounter():
+def TorchCallCounter(one_launch=None):
     """Counts the torch calls made from Python that return tensors (ops and views; on a GPU each is host dispatch
-    work, and each op a kernel launch), outside the forwards (the forward wrapper clears `active`)."""
+    work, and each op a kernel launch), outside the forwards (the forward wrapper clears `active`). Calls made inside
+    `one_launch` (a function that is one Triton launch on CUDA and ~60 torch ops on the CPU: the counter-based RNG's
+    torch reference) count as one call per call of it, named "uniform"; found on the call stack, not by patching."""
     from collections import Counter
 
     import torch
     from torch.overrides import TorchFunctionMode
 
+    one_launch_code = getattr(one_launch, "__code__", None)
+
     class _Counter(TorchFunctionMode):
         def __init__(self):
             super().__init__()
             self.active, self.total, self.by_name = True, 0, Counter()
+            self.last_launch = None  # the frame of the one_launch call counted last
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if self.active and isinstance(out, (torch.Tensor, tuple, list)) and (
+            if not self.active:
+                return out
+            launch = self._inside_one_launch()
+            if launch is not None:
+                if launch is not self.last_launch:
+                    self.last_launch = launch
+                    self.total += 1
+                    self.by_name["uniform"] += 1
+            elif isinstance(out, (torch.Tensor, tuple, list)) and (
                     isinstance(out, torch.Tensor) or any(isinstance(o, torch.Tensor) for o in out)):
                 self.total += 1
                 self.by_name[getattr(func, "__name__", str(func))] += 1
             return out
+
+        @staticmethod
+        def _inside_one_launch():
+            frame = sys._getframe(2)
+            while frame is not None and one_launch_code is not None:
+                if frame.f_code is one_launch_code:
+                    return frame
+                frame = frame.f_back
+            return None
 
     return _Counter()
 
@@ -91,7 +116,10 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
 
     from hyperdraft.config import EngineArgs
     from hyperdraft.engine.engine import Engine
-    from hyperdraft.runner.model_runner import GraphedRunner
+    try:
+        from hyperdraft.runner.model_runner import GraphedRunner
+    except ImportError:  # a --compare tree from before the runners moved from engine/ to runner/
+        from hyperdraft.engine.model_runner import GraphedRunner
     from hyperdraft.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
@@ -107,6 +135,8 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
         model_path=models["target"], device="cpu", dtype="float32", skip_tokenizer_init=True,
         max_running_requests=bs, max_total_tokens=bs * (ctx + 64), context_length=ctx, log_level="warning", **spec))
 
+    # Instrumentation: every runner's forward (target, draft model, EAGLE head) is timed, and hides its own work from
+    # the profile and the call count; restored below.
     inside = [0.0]
     original = GraphedRunner.forward
     prof = cProfile.Profile() if profile_top else None
@@ -158,26 +188,13 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
         forwards.append(inside[0])
         tokens += sum(len(o.new_token_ids) for o in outs)
         assert len(outs) == bs and not any(o.finished for o in outs), "a request finished inside the measured steps"
-    counter = TorchCallCounter()
-    counting[0] = counter
     import hyperdraft.sample.rng as rng
 
-    reference = rng.uniform_reference
-
-    def one_launch(*args, **kwargs):  # on CUDA rng.uniform is one Triton launch: count the ~60 CPU ops as one call
-        counter.active = False
-        try:
-            return reference(*args, **kwargs)
-        finally:
-            counter.active = True
-            counter.total += 1
-            counter.by_name["uniform"] += 1
-
-    rng.uniform_reference = one_launch
+    counter = TorchCallCounter(one_launch=rng.uniform_reference)  # on CUDA rng.uniform is one Triton launch
+    counting[0] = counter
     with counter:
         for _ in range(COUNTED_STEPS):
             engine.step()
-    rng.uniform_reference = reference
     counting[0] = None
     GraphedRunner.forward = original
     host = [w - f for w, f in zip(walls, forwards)]
@@ -200,8 +217,7 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
 
 
 def worker_main(a) -> None:
-    sys.path.insert(0, a.tree)
-    import hyperdraft
+    import hyperdraft  # from the tree: run_in puts it first on PYTHONPATH
 
     assert os.path.abspath(hyperdraft.__file__).startswith(os.path.abspath(a.tree)), "imported the wrong tree"
     models = json.loads(a.models)
@@ -209,6 +225,8 @@ def worker_main(a) -> None:
 
 
 def run_in(tree: str, models: dict, case: str, bs: int, a) -> dict:
+    """One measurement in a fresh process that imports hyperdraft from `tree`: this file run by its path (so it is
+    the same measuring code for every tree, and it imports nothing from benchmarks/), with PYTHONPATH=tree."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", case, "--tree", tree, "--models", json.dumps(models),
            "--bs", str(bs), "--steps", str(a.steps), "--warmup", str(a.warmup), "--alpha", str(a.alpha),
            "--temperature", str(a.temperature)]
@@ -228,7 +246,8 @@ def commit_of(tree: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.host_overhead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=list(CASES))
     ap.add_argument("--bs", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--steps", type=int, default=60, help="measured steps per run")
@@ -251,7 +270,6 @@ def main() -> None:
         return worker_main(a)
     models = build_models(tempfile.mkdtemp(prefix="host_overhead_"))
     if a.profile:
-        sys.path.insert(0, ROOT)
         for bs in a.bs:
             r = run_case(models, a.profile, bs, a.steps, a.warmup, a.alpha, profile_top=a.top, temperature=a.temperature)
             print(f"== {a.profile} bs {bs}: host {r['host_ms']:.3f} ms/step (median), forward {r['forward_ms']:.3f} ms, "
@@ -305,11 +323,11 @@ def table(best: dict, a, trees) -> list[str]:
 
 
 def write_report(lines: list[str], a) -> None:
-    cmd = "python benchmarks/host_overhead.py " + " ".join(sys.argv[1:])
+    cmd = "python -m benchmarks.e2e.host_overhead " + " ".join(sys.argv[1:])
     text = [
         "# Host time per engine step, outside the model forwards (CPU)",
         "",
-        f"- date: {datetime.date(2026, 11, 22)}; device: CPU ({platform.processor() or platform.machine()}, "
+        f"- date: {datetime.date.today()}; device: CPU ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, 1 torch thread), load average {os.getloadavg()[0]:.2f} at the end",
         f"- command: `{cmd}`",
         f"- new tree: commit {commit_of(ROOT)} (plus uncommitted changes, if any)"
@@ -323,7 +341,7 @@ def write_report(lines: list[str], a) -> None:
         *lines,
         "",
     ]
-    path = os.path.join(HERE, "results", "host_overhead_cpu.md")
+    path = os.path.join(ROOT, "benchmarks", "results", "host_overhead_cpu.md")
     if a.append:
         text = ["", f"## temperature {a.temperature}"] + text[1:]
     with open(path, "a" if a.append else "w") as f:

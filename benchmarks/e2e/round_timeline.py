@@ -5,7 +5,8 @@ forward, before and after draft-ahead. An event's GPU timestamp is when the stre
 it late, the GPU idled until then. So "step entry - previous draft end" is GPU time lost waiting for the host to come
 back from the previous step's results (plus a few us of event overhead), and the other spans are GPU work.
 
-Run on a GPU machine: python3 benchmarks/round_timeline.py [--steps 5] ; prints medians in us per round.
+Run on a GPU machine: python -m benchmarks.e2e.round_timeline [--steps 5] [--no-pdl] [--out $OUT] ; prints medians
+in us per round and writes OUT/round_timeline<PROFILE_TAG>.txt (PROFILE_TAG from the environment, default empty).
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.gpu_bench import LLAMA_8B, make_engine, write_configs  # noqa: E402
-from hyperdraft.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.common import require_cuda
+from benchmarks.e2e.engines import LLAMA_8B, eagle3_spec, make_engine, write_configs
+from hyperdraft.sampling_params import SamplingParams
+from hyperdraft.speculative.verify.chain import ChainRound
 
 SPANS = (("host wait before step", "draft_end", "entry"), ("pre-verify work", "entry", "verify_start"),
          ("verify forward", "verify_start", "verify_end"), ("accept", "verify_end", "draft_start"),
@@ -60,6 +60,9 @@ class Marks:
 
 
 def instrument(engine, marks: Marks) -> None:
+    """Wrap the step's host points so each records a mark first (timing only; what they do is unchanged): this engine's
+    SpecWorker.run, its target runner's forward (the verify) and its proposer's draft_ahead (instance attributes), and
+    ChainRound's constructor and accept (the class, for the rest of the process: this script runs one engine)."""
     worker, runner, proposer = engine.worker, engine.worker.runner, engine.worker.proposer
     run, forward, ahead = worker.run, runner.forward, proposer.draft_ahead
 
@@ -82,9 +85,7 @@ def instrument(engine, marks: Marks) -> None:
         return out
 
     worker.run, runner.forward, proposer.draft_ahead = run_marked, forward_marked, ahead_marked
-    import hyperdraft.speculative.worker as spec_worker
-
-    init, accept = spec_worker.ChainRound.__init__, spec_worker.ChainRound.accept
+    init, accept = ChainRound.__init__, ChainRound.accept
 
     def init_marked(self, *a, **kw):
         init(self, *a, **kw)
@@ -96,7 +97,7 @@ def instrument(engine, marks: Marks) -> None:
         marks.mark("accept_end")
         return out
 
-    spec_worker.ChainRound.__init__, spec_worker.ChainRound.accept = init_marked, accept_marked
+    ChainRound.__init__, ChainRound.accept = init_marked, accept_marked
 
 
 def spans(marks: Marks) -> dict[str, float]:
@@ -119,17 +120,19 @@ def spans(marks: Marks) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.round_timeline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--no-pdl", action="store_true", help="build the engine with RuntimeOptions pdl=False")
     ap.add_argument("--profile", action="store_true",
                     help="then cProfile as many more rounds: where the host's time per round goes (round_profile.txt)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default: $OUT or .)")
     a = ap.parse_args()
+    require_cuda()
     target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
-    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=a.steps,
-                speculative_eagle_topk=1, speculative_num_draft_tokens=a.steps + 1,
-                speculative_simulate_accept_rate=0.8)
-    engine, _ = make_engine(target, "cuda", 8, spec, 8 * 4096)
+    spec = eagle3_spec(head, steps=a.steps, topk=1, num_draft_tokens=a.steps + 1, alpha=0.8)
+    engine, _ = make_engine(target, "cuda", 8, spec, 8 * 4096, **({"pdl": False} if a.no_pdl else {}))
     params = SamplingParams(temperature=0.0, max_new_tokens=((1 + a.profile) * a.rounds + 30) * (a.steps + 1),
                             ignore_eos=True)
     req = engine.add_request(input_ids=torch.randint(10, 120000, (512,)).tolist(), params=params)
@@ -151,12 +154,11 @@ def main() -> None:
     lines += [f"{k:<24} {lead:9.1f} {cpu:9.1f} {gpu:9.1f}" for k, (lead, cpu, gpu) in marks.leads().items()]
     text = "\n".join(lines)
     print(text)
-    with open(os.path.join(os.environ.get("OUT", "."), f"round_timeline{os.environ.get('PROFILE_TAG', '')}.txt"),
-              "w") as f:
+    with open(os.path.join(a.out, f"round_timeline{os.environ.get('PROFILE_TAG', '')}.txt"), "w") as f:
         f.write(text + "\n")
     if profile:
         print(profile)
-        with open(os.path.join(os.environ.get("OUT", "."), "round_profile.txt"), "w") as f:
+        with open(os.path.join(a.out, "round_profile.txt"), "w") as f:
             f.write(profile + "\n")
 
 

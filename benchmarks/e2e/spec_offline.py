@@ -11,40 +11,37 @@ Drafters measured:
 At temperature > 0 it also compares greedy drafting (q one-hot) with sampled drafting
 (--speculative-use-rejection-sampling, drafts drawn from q, accepted with min(1, p/q)).
 
-  python benchmarks/spec_offline.py                  # CPU, tiny models, writes benchmarks/results/spec_offline_cpu.md
+  python -m benchmarks.e2e.spec_offline       # CPU, tiny models -> benchmarks/results/spec_offline_cpu.md
+  python -m benchmarks.e2e.spec_offline --device cuda --out $OUT/spec_offline_h100.md   # on a GPU
+
+Every engine records per-phase step times (RuntimeOptions record_step_time=True, which syncs the GPU at each phase)
+for the cost split.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import MT_BENCH, command_line, device_tag, git_commit, mt_bench_first_turns, results_path
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.options import RuntimeOptions
+from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+from hyperdraft.testing.tiny import make_tiny_model
 
-from hyperdraft import LLM, SamplingParams  # noqa: E402
-from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint  # noqa: E402
-from hyperdraft.testing.tiny import make_tiny_model  # noqa: E402
-
-os.environ.setdefault("HYPERDRAFT_RECORD_STEP_TIME", "1")  # per-phase timing for the cost split
-
-MT_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mt_bench_questions.jsonl")
 TARGET_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
 SMALL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 
 
 def load_prompts(n: int) -> list[str]:
     if os.path.exists(MT_BENCH):
-        with open(MT_BENCH) as f:
-            return [json.loads(line)["turns"][0] for line in f][:n]
+        return mt_bench_first_turns()[:n]
     return [f"Question {i}: explain speculative decoding in simple words." for i in range(n)]
 
 
@@ -64,7 +61,7 @@ def noisy_copy(src: str, dst: str, noise: float, seed: int = 0) -> str:
 
 def run(model: str, prompts: list[str], sp: SamplingParams, batch: int, engine_args: dict, repeats: int) -> dict:
     """Fastest of `repeats` passes over the prompts (the machine may be shared; the minimum is the least disturbed)."""
-    llm = LLM(model, **engine_args)
+    llm = LLM(model, runtime_options=RuntimeOptions.from_env(record_step_time=True), **engine_args)  # the cost split
     llm.generate(prompts[:batch], SamplingParams(**{**sp.__dict__, "max_new_tokens": 4}), use_tqdm=False)  # warm-up
     best = None
     for _ in range(repeats):
@@ -88,7 +85,8 @@ def run(model: str, prompts: list[str], sp: SamplingParams, batch: int, engine_a
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.spec_offline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="target model directory (default: a tiny random model)")
     ap.add_argument("--draft-model", help="STANDALONE draft directory (default: tiny random drafts)")
     ap.add_argument("--device", default="cpu")
@@ -100,8 +98,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7, help="for the greedy-vs-sampled-draft comparison")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per configuration; the fastest is reported")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared machine)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec_offline_cpu.md"))
+    ap.add_argument("--out", help="report path (default: benchmarks/results/spec_offline_<device>.md)")
     args = ap.parse_args()
+    args.out = args.out or results_path("spec_offline", device_tag(args.device))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="hd_bench_")
@@ -154,13 +153,13 @@ def main() -> None:
 
 
 def write_report(args, rows, sampled_rows) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch threads"
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     lines = [
         "# Speculative vs plain decoding (offline)", "",
         f"- device: {device}", f"- date: {datetime.date.today()}", f"- commit: {commit}",
-        f"- command: `python {' '.join(sys.argv)}`", f"- load average at the end: {os.getloadavg()[0]:.2f}; each row is the fastest of {args.repeats} passes",
+        f"- command: `{command_line()}`", f"- load average at the end: {os.getloadavg()[0]:.2f}; each row is the fastest of {args.repeats} passes",
         f"- {args.num_prompts} MT-bench first turns, {args.max_new_tokens} new tokens each, ignore_eos, dtype {args.dtype}, steps {args.steps}",
         "- tiny random models unless --model is given: the speed ratios show the mechanics and overheads, not real-model gains", "",
         "## Greedy", "", "| batch | drafter | accept length | tokens/s | vs no spec |", "|---|---|---|---|---|",

@@ -1,23 +1,24 @@
 """Where a batch-1 decode step's time goes: GPU kernel time vs wall time, top kernels (8B-shaped dummy target).
 
-Run on a GPU machine: python3 benchmarks/gpu_profile.py [--spec] ; prints a table (and writes $OUT/gpu_profile.txt).
+Run on a GPU machine: python -m benchmarks.e2e.gpu_profile [--spec] [--out $OUT] ; prints a table and writes
+OUT/gpu_profile_{plain,spec}<PROFILE_TAG>.txt. Environment: PROFILE_TOP=N (kernels listed, default 25),
+PROFILE_SEQUENCE=1 (also OUT/gpu_sequence_{plain,spec}.txt: the last step's kernels in launch order), PROFILE_TAG
+(a file name suffix).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from benchmarks.gpu_bench import LLAMA_8B, make_engine, write_configs  # noqa: E402
-from hyperdraft.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.common import require_cuda
+from benchmarks.e2e.engines import LLAMA_8B, eagle3_spec, make_engine, write_configs
+from hyperdraft.sampling_params import SamplingParams
 
 
 def trace_events(prof) -> list[dict]:
@@ -81,15 +82,15 @@ def kernel_sequence(events: list[dict], steps: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.gpu_profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", action="store_true", help="EAGLE-3 chain 5 at simulated alpha 0.8 instead of plain decode")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default: $OUT or .)")
     a = ap.parse_args()
+    require_cuda()
     target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
-    spec = None
-    if a.spec:
-        spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=5,
-                    speculative_eagle_topk=1, speculative_num_draft_tokens=6, speculative_simulate_accept_rate=0.8)
+    spec = eagle3_spec(head, steps=5, topk=1, num_draft_tokens=6, alpha=0.8) if a.spec else None
     engine, _ = make_engine(target, "cuda", 8, spec, 8 * 2048)
     params = SamplingParams(temperature=0.0, max_new_tokens=(2 * a.steps + 20) * 8 + 16, ignore_eos=True)
     req = engine.add_request(input_ids=torch.randint(10, 120000, (512,)).tolist(), params=params)
@@ -125,9 +126,9 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if os.environ.get("PROFILE_SEQUENCE"):
-        with open(os.path.join(os.environ.get("OUT", "."), f"gpu_sequence_{'spec' if a.spec else 'plain'}.txt"), "w") as f:
+        with open(os.path.join(a.out, f"gpu_sequence_{'spec' if a.spec else 'plain'}.txt"), "w") as f:
             f.write(kernel_sequence(events, a.steps) + "\n")
-    with open(os.path.join(os.environ.get("OUT", "."), f"gpu_profile_{'spec' if a.spec else 'plain'}{os.environ.get('PROFILE_TAG', '')}.txt"), "w") as f:
+    with open(os.path.join(a.out, f"gpu_profile_{'spec' if a.spec else 'plain'}{os.environ.get('PROFILE_TAG', '')}.txt"), "w") as f:
         f.write(text + "\n")
 
 

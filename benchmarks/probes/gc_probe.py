@@ -1,18 +1,19 @@
 """Is Python's cyclic GC a visible share of a speculative round? Times an EAGLE-3 chain-5 decode at batch 1 (8B-shaped
-dummy target) with GC time measured through gc.callbacks, before and after gc.freeze(). GPU only."""
+dummy target) with GC time measured through gc.callbacks, before and after gc.freeze(). GPU only; prints its lines.
+
+  python -m benchmarks.probes.gc_probe
+"""
 
 from __future__ import annotations
 
+import argparse
 import gc
-import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.gpu_bench import (LLAMA_8B, SPEC_REPEATS, SharedWeights, decode_run, make_engine,  # noqa: E402
-                                  median_run, write_configs)
+from benchmarks.common import require_cuda
+from benchmarks.e2e.engines import (LLAMA_8B, SPEC_REPEATS, SharedWeights, decode_run, eagle3_spec, make_engine,
+                                    median_run, write_configs)
 
 spent = {"s": 0.0, "n": 0}
 _t0 = [0.0]
@@ -27,12 +28,13 @@ def _cb(phase, info):
 
 
 def main() -> None:
+    argparse.ArgumentParser(prog="python -m benchmarks.probes.gc_probe", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    require_cuda()
     gc.callbacks.append(_cb)
     target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
     SharedWeights()
-    for name, spec in (("plain", None), ("chain5", dict(
-            speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=5,
-            speculative_eagle_topk=1, speculative_num_draft_tokens=6, speculative_simulate_accept_rate=0.8))):
+    for name, spec in (("plain", None), ("chain5", eagle3_spec(head, steps=5, topk=1, num_draft_tokens=6, alpha=0.8))):
         engine, _ = make_engine(target, "cuda", 32, spec, 64 * 832)
         decode_run(engine, 1, 32, 8, seed=0)
         for label in ("before freeze", "after freeze"):

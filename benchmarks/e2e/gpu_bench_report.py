@@ -1,4 +1,9 @@
-"""Render gpu_bench.json into a markdown report and PNG plots (see benchmarks/gpu_bench.py).
+"""Render a gpu_bench JSON into a markdown report and PNG plots (see e2e/gpu_bench.py), and the accept-length math
+the report derives its columns from.
+
+  python -m benchmarks.e2e.gpu_bench_report $OUT/gpu_bench_h100.json [--merge OTHER.json] [--results DIR]
+      -> DIR/gpu_bench_h100.md, DIR/gpu_bench_h100_speedup.png, DIR/gpu_bench_h100_split.png
+         (DIR: benchmarks/results by default; the plots need matplotlib; `gpu_bench --report` does the same)
 
 Derived numbers:
   roofline      weight bytes / measured bandwidth: the fastest a batch-1 decode step can be
@@ -20,7 +25,11 @@ host launch latency, which the free-running round overlaps. So c and v are overs
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+
+from benchmarks.common import RESULTS_DIR, tag_of
 
 
 def _plain(result: dict) -> dict[int, dict]:
@@ -61,7 +70,8 @@ def derive(result: dict) -> list[dict]:
     return rows
 
 
-def render(result: dict, out_dir: str) -> str:
+def render(result: dict, out_dir: str, stem: str) -> str:
+    """out_dir/<stem>.md, and where matplotlib is installed out_dir/<stem>_speedup.png and <stem>_split.png."""
     os.makedirs(out_dir, exist_ok=True)
     rows = derive(result)
     plain = _plain(result)
@@ -80,17 +90,18 @@ def render(result: dict, out_dir: str) -> str:
         lines.append(f"| {bs} | {r['tok_per_s']:.1f} | {r['step_ms']:.2f} | {pct} |")
     for key, label, column in (
             ("plain_unfused", "eager torch elementwise ops and cuBLAS instead of every Triton kernel "
-             "(HYPERDRAFT_DISABLE_FUSED_KERNELS=1)", "unfused"),
+             "(RuntimeOptions fused_kernels=False)", "unfused"),
             ("plain_cublas", "cuBLAS for every projection instead of the few-row Triton GEMV "
-             "(HYPERDRAFT_DISABLE_GEMV=1)", "cuBLAS"),
+             "(gemv=False)", "cuBLAS"),
             ("plain_no_pdl", "every kernel launched plainly instead of with programmatic dependent launch "
-             "(HYPERDRAFT_DISABLE_PDL=1)", "no PDL"),
-            ("plain_one_graph", "one CUDA graph per forward instead of layer-cut segments", "one graph"),
+             "(pdl=False)", "no PDL"),
+            ("plain_one_graph", "one CUDA graph per forward instead of layer-cut segments (graph_segments=False)",
+             "one graph"),
             ("plain_no_decode_ahead", "each step decoded when scheduled instead of queued ahead "
-             "(HYPERDRAFT_DECODE_AHEAD=0)", "no decode-ahead")):
+             "(decode_ahead=False)", "no decode-ahead")):
         if not result.get(key):
             continue
-        lines += ["", f"Same engine with {label}, same run:", "",
+        lines += ["", f"Same engine built with {label}, same run:", "",
                   f"| batch | tok/s {column} | default / {column} |", "|---|---|---|"]
         for r in result[key]:
             lines.append(f"| {r['batch']} | {r['tok_per_s']:.1f} | {plain[r['batch']]['tok_per_s'] / r['tok_per_s']:.2f}x |")
@@ -105,9 +116,9 @@ def render(result: dict, out_dir: str) -> str:
     whole = {(r["setting"], r["alpha"], r["batch"]): r for r in result.get("spec", [])}
     for key, label, column in (
             ("spec_per_step_draft", "every draft step launched on its own graph instead of one graph per round "
-             "(HYPERDRAFT_DRAFT_LOOP_GRAPH=0; no draft-ahead either)", "per-step graphs"),
+             "(draft_loop_graphs=False; no draft-ahead either)", "per-step graphs"),
             ("spec_no_draft_ahead", "one graph per round, but drafted when proposed instead of queued right after "
-             "the previous verify (HYPERDRAFT_DRAFT_AHEAD=0)", "no draft-ahead")):
+             "the previous verify (draft_ahead=False)", "no draft-ahead")):
         if not result.get(key):
             continue
         lines += ["", f"Same settings with {label}, same run:", "",
@@ -142,13 +153,16 @@ def render(result: dict, out_dir: str) -> str:
     for name, e in result["engines"].items():
         lines.append(f"| {name} | {e['graphs']} | {e['capture_s']:.1f} | {e['capture_MiB']:.0f} | {e['engine_build_s']:.1f} |")
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out_dir, "gpu_bench_report.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(text)
-    _plots(rows, result, out_dir)
+    try:
+        _plots(rows, result, out_dir, stem)
+    except ImportError as e:  # matplotlib may be missing (the GPU machine); render again elsewhere for the plots
+        print("plots skipped:", e)
     return text
 
 
-def _plots(rows: list[dict], result: dict, out_dir: str) -> None:
+def _plots(rows: list[dict], result: dict, out_dir: str, stem: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +182,7 @@ def _plots(rows: list[dict], result: dict, out_dir: str) -> None:
     axes[0].set_ylabel("speedup over plain decode")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "gpu_bench_speedup.png"), dpi=120)
+    fig.savefig(os.path.join(out_dir, f"{stem}_speedup.png"), dpi=120)
 
     fig, ax = plt.subplots(figsize=(8, 4))
     parts = ["draft_steps", "draft_extend", "verify", "accept_commit", "host_overhead"]
@@ -181,4 +195,33 @@ def _plots(rows: list[dict], result: dict, out_dir: str) -> None:
     ax.set_ylabel("ms per step (alpha 0.8)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "gpu_bench_split.png"), dpi=120)
+    fig.savefig(os.path.join(out_dir, f"{stem}_split.png"), dpi=120)
+
+
+def report(path: str, results: str = RESULTS_DIR, name: str = "gpu_bench", merge: str | None = None) -> str:
+    """Render the gpu_bench JSON at `path` (plus the transformers rows of the JSON `merge`) as
+    <results>/<name>_<device>.md and its plots -> the markdown's path."""
+    with open(path) as f:
+        result = json.load(f)
+    if merge:
+        with open(merge) as f:
+            extra = json.load(f)
+        result.update({k: v for k, v in extra.items() if k.startswith("transformers")})
+    stem = f"{name}_{tag_of(result['device'])}"
+    render(result, results, stem)
+    return os.path.join(results, f"{stem}.md")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.gpu_bench_report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", help="a JSON written by benchmarks.e2e.gpu_bench")
+    ap.add_argument("--merge", help="a second gpu_bench JSON whose transformers results to add (--only-transformers)")
+    ap.add_argument("--results", default=RESULTS_DIR, help="output directory (default: %(default)s)")
+    ap.add_argument("--name", default="gpu_bench", help="file name stem; files are <name>_<device>.md/_*.png")
+    a = ap.parse_args()
+    print("wrote", report(a.json, a.results, a.name, a.merge))
+
+
+if __name__ == "__main__":
+    main()

@@ -6,20 +6,18 @@ each in a CUDA graph of back-to-back calls (launch costs excluded), for the Llam
 cycle through enough copies of W (>= 256 MB) that no call finds its weights in L2 (50 MB on an H100), as in a real
 forward, which streams 15 GB per token. Prints GB/s of weight read per call.
 
-  python3 benchmarks/gemm_orientation.py
+  python -m benchmarks.kernels.gemm_orientation      # GPU; prints the table
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import argparse
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.graph_timing import graph_ms  # noqa: E402
+from benchmarks.common import require_cuda
+from benchmarks.kernels.timing import graph_ms
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096), "head_fc": (4096, 12288)}
@@ -36,6 +34,9 @@ def seconds_per_call(call, weights: list[torch.Tensor], graph_passes: int = 4) -
 
 
 def main() -> None:
+    argparse.ArgumentParser(prog="python -m benchmarks.kernels.gemm_orientation", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    require_cuda()
     print(torch.cuda.get_device_name())
     print(f"{'shape':<8} {'M':>2} {'F.linear GB/s':>14} {'W@x^T GB/s':>11} {'mv GB/s':>8}")
     for name, (n, k) in SHAPES.items():

@@ -5,9 +5,10 @@ percentiles, and the speculative accept length (from /server_info, over the benc
 By default it starts the server itself, once per configuration (no speculation, then NGRAM), runs the same
 workload against each, checks the outputs are identical (greedy; speculation is lossless), and writes a table:
 
-  python benchmarks/serving.py                  # SmolLM2 default model, CPU -> benchmarks/results/serving_cpu.md
-  python benchmarks/serving.py --num-prompts 64 --request-rate 4 --max-tokens 128
-  python benchmarks/serving.py --base-url http://127.0.0.1:30000   # a server you started; prints one row
+  python -m benchmarks.e2e.serving              # SmolLM2 default model, CPU -> benchmarks/results/serving_cpu.md
+  python -m benchmarks.e2e.serving --num-prompts 64 --request-rate 4 --max-tokens 128
+  python -m benchmarks.e2e.serving --base-url http://127.0.0.1:30000   # a server you started; prints one row
+  (--device cuda writes serving_<gpu>.md, e.g. serving_h100.md)
 
 Prompts: first turns of MT-bench (shared/data/mt_bench_questions.jsonl beside the checkout).
 TTFT: request sent -> first content chunk. ITL: gap between consecutive content chunks (a speculative step may
@@ -22,7 +23,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, ROOT)
-MT_BENCH = os.path.join(ROOT, "..", "shared", "data", "mt_bench_questions.jsonl")
+from benchmarks.common import (REPO_ROOT, command_line, cpu_name, device_tag, git_commit, mt_bench_first_turns,
+                               results_path)
+
 CONFIGS = {
     "none": [],
     "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", "8"],
@@ -55,8 +55,7 @@ class RequestResult:
 
 
 def load_questions(n: int) -> list[str]:
-    with open(MT_BENCH) as f:
-        questions = [json.loads(line)["turns"][0] for line in f]
+    questions = mt_bench_first_turns()
     return [questions[i % len(questions)] for i in range(n)]
 
 
@@ -164,7 +163,7 @@ class LaunchedServer:
         self.log = tempfile.TemporaryFile("w+")
         cmd = [sys.executable, "-m", "hyperdraft", "serve", "--model", model, "--port", str(port), "--device", device,
                "--dtype", "float32", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -189,14 +188,6 @@ class LaunchedServer:
         self.log.close()
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def row(name: str, s: dict, base: dict | None) -> str:
     ratio = f"{s['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
     accept = f"{s['accept_length']:.2f}" if s["accept_length"] else "-"
@@ -213,7 +204,8 @@ HEADER = ("| config | ok | output tokens | seconds | req/s | output tok/s | vs n
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.serving", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", help="benchmark this running server instead of launching one per configuration")
     ap.add_argument("--model", help="model for launched servers (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--configs", default="none,ngram", help=f"launched configurations, from {sorted(CONFIGS)}")
@@ -222,7 +214,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "serving_cpu.md"))
+    ap.add_argument("--out", help="report path (default: benchmarks/results/serving_<device>.md)")
     args = ap.parse_args()
 
     if args.base_url:
@@ -244,17 +236,20 @@ def main() -> None:
         print(row(name, summaries[name], summaries.get("none")), flush=True)
     names = list(summaries)
     same = all(texts[n] == texts[names[0]] for n in names)
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    commit = git.stdout.strip()
-    cmd = "python benchmarks/serving.py " + " ".join(sys.argv[1:])
+    tag = device_tag(args.device)
+    if tag == "cpu":
+        where, device = "CPU", f"{cpu_name()}, {os.cpu_count()} cores (shared)"
+    else:
+        import torch
+
+        where = device = torch.cuda.get_device_name(args.device)
     lines = [
-        f"# Online serving on CPU: {os.path.basename(model)}, MT-bench chat, Poisson arrivals",
+        f"# Online serving on {where}: {os.path.basename(model)}, MT-bench chat, Poisson arrivals",
         "",
-        f"- device: {cpu_name()}, {os.cpu_count()} cores (shared); server: fp32, "
-        "`hyperdraft serve` on 127.0.0.1",
+        f"- device: {device}; server: fp32, `hyperdraft serve` on 127.0.0.1",
         f"- date: {datetime.date.today().isoformat()}",
-        f"- commit: {commit}",
-        f"- command: `{cmd.strip()}`",
+        f"- commit: {git_commit()}",
+        f"- command: `{command_line()}`",
         f"- workload: {args.num_prompts} MT-bench first turns via /v1/chat/completions (streamed), "
         f"{args.request_rate} req/s Poisson (seed {args.seed}), temperature 0, max_tokens {args.max_tokens}",
         "- configs: " + "; ".join(f"{n}: `{' '.join(CONFIGS[n]) or 'no speculation'}`" for n in names),
@@ -267,6 +262,7 @@ def main() -> None:
         "speculative step can carry several tokens). TPOT: (E2E - TTFT) / (tokens - 1). Accept length: tokens "
         "emitted per request-verify over this run's requests (/server_info).",
     ]
+    args.out = args.out or results_path("serving", tag)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

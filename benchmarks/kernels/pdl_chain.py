@@ -6,34 +6,49 @@ captured as one CUDA graph. Variants: cuBLAS GEMMs (the engine today) against Tr
 PDL (every kernel launched with the programmatic-serialisation attribute, waiting on `griddepcontrol.wait` before
 reading its inputs), with and without an L2 prefetch of the GEMV's first weight tiles issued before that wait.
 
-Run on a GPU machine: PYTHONPATH=. python3 benchmarks/pdl_chain.py ; prints a table (and writes $OUT/pdl_chain.md).
+The kernels/gemv.py variants run with PDL on or off through RuntimeOptions(pdl=...) (hyperdraft.options.activated);
+its "dot" variants launch `_gemv_dot` at the given tile (kernels/gemv_tiles.py), its "engine dispatch" rows run gemv()
+as the engine does (gemv_mma.cu where it fits).
+
+Run on a GPU machine: python -m benchmarks.kernels.pdl_chain [--out $OUT] ; prints a table and writes
+OUT/pdl_chain_<device>.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import device_tag, require_cuda
+from benchmarks.kernels.gemv_tiles import gemv_dot
+from benchmarks.kernels.timing import graph_ms
+from hyperdraft.kernels.gemv import gemv
+from hyperdraft.options import RuntimeOptions, activated
 
-from benchmarks.graph_timing import graph_ms  # noqa: E402
-from hyperdraft.kernels.gemv import gemv  # noqa: E402
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    jit = triton.jit
+except ImportError:  # no triton (a CPU machine): the kernels below stay plain functions; main() needs a GPU
+    triton = tl = gdc_launch_dependents = gdc_wait = None
+
+    def jit(fn):
+        return fn
 
 HIDDEN, INTER, QKV, LAYERS = 4096, 14336, 6144, 32
 
 
-@triton.jit
+@jit
 def _l2_prefetch(ptrs):
     return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                                      is_pure=False, pack=1)
 
 
-@triton.jit
+@jit
 def _gemv(X, W, Out, N, K, PDL: tl.constexpr, PREFETCH_K: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,7 +68,7 @@ def _gemv(X, W, Out, N, K, PDL: tl.constexpr, PREFETCH_K: tl.constexpr, BLOCK_N:
     tl.store(Out + cols, tl.sum(acc, axis=1).to(Out.dtype.element_ty))
 
 
-@triton.jit
+@jit
 def _prologue(PDL: tl.constexpr, EARLY: tl.constexpr):
     """EARLY lets the next kernel be scheduled before this one's wait as well as after it."""
     if PDL:
@@ -63,7 +78,7 @@ def _prologue(PDL: tl.constexpr, EARLY: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
+@jit
 def _rms(X, R, W, Out, ResOut, D: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     _prologue(PDL, EARLY)
     cols = tl.arange(0, D)
@@ -75,14 +90,14 @@ def _rms(X, R, W, Out, ResOut, D: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.c
     tl.store(Out + cols, (x * inv * tl.load(W + cols).to(tl.float32)).to(Out.dtype.element_ty))
 
 
-@triton.jit
+@jit
 def _copy(X, Out, D: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     _prologue(PDL, EARLY)
     cols = tl.arange(0, D)
     tl.store(Out + cols, tl.load(X + cols))
 
 
-@triton.jit
+@jit
 def _silu_mul(X, Out, D: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK: tl.constexpr):
     _prologue(PDL, EARLY)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -93,21 +108,22 @@ def _silu_mul(X, Out, D: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, B
 
 class Chain:
     def __init__(self, gemm: str, pdl: bool, prefetch_k: int, early: bool, block_n: int, block_k: int, warps: int,
-                 rows: int = 1, dot: tuple = (32, 512, 4, 4)):
+                 rows: int = 1, dot: tuple | None = None):
+        """gemm: "cublas", "triton" (this file's _gemv) or "module" (kernels/gemv.py: gemv() as the engine runs it,
+        or `_gemv_dot` at tile `dot` when one is given)."""
         self.gemm, self.pdl, self.prefetch_k, self.early = gemm, pdl, prefetch_k, early
         self.block_n, self.block_k, self.warps, self.rows, self.dot = block_n, block_k, warps, rows, dot
+        self.options = RuntimeOptions.from_env(pdl=pdl)  # kernels/gemv.py's launches read the active options
 
     def linear(self, x, w, out):
         if self.gemm == "cublas":
             torch.matmul(x.view(self.rows, -1), w.t(), out=out.view(self.rows, -1))
             return out
         if self.gemm == "module":
-            import hyperdraft.kernels.gemv as module
-            from hyperdraft.kernels import pdl
-
-            pdl.ENABLED = self.pdl
-            module.DOT_BLOCK_N, module.DOT_BLOCK_K, module.DOT_WARPS, module.DOT_STAGES = self.dot
-            return gemv(x.view(self.rows, -1), w).view(-1)
+            with activated(self.options):
+                if self.dot is not None:
+                    return gemv_dot(x.view(self.rows, -1), w, self.dot).view(-1)
+                return gemv(x.view(self.rows, -1), w).view(-1)
         n, k = w.shape
         _gemv[(n // self.block_n,)](x, w, out, n, k, PDL=self.pdl, PREFETCH_K=self.prefetch_k, BLOCK_N=self.block_n,
                                     BLOCK_K=self.block_k, num_warps=self.warps, num_stages=3, launch_pdl=self.pdl)
@@ -131,6 +147,11 @@ class Chain:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.pdl_chain", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default: $OUT or .)")
+    a = ap.parse_args()
+    require_cuda()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     layers = [dict(qkv=torch.randn(QKV, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02,
@@ -155,6 +176,7 @@ def main() -> None:
     }
     for rows in (6, 16):
         variants[f"M={rows}: cuBLAS, small kernels PDL"] = Chain("cublas", True, 0, False, 0, 0, 0, rows)
+        variants[f"M={rows}: kernels/gemv.py (engine dispatch), PDL"] = Chain("module", True, 0, False, 0, 0, 0, rows)
         for dot in [(32, 256, 4, 6), (32, 128, 4, 8), (32, 256, 2, 6), (32, 256, 8, 6), (64, 128, 4, 6),
                     (32, 256, 4, 5), (32, 512, 8, 3), (64, 256, 8, 4)] if rows == 6 else [(32, 256, 4, 6)]:
             variants[f"M={rows}: kernels/gemv.py dot {dot}, PDL"] = Chain("module", True, 0, False, 0, 0, 0, rows, dot)
@@ -182,7 +204,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)
-    with open(os.path.join(os.environ.get("OUT", "."), "pdl_chain.md"), "w") as f:
+    with open(os.path.join(a.out, f"pdl_chain_{device_tag()}.md"), "w") as f:
         f.write(text + "\n")
 
 

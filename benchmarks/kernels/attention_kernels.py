@@ -5,52 +5,30 @@ Per layer = store the new K/V + attend (what backend.forward does); plan is per 
 Eager times include Python launch overhead; graph times replay 20 captured layer calls (GPU time only).
 The floor is the K/V bytes a decode must read, over the copy bandwidth measured in the same run.
 
-    python benchmarks/attention_kernels.py --commit abc1234 --out benchmarks/results/attention_kernels_h100.md
+    python -m benchmarks.kernels.attention_kernels --out $OUT/attention_kernels_h100.md   # GPU; also prints it
 """
 
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
+import datetime
 
 import torch
 
+from benchmarks.common import command_line, git_commit, require_cuda
+from benchmarks.kernels.attention_case import D, DTYPE, HKV, HQ, PAGE, attention_case
+from benchmarks.kernels.timing import eager_us, graph_call_us
 from hyperdraft.attention.torch_backend import TorchAttentionBackend
 from hyperdraft.attention.triton_backend import TritonAttentionBackend
-from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.kernels.attention import Tiles, num_kv_splits, num_row_tiles, paged_attention, tile_config
 from hyperdraft.kernels.kv_move import kv_move, kv_move_reference
 from hyperdraft.kernels.kv_store import kv_store, kv_store_reference
-from hyperdraft.kvcache.kv_pool import KVPool
-from hyperdraft.kvcache.page_table import PageTable
 
-HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 GRAPH_REPS = 20
 
 
-def _time_eager(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
-
-
 def _time_graph(fn) -> float:
-    fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(GRAPH_REPS):
-            fn()
-    times = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / GRAPH_REPS)
-    return statistics.median(times)
+    return graph_call_us(fn, calls=GRAPH_REPS)
 
 
 def _time_graph_or_na(fn) -> str:
@@ -64,36 +42,8 @@ def _time_graph_or_na(fn) -> str:
 def _copy_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    us = _time_eager(lambda: y.copy_(x))
+    us = eager_us(lambda: y.copy_(x))
     return 2 * x.numel() / (us * 1e-6)  # bytes read + written per second
-
-
-def _setup(batch: int, prefix: int, ext: int, tree: bool):
-    seq = prefix + ext
-    pages = batch * -(-seq // PAGE) + 2
-    table = PageTable(pages, PAGE, batch + 1, -(-seq // PAGE) + 1, "cuda")
-    random.Random(0).shuffle(table._free_pages)
-    pool = KVPool(1, pages * PAGE, HKV, D, DTYPE, "cuda")
-    pool.k.normal_()
-    pool.v.normal_()
-    rows = []
-    for _ in range(batch):
-        rows.append(table.acquire_row())
-        table.reserve(rows[-1], seq)
-    mask = None
-    if tree:  # a binary-ish tree: node i's parent is (i - 1) // 2
-        anc = torch.zeros(ext, ext, dtype=torch.bool)
-        for i in range(ext):
-            if i:
-                anc[i] = anc[(i - 1) // 2]
-            anc[i, i] = True
-        mask = anc
-    inputs = [ForwardInput(r, prefix, [0] * ext, ext, mask=mask) for r in rows]
-    fb = build_forward_batch(ForwardMode.TARGET_VERIFY if ext > 1 else ForwardMode.DECODE, inputs, table, "cuda")
-    t = fb.num_tokens
-    q = torch.randn(t, HQ, D, dtype=DTYPE, device="cuda")
-    k, v = torch.randn(t, HKV, D, dtype=DTYPE, device="cuda"), torch.randn(t, HKV, D, dtype=DTYPE, device="cuda")
-    return table, pool, fb, q, k, v
 
 
 def attention_rows(bw: float) -> list[str]:
@@ -102,13 +52,13 @@ def attention_rows(bw: float) -> list[str]:
     cases += [("tree verify (8 nodes)", b, s, 8, True) for b in (1, 32) for s in (1024, 8192)]
     cases += [("prefill", 1, 0, 4096, False)]
     for name, batch, prefix, ext, tree in cases:
-        table, pool, fb, q, k, v = _setup(batch, prefix, ext, tree)
+        table, pool, fb, q, k, v = attention_case(batch, prefix, ext, tree)
         tri, ref = TritonAttentionBackend(pool, table), TorchAttentionBackend(pool, table)
         tri_meta, ref_meta = tri.plan(fb), ref.plan(fb)
         tri_fn = lambda: tri.forward(0, q, k, v, fb, tri_meta)  # noqa: E731
         ref_fn = lambda: ref.forward(0, q, k, v, fb, ref_meta)  # noqa: E731
         diff = (tri_fn().float() - ref_fn().float()).abs().max().item()
-        te, tg, oe = _time_eager(tri_fn), _time_graph(tri_fn), _time_eager(ref_fn)
+        te, tg, oe = eager_us(tri_fn), _time_graph(tri_fn), eager_us(ref_fn)
         kv_bytes = batch * (prefix + ext) * HKV * D * 2 * 2
         floor = kv_bytes / bw * 1e6
         out.append(f"| {name} | {batch} | {prefix + ext} | {te:.1f} | {tg:.1f} | {oe:.1f} | {oe / te:.2f}x | "
@@ -125,7 +75,7 @@ def ablation_rows() -> list[str]:
     cases = [("decode", 1, 1024, 1, False), ("decode", 1, 8192, 1, False), ("decode", 32, 8192, 1, False),
              ("tree verify", 1, 8192, 8, True), ("tree verify", 32, 8192, 8, True), ("prefill", 1, 0, 4096, False)]
     for name, batch, prefix, ext, tree in cases:
-        table, pool, fb, q, k, v = _setup(batch, prefix, ext, tree)
+        table, pool, fb, q, k, v = attention_case(batch, prefix, ext, tree)
         group = HQ // HKV
         base = tile_config(group, ext, D, DTYPE)
         variants = [(f"min keys {mk}", base, mk) for mk in (64, 128, 256)]
@@ -153,33 +103,35 @@ def store_move_rows() -> list[str]:
         k, v = torch.randn(t, HKV, D, dtype=DTYPE, device="cuda"), torch.randn(t, HKV, D, dtype=DTYPE, device="cuda")
         tri = lambda: kv_store(*cache, slots, k, v)  # noqa: E731
         ref = lambda: kv_store_reference(*cache, slots, k, v)  # noqa: E731
-        out.append(f"| kv store, {t} tokens | {_time_eager(tri):.1f} | {_time_graph(tri):.1f} | "
-                   f"{_time_eager(ref):.1f} | {_time_graph_or_na(ref)} |")
+        out.append(f"| kv store, {t} tokens | {eager_us(tri):.1f} | {_time_graph(tri):.1f} | "
+                   f"{eager_us(ref):.1f} | {_time_graph_or_na(ref)} |")
     for n in (32 * 6, 256 * 6):
         pools = [torch.randn(32, 1 << 14, HKV, D, dtype=DTYPE, device="cuda") for _ in range(2)]
         src = torch.randperm(1 << 14, device="cuda")[:n]
         dst = torch.randperm(1 << 14, device="cuda")[:n]
         tri = lambda: kv_move(*pools, dst, src)  # noqa: E731
         ref = lambda: kv_move_reference(*pools, dst, src)  # noqa: E731
-        out.append(f"| kv move, 32 layers, {n} slots | {_time_eager(tri):.1f} | {_time_graph(tri):.1f} | "
-                   f"{_time_eager(ref):.1f} | {_time_graph_or_na(ref)} |")
+        out.append(f"| kv move, 32 layers, {n} slots | {eager_us(tri):.1f} | {_time_graph(tri):.1f} | "
+                   f"{eager_us(ref):.1f} | {_time_graph_or_na(ref)} |")
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--out", default=None)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.attention_kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--commit", default=None, help="commit to name in the header (default: the checkout's)")
+    ap.add_argument("--out", default=None, help="also write the markdown here (e.g. $OUT/attention_kernels_h100.md)")
     args = ap.parse_args()
+    require_cuda()
     torch.manual_seed(0)
     bw = _copy_bandwidth()
     lines = [
         "# Attention kernels: Triton backend vs torch backend (one layer)",
         "",
         f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}",
-        "- date: 2026-11-22",
-        f"- commit: {args.commit}",
-        "- command: `python benchmarks/attention_kernels.py`",
+        f"- date: {datetime.date.today()}",
+        f"- commit: {args.commit or git_commit()}",
+        f"- command: `{command_line()}`",
         f"- shapes: {HQ} q heads, {HKV} kv heads, head_dim {D}, bf16, page_size {PAGE} (pages shuffled)",
         f"- measured copy bandwidth: {bw / 1e9:.0f} GB/s (read + write); floor = K/V bytes read / that",
         "",

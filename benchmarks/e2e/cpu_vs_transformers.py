@@ -10,30 +10,23 @@ times per configuration and the per-prompt minimum is reported beside the plain 
 hyperdraft at batch 16, which transformers' speculative paths cannot do. Every output is checked for equality
 with (c).
 
-  python benchmarks/cpu_vs_transformers.py            # writes benchmarks/results/cpu_vs_transformers.md
+  python -m benchmarks.e2e.cpu_vs_transformers        # writes benchmarks/results/cpu_vs_transformers_cpu.md
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from hyperdraft import LLM, SamplingParams  # noqa: E402
-from hyperdraft.models.default_model import ensure_default_model  # noqa: E402
-
-MT_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mt_bench_questions.jsonl")
+from benchmarks.common import command_line, cpu_name, git_commit, mt_bench_first_turns, results_path
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.models.default_model import ensure_default_model
 
 
 @dataclass
@@ -58,8 +51,7 @@ class Row:
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    with open(MT_BENCH) as f:
-        questions = [json.loads(line)["turns"][0] for line in f][:n]
+    questions = mt_bench_first_turns()[:n]
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
                                           return_dict=False) for q in questions]
 
@@ -161,7 +153,8 @@ def batched(llm: LLM, name: str, prompts, batch: int, new_tokens: int, repeats: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.cpu_vs_transformers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -171,7 +164,7 @@ def main() -> None:
                          "what a 1-token decode does, so 3 is the cheapest useful width)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and configuration (the minimum is reported)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_vs_transformers.md"))
+    ap.add_argument("--out", default=results_path("cpu_vs_transformers", "cpu"), help="report path (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gguf = args.model or ensure_default_model()
@@ -180,8 +173,8 @@ def main() -> None:
     prompts = chat_prompts(load_gguf_tokenizer(gguf), args.num_prompts)
     pool = 16 * (max(map(len, prompts)) + args.new_tokens + args.steps + 16)  # batch 16's worth of KV, not 64k tokens
     hf = Transformers(gguf, args.new_tokens)
-    plain = LLM(gguf, dtype="float32", max_total_tokens=pool)
-    ngram = LLM(gguf, dtype="float32", max_total_tokens=pool, speculative_algorithm="NGRAM",
+    plain = LLM(gguf, device="cpu", dtype="float32", max_total_tokens=pool)
+    ngram = LLM(gguf, device="cpu", dtype="float32", max_total_tokens=pool, speculative_algorithm="NGRAM",
                 speculative_num_steps=args.steps)
     for p in prompts[:1]:  # warm-up: first-call allocations and kernel choices stay out of the timings
         hf.run(p, None, 4), hf.run(p, args.lookup, 4)
@@ -210,14 +203,13 @@ def write(args, rows: dict[str, Row], loads) -> None:
     tok_s = {n: r.tokens / r.total() for n, r in rows.items()}
     tok_s_min = {n: r.tokens / r.total("min") for n, r in rows.items()}
     same = {n: sum(x == y for x, y in zip(r.outputs, c.outputs)) for n, r in rows.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.machine())
+    commit = git_commit()
+    cpu = cpu_name()
     per_prompt = [(len(rows[names[3]].outputs[i]) / min(rows[names[3]].seconds[i]))
                   / (len(rows[names[1]].outputs[i]) / min(rows[names[1]].seconds[i])) for i in range(len(c.outputs))]
     lines = ["# CPU: hyperdraft vs transformers on SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", "",
              f"- device: {cpu}, {args.threads} torch threads", f"- date: {datetime.date.today()}", f"- commit: {commit}",
-             f"- command: `python {' '.join(sys.argv)}`",
+             f"- command: `{command_line()}`",
              f"- {args.num_prompts} MT-bench first turns (chat template), greedy, up to {args.new_tokens} new tokens, stop at "
              f"EOS; (a)-(d) interleaved per prompt, {args.repeats} run(s) per prompt and configuration",
              "- (d) drafts from the request itself and from a history of the earlier prompts' answers (NGRAM's "

@@ -3,9 +3,9 @@
 Workload: NGRAM drafts on a tiny "bigram" model (attention outputs zeroed, so greedy text falls into short
 cycles that prompt lookup predicts: cheap drafts, high acceptance). For each batch size it runs every static tier
 (steps 0 = no speculation), the SGLang-compatible EMA policy and the goodput policy, and reports tokens/s as a ratio
-to the best static tier at that batch size. Writes a markdown table and a PNG plot to benchmarks/results/.
+to the best static tier at that batch size. Writes benchmarks/results/adaptive_cpu.md and adaptive_cpu.png.
 
-  python benchmarks/adaptive.py            # CPU; needs matplotlib for the plot
+  python -m benchmarks.e2e.adaptive        # CPU; needs matplotlib for the plot
 """
 
 from __future__ import annotations
@@ -15,17 +15,14 @@ import datetime
 import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from hyperdraft import LLM, SamplingParams  # noqa: E402
-from hyperdraft.testing.tiny import make_tiny_model  # noqa: E402
+from benchmarks.common import RESULTS_DIR, command_line, git_commit
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.testing.tiny import make_tiny_model
 
 STATIC = [0, 1, 3, 5, 7]
 LADDER = {"1": {"candidate_steps": STATIC}}
@@ -63,12 +60,13 @@ def measure(model, prompts, new_tokens, repeats, engine_args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.adaptive", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="1,4,16,64")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out-dir", default=RESULTS_DIR, help="where adaptive_cpu.md/.png go (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp(prefix="hd_adaptive_")
@@ -91,11 +89,11 @@ def main() -> None:
 
 
 def write(args, results, configs) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     sizes = sorted({bs for bs, _ in results})
     lines = ["# Adaptive speculation vs static tiers", "",
              f"- device: {platform.machine()} CPU, {args.threads} torch thread(s)", f"- date: {datetime.date.today()}",
-             f"- commit: {commit}", f"- command: `python {' '.join(sys.argv)}`",
+             f"- commit: {commit}", f"- command: `{command_line()}`",
              f"- workload: NGRAM on a tiny bigram model (cyclic greedy text), {args.new_tokens} new tokens per request, "
              f"fastest of {args.repeats} passes; ladder {STATIC} for every batch size", "",
              "tokens/s, and the ratio to the best static tier at that batch size:", "",

@@ -4,7 +4,8 @@ Makes its own model (make_tiny_model with a somewhat larger config, so timing me
 temp dir, runs a warm-up, then for each batch size submits that many prompts at once with greedy
 sampling and ignore_eos, and times llm.generate. Writes a markdown report.
 
-    python benchmarks/offline_throughput.py [--batch-sizes 1,16] [--max-new-tokens 128] [--repeats 10] [--threads N]
+    python -m benchmarks.e2e.offline_throughput [--batch-sizes 1,16] [--max-new-tokens 128] [--repeats 10] [--threads N]
+    (writes benchmarks/results/offline_throughput_cpu.md)
 """
 
 from __future__ import annotations
@@ -14,31 +15,17 @@ import datetime
 import os
 import platform
 import random
-import shlex
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
+from benchmarks.common import command_line, cpu_name, git_commit, results_path
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.tiny import make_tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_OVERRIDES = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
                        num_key_value_heads=2, max_position_embeddings=1024)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def load_average() -> str:
@@ -46,16 +33,6 @@ def load_average() -> str:
         return " ".join(open("/proc/loadavg").read().split()[:3])
     except OSError:
         return "unknown"
-
-
-def git_commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    if git("status", "--porcelain", "--", "hyperdraft"):
-        commit += " (plus uncommitted changes under hyperdraft/)"
-    return commit
 
 
 def run_batch(llm: LLM, batch: int, prompt_len: int, new_tokens: int, seed: int) -> tuple[int, float]:
@@ -72,15 +49,15 @@ def run_batch(llm: LLM, batch: int, prompt_len: int, new_tokens: int, seed: int)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.offline_throughput", description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default: 1,16)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
     ap.add_argument("--prompt-len", type=int, default=16, help="prompt length in tokens (default: 16)")
     ap.add_argument("--repeats", type=int, default=10, help="timed runs per batch size; the fastest counts (default: 10)")
     ap.add_argument("--page-size", type=int, default=16, help="KV-cache page size (default: 16)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "offline_throughput_cpu.md"),
-                    help="markdown report path")
+    ap.add_argument("--out", default=results_path("offline_throughput", "cpu"),
+                    help="markdown report path (default: %(default)s)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if args.threads:
@@ -106,15 +83,14 @@ def main() -> None:
             print(f"batch {batch:3d}: {tokens} tokens in {seconds:.3f}s = {tokens / seconds:.1f} tok/s", flush=True)
 
     base, load_after = rows[0][3], load_average()
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     cfg = ", ".join(f"{k}={v}" for k, v in MODEL_OVERRIDES.items())
     lines = [
         "# Offline decode throughput, CPU",
         "",
-        f"- Device: {cpu_model()}; {os.cpu_count()} logical CPUs; torch threads: {torch.get_num_threads()}",
+        f"- Device: {cpu_name()}; {os.cpu_count()} logical CPUs; torch threads: {torch.get_num_threads()}",
         f"- Software: torch {torch.__version__}, Python {platform.python_version()}",
         f"- Date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- Command: `{command}`",
+        f"- Command: `{command_line()}`",
         f"- Git commit: {git_commit()}",
         f"- Load average (1, 5, 15 min) before / after: {load_before} / {load_after} "
         "(other processes on the machine slow CPU timings down, sometimes by several times)",

@@ -4,32 +4,28 @@ Simulated acceptance is a function of each request's seed and of its drafts' pos
 of a round is uniform(seed, sequence index of d_j, DOMAIN_ACCEPT); d_j is accepted iff it and every draft before it
 drew a coin below alpha). gpu_bench sets no seed, so each request takes the engine's next draw from
 random.Random(random_seed) in arrival order, and every setting's fresh engine sees the same requests in the same order
-(one warm-up request, then each alpha and batch size in turn). Every gpu_bench run therefore draws the same accept
-lengths on any GPU. This script replays that order and, for each chain row, reports:
+(one warm-up request, then each alpha and batch size in turn; the phase-split and A/B rows run on engines of their
+own). Every gpu_bench run therefore draws the same accept lengths on any GPU. This script replays that order and, for each chain row, reports:
 
   draw        the pooled accept length of gpu_bench's own seeds (what the GPU run measures: 3.58 at chain 5,
               alpha 0.8, batch 1, in benchmarks/results/gpu_bench_h100.md)
-  E_run       its expectation (benchmarks/gpu_bench_report.py)
+  E_run       its expectation (e2e/gpu_bench_report.py)
   percentile  the share of other seed streams (the same number of requests from random.Random(s), s = 1..pools)
               whose pooled accept length is at or below the draw
 
-    python3 benchmarks/accept_draws.py [--pools 200]
+    python -m benchmarks.e2e.accept_draws [--pools 200] [--batches 1,8,32]     # CPU, prints a markdown table
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.gpu_bench import ALPHAS, SETTINGS, SPEC_REPEATS  # noqa: E402
-from benchmarks.gpu_bench_report import expected_run_accept  # noqa: E402
-from hyperdraft.sample.rng import DOMAIN_ACCEPT, uniform_reference  # noqa: E402
+from benchmarks.e2e.engines import ALPHAS, SETTINGS, SPEC_REPEATS
+from benchmarks.e2e.gpu_bench_report import expected_run_accept
+from hyperdraft.sample.rng import DOMAIN_ACCEPT, uniform_reference
 
 
 def run_rounds(seed: int, alpha: float, steps: int, prompt_len: int, output_len: int) -> int:
@@ -65,7 +61,8 @@ def bench_seeds(batches: tuple[int, ...], random_seed: int = 0) -> dict[tuple[fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.accept_draws", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pools", type=int, default=200, help="other seed streams to rank each draw against")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)

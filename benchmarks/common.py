@@ -1,0 +1,87 @@
+"""What every benchmark shares: where results and data live, the run's provenance (commit, command line, device
+name) and the GPU check of the GPU-only scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
+# MT-bench questions: shared/data beside the checkout, or inside it (the GPU machine's copy of the working tree)
+_MT_BENCH_CANDIDATES = [os.path.normpath(os.path.join(REPO_ROOT, p, "shared", "data", "mt_bench_questions.jsonl"))
+                        for p in ("..", ".")]
+MT_BENCH = next((p for p in _MT_BENCH_CANDIDATES if os.path.exists(p)), _MT_BENCH_CANDIDATES[0])
+
+
+def mt_bench_first_turns() -> list[str]:
+    """The first turn of every MT-bench question, in file order."""
+    with open(MT_BENCH) as f:
+        return [json.loads(line)["turns"][0] for line in f]
+
+
+def results_path(what: str, device: str) -> str:
+    """benchmarks/results/<what>_<device>.md"""
+    return os.path.join(RESULTS_DIR, f"{what}_{device}.md")
+
+
+def device_tag(device="cuda") -> str:
+    """The <device> part of a results file's name: cpu, or the GPU's model in lower case (h100, h200, ...)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    return tag_of(torch.cuda.get_device_name(device))
+
+
+def tag_of(device_name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; 'cpu ...' -> 'cpu'; anything else, its name made file-safe."""
+    if device_name.lower().startswith("cpu"):
+        return "cpu"
+    model = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", device_name)
+    return model.group(1).lower() if model else re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
+
+
+def git_commit() -> str:
+    """Short HEAD of the checkout, marked when hyperdraft/ has uncommitted changes."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+        except FileNotFoundError:
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--", "hyperdraft"):
+        commit += " (plus uncommitted changes under hyperdraft/)"
+    return commit
+
+
+def command_line() -> str:
+    """How this run was started, as `python -m benchmarks.<group>.<script> ARGS` (for a report's header)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    script = f"-m {spec.name}" if spec is not None else os.path.relpath(sys.argv[0], REPO_ROOT)
+    return " ".join(["python", script, *map(shlex.quote, sys.argv[1:])])
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def require_cuda() -> None:
+    """Stop a GPU-only benchmark with a message (not a traceback) where there is no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        name = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", "this benchmark")
+        raise SystemExit(f"{name} needs a CUDA GPU (and triton); none is available here. "
+                         "Run it on the GPU machine (see benchmarks/README.md).")

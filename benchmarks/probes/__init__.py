@@ -1,0 +1,1 @@
+"""One-off investigations (see benchmarks/README.md)."""
