@@ -17,9 +17,38 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
 )
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model: per layer a causal depthwise conv over q|k|v and a recurrent state
+    [num_v_heads, k_head_dim, v_head_dim]."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    state_dtype: str  # the recurrent state's dtype name ("float32" unless the checkpoint says otherwise)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -43,14 +72,41 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     dtype: str  # the checkpoint's own dtype name, used by dtype="auto"
+    # ---- hybrid models (Qwen3.5): the defaults describe a plain decoder ----
+    layer_types: tuple[str, ...] = ()  # per layer FULL_ATTENTION or LINEAR_ATTENTION; () = every layer full attention
+    linear_attention: LinearAttentionConfig | None = None
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of each head
+    attn_output_gate: bool = False  # q_proj is twice as wide; attention output * sigmoid(gate)
+    zero_centered_norm: bool = False  # RMSNorm weights w scale by (1 + w)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling)
 
     @property
+    def is_hybrid(self) -> bool:
+        return self.linear_attention is not None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.layer_types or (FULL_ATTENTION,) * self.num_layers
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a paged K/V cache (the full-attention ones)."""
+        return self.kinds.count(FULL_ATTENTION)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.kinds.count(LINEAR_ATTENTION)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim
 
 
 def _eos_ids(raw: Any) -> tuple[int, ...]:
@@ -65,6 +121,9 @@ def _rope(raw: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
     # transformers >= 5 stores everything in rope_parameters; older configs use rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)  # a model field (hybrid models), not a scaling of the frequencies
+    params.pop("mrope_section", None)  # text positions are equal in every section: plain RoPE
+    params.pop("mrope_interleaved", None)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return theta, ()
@@ -94,6 +153,10 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
         raise ValueError(
             f"model architecture {arch!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if arch == "Qwen3_5ForConditionalGeneration":  # the language model of a multimodal checkpoint
+        raw = {**raw.get("text_config", {}), "architectures": [arch], "eos_token_id": raw.get("eos_token_id")
+               or raw.get("text_config", {}).get("eos_token_id"), "tie_word_embeddings": raw.get("tie_word_embeddings",
+               raw.get("text_config", {}).get("tie_word_embeddings", False))}
     window = _sliding_window(raw, arch)
     if window is not None and window < int(raw.get("max_position_embeddings", 4096)):
         # Every layer here attends to the whole sequence; past the window that silently differs from the model.
@@ -120,11 +183,34 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
         qkv_bias=True if is_qwen2 else bool(raw.get("attention_bias", False)),
         o_bias=False if is_qwen2 else bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", *HYBRID_ARCHITECTURES),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         dtype=_DTYPE_NAMES.get(str(dtype), "float32"),
+        **(_hybrid_fields(raw) if arch in HYBRID_ARCHITECTURES else {}),
     )
+
+
+def _hybrid_fields(raw: dict) -> dict[str, Any]:
+    """Qwen3.5's layer layout, Gated DeltaNet sizes, partial RoPE, output gate and (1 + w) norms."""
+    num_layers = int(raw["num_hidden_layers"])
+    interval = int(raw.get("full_attention_interval", 4))
+    kinds = tuple(raw.get("layer_types") or
+                  [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)])
+    if len(kinds) != num_layers or set(kinds) - {FULL_ATTENTION, LINEAR_ATTENTION}:
+        raise ValueError(f"layer_types must list {num_layers} entries, each {FULL_ATTENTION!r} or "
+                         f"{LINEAR_ATTENTION!r}, got {list(kinds)}")
+    rope = raw.get("rope_parameters") or {}
+    state_dtype = _DTYPE_NAMES.get(str(raw.get("mamba_ssm_dtype", "float32")), "float32")
+    linear = LinearAttentionConfig(int(raw.get("linear_num_key_heads", 16)), int(raw.get("linear_num_value_heads", 32)),
+                                   int(raw.get("linear_key_head_dim", 128)), int(raw.get("linear_value_head_dim", 128)),
+                                   int(raw.get("linear_conv_kernel_dim", 4)), state_dtype)
+    if linear.num_v_heads % linear.num_k_heads:
+        raise ValueError(f"linear_num_value_heads={linear.num_v_heads} must be a multiple of "
+                         f"linear_num_key_heads={linear.num_k_heads}")
+    return dict(layer_types=kinds, linear_attention=linear,
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))),
+                attn_output_gate=bool(raw.get("attn_output_gate", True)), zero_centered_norm=True)
 
 
 def load_model_config(model_path: str) -> ModelConfig:

@@ -130,8 +130,8 @@ def project(x: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]:
 
 
 def fuse_projections(layers) -> None:
-    """fuse_rows over each decoder layer's q/k/v and gate/up projections (see the module doc and `project`)."""
+    """fuse_rows over each decoder layer's projections of one input: q/k/v (or a Gated DeltaNet's q|k|v, z, b, a)
+    and gate/up (see the module doc and `project`)."""
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj)
-        fuse_rows(mlp.gate_proj, mlp.up_proj)
+        for group in layer.fused_projection_groups():
+            fuse_rows(*group)

@@ -55,8 +55,18 @@ class IdentityNorm(nn.Module):
         return total, total
 
 
+def apply_partial_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE on the first cos.shape[-1] dims of each head (all of them for most models); the rest pass through."""
+    rotary = cos.shape[-1]
+    rope = apply_rope if use_fused_kernels(q) else apply_rope_reference
+    if rotary == q.shape[-1]:
+        return rope(q, k, cos, sin)
+    q_rot, k_rot = apply_rope_reference(q[..., :rotary], k[..., :rotary], cos, sin)
+    return torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling_dict
     kind = scaling.get("rope_type")
@@ -120,6 +130,12 @@ class MLP(nn.Module):
         return self.down_proj((silu_mul if use_fused_kernels(gate) else silu_mul_reference)(gate, up), residual)
 
 
+def attention_and_mlp_groups(layer: nn.Module) -> list[tuple[Linear, ...]]:
+    """q/k/v, and gate/up, of a layer with self_attn and mlp."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -134,6 +150,10 @@ class DecoderLayer(nn.Module):
         left unformed so that the next norm adds it in the same kernel."""
         h, residual = self.input_layernorm.add_norm(x, residual)
         return self.forward_normed(h, residual, cos, sin, attn)
+
+    def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
+        """Projections of one input, packed into one weight at load (cpu_linear.fuse_projections)."""
+        return attention_and_mlp_groups(self)
 
     def forward_normed(self, h, residual, cos, sin, attn: AttentionFn):
         """The layer after its input norm: h = input_layernorm(layer input), residual = the layer input."""

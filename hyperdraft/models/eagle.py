@@ -50,7 +50,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hyperdraft.models.config import ModelConfig, model_config_from_dict
-from hyperdraft.models.decoder import MLP, AttentionFn, Attention, DecoderLayer, DecoderLM, IdentityNorm, RMSNorm, rope_inv_freq
+from hyperdraft.models.decoder import (MLP, Attention, AttentionFn, DecoderLayer, DecoderLM, IdentityNorm, RMSNorm,
+                                       attention_and_mlp_groups, rope_inv_freq)
 from hyperdraft.models.cpu_linear import Linear, fuse_projections
 from hyperdraft.models.loader import DTYPES
 from hyperdraft.kernels import use_fused_kernels
@@ -210,6 +211,9 @@ class EagleHead(_Head):
 
 
 class Eagle3Layer(nn.Module):
+    def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
+        return attention_and_mlp_groups(self)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = Attention(cfg, 0)

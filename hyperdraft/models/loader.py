@@ -12,6 +12,7 @@ from safetensors import safe_open
 from hyperdraft.models.config import ModelConfig, load_model_config
 from hyperdraft.models.cpu_linear import fuse_projections
 from hyperdraft.models.decoder import DecoderLM, rope_inv_freq
+from hyperdraft.models.hybrid import HybridLM
 from hyperdraft.models.gguf import is_gguf, load_gguf_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,18 +40,25 @@ def safetensors_files(model_path: str) -> list[str]:
     return files
 
 
+def checkpoint_name(name: str) -> str:
+    """A checkpoint tensor's name as this package's modules spell it: a multimodal Qwen3.5 keeps its language model
+    under model.language_model."""
+    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+
+
 def load_weights(model: torch.nn.Module, model_path: str) -> None:
     params = dict(model.named_parameters())
     tied = model.config.tie_word_embeddings
     loaded = set()
     for path in safetensors_files(model_path):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = checkpoint_name(stored)
                 if tied and name == "lm_head.weight":
                     continue
                 if name not in params:
-                    continue  # e.g. rotary inv_freq buffers saved by old checkpoints
-                tensor = f.get_tensor(name)
+                    continue  # rotary inv_freq buffers of old checkpoints, a vision tower, MTP layers (their own loader)
+                tensor = f.get_tensor(stored)
                 if tensor.shape != params[name].shape:
                     raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}")
                 with torch.no_grad():
@@ -75,11 +83,11 @@ def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
                 param.normal_(0.0, 0.02, generator=gen)
 
 
-def load_model(model_path: str, dtype: str, device: torch.device, load_format: str = "auto") -> DecoderLM:
+def load_model(model_path: str, dtype: str, device: torch.device, load_format: str = "auto") -> DecoderLM | HybridLM:
     cfg = load_model_config(model_path)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
-        model = DecoderLM(cfg)
+        model = HybridLM(cfg) if cfg.is_hybrid else DecoderLM(cfg)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

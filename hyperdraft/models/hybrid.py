@@ -1,0 +1,220 @@
+"""HybridLM: Qwen3.5's hybrid decoder. Three of every four layers mix tokens with a Gated DeltaNet (a linear-attention
+recurrence with a fixed-size state per request); the rest with gated full attention over the paged K/V cache.
+
+What differs from the dense decoder (decoder.py):
+  full attention  q_proj is twice as wide: its second half is an output gate, attention output * sigmoid(gate);
+                  RoPE rotates only the first rotary_dim dims of each head (partial_rotary_factor); q/k RMSNorm
+  Gated DeltaNet  q|k|v, z, b, a projections; a causal depthwise conv over q|k|v, then the gated delta rule
+                  (kernels/gated_delta.py) with g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b); a
+                  per-head RMSNorm gated by SiLU(z); out_proj
+  every RMSNorm   but the gated one scales by (1 + w) (its weights start at zero)
+
+A layer's kind is its module's type (FullAttentionLayer, LinearAttentionLayer), never a list of layer ids: each layer
+knows which mixer it calls, and each mixer its own index into the K/V pool or the state pool, taken from the model's
+own frozen config when the layer is built. The stateful parts of a Gated DeltaNet (conv and recurrent state, per
+request, including the per-token states a speculative verify keeps) live behind `linear`, the state backend
+(attention/linear_backend.py), as the K/V cache lives behind `attn`. Module names mirror Hugging Face's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyperdraft.kernels.rope import rope_table
+from hyperdraft.models.config import FULL_ATTENTION, ModelConfig
+from hyperdraft.models.cpu_linear import Linear, project
+from hyperdraft.models.decoder import MLP, AttentionFn, apply_partial_rope, attention_and_mlp_groups
+
+# (state layer id, q|k|v before the conv [T, C], g [T, HV] fp32, beta [T, HV], conv weight [C, K]) -> [T, HV, dv]
+LinearFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaling by (1 + w), normalised and scaled in fp32, then cast (Qwen3.5's order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual), the dense decoder's interface."""
+        total = x if residual is None else x + residual
+        return self(total), total
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of the recurrence's output, then times SiLU(z): normalised in fp32, cast, weighted, gated."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        h = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (h * F.silu(z.float())).to(x.dtype)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kv_layer_id: int):
+        super().__init__()
+        self.kv_layer_id = kv_layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim * 2, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn: AttentionFn):
+        t = x.shape[0]
+        qg, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = apply_partial_rope(q, k, cos, sin)
+        out = attn(self.kv_layer_id, q.contiguous(), k, v.view(t, self.num_kv_heads, self.head_dim))
+        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, state_layer_id: int):
+        super().__init__()
+        lin = cfg.linear_attention
+        self.state_layer_id = state_layer_id
+        self.num_v_heads, self.v_head_dim = lin.num_v_heads, lin.v_head_dim
+        self.in_proj_qkv = Linear(cfg.hidden_size, lin.conv_dim, bias=False)
+        self.in_proj_z = Linear(cfg.hidden_size, lin.value_dim, bias=False)
+        self.in_proj_b = Linear(cfg.hidden_size, lin.num_v_heads, bias=False)
+        self.in_proj_a = Linear(cfg.hidden_size, lin.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(lin.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(lin.num_v_heads))
+        self.norm = GatedRMSNorm(lin.v_head_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(lin.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, linear: LinearFn) -> torch.Tensor:
+        t = x.shape[0]
+        mixed, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # fp32: exp(A_log) overflows fp16
+        core = linear(self.state_layer_id, mixed, g, beta, self.conv1d.weight[:, 0, :])  # [T, HV, dv]
+        core = self.norm(core.reshape(-1, self.v_head_dim), z.reshape(-1, self.v_head_dim))
+        return self.out_proj(core.reshape(t, -1))
+
+
+class HybridLayer(nn.Module):
+    """The parts both kinds of layer share: norms, MLP, the residual stream (as decoder.DecoderLayer)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.mlp = MLP(cfg)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, cos, sin, attn: AttentionFn, linear: LinearFn):
+        """-> (this layer's MLP output, the running sum before it), as DecoderLayer.forward."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        return self.forward_normed(h, residual, cos, sin, attn, linear)
+
+    def forward_normed(self, h, residual, cos, sin, attn: AttentionFn, linear: LinearFn):
+        h = self.mix(h, cos, sin, attn, linear)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
+
+    def mix(self, h, cos, sin, attn: AttentionFn, linear: LinearFn) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class FullAttentionLayer(HybridLayer):
+    def __init__(self, cfg: ModelConfig, kv_layer_id: int):
+        super().__init__(cfg)
+        self.self_attn = GatedAttention(cfg, kv_layer_id)
+
+    def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
+        return attention_and_mlp_groups(self)
+
+    def mix(self, h, cos, sin, attn: AttentionFn, linear: LinearFn) -> torch.Tensor:
+        return self.self_attn(h, cos, sin, attn)
+
+
+class LinearAttentionLayer(HybridLayer):
+    def __init__(self, cfg: ModelConfig, state_layer_id: int):
+        super().__init__(cfg)
+        self.linear_attn = GatedDeltaNet(cfg, state_layer_id)
+
+    def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
+        gdn, mlp = self.linear_attn, self.mlp
+        return [(gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a), (mlp.gate_proj, mlp.up_proj)]
+
+    def mix(self, h, cos, sin, attn: AttentionFn, linear: LinearFn) -> torch.Tensor:
+        return self.linear_attn(h, linear)
+
+
+def build_layers(cfg: ModelConfig) -> nn.ModuleList:
+    """Each layer's module from the model's own config; full-attention layers number the K/V pool's layers, linear
+    ones the state pool's."""
+    layers, kv_id, state_id = [], 0, 0
+    for kind in cfg.kinds:
+        if kind == FULL_ATTENTION:
+            layers.append(FullAttentionLayer(cfg, kv_id))
+            kv_id += 1
+        else:
+            layers.append(LinearAttentionLayer(cfg, state_id))
+            state_id += 1
+    return nn.ModuleList(layers)
+
+
+class HybridBody(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = build_layers(cfg)
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class HybridLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from hyperdraft.models.decoder import rope_inv_freq
+
+        self.config = cfg
+        self.model = HybridBody(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+                capture_layers: tuple[int, ...] = (), after_layer: Callable[[int], None] | None = None,
+                linear: LinearFn | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """As DecoderLM.forward, with `linear`, the state backend the Gated DeltaNet layers call."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_table(positions, self.inv_freq, x.dtype)
+        captured, residual = [], None
+        for i, layer in enumerate(self.model.layers):
+            h, residual = layer.input_layernorm.add_norm(x, residual)
+            if i in capture_layers:
+                captured.append(residual)
+            x, residual = layer.forward_normed(h, residual, cos, sin, attn, linear)
+            if after_layer is not None:
+                after_layer(i + 1)
+        normed, total = self.model.norm.add_norm(x, residual)
+        if len(self.model.layers) in capture_layers:
+            captured.append(total)
+        return normed, captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden, out_dtype=torch.float32)
