@@ -61,6 +61,12 @@ class ForwardBatch:
     input_hidden: torch.Tensor | None = None
     # logits_indices is arange(T) (every packed row, in order): the forward skips the gather
     logits_every_row: bool = False
+    # Hybrid models' recurrent state under speculation: the first num_spec_requests requests feed speculative tokens
+    # (a verify's rows), whose states go to the state pool's scratch, each starting from its parent's: state_parents
+    # [T] int64 holds each such token's parent index within its request (-1: the committed state). Every other request
+    # advances its committed state. None / 0: no request is speculative.
+    state_parents: torch.Tensor | None = None
+    num_spec_requests: int = 0
 
     def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """The rows of hidden [T, H] whose logits are wanted."""
@@ -115,10 +121,12 @@ def _token_lists(inputs: list[ForwardInput], starts: list[int], with_ids: bool, 
 
 def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_table, device,
                         input_ids: torch.Tensor | None = None, tail_mask: torch.Tensor | None = None,
-                        positions: torch.Tensor | None = None) -> ForwardBatch:
+                        positions: torch.Tensor | None = None, state_parents: torch.Tensor | None = None,
+                        num_spec_requests: int = 0) -> ForwardBatch:
     """Pack inputs into one ForwardBatch. input_ids, when given, replaces the packed token ids with a device
     tensor (draft tokens that never visit the host); the inputs' token_ids then only count tokens. positions, when
     given, likewise replaces the packed RoPE positions (tree nodes sit at root + depth, known on the device).
+    state_parents / num_spec_requests: the speculative requests of a hybrid model's verify (see ForwardBatch).
 
     Every integer the forward needs travels in ONE host-to-device copy (pinned on CUDA, so it does not block). Default
     RoPE positions are the tokens' sequence indices, so they are sent once and serve as both."""
@@ -157,6 +165,8 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
         extend_lens_t=d_ext,
         max_extend_len=max(ext, default=0),
         max_seq_len=max(seq, default=0),
+        state_parents=state_parents,
+        num_spec_requests=num_spec_requests,
     )
 
 

@@ -15,6 +15,7 @@ from hyperdraft.engine.scheduler import Scheduler
 from hyperdraft.engine.stop import StopChecker
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.kvcache.state_pool import StatePool
 from hyperdraft.models.loader import load_model
 from hyperdraft.options import RuntimeOptions, activated
 from hyperdraft.request import Request
@@ -72,18 +73,36 @@ def _configure_logging(level: str) -> None:
 def _kv_bytes_per_slot(model) -> int:
     """Per-token K/V bytes of one model, from its OWN dimensions (a draft's are not the target's)."""
     cfg = model.config
-    return KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)
+    return KVPool.bytes_per_slot(cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)
 
 
-def kv_capacity_tokens(args: EngineArgs, bytes_per_slot: int, device: torch.device) -> int:
-    if args.max_total_tokens is not None:
-        return args.max_total_tokens
-    if device.type != "cuda":
-        return CPU_DEFAULT_MAX_TOTAL_TOKENS
+def _state_bytes(model, rows: int, verify_width: int) -> int:
+    """A hybrid model's state pool (every row's slot and scratch, plus the padding slot); 0 for a dense model."""
+    cfg = model.config
+    if not cfg.is_hybrid:
+        return 0
+    dtype = next(model.parameters()).dtype
+    return (rows + 1) * StatePool.bytes_per_slot(cfg.linear_attention, cfg.num_linear_layers, dtype, verify_width)
+
+
+def kv_capacity_tokens(args: EngineArgs, bytes_per_slot: int, device: torch.device, state_bytes: int = 0) -> int:
+    """KV tokens the budget holds after the state pools: max_total_tokens (CPU default 65536) counts both, a
+    recurrent state as the K/V tokens of the same bytes; on CUDA, mem_fraction_static of the device."""
+    if args.max_total_tokens is not None or device.type != "cuda":
+        total = args.max_total_tokens if args.max_total_tokens is not None else CPU_DEFAULT_MAX_TOTAL_TOKENS
+        tokens = total - -(-state_bytes // bytes_per_slot)
+        if tokens < args.page_size:
+            raise ValueError(f"max_total_tokens={total} leaves no room for K/V after the recurrent state of "
+                             f"max_running_requests={args.effective_max_running_requests} requests "
+                             f"({state_bytes / 2**20:.1f} MiB, {total - tokens} tokens' worth): raise max_total_tokens "
+                             "or lower max_running_requests")
+        return tokens
     free, total = torch.cuda.mem_get_info(device)
-    budget = free - total * (1 - args.mem_fraction_static)  # weights are already resident, so `free` excludes them
+    budget = free - total * (1 - args.mem_fraction_static) - state_bytes  # weights are resident: `free` excludes them
     if budget <= bytes_per_slot * args.page_size * 2:
-        raise ValueError(f"mem_fraction_static={args.mem_fraction_static} leaves no GPU memory for the KV cache")
+        raise ValueError(f"mem_fraction_static={args.mem_fraction_static} leaves no GPU memory for the KV cache"
+                         + (f" after {state_bytes / 2**30:.1f} GiB of recurrent state (lower max_running_requests)"
+                            if state_bytes else ""))
     return int(budget // bytes_per_slot)
 
 
@@ -108,7 +127,7 @@ class Engine:
             self.page_table = self._page_table(model, draft)
             backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
             graphs = self._graph_settings(backend)
-            self.runner = ModelRunner(model, self.page_table, backend, graphs)
+            self.runner = ModelRunner(model, self.page_table, backend, graphs, self._verify_width())
             self.worker = self._make_worker(proposer_cls, draft, backend, graphs)
             if graphs is not None:
                 self.worker.capture_graphs(list(graphs.batch_sizes))
@@ -119,8 +138,10 @@ class Engine:
     def _page_table(self, model, draft) -> PageTable:
         """One page table for every pool, its capacity split by the target's and the draft's bytes per token."""
         args = self.args
-        bytes_per_slot = sum(_kv_bytes_per_slot(m) for m in (model, draft) if m is not None)
-        capacity = kv_capacity_tokens(args, bytes_per_slot, self.device)
+        models = [m for m in (model, draft) if m is not None]
+        bytes_per_slot = sum(_kv_bytes_per_slot(m) for m in models)
+        state_bytes = sum(_state_bytes(m, args.effective_max_running_requests, self._verify_width()) for m in models)
+        capacity = kv_capacity_tokens(args, bytes_per_slot, self.device, state_bytes)
         if capacity < args.page_size:
             raise ValueError(f"max_total_tokens={capacity} is smaller than one page (page_size={args.page_size})")
         return PageTable(
@@ -131,13 +152,18 @@ class Engine:
             device=self.device,
         )
 
+    def _verify_width(self) -> int:
+        """The most tokens one request verifies in a forward, over every tier (a hybrid model's state scratch)."""
+        return max(t.num_draft_tokens for t in [self.spec.tier, *self.spec.tiers()]) if self.spec is not None else 0
+
     def _decode_reserve(self) -> int:
         """K/V room a decoding request needs past its tokens: the widest round any tier can run, or 1."""
         return self.spec.max_verify_tokens if self.spec is not None else 1
 
     def _make_worker(self, proposer_cls: type[Proposer] | None, draft, backend: str, graphs: GraphSettings | None):
         if self.spec is None:
-            return ModelWorker(self.runner, self.options.decode_ahead)
+            # A queued decode that the next step throws away would have advanced a recurrent state for good.
+            return ModelWorker(self.runner, self.options.decode_ahead and not self.model_config.is_hybrid)
         timer = PhaseTimer(self.device, self.options.record_step_time)
         ctx = ProposerContext(self.spec, self.runner, backend, graphs, self.options, timer,
                               self.args.effective_max_running_requests)

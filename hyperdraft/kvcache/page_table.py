@@ -50,6 +50,10 @@ class PageTable:
         self._table.view(-1).index_copy_(0, index, pages)
 
     @property
+    def max_rows(self) -> int:
+        return self._table.shape[0]
+
+    @property
     def capacity_slots(self) -> int:
         return (self.num_pages - 1) * self.page_size
 

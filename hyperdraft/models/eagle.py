@@ -83,6 +83,8 @@ class EagleConfig:
     rope_theta = property(lambda self: self.layer.rope_theta)
     rope_scaling = property(lambda self: self.layer.rope_scaling)
     num_layers = property(lambda self: self.layer.num_layers)
+    num_kv_layers = property(lambda self: self.layer.num_layers)  # every head layer attends over its K/V cache
+    is_hybrid = False  # no recurrent state
 
 
 def eagle_config_from_dict(raw: dict) -> EagleConfig:

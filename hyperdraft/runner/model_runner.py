@@ -18,7 +18,10 @@ from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.attention.linear_backend import TorchLinearBackend
+from hyperdraft.kvcache.state_pool import StatePool
 from hyperdraft.models.decoder import DecoderLM
+from hyperdraft.models.hybrid import HybridLM
 from hyperdraft.runner.graph_runner import GraphRunner, GraphSettings, segment_cuts
 
 
@@ -77,8 +80,9 @@ class GraphedRunner:
 
 
 class ModelRunner(GraphedRunner):
-    def __init__(self, model: DecoderLM, page_table: PageTable, attention_backend: str,
-                 graphs: GraphSettings | None = None):
+    def __init__(self, model: DecoderLM | HybridLM, page_table: PageTable, attention_backend: str,
+                 graphs: GraphSettings | None = None, verify_width: int = 0):
+        """verify_width: the most tokens a request verifies in one forward (a hybrid model's state scratch)."""
         super().__init__(page_table, graphs)
         self.model = model
         self.config = model.config
@@ -86,8 +90,12 @@ class ModelRunner(GraphedRunner):
         self.device, self.dtype = param.device, param.dtype
         cfg = self.config
         num_slots = page_table.num_pages * page_table.page_size
-        self.pool = KVPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.pool = KVPool(cfg.num_kv_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.backend = make_attention_backend(attention_backend, self.pool, page_table)
+        # a hybrid model's recurrent state, one slot per page-table row, and the backend its linear layers call
+        self.state_pool = StatePool(cfg.linear_attention, cfg.num_linear_layers, page_table.max_rows, self.dtype,
+                                    self.device, verify_width) if cfg.is_hybrid else None
+        self.linear_backend = TorchLinearBackend(self.state_pool) if cfg.is_hybrid else None
 
     def segment_cuts(self) -> tuple[int, ...]:
         return segment_cuts(self.config.num_layers)
@@ -100,6 +108,14 @@ class ModelRunner(GraphedRunner):
         def attn(layer_id, q, k, v):
             return self.backend.forward(layer_id, q, k, v, fb, meta)
 
-        hidden, captured = self.model(fb.input_ids, fb.positions, attn, capture_layers, after_layer)
+        if self.linear_backend is None:
+            hidden, captured = self.model(fb.input_ids, fb.positions, attn, capture_layers, after_layer)
+        else:
+            plan = self.linear_backend.plan(fb)
+
+            def linear(layer_id, mixed, g, beta, conv_weight):
+                return self.linear_backend.forward(layer_id, mixed, g, beta, conv_weight, plan)
+
+            hidden, captured = self.model(fb.input_ids, fb.positions, attn, capture_layers, after_layer, linear)
         logits = self.model.compute_logits(fb.logits_rows(hidden))
         return ForwardOutput(logits, hidden, captured)

@@ -62,7 +62,8 @@ class SpecWorker:
         assert all(a is b for a, b in zip(batch.items, decodes + prefills)), "the scheduler puts decodes first"
         start = time.perf_counter()
         round_ = self._draft([it.req for it in decodes]) if decodes else None
-        fb = verify_batch(round_, [it.forward_input() for it in prefills], self.runner.page_table, self.runner.device)
+        fb = verify_batch(round_, [it.forward_input() for it in prefills], self.runner.page_table, self.runner.device,
+                          stateful=self.runner.state_pool is not None)
         with self.timer.phase("verify"):
             out = self.runner.forward(fb, capture_layers=self.capabilities.capture_layers)
         target_hidden = self.proposer.target_hidden(out) if self.capabilities.feeds_hidden else None

@@ -67,6 +67,13 @@ def _config(kind: str, vocab_size: int, eos_id: int, **overrides):
         return Qwen3Config(**{**base, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, **overrides})
     if kind == "mistral":
         return MistralConfig(**{**base, "sliding_window": None, **overrides})
+    if kind == "qwen3_5":  # hybrid: 3 Gated DeltaNet layers then gated full attention, partial RoPE, GQA 2:1
+        from transformers import Qwen3_5TextConfig
+
+        hybrid = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                      tie_word_embeddings=False)
+        return Qwen3_5TextConfig(**{**base, **hybrid, **overrides})
     raise ValueError(f"unknown tiny model kind {kind!r}")
 
 
@@ -81,7 +88,15 @@ def make_tiny_model(path: str, kind: str = "llama", seed: int = 0, with_tokenize
     eos_id = overrides.pop("eos_token_id", tokenizer.eos_token_id)
     cfg = _config(kind, vocab_size, eos_id, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if kind == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM
+
+        model = Qwen3_5ForCausalLM(cfg).to(torch.float32)
+        with torch.no_grad():  # zero-initialised norms, A_log and dt_bias would hide a swapped or ignored parameter
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.1)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     if with_tokenizer:

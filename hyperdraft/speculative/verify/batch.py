@@ -12,13 +12,17 @@ from hyperdraft.speculative.verify.tree import TreeRound
 
 
 def verify_batch(round_: ChainRound | TreeRound | None, prefill_inputs: list[ForwardInput], page_table: PageTable,
-                 device: torch.device) -> ForwardBatch:
-    """TARGET_VERIFY when only the round runs, EXTEND when prefill chunks ride along (their rows causal)."""
+                 device: torch.device, stateful: bool = False) -> ForwardBatch:
+    """TARGET_VERIFY when only the round runs, EXTEND when prefill chunks ride along (their rows causal). stateful: the
+    target keeps recurrent state (a hybrid model), so the round's rows are marked speculative, each with its parent."""
     inputs = (round_.inputs() if round_ is not None else []) + prefill_inputs
     ids, positions = _packed_ids_positions(round_, prefill_inputs, device)
     mode = ForwardMode.TARGET_VERIFY if not prefill_inputs else ForwardMode.EXTEND
     mask = round_.tail_mask([len(inp.token_ids) for inp in inputs]) if round_ is not None else None
-    return build_forward_batch(mode, inputs, page_table, device, input_ids=ids, positions=positions, tail_mask=mask)
+    spec = stateful and round_ is not None
+    return build_forward_batch(mode, inputs, page_table, device, input_ids=ids, positions=positions, tail_mask=mask,
+                               state_parents=round_.state_parents() if spec else None,
+                               num_spec_requests=len(round_.reqs) if spec else 0)
 
 
 def _packed_ids_positions(round_, prefill_inputs: list[ForwardInput], device: torch.device):

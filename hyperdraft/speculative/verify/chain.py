@@ -68,6 +68,12 @@ class ChainRound:
     def tail_mask(self, extend_lens: list[int]) -> torch.Tensor | None:
         return None  # chains are causal
 
+    def state_parents(self) -> torch.Tensor:
+        """[num_rows]: each verify row's parent row within its request (-1: the committed state), for hybrid targets."""
+        k1 = self.proposal.max_len + 1
+        grid = (torch.arange(k1, device=self.rows.device) - 1).repeat(len(self.reqs))
+        return grid if self.dense else grid[self.flat_index]
+
     # ---- acceptance, on the device --------------------------------------------------------------------------------
     def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
         """verify_logits [num_rows, V]; target_hidden [>= num_rows, H] when the drafter reads hidden states."""
@@ -91,6 +97,8 @@ class ChainRound:
             num_accepted, tokens = verify_greedy_chain(target, draft, lens)
         else:
             num_accepted, tokens = verify_chain(p, draft, lens, self.proposal.q, sb.seeds, sb.positions)
+        if self.ctx.target.state_pool is not None:  # the state after the last accepted token becomes the committed one
+            self.ctx.target.state_pool.commit(self.rows, num_accepted)
         if target_hidden is not None:
             self.ctx.proposer.store_accepted_hidden(self.rows, self._verify_rows(target_hidden, bsz, k))
         self.num_accepted, self.tokens = num_accepted, tokens  # what the next round's catch-up feeds (draft-ahead)

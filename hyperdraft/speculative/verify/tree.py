@@ -58,6 +58,10 @@ class TreeRound:
     def packed_ids(self) -> torch.Tensor:
         return self.tree.tokens.flatten()
 
+    def state_parents(self) -> torch.Tensor:
+        """[B*N]: each node's parent (-1 for the root: the committed state), for hybrid targets."""
+        return self.tree.parents.flatten()
+
     def positions(self) -> torch.Tensor:
         return (self.base[:, None] + self.tree.depth).flatten()
 
@@ -83,6 +87,9 @@ class TreeRound:
             num_accepted, path, tokens = verify_tree(p, self.tree, sb.seeds, sb.positions, sampled,
                                                      max_depth=tier.steps, max_children=tier.topk)
         self._compact(num_accepted, path)
+        if self.ctx.target.state_pool is not None:  # the last accepted node's state becomes the committed one
+            last = path.gather(1, num_accepted[:, None])[:, 0]
+            self.ctx.target.state_pool.commit(self.rows, last)
         rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
         if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
             self.ctx.proposer.store_accepted_hidden(self.rows, target_hidden[rows])

@@ -1,0 +1,87 @@
+"""Qwen3.5 hybrid models: the forward equals transformers' (its torch path: fla is not installed), greedy generation
+equals transformers', in one prefill or in chunks, at page sizes 1 and 4; the multimodal checkpoint's language model
+loads; the recurrent state counts against the memory budget; and no model can change another's layer routing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.models.config import FULL_ATTENTION, LINEAR_ATTENTION, load_model_config
+from hyperdraft.models.hybrid import FullAttentionLayer, LinearAttentionLayer
+from tests.conftest import hf_greedy
+from helpers.hybrid_fixtures import hybrid_models  # noqa: F401
+from helpers.spec_fixtures import _single_torch_thread, llm_factory, mixed_prompts  # noqa: F401
+
+
+def test_config_and_layer_kinds(hybrid_models):
+    cfg = load_model_config(hybrid_models["target8"])
+    assert cfg.is_hybrid and cfg.kinds == (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,) + (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)
+    assert (cfg.num_kv_layers, cfg.num_linear_layers, cfg.rotary_dim) == (2, 6, 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.layer_types = ()  # a model's config is its own and frozen
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("chunk", [-1, 7])
+def test_greedy_equals_transformers(hybrid_models, llm_factory, page_size, chunk):
+    prompts = mixed_prompts(5, seed=3, max_len=40) + [[11]]
+    refs = hf_greedy(hybrid_models["target"], prompts, 12)
+    llm = llm_factory(hybrid_models["target"], page_size=page_size, chunked_prefill_size=chunk, max_running_requests=8)
+    outs = llm.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=12,
+                                                                          ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [list(r) for r in refs]
+    runner = llm.engine.runner
+    assert runner.pool.k.shape[0] == 1 and runner.state_pool.recurrent.shape[0] == 3  # K/V for 1 layer, state for 3
+    assert all(isinstance(layer, FullAttentionLayer if k == FULL_ATTENTION else LinearAttentionLayer)
+               for layer, k in zip(runner.model.model.layers, runner.config.kinds))
+
+
+def test_a_retracted_request_recomputes_its_state(hybrid_models, llm_factory):
+    """A pool too small for every request: retractions free rows (and their state slots); a request that comes back
+    recomputes its state from zeros, in a slot another request used meanwhile."""
+    prompts = mixed_prompts(8, seed=5, min_len=20, max_len=40)
+    refs = hf_greedy(hybrid_models["target"], prompts, 16)
+    llm = llm_factory(hybrid_models["target"], max_running_requests=8, max_total_tokens=680, page_size=4)
+    outs = llm.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=16,
+                                                                          ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [list(r) for r in refs]
+    assert sum(o.meta_info["num_retractions"] for o in outs) > 0
+
+
+def test_the_state_counts_against_the_budget(hybrid_models):
+    """max_total_tokens holds the K/V and the recurrent state alike: more rows leave fewer K/V tokens, and a budget
+    the state alone exceeds is refused, naming both fields."""
+    few = LLM(hybrid_models["target"], device="cpu", max_running_requests=2, max_total_tokens=4096)
+    many = LLM(hybrid_models["target"], device="cpu", max_running_requests=16, max_total_tokens=4096)
+    assert few.engine.kv_capacity_slots > many.engine.kv_capacity_slots
+    with pytest.raises(ValueError, match="max_total_tokens.*max_running_requests"):
+        LLM(hybrid_models["target"], device="cpu", max_running_requests=64, max_total_tokens=64)
+
+
+def test_the_multimodal_checkpoints_language_model_loads(hybrid_models, tmp_path, llm_factory):
+    """A Qwen3_5ForConditionalGeneration checkpoint: the text config nested, weights under model.language_model,
+    a vision tower and MTP weights beside them, which the language model does not load."""
+    src, dst = hybrid_models["target"], str(tmp_path / "vl")
+    shutil.copytree(src, dst)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    json.dump({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config":
+               {**cfg, "model_type": "qwen3_5_text"}, "eos_token_id": cfg["eos_token_id"]},
+              open(os.path.join(dst, "config.json"), "w"))
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    renamed = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t for n, t in weights.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
+    renamed["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(renamed, os.path.join(dst, "model.safetensors"))
+    prompts = mixed_prompts(3, seed=9, max_len=20)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    same = [o.token_ids for o in llm_factory(dst).generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+    assert same == [o.token_ids for o in llm_factory(src).generate(input_ids=prompts, sampling_params=params,
+                                                                   use_tqdm=False)]

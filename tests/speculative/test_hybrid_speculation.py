@@ -1,0 +1,100 @@
+"""Speculation on hybrid targets: a verify's per-token states go to scratch, and only the state after the last
+accepted token is committed. Every accept length (0 .. K), tree paths through later siblings, NGRAM, a dense
+STANDALONE draft, adaptive tier switches and concurrent requests finishing at different times all leave greedy output
+equal to speculation off; the scratch is sized for the widest tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperdraft import SamplingParams
+from hyperdraft.speculative.proposers import PROPOSERS
+from helpers.hybrid_fixtures import Oracle, OracleChain, OracleTree, hybrid_models  # noqa: F401
+from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_state  # noqa: F401
+
+NEW_TOKENS = [18, 7, 25, 12, 3, 20, 9, 14, 16]  # requests finish at different steps
+
+
+def _prompts():
+    return mixed_prompts(len(NEW_TOKENS), seed=21, max_len=40)
+
+
+@pytest.fixture(scope="module")
+def reference(hybrid_models):
+    """Spec-off greedy outputs per prompt, once per module."""
+    from hyperdraft import LLM
+
+    llm = LLM(hybrid_models["target"], device="cpu", dtype="float32", max_running_requests=16)
+    prompts = _prompts()
+    outs = gen(llm, prompts, [greedy(n) for n in NEW_TOKENS])
+    return {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
+
+
+def _run(llm):
+    return [o.token_ids for o in gen(llm, _prompts(), [greedy(n) for n in NEW_TOKENS])]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_oracle_chain_every_accept_length(hybrid_models, llm_factory, reference, monkeypatch, page_size):
+    monkeypatch.setitem(PROPOSERS, "NGRAM", OracleChain)
+    Oracle.reset(reference, seed=page_size)
+    llm = llm_factory(hybrid_models["target"], speculative_algorithm="NGRAM", speculative_num_steps=4,
+                      page_size=page_size, max_running_requests=16, chunked_prefill_size=16)
+    assert _run(llm) == [reference[tuple(p)] for p in _prompts()]
+    hist = spec_state(llm)["spec_accept_length_histogram"]
+    assert all(hist[length] > 0 for length in range(1, 6)), hist  # 0 .. 4 drafts accepted, each at least once
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_oracle_tree_paths_through_later_siblings(hybrid_models, llm_factory, reference, monkeypatch, page_size):
+    monkeypatch.setitem(PROPOSERS, "STANDALONE", OracleTree)
+    Oracle.reset(reference, seed=10 + page_size)
+    llm = llm_factory(hybrid_models["target"], speculative_algorithm="STANDALONE", page_size=page_size,
+                      speculative_draft_model_path=hybrid_models["target"], speculative_num_steps=3,
+                      speculative_eagle_topk=2, speculative_num_draft_tokens=7, max_running_requests=16)
+    assert _run(llm) == [reference[tuple(p)] for p in _prompts()]
+    hist = spec_state(llm)["spec_accept_length_histogram"]
+    assert all(hist[length] > 0 for length in range(1, 5)), hist
+
+
+def test_ngram_and_a_dense_draft(hybrid_models, llm_factory, reference):
+    want = [reference[tuple(p)] for p in _prompts()]
+    ngram = llm_factory(hybrid_models["target"], speculative_algorithm="NGRAM", speculative_num_steps=3,
+                        max_running_requests=16)
+    assert _run(ngram) == want
+    dense = llm_factory(hybrid_models["target"], speculative_algorithm="STANDALONE", max_running_requests=16,
+                        speculative_draft_model_path=hybrid_models["dense_draft"], speculative_num_steps=3,
+                        speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    assert _run(dense) == want
+
+
+def test_adaptive_tiers_switch_both_ways_and_the_scratch_fits_the_widest(hybrid_models, llm_factory, reference,
+                                                                         monkeypatch, tmp_path):
+    """Tiers 1, 3 and 6 with the oracle, whose drafts are all right for a while (the controller rises to 6), then all
+    wrong (it drops to 1): the scratch is as wide as tier 6's verify (7 tokens), not the initial tier's (seed 000's
+    third bug), and the output stays that of speculation off."""
+    import json
+
+    monkeypatch.setitem(PROPOSERS, "NGRAM", OracleChain)
+    Oracle.reset(reference, seed=3, phases=[(12, "right"), (1000, "wrong")])
+    cfg = tmp_path / "adaptive.json"
+    cfg.write_text(json.dumps({"ema_alpha": 0.5, "warmup_batches": 1, "update_interval": 1,
+                               "1": {"candidate_steps": [1, 3, 6]}}))
+    llm = llm_factory(hybrid_models["target"], speculative_algorithm="NGRAM", speculative_adaptive=True,
+                      speculative_adaptive_config=str(cfg), speculative_num_steps=3, max_running_requests=1)
+    assert llm.engine.runner.state_pool.verify_width == 7
+    outs = [o.token_ids for o in gen(llm, _prompts()[:3], [greedy(40)] * 3)]
+    ref_llm = llm_factory(hybrid_models["target"], max_running_requests=16)
+    assert outs == [o.token_ids for o in gen(ref_llm, _prompts()[:3], [greedy(40)] * 3)]
+    tiers = spec_state(llm)["spec_steps_per_tier"]
+    assert len(tiers) == 3 and spec_state(llm)["spec_tier_switches"] >= 2, tiers
+
+
+def test_sampled_requests_stay_reproducible(hybrid_models, llm_factory):
+    """Seeded sampling through a hybrid verify: the same seed, with or without speculation, in any batch, draws the
+    same tokens (each token's draw is keyed by (seed, position), and the state behind it is the committed one)."""
+    prompts = mixed_prompts(4, seed=8, max_len=30)
+    params = [SamplingParams(temperature=0.9, seed=i, max_new_tokens=15, ignore_eos=True) for i in range(4)]
+    off = [o.token_ids for o in gen(llm_factory(hybrid_models["target"]), prompts, params)]
+    ngram = llm_factory(hybrid_models["target"], speculative_algorithm="NGRAM", speculative_num_steps=3)
+    assert [o.token_ids for o in gen(ngram, prompts, params)] == off
