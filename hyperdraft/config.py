@@ -24,23 +24,27 @@ class AlgorithmTraits:
 
     draft_model: bool  # runs a draft model or head (speculative_draft_model_path)
     trees: bool  # can draft trees (speculative_eagle_topk > 1) and draw drafts from q (rejection sampling)
+    own_mtp: bool = False  # without speculative_draft_model_path, drafts with the target's own MTP module
 
 
 # SGLang's algorithm names. speculative/proposers/__init__.py registers one Proposer class under each.
 SPECULATIVE_ALGORITHMS = {
     "NGRAM": AlgorithmTraits(draft_model=False, trees=False),
     "STANDALONE": AlgorithmTraits(draft_model=True, trees=True),
-    "EAGLE": AlgorithmTraits(draft_model=True, trees=True),
+    "EAGLE": AlgorithmTraits(draft_model=True, trees=True, own_mtp=True),
     "EAGLE3": AlgorithmTraits(draft_model=True, trees=True),
 }
-SPECULATIVE_ALIASES = {"NEXTN": "EAGLE"}
-SPECULATIVE_NOT_YET = ("MTP",)
+SPECULATIVE_ALIASES = {"NEXTN": "EAGLE", "MTP": "EAGLE"}  # NEXTN / MTP: the target's own MTP module
+SPECULATIVE_NOT_YET: tuple[str, ...] = ()
 
 
 def _algorithm_help() -> str:
     names = ", ".join(SPECULATIVE_ALGORITHMS)
     aliases = ", ".join(f"{alias} = {name}" for alias, name in SPECULATIVE_ALIASES.items())
-    return f"{names} ({aliases}); not yet: {', '.join(SPECULATIVE_NOT_YET)}"
+    mtp = ", ".join(name for name, traits in SPECULATIVE_ALGORITHMS.items() if traits.own_mtp)
+    not_yet = f"; not yet: {', '.join(SPECULATIVE_NOT_YET)}" if SPECULATIVE_NOT_YET else ""
+    return (f"{names} ({aliases}; {mtp} without a draft path drafts with a hybrid model's own MTP module)"
+            f"{not_yet}")
 
 
 def _draft_path_help() -> str:

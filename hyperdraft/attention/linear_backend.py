@@ -9,8 +9,7 @@ the gated delta rule from the request's state and returns the recurrence's outpu
                            committed slot is untouched until StatePool.commit
   a padding request        (a captured graph's padding rows: no real K/V slot) slot 0, which belongs to no one
 
-TorchLinearBackend is the reference (and the CPU path): a Python loop over requests and, for speculative tokens, over
-tokens, reading the batch's host lists.
+TorchLinearBackend is the reference (and the CPU path); it reads the batch's host lists.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch
-from hyperdraft.kernels.gated_delta import causal_conv, delta_step, gated_delta_rule, prepare_qkv
+from hyperdraft.kernels.gated_delta import causal_conv_step, delta_step, prepare_qkv
 from hyperdraft.kvcache.state_pool import StatePool
 
 
@@ -30,10 +29,14 @@ class LinearPlan:
     lens: list[int]  # tokens per request
     slots: list[int]  # state slot per request (0: padding)
     fresh: list[bool]  # the request's first tokens: its state starts from zeros
-    parents: list[list[int]]  # per speculative request (the first ones), each token's parent (-1: committed state)
+    num_spec: int  # the first num_spec requests are speculative
+    parents: list[list[int]]  # per speculative request, each token's parent (-1: the committed state)
 
 
 class TorchLinearBackend:
+    """Speculative requests run one verify token at a time, batched over the requests; single-token decodes run
+    batched too; multi-token chunks (prefill) one request at a time."""
+
     def __init__(self, pool: StatePool):
         self.pool = pool
         self.cfg = pool.cfg
@@ -46,43 +49,58 @@ class TorchLinearBackend:
         if fb.num_spec_requests:
             flat = fb.state_parents.tolist()
             parents = [flat[s : s + n] for s, n in zip(starts, fb.extend_lens[: fb.num_spec_requests])]
-        return LinearPlan(starts, list(fb.extend_lens), slots, [p == 0 for p in fb.prefix_lens], parents)
+        return LinearPlan(starts, list(fb.extend_lens), slots, [p == 0 for p in fb.prefix_lens],
+                          fb.num_spec_requests, parents)
 
     def forward(self, layer: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 plan: LinearPlan) -> torch.Tensor:
         """mixed [T, C], g [T, HV] fp32, beta [T, HV], conv_weight [C, K] -> [T, HV, dv] in mixed's dtype."""
         cfg = self.cfg
         out = torch.zeros(mixed.shape[0], cfg.num_v_heads, cfg.v_head_dim, dtype=mixed.dtype, device=mixed.device)
-        for b, (start, n, slot) in enumerate(zip(plan.starts, plan.lens, plan.slots)):
-            rows = slice(start, start + n)
-            if b < len(plan.parents):
-                out[rows] = self._speculative(layer, slot, plan.parents[b], mixed[rows], g[rows], beta[rows], conv_weight)
-            else:
-                out[rows] = self._advance(layer, slot, plan.fresh[b], mixed[rows], g[rows], beta[rows], conv_weight)
+        if plan.num_spec:
+            self._speculative(layer, plan, mixed, g, beta, conv_weight, out)
+        if plan.num_spec < len(plan.lens):
+            self._advance(layer, plan, mixed, g, beta, conv_weight, out)
         return out
 
-    def _advance(self, layer, slot, fresh, mixed, g, beta, weight) -> torch.Tensor:
-        pool = self.pool
-        conv_state, state = pool.conv[layer, slot], pool.recurrent[layer, slot].float()
-        if fresh:
-            conv_state, state = torch.zeros_like(conv_state), torch.zeros_like(state)
-        conv_out, pool.conv[layer, slot] = causal_conv(mixed, conv_state, weight)
-        o, state = gated_delta_rule(*self._qkv(conv_out), g, beta, state)
-        pool.recurrent[layer, slot] = state
-        return o.to(mixed.dtype)
+    def _advance(self, layer, plan: LinearPlan, mixed, g, beta, weight, out) -> None:
+        """The non-speculative requests, token j of every one at once, from their committed states (zeros for a
+        first chunk) back into them."""
+        pool, device = self.pool, mixed.device
+        reqs = list(range(plan.num_spec, len(plan.lens)))
+        slots = torch.tensor([plan.slots[b] for b in reqs], device=device)
+        fresh = torch.tensor([plan.fresh[b] for b in reqs], device=device)
+        conv_state = torch.where(fresh[:, None, None], 0, pool.conv[layer, slots])
+        state = torch.where(fresh[:, None, None, None], 0, pool.recurrent[layer, slots].float())
+        lens = torch.tensor([plan.lens[b] for b in reqs], device=device)
+        starts = torch.tensor([plan.starts[b] for b in reqs], device=device)
+        for j in range(max(plan.lens[b] for b in reqs)):
+            active = (lens > j).nonzero()[:, 0] if j else torch.arange(len(reqs), device=device)
+            rows = starts[active] + j
+            conv_out, conv_state[active] = causal_conv_step(mixed[rows], conv_state[active], weight)
+            o, state[active] = delta_step(state[active], *self._qkv(conv_out), g[rows], beta[rows])
+            out[rows] = o.to(out.dtype)
+        pool.conv[layer, slots] = conv_state
+        pool.recurrent[layer, slots] = state.to(pool.recurrent.dtype)
 
-    def _speculative(self, layer, slot, parents, mixed, g, beta, weight) -> torch.Tensor:
-        pool = self.pool
-        o = torch.empty(mixed.shape[0], self.cfg.num_v_heads, self.cfg.v_head_dim, dtype=torch.float32,
-                        device=mixed.device)
-        for j, p in enumerate(parents):
-            conv_state = pool.conv[layer, slot] if p < 0 else pool.conv_scratch[layer, slot, p]
-            state = (pool.recurrent[layer, slot] if p < 0 else pool.recurrent_scratch[layer, slot, p]).float()
-            conv_out, pool.conv_scratch[layer, slot, j] = causal_conv(mixed[j : j + 1], conv_state, weight)
-            q, k, v = self._qkv(conv_out)
-            o[j], state = delta_step(state, q[0], k[0], v[0], g[j], beta[j])
-            pool.recurrent_scratch[layer, slot, j] = state
-        return o.to(mixed.dtype)
+    def _speculative(self, layer, plan: LinearPlan, mixed, g, beta, weight, out) -> None:
+        """Verify token j of every speculative request at once: from its parent's state (scratch, or the committed one
+        for -1) into scratch j."""
+        pool, device = self.pool, mixed.device
+        for j in range(max(plan.lens[: plan.num_spec])):
+            reqs = [b for b in range(plan.num_spec) if plan.lens[b] > j]
+            rows = torch.tensor([plan.starts[b] + j for b in reqs], device=device)
+            slots = torch.tensor([plan.slots[b] for b in reqs], device=device)
+            parent = torch.tensor([plan.parents[b][j] for b in reqs], device=device)
+            from_scratch = (parent >= 0)[:, None, None]
+            conv_state = torch.where(from_scratch, pool.conv_scratch[layer, slots, parent.clamp_min(0)],
+                                     pool.conv[layer, slots])
+            state = torch.where(from_scratch[..., None], pool.recurrent_scratch[layer, slots, parent.clamp_min(0)],
+                                pool.recurrent[layer, slots]).float()
+            conv_out, pool.conv_scratch[layer, slots, j] = causal_conv_step(mixed[rows], conv_state, weight)
+            o, state = delta_step(state, *self._qkv(conv_out), g[rows], beta[rows])
+            pool.recurrent_scratch[layer, slots, j] = state.to(pool.recurrent_scratch.dtype)
+            out[rows] = o.to(out.dtype)
 
     def _qkv(self, conv_out: torch.Tensor):
         cfg = self.cfg

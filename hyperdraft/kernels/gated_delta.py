@@ -45,11 +45,21 @@ def prepare_qkv(mixed: torch.Tensor, key_dim: int, k_head_dim: int, num_v_heads:
 
 def delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token: state [HV, dk, dv] fp32; q, k [HV, dk]; v [HV, dv]; g, beta [HV] -> (o [HV, dv], the new state)."""
-    state = state * g.float().exp()[:, None, None]
-    u = beta.float()[:, None] * (v - (state * k[:, :, None]).sum(dim=1))
-    state = state + k[:, :, None] * u[:, None, :]
-    return (state * q[:, :, None]).sum(dim=1), state
+    """One token: state [..., HV, dk, dv] fp32; q, k [..., HV, dk]; v [..., HV, dv]; g, beta [..., HV] -> (o [..., HV,
+    dv], the new state). Leading dims batch independent requests; each one's arithmetic is the same either way."""
+    state = state * g.float().exp()[..., None, None]
+    u = beta.float()[..., None] * (v - (state * k[..., :, None]).sum(dim=-2))
+    state = state + k[..., :, None] * u[..., None, :]
+    return (state * q[..., :, None]).sum(dim=-2), state
+
+
+def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of B requests: x [B, C], conv_state [B, C, K-1] -> (SiLU(conv) [B, C], new states), the
+    same conv as causal_conv's, as one grouped conv1d over every request's channels."""
+    bsz, channels = x.shape
+    window = torch.cat([conv_state.to(weight.dtype), x[:, :, None].to(weight.dtype)], dim=2)  # [B, C, K]
+    out = F.conv1d(window.reshape(1, bsz * channels, -1), weight.repeat(bsz, 1)[:, None, :], groups=bsz * channels)
+    return F.silu(out.view(bsz, channels)).to(x.dtype), window[:, :, 1:]
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

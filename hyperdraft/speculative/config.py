@@ -82,7 +82,7 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
     elif args.speculative_adaptive_config:
         raise ValueError("speculative_adaptive_config is given but speculative_adaptive is off")
     if SPECULATIVE_ALGORITHMS[algo].draft_model:
-        if not args.speculative_draft_model_path:
+        if not args.speculative_draft_model_path and not SPECULATIVE_ALGORITHMS[algo].own_mtp:
             raise ValueError(f"speculative_draft_model_path is required for speculative_algorithm {algo}")
         if steps is None and topk is None and draft_tokens is None:
             # SGLang's auto-choice: Llama targets get a tree for EAGLE; everything else a 3-step chain.

@@ -3,10 +3,13 @@ noised) and the proposers the hybrid tests drive speculation with."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from hyperdraft.speculative.proposal import Proposal, TreeProposal
 from hyperdraft.speculative.proposer import Proposer, ProposerCapabilities
@@ -19,10 +22,29 @@ _MODELS: dict[str, str] = {}
 def hybrid_models(tmp_path_factory) -> dict[str, str]:
     if not _MODELS:
         root = tmp_path_factory.mktemp("hybrid")
-        _MODELS.update(target=make_tiny_model(str(root / "target"), "qwen3_5", seed=0),
+        target = make_tiny_model(str(root / "target"), "qwen3_5", seed=0)
+        _MODELS.update(target=target,
                        target8=make_tiny_model(str(root / "target8"), "qwen3_5", seed=1, num_hidden_layers=8),
-                       dense_draft=make_tiny_model(str(root / "dense"), "qwen3", seed=2, with_tokenizer=False))
+                       dense_draft=make_tiny_model(str(root / "dense"), "qwen3", seed=2, with_tokenizer=False),
+                       with_mtp=with_mtp_weights(target, str(root / "with_mtp")))
     return dict(_MODELS)
+
+
+def with_mtp_weights(src: str, dst: str, seed: int = 4) -> str:
+    """A copy of a Qwen3.5 checkpoint with an MTP module under the official names (mtp.fc, mtp.pre_fc_norm_*,
+    mtp.layers.0.*, mtp.norm), random like the rest: transformers ignores them; only hyperdraft's MTP head reads them."""
+    shutil.copytree(src, dst)
+    weights = load_file(os.path.join(dst, "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    layer = [n for n in weights if n.startswith("model.layers.3.")]  # the full-attention layer's names and shapes
+    hidden = weights["model.norm.weight"].shape[0]
+    extra = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) * 0.2}
+    for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
+        extra[name] = torch.randn(hidden, generator=gen) * 0.1
+    for name in layer:
+        extra["mtp.layers.0." + name[len("model.layers.3."):]] = torch.randn(weights[name].shape, generator=gen) * 0.2
+    save_file({**weights, **extra}, os.path.join(dst, "model.safetensors"))
+    return dst
 
 
 class Oracle:

@@ -33,6 +33,8 @@ from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.decoder import DecoderLM
 from hyperdraft.models.eagle import Eagle3Head, EagleHead, load_eagle_head, target_capture_layers
+from hyperdraft.models.hybrid import HybridLM
+from hyperdraft.models.mtp import MtpHead, load_mtp_head, load_model_config_if_model
 from hyperdraft.request import Request
 from hyperdraft.runner.graph_runner import GraphSettings
 from hyperdraft.runner.model_runner import ForwardOutput, GraphedRunner
@@ -67,14 +69,23 @@ class HeadRunner(GraphedRunner):
 
 class EagleProposer(ModelProposer):
     @classmethod
-    def load_draft(cls, spec: SpecConfig, target: DecoderLM, args: EngineArgs, device: torch.device) -> EagleHead | Eagle3Head:
+    def load_draft(cls, spec: SpecConfig, target: DecoderLM | HybridLM, args: EngineArgs,
+                   device: torch.device) -> EagleHead | Eagle3Head | MtpHead:
+        """An EAGLE / EAGLE-3 head from speculative_draft_model_path, or the MTP module of a hybrid checkpoint: the
+        target's own when no path is given (NEXTN, MTP), or the checkpoint the path names."""
+        path = spec.draft_model_path or args.model_path
+        if spec.algorithm == "EAGLE" and load_model_config_if_model(path) is not None:
+            return load_mtp_head(path, target, load_format=args.load_format)
+        if spec.draft_model_path is None:
+            raise ValueError(f"speculative_draft_model_path is required for speculative_algorithm {spec.algorithm}: "
+                             f"{args.model_path!r} has no MTP module of its own")
         head = load_eagle_head(spec.draft_model_path, target, load_format=args.load_format)
         if head.config.kind != spec.algorithm.lower():
             raise ValueError(f"speculative_draft_model_path holds an {head.config.kind.upper()} head "
                              f"({head.config.architecture}), but speculative_algorithm is {spec.algorithm}")
         return head
 
-    def __init__(self, ctx: ProposerContext, head: EagleHead | Eagle3Head):
+    def __init__(self, ctx: ProposerContext, head: EagleHead | Eagle3Head | MtpHead):
         self.head = head
         param = next(head.parameters())
         self.device, self.dtype = param.device, param.dtype
