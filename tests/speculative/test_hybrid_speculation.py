@@ -98,3 +98,26 @@ def test_sampled_requests_stay_reproducible(hybrid_models, llm_factory):
     off = [o.token_ids for o in gen(llm_factory(hybrid_models["target"]), prompts, params)]
     ngram = llm_factory(hybrid_models["target"], speculative_algorithm="NGRAM", speculative_num_steps=3)
     assert [o.token_ids for o in gen(ngram, prompts, params)] == off
+
+
+def test_graphs_stay_off_for_hybrid_targets_and_output_is_unchanged(hybrid_models, llm_factory, reference):
+    """Until the state backend can be captured, a hybrid target runs eagerly even where graphs would be captured
+    (emulated here), and says so; speculation stays lossless."""
+    from hyperdraft.options import RuntimeOptions
+
+    llm = llm_factory(hybrid_models["target"], speculative_algorithm="NGRAM", speculative_num_steps=3,
+                      max_running_requests=16, runtime_options=RuntimeOptions(emulate_cuda_graphs=True))
+    assert llm.engine.runner.graphs is None
+    assert _run(llm) == [reference[tuple(p)] for p in _prompts()]
+
+
+def test_retraction_with_speculation_under_a_small_pool(hybrid_models, llm_factory, reference, monkeypatch):
+    """A pool too small for the batch: retracted requests lose their rows and state slots mid-speculation, come back
+    and recompute; every accept length keeps occurring and the output stays that of speculation off."""
+    monkeypatch.setitem(PROPOSERS, "NGRAM", OracleChain)
+    Oracle.reset(reference, seed=5)
+    llm = llm_factory(hybrid_models["target"], speculative_algorithm="NGRAM", speculative_num_steps=4,
+                      max_running_requests=16, max_total_tokens=3450, page_size=4)
+    outs = gen(llm, _prompts(), [greedy(n) for n in NEW_TOKENS])
+    assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in _prompts()]
+    assert sum(o.meta_info["num_retractions"] for o in outs) > 0
