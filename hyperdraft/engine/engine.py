@@ -76,34 +76,35 @@ def _kv_bytes_per_slot(model) -> int:
     return KVPool.bytes_per_slot(cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)
 
 
-def _state_bytes(model, rows: int, verify_width: int) -> int:
-    """A hybrid model's state pool (every row's slot and scratch, plus the padding slot); 0 for a dense model."""
+def _state_bytes_per_row(model, verify_width: int) -> int:
+    """A hybrid model's recurrent state per page-table row (its slot and scratch); 0 for a dense model."""
     cfg = model.config
     if not cfg.is_hybrid:
         return 0
     dtype = next(model.parameters()).dtype
-    return (rows + 1) * StatePool.bytes_per_slot(cfg.linear_attention, cfg.num_linear_layers, dtype, verify_width)
+    return StatePool.bytes_per_slot(cfg.linear_attention, cfg.num_linear_layers, dtype, verify_width)
 
 
-def kv_capacity_tokens(args: EngineArgs, bytes_per_slot: int, device: torch.device, state_bytes: int = 0) -> int:
-    """KV tokens the budget holds after the state pools: max_total_tokens (CPU default 65536) counts both, a
-    recurrent state as the K/V tokens of the same bytes; on CUDA, mem_fraction_static of the device."""
+def memory_budget_bytes(args: EngineArgs, kv_bytes_per_token: int, device: torch.device) -> int:
+    """Bytes for the K/V and the recurrent-state pools together: max_total_tokens (CPU default 65536) K/V tokens'
+    worth; on CUDA, mem_fraction_static of the device less what is already resident (the weights)."""
     if args.max_total_tokens is not None or device.type != "cuda":
-        total = args.max_total_tokens if args.max_total_tokens is not None else CPU_DEFAULT_MAX_TOTAL_TOKENS
-        tokens = total - -(-state_bytes // bytes_per_slot)
-        if tokens < args.page_size:
-            raise ValueError(f"max_total_tokens={total} leaves no room for K/V after the recurrent state of "
-                             f"max_running_requests={args.effective_max_running_requests} requests "
-                             f"({state_bytes / 2**20:.1f} MiB, {total - tokens} tokens' worth): raise max_total_tokens "
-                             "or lower max_running_requests")
-        return tokens
+        return (args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS) * kv_bytes_per_token
     free, total = torch.cuda.mem_get_info(device)
-    budget = free - total * (1 - args.mem_fraction_static) - state_bytes  # weights are resident: `free` excludes them
-    if budget <= bytes_per_slot * args.page_size * 2:
-        raise ValueError(f"mem_fraction_static={args.mem_fraction_static} leaves no GPU memory for the KV cache"
-                         + (f" after {state_bytes / 2**30:.1f} GiB of recurrent state (lower max_running_requests)"
-                            if state_bytes else ""))
-    return int(budget // bytes_per_slot)
+    return int(free - total * (1 - args.mem_fraction_static))
+
+
+def kv_capacity_tokens(args: EngineArgs, kv_bytes_per_token: int, budget: int, state_bytes: int, rows: int) -> int:
+    """The K/V tokens the budget holds after the state pools."""
+    tokens = (budget - state_bytes) // kv_bytes_per_token
+    if tokens >= max(args.page_size * 2, 2):
+        return tokens
+    field = ("max_total_tokens" if args.max_total_tokens is not None or budget <= 0 or not torch.cuda.is_available()
+             else "mem_fraction_static")
+    raise ValueError(f"{field} leaves no room for the K/V cache"
+                     + (f" after the recurrent state of max_running_requests={rows} requests "
+                        f"({state_bytes / 2**20:.1f} MiB): raise {field} or lower max_running_requests"
+                        if state_bytes else ""))
 
 
 class Engine:
@@ -124,7 +125,7 @@ class Engine:
             self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
             proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
             draft = proposer_cls.load_draft(self.spec, model, args, self.device) if proposer_cls is not None else None
-            self.page_table = self._page_table(model, draft)
+            self.max_rows, self.page_table = self._page_table(model, draft)
             backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
             graphs = self._graph_settings(backend)
             self.runner = ModelRunner(model, self.page_table, backend, graphs, self._verify_width())
@@ -135,22 +136,37 @@ class Engine:
         self._seed_rng = random.Random(args.random_seed)
         self._rid_counter = itertools.count()
 
-    def _page_table(self, model, draft) -> PageTable:
-        """One page table for every pool, its capacity split by the target's and the draft's bytes per token."""
+    def _page_table(self, model, draft) -> tuple[int, PageTable]:
+        """(rows, one page table for every pool): the budget goes to the recurrent states of the rows first (hybrid
+        models), the rest to K/V pages, split by the target's and the draft's bytes per token."""
         args = self.args
         models = [m for m in (model, draft) if m is not None]
         bytes_per_slot = sum(_kv_bytes_per_slot(m) for m in models)
-        state_bytes = sum(_state_bytes(m, args.effective_max_running_requests, self._verify_width()) for m in models)
-        capacity = kv_capacity_tokens(args, bytes_per_slot, self.device, state_bytes)
+        budget = memory_budget_bytes(args, bytes_per_slot, self.device)
+        state_per_row = sum(_state_bytes_per_row(m, self._verify_width()) for m in models)
+        rows = self._fitting_rows(budget, state_per_row)
+        capacity = kv_capacity_tokens(args, bytes_per_slot, budget, (rows + 1) * state_per_row, rows)
         if capacity < args.page_size:
             raise ValueError(f"max_total_tokens={capacity} is smaller than one page (page_size={args.page_size})")
-        return PageTable(
+        return rows, PageTable(
             num_pages=capacity // args.page_size + 1,  # + the reserved padding page
             page_size=args.page_size,
-            max_rows=args.effective_max_running_requests,
+            max_rows=rows,
             max_pages_per_row=-(-(self.context_len + self._decode_reserve()) // args.page_size),
             device=self.device,
         )
+
+    def _fitting_rows(self, budget: int, state_per_row: int) -> int:
+        """Rows (running requests): max_running_requests, or, when the user left it unset and a hybrid model's states
+        for that many would take more than half the budget, as many as fit in half of it."""
+        rows = self.args.effective_max_running_requests
+        if self.args.max_running_requests is not None or not state_per_row:
+            return rows
+        fit = max(1, budget // 2 // state_per_row - 1)
+        if fit < rows:
+            logger.info("max_running_requests defaults to %d: the recurrent state of more would take over half of the "
+                        "memory budget", fit)
+        return min(rows, fit)
 
     def _verify_width(self) -> int:
         """The most tokens one request verifies in a forward, over every tier (a hybrid model's state scratch)."""
@@ -165,8 +181,7 @@ class Engine:
             # A queued decode that the next step throws away would have advanced a recurrent state for good.
             return ModelWorker(self.runner, self.options.decode_ahead and not self.model_config.is_hybrid)
         timer = PhaseTimer(self.device, self.options.record_step_time)
-        ctx = ProposerContext(self.spec, self.runner, backend, graphs, self.options, timer,
-                              self.args.effective_max_running_requests)
+        ctx = ProposerContext(self.spec, self.runner, backend, graphs, self.options, timer, self.max_rows)
         tiers = make_tier_source(self.spec.tier, self.spec.adaptive, list(graphs.batch_sizes) if graphs else None)
         return SpecWorker(self.runner, proposer_cls.build(ctx, draft), self.spec, tiers, timer)
 
@@ -184,8 +199,7 @@ class Engine:
             # speculative rows are not part of a captured batch's inputs.
             logger.warning("CUDA graphs are not captured for hybrid (linear-attention) models yet; running eagerly")
             return None
-        sizes = default_batch_sizes(min(self.args.cuda_graph_max_bs or DEFAULT_GRAPH_MAX_BS,
-                                        self.args.effective_max_running_requests))
+        sizes = default_batch_sizes(min(self.args.cuda_graph_max_bs or DEFAULT_GRAPH_MAX_BS, self.max_rows))
         return GraphSettings(tuple(sizes), emulate=emulate, segments=self.options.graph_segments)
 
     def _make_scheduler(self) -> Scheduler:
@@ -193,7 +207,7 @@ class Engine:
         eos = self.model_config.eos_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
         return Scheduler(self.page_table, StopChecker(tokenizer, eos, self.context_len),
-                         max_running_requests=self.args.effective_max_running_requests,
+                         max_running_requests=self.max_rows,
                          prefill_budget=chunk if chunk > 0 else self.context_len, chunked_prefill=chunk > 0,
                          decode_reserve=self._decode_reserve())
 

@@ -180,7 +180,7 @@ class EngineLoop:
         if self.max_queued_requests is None:
             return
         sched = self.engine.scheduler
-        free_slots = max(0, self.engine.args.effective_max_running_requests - len(sched.running))
+        free_slots = max(0, self.engine.max_rows - len(sched.running))
         queued = max(0, len(sched.waiting) + count - free_slots)
         if queued > self.max_queued_requests:
             raise QueueFull(f"the server is saturated: {len(sched.running)} requests running and {len(sched.waiting)} "

@@ -85,3 +85,16 @@ def test_the_multimodal_checkpoints_language_model_loads(hybrid_models, tmp_path
     same = [o.token_ids for o in llm_factory(dst).generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
     assert same == [o.token_ids for o in llm_factory(src).generate(input_ids=prompts, sampling_params=params,
                                                                    use_tqdm=False)]
+
+
+def test_unset_max_running_requests_fits_the_states_in_half_the_budget(hybrid_models):
+    """Left unset, max_running_requests (256) shrinks until the recurrent states take at most half the budget;
+    given, it is kept or refused."""
+    llm = LLM(hybrid_models["target"], device="cpu", speculative_algorithm="NGRAM", max_total_tokens=8192)
+    runner, rows = llm.engine.runner, llm.engine.max_rows
+    state_bytes = runner.state_pool.conv.nbytes + runner.state_pool.recurrent.nbytes
+    state_bytes += runner.state_pool.conv_scratch.nbytes + runner.state_pool.recurrent_scratch.nbytes
+    budget = 8192 * (runner.pool.k.nbytes + runner.pool.v.nbytes) // runner.pool.num_slots
+    assert 1 <= rows < 256 and state_bytes <= budget // 2 < state_bytes * (rows + 2) / (rows + 1)
+    assert llm.engine.page_table.max_rows == rows and llm.engine.scheduler.max_running == rows
+    assert LLM(hybrid_models["target"], device="cpu", max_running_requests=3, max_total_tokens=8192).engine.max_rows == 3
