@@ -94,13 +94,13 @@ def memory_budget_bytes(args: EngineArgs, kv_bytes_per_token: int, device: torch
     return int(free - total * (1 - args.mem_fraction_static))
 
 
-def kv_capacity_tokens(args: EngineArgs, kv_bytes_per_token: int, budget: int, state_bytes: int, rows: int) -> int:
+def kv_capacity_tokens(args: EngineArgs, kv_bytes_per_token: int, budget: int, state_bytes: int, rows: int,
+                       device: torch.device) -> int:
     """The K/V tokens the budget holds after the state pools."""
     tokens = (budget - state_bytes) // kv_bytes_per_token
     if tokens >= max(args.page_size * 2, 2):
         return tokens
-    field = ("max_total_tokens" if args.max_total_tokens is not None or budget <= 0 or not torch.cuda.is_available()
-             else "mem_fraction_static")
+    field = "max_total_tokens" if args.max_total_tokens is not None or device.type != "cuda" else "mem_fraction_static"
     raise ValueError(f"{field} leaves no room for the K/V cache"
                      + (f" after the recurrent state of max_running_requests={rows} requests "
                         f"({state_bytes / 2**20:.1f} MiB): raise {field} or lower max_running_requests"
@@ -145,7 +145,7 @@ class Engine:
         budget = memory_budget_bytes(args, bytes_per_slot, self.device)
         state_per_row = sum(_state_bytes_per_row(m, self._verify_width()) for m in models)
         rows = self._fitting_rows(budget, state_per_row)
-        capacity = kv_capacity_tokens(args, bytes_per_slot, budget, (rows + 1) * state_per_row, rows)
+        capacity = kv_capacity_tokens(args, bytes_per_slot, budget, (rows + 1) * state_per_row, rows, self.device)
         if capacity < args.page_size:
             raise ValueError(f"max_total_tokens={capacity} is smaller than one page (page_size={args.page_size})")
         return rows, PageTable(

@@ -121,3 +121,27 @@ def test_retraction_with_speculation_under_a_small_pool(hybrid_models, llm_facto
     outs = gen(llm, _prompts(), [greedy(n) for n in NEW_TOKENS])
     assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in _prompts()]
     assert sum(o.meta_info["num_retractions"] for o in outs) > 0
+
+
+def test_eagle3_reads_the_layers_it_names_on_a_hybrid_target(hybrid_models, llm_factory, tmp_path, reference):
+    """An EAGLE-3 head over the 8-layer hybrid target captures the aux states of the layers its config names (linear
+    and full-attention layers alike) and stays lossless."""
+    from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+
+    head = write_random_eagle_checkpoint(str(tmp_path / "e3"), hybrid_models["target8"], kind="eagle3",
+                                         eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 6]})
+    prompts = _prompts()
+    params = [greedy(n) for n in NEW_TOKENS]
+    ref = [o.token_ids for o in gen(llm_factory(hybrid_models["target8"], max_running_requests=16), prompts, params)]
+    llm = llm_factory(hybrid_models["target8"], speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                      speculative_num_steps=3, max_running_requests=16)
+    assert llm.engine.worker.capabilities.capture_layers == (2, 4, 7)
+    assert [o.token_ids for o in gen(llm, prompts, params)] == ref
+
+
+def test_a_hybrid_standalone_draft_is_refused_clearly(hybrid_models):
+    from hyperdraft import LLM
+
+    with pytest.raises(ValueError, match="speculative_draft_model_path.*hybrid.*NEXTN"):
+        LLM(hybrid_models["dense_draft"], device="cpu", skip_tokenizer_init=True, speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=hybrid_models["target"])

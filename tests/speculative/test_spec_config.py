@@ -88,8 +88,7 @@ BAD = [
           speculative_eagle_topk=0), "speculative_eagle_topk", ">= 1"),
     (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d", speculative_eagle_topk=1),
      "speculative_num_steps", "must be set"),
-    (dict(speculative_algorithm="EAGLE"), "speculative_draft_model_path", "EAGLE"),
-    (dict(speculative_algorithm="MTP"), "speculative_algorithm", "not yet supported"),
+    (dict(speculative_algorithm="EAGLE3"), "speculative_draft_model_path", "EAGLE3"),
     (dict(speculative_algorithm="FOO"), "speculative_algorithm", "FOO"),
     (dict(speculative_algorithm="NGRAM", speculative_use_rejection_sampling=True),
      "speculative_use_rejection_sampling", "NGRAM"),
@@ -99,8 +98,16 @@ BAD = [
           speculative_ngram_max_match_window_size=3), "speculative_ngram_max_match_window_size", ""),
 ]
 BAD_IDS = ["standalone-no-draft", "steps-0", "steps-neg", "ngram-steps-0", "ngram-steps-neg", "topk-2", "topk-0",
-           "topk-without-steps", "eagle-no-head", "mtp", "unknown", "ngram-rejection-sampling", "ngram-window-0",
+           "topk-without-steps", "eagle3-no-head", "unknown", "ngram-rejection-sampling", "ngram-window-0",
            "ngram-window-inverted"]
+
+
+def test_mtp_and_nextn_are_eagle_with_the_targets_own_module():
+    """MTP and NEXTN resolve to EAGLE; without a draft path the head is the target's own MTP module, which only the
+    checkpoint can say it has (checked when the engine loads it: tests/speculative/test_mtp.py)."""
+    for name in ("MTP", "NEXTN", "EAGLE"):
+        cfg = resolve(speculative_algorithm=name)
+        assert cfg.algorithm == "EAGLE" and cfg.draft_model_path is None
 
 
 @pytest.mark.parametrize("args,field,fragment", BAD, ids=BAD_IDS)
@@ -110,8 +117,11 @@ def test_bad_spec_config_raises_naming_the_field(args, field, fragment):
     assert field in str(err.value) and fragment in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("args,field,fragment", [BAD[0], BAD[2], BAD[5], BAD[8], BAD[10]],
-                         ids=["standalone-no-draft", "steps-neg", "topk-2", "eagle-no-head", "unknown"])
+@pytest.mark.parametrize("args,field,fragment", [BAD[0], BAD[2], BAD[5], BAD[8], BAD[9],
+                                                 (dict(speculative_algorithm="EAGLE"), "speculative_draft_model_path",
+                                                  "no MTP module")],
+                         ids=["standalone-no-draft", "steps-neg", "topk-2", "eagle3-no-head", "unknown",
+                              "eagle-no-head-dense-target"])
 def test_bad_spec_config_rejected_by_llm(spec_models, args, field, fragment):
     """The same checks guard LLM(...): a ValueError naming the field, before any request."""
     from hyperdraft import LLM

@@ -35,6 +35,11 @@ class DraftModelProposer(ModelProposer):
     @classmethod
     def load_draft(cls, spec: SpecConfig, target: DecoderLM, args: EngineArgs, device: torch.device) -> DecoderLM:
         draft = load_model(spec.draft_model_path, args.dtype, device, args.load_format)
+        if draft.config.is_hybrid:
+            raise ValueError(f"speculative_draft_model_path {spec.draft_model_path!r} is a hybrid model "
+                             f"({draft.config.architecture}): a STANDALONE draft's recurrent state cannot roll back "
+                             "after rejected drafts yet; use a dense draft model, or the target's own MTP module "
+                             "(speculative_algorithm NEXTN)")
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"speculative_draft_model_path: the draft vocabulary has {draft.config.vocab_size} tokens, the target's "
