@@ -31,6 +31,7 @@ class LinearPlan:
     fresh: list[bool]  # the request's first tokens: its state starts from zeros
     num_spec: int  # the first num_spec requests are speculative
     parents: list[list[int]]  # per speculative request, each token's parent (-1: the committed state)
+    targets: list[list[int]]  # per speculative request, the scratch index each token's state goes to
 
 
 class TorchLinearBackend:
@@ -45,12 +46,15 @@ class TorchLinearBackend:
         live = fb.out_slots[fb.extend_starts_t.long()] != 0  # a padding row's tokens write only the padding page
         slots = torch.where(live, fb.req_rows + 1, 0).tolist()
         starts = fb.extend_starts_t.tolist()
-        parents = []
+        parents, targets = [], []
         if fb.num_spec_requests:
+            spans = list(zip(starts, fb.extend_lens[: fb.num_spec_requests]))
             flat = fb.state_parents.tolist()
-            parents = [flat[s : s + n] for s, n in zip(starts, fb.extend_lens[: fb.num_spec_requests])]
+            parents = [flat[s : s + n] for s, n in spans]
+            flat = fb.state_targets.tolist() if fb.state_targets is not None else None
+            targets = [flat[s : s + n] if flat is not None else list(range(n)) for s, n in spans]
         return LinearPlan(starts, list(fb.extend_lens), slots, [p == 0 for p in fb.prefix_lens],
-                          fb.num_spec_requests, parents)
+                          fb.num_spec_requests, parents, targets)
 
     def forward(self, layer: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 plan: LinearPlan) -> torch.Tensor:
@@ -84,22 +88,23 @@ class TorchLinearBackend:
         pool.recurrent[layer, slots] = state.to(pool.recurrent.dtype)
 
     def _speculative(self, layer, plan: LinearPlan, mixed, g, beta, weight, out) -> None:
-        """Verify token j of every speculative request at once: from its parent's state (scratch, or the committed one
-        for -1) into scratch j."""
+        """Token j of every speculative request at once: from its parent's state (scratch, or the committed one for
+        -1) into its target's scratch (j for a verify)."""
         pool, device = self.pool, mixed.device
         for j in range(max(plan.lens[: plan.num_spec])):
             reqs = [b for b in range(plan.num_spec) if plan.lens[b] > j]
             rows = torch.tensor([plan.starts[b] + j for b in reqs], device=device)
             slots = torch.tensor([plan.slots[b] for b in reqs], device=device)
             parent = torch.tensor([plan.parents[b][j] for b in reqs], device=device)
+            target = torch.tensor([plan.targets[b][j] for b in reqs], device=device)
             from_scratch = (parent >= 0)[:, None, None]
             conv_state = torch.where(from_scratch, pool.conv_scratch[layer, slots, parent.clamp_min(0)],
                                      pool.conv[layer, slots])
             state = torch.where(from_scratch[..., None], pool.recurrent_scratch[layer, slots, parent.clamp_min(0)],
                                 pool.recurrent[layer, slots]).float()
-            conv_out, pool.conv_scratch[layer, slots, j] = causal_conv_step(mixed[rows], conv_state, weight)
+            conv_out, pool.conv_scratch[layer, slots, target] = causal_conv_step(mixed[rows], conv_state, weight)
             o, state = delta_step(state, *self._qkv(conv_out), g[rows], beta[rows])
-            pool.recurrent_scratch[layer, slots, j] = state.to(pool.recurrent_scratch.dtype)
+            pool.recurrent_scratch[layer, slots, target] = state.to(pool.recurrent_scratch.dtype)
             out[rows] = o.to(out.dtype)
 
     def _qkv(self, conv_out: torch.Tensor):

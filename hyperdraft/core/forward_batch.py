@@ -67,6 +67,9 @@ class ForwardBatch:
     # advances its committed state. None / 0: no request is speculative.
     state_parents: torch.Tensor | None = None
     num_spec_requests: int = 0
+    # [T] int64: the scratch index each speculative token's state goes to; None: its position within its request (a
+    # verify). A draft model's steps write scratch at their node's offset past the root, less one.
+    state_targets: torch.Tensor | None = None
 
     def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """The rows of hidden [T, H] whose logits are wanted."""

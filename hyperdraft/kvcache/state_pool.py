@@ -50,8 +50,10 @@ class StatePool:
         return num_layers * (1 + max(verify_width, 0)) * (state + conv)
 
     def commit(self, rows: torch.Tensor, index: torch.Tensor) -> None:
-        """rows [B]: page-table rows; index [B]: the verify token whose state becomes each request's committed one
-        (its last accepted token). One gather and one scatter over every layer."""
-        slots = rows + 1
-        self.conv[:, slots] = self.conv_scratch[:, slots, index]
-        self.recurrent[:, slots] = self.recurrent_scratch[:, slots, index]
+        """rows [B]: page-table rows; index [B]: the scratch entry whose state becomes each request's committed one
+        (its last accepted token), -1 to keep the committed state. One gather and one scatter over every layer."""
+        slots, keep = rows + 1, (index < 0)[None, :, None]
+        index = index.clamp_min(0)
+        self.conv[:, slots] = torch.where(keep[..., None], self.conv[:, slots], self.conv_scratch[:, slots, index])
+        self.recurrent[:, slots] = torch.where(keep[..., None, None], self.recurrent[:, slots],
+                                               self.recurrent_scratch[:, slots, index])

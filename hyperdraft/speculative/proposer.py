@@ -54,6 +54,7 @@ class ProposerCapabilities:
     compacts_draft_pool: bool = False  # after a tree verify its own K/V of the accepted path moves like the target's
     drafts_ahead: bool = False  # queues the next round's draft before this round's results reach the host
     runs_as_graph: bool = False  # has a draft runner whose steps and whole rounds CUDA graphs capture
+    recurrent_state: bool = False  # a hybrid draft model: its state rolls back through accept_draft_state
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,10 @@ class Proposer(Protocol):
 
     def store_accepted_hidden(self, rows: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
         """rows [B]: page-table rows; accepted_hidden [B, D+1, H]: the accepted path's target states, root first."""
+
+    def accept_draft_state(self, rows: torch.Tensor, last_fed: torch.Tensor) -> None:
+        """A recurrent draft model: rows [B]; last_fed [B] the scratch entry (its offset past the root, less one) of
+        the last accepted node the draft itself fed, -1 for none: that state becomes the committed one."""
 
     def draft_ahead(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch, num_accepted: torch.Tensor,
                     tokens: torch.Tensor) -> None:

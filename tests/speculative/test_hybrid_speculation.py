@@ -139,9 +139,24 @@ def test_eagle3_reads_the_layers_it_names_on_a_hybrid_target(hybrid_models, llm_
     assert [o.token_ids for o in gen(llm, prompts, params)] == ref
 
 
-def test_a_hybrid_standalone_draft_is_refused_clearly(hybrid_models):
-    from hyperdraft import LLM
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_hybrid_self_draft_is_accepted_whole(hybrid_models, llm_factory, reference, tree):
+    """STANDALONE with the target itself as draft: its draft steps' states go to its own scratch, and after each
+    verify only the state after its last accepted node is committed. Every greedy draft is then the target's own
+    next token, so (almost) everything is accepted; a draft state left ahead or behind would show at once."""
+    shape = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6) if tree else {}
+    llm = llm_factory(hybrid_models["target"], speculative_algorithm="STANDALONE", speculative_num_steps=4,
+                      speculative_draft_model_path=hybrid_models["target"], max_running_requests=16, **shape)
+    assert llm.engine.worker.proposer.capabilities.recurrent_state
+    assert _run(llm) == [reference[tuple(p)] for p in _prompts()]
+    by_position = spec_state(llm)["spec_acceptance_by_position"]
+    # A chain drafts the target's own greedy tokens. A 6-node beam keeps depth 1 and 2 of the greedy path (deeper
+    # nodes lose to shallower siblings by cumulative score on a random model), each always accepted.
+    assert all(rate > 0.95 for rate in (by_position[:2] if tree else by_position)), by_position
 
-    with pytest.raises(ValueError, match="speculative_draft_model_path.*hybrid.*NEXTN"):
-        LLM(hybrid_models["dense_draft"], device="cpu", skip_tokenizer_init=True, speculative_algorithm="STANDALONE",
-            speculative_draft_model_path=hybrid_models["target"])
+
+def test_a_different_hybrid_draft_is_lossless(hybrid_models, llm_factory, reference):
+    llm = llm_factory(hybrid_models["target"], speculative_algorithm="STANDALONE", speculative_num_steps=3,
+                      speculative_draft_model_path=hybrid_models["target8"], max_running_requests=16,
+                      speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    assert _run(llm) == [reference[tuple(p)] for p in _prompts()]

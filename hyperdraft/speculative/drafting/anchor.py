@@ -83,11 +83,13 @@ class DraftAnchor:
                         torch.full((bsz,), k, dtype=torch.int32, device=device), torch.arange(bsz * k, device=device))
 
     def step_batch(self, depth: int, stride: int, input_ids: torch.Tensor, page_table,
-                   input_hidden: torch.Tensor | None, tail_mask: torch.Tensor | None = None) -> ForwardBatch:
+                   input_hidden: torch.Tensor | None, tail_mask: torch.Tensor | None = None,
+                   state_nodes: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardBatch:
         """The batch of draft step `depth` (>= 1): k = len(input_ids) / B nodes per request, all at RoPE position
         base + depth - 1, written at indices base + (depth-1)*stride + 0 .. k-1. A chain has stride 1 and k = 1
         (index = position); a beam has stride topk and a [B, k, W] tail mask over its ancestors. From the plan
-        when one covers it (a sampled tree's narrower frontiers do not), else built here."""
+        when one covers it (a sampled tree's narrower frontiers do not), else built here. state_nodes: (parents,
+        targets) [B*k] scratch indices of a recurrent draft model's step (see ForwardBatch.state_parents)."""
         bsz = self.rows.shape[0]
         k = input_ids.shape[0] // bsz
         plan, row = self.steps, depth - 1
@@ -101,7 +103,9 @@ class DraftAnchor:
             tail_mask=tail_mask, seq_lens_t=plan.seq_lens[row], extend_starts_t=plan.extend_starts,
             extend_lens_t=plan.extend_lens, max_extend_len=k,
             max_seq_len=self.max_seq_len or max(prefix, default=0) + k, input_hidden=input_hidden,
-            logits_every_row=True,
+            logits_every_row=True, state_parents=None if state_nodes is None else state_nodes[0],
+            num_spec_requests=0 if state_nodes is None else bsz,
+            state_targets=None if state_nodes is None else state_nodes[1],
         )
 
 

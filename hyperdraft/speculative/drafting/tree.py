@@ -24,10 +24,12 @@ NodeDistribution = Callable[[torch.Tensor, int], torch.Tensor]
 
 def draft_tree(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, steps: int, topk: int, num_nodes: int,
                distribution: NodeDistribution, page_table, feeds_hidden: bool,
-               sampled_streams: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+               sampled_streams: tuple[torch.Tensor, torch.Tensor] | None = None,
+               stateful: bool = False) -> tuple[torch.Tensor, ...]:
     """-> (tokens [B, N], parents [B, N], fed [B, N]) of a beam; with sampled_streams = (seeds [B], positions [B])
     a sampled tree, plus q_nodes [B, N, V]. first: the catch-up's ForwardOutput; its logits rows give the root's
-    children, and the root (node 0) is the catch-up's last real token."""
+    children, and the root (node 0) is the catch-up's last real token. stateful: a recurrent draft model; each node's
+    state goes to scratch (its offset - 1), from its parent's (tree_state_nodes)."""
     last = catch_up.logits_indices
     bsz = last.shape[0]
     roots = catch_up.input_ids[last]
@@ -39,7 +41,8 @@ def draft_tree(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, step
         ancestor mask -> (distribution [B, k, V], head outputs [B, k, H] | None)."""
         k = tokens.shape[1]
         hidden_in = parent_hidden.flatten(0, 1) if parent_hidden is not None else None
-        out = forward(anchor.step_batch(depth, topk, tokens.flatten(), page_table, hidden_in, mask))
+        state = tree_state_nodes(offsets, mask) if stateful else None
+        out = forward(anchor.step_batch(depth, topk, tokens.flatten(), page_table, hidden_in, mask, state))
         hidden = out.hidden.view(bsz, k, -1) if feeds_hidden else None
         return distribution(out.target_logits(), k).view(bsz, k, -1), hidden
 
@@ -48,6 +51,15 @@ def draft_tree(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, step
         seeds, positions = sampled_streams
         return grow_sampled_tree(root, root_hidden, step, steps, topk, roots, num_nodes, seeds, positions)
     return grow_tree(root, root_hidden, step, steps, topk, roots, num_nodes)
+
+
+def tree_state_nodes(offsets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """offsets [B, k]: the frontier's offsets past the root; mask [B, k, W]: its ancestor mask (column o = offset o)
+    -> (parents, targets) [B*k] scratch indices: each node's parent is its deepest ancestor, the latest column the
+    mask opens before its own (0: the root, whose state is the committed one: -1)."""
+    cols = torch.arange(mask.shape[2], device=mask.device)
+    parent = torch.where(mask & (cols < offsets[:, :, None]), cols, 0).amax(dim=2)
+    return (parent - 1).flatten(), (offsets - 1).flatten()
 
 
 def beam_log_q(logits: torch.Tensor, k: int) -> torch.Tensor:

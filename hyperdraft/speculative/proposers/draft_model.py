@@ -20,6 +20,7 @@ from hyperdraft.config import EngineArgs
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.core.schedule import ScheduledRequest
 from hyperdraft.models.decoder import DecoderLM
+from hyperdraft.models.hybrid import HybridLM
 from hyperdraft.models.loader import load_model
 from hyperdraft.request import Request
 from hyperdraft.runner.model_runner import ModelRunner
@@ -35,22 +36,24 @@ class DraftModelProposer(ModelProposer):
     @classmethod
     def load_draft(cls, spec: SpecConfig, target: DecoderLM, args: EngineArgs, device: torch.device) -> DecoderLM:
         draft = load_model(spec.draft_model_path, args.dtype, device, args.load_format)
-        if draft.config.is_hybrid:
-            raise ValueError(f"speculative_draft_model_path {spec.draft_model_path!r} is a hybrid model "
-                             f"({draft.config.architecture}): a STANDALONE draft's recurrent state cannot roll back "
-                             "after rejected drafts yet; use a dense draft model, or the target's own MTP module "
-                             "(speculative_algorithm NEXTN)")
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"speculative_draft_model_path: the draft vocabulary has {draft.config.vocab_size} tokens, the target's "
                 f"{target.config.vocab_size}; a STANDALONE draft must share the target's vocabulary")
         return draft
 
-    def __init__(self, ctx: ProposerContext, draft: DecoderLM):
-        runner = ModelRunner(draft, ctx.target.page_table, ctx.attention_backend, ctx.graphs)
+    def __init__(self, ctx: ProposerContext, draft: DecoderLM | HybridLM):
+        # A hybrid draft runs eagerly (its state backend is not capturable yet); its draft steps' states go to
+        # scratch as wide as a round's farthest node, and commit like the target's.
+        recurrent = draft.config.is_hybrid
+        runner = ModelRunner(draft, ctx.target.page_table, ctx.attention_backend, None if recurrent else ctx.graphs,
+                             verify_width=ctx.spec.max_verify_tokens)
         # after a tree verify its own K/V of the accepted nodes moves like the target's
-        super().__init__(ctx, runner, ProposerCapabilities(compacts_draft_pool=True))
+        super().__init__(ctx, runner, ProposerCapabilities(compacts_draft_pool=True, recurrent_state=recurrent))
         self.pool = runner.pool
+
+    def accept_draft_state(self, rows: torch.Tensor, last_fed: torch.Tensor) -> None:
+        self.runner.state_pool.commit(rows, last_fed)
 
     def extend(self, items: list[ScheduledRequest], target_hidden: torch.Tensor | None = None) -> None:
         """Run the draft over the same prefill chunks the target runs, keeping both pools in lockstep."""

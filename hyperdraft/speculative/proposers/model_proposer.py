@@ -73,7 +73,8 @@ class ModelProposer(Proposer):
         self.draft_loop = DraftLoopGraphs(runner, capabilities.feeds_hidden, self.catch_up_hidden) if loops else None
         self.capabilities = ProposerCapabilities(
             capabilities.capture_layers, capabilities.feeds_hidden, capabilities.compacts_draft_pool,
-            drafts_ahead=capabilities.drafts_ahead and loops and ctx.options.draft_ahead, runs_as_graph=True)
+            drafts_ahead=capabilities.drafts_ahead and loops and ctx.options.draft_ahead, runs_as_graph=True,
+            recurrent_state=capabilities.recurrent_state)
         self.ahead: AheadDraft | None = None
         self.ahead_used = 0  # rounds served by a queued draft, and queued drafts thrown away (tests, benchmarks)
         self.ahead_discarded = 0
@@ -106,7 +107,7 @@ class ModelProposer(Proposer):
             return q
 
         tokens, qs = draft_chain(self.runner.forward, fb, first, anchor, tier.steps, choose, self.runner.page_table,
-                                 self.capabilities.feeds_hidden)
+                                 self.capabilities.feeds_hidden, self.capabilities.recurrent_state)
         return Proposal(tokens, [tier.steps] * fb.batch_size, torch.stack(qs, 1) if qs else None)
 
     def _draft_tree(self, fb: ForwardBatch, first: ForwardOutput, anchor: DraftAnchor, tier: Tier,
@@ -123,7 +124,7 @@ class ModelProposer(Proposer):
 
         out = draft_tree(self.runner.forward, fb, first, anchor, tier.steps, tier.topk, tier.num_draft_tokens,
                          distribution, self.runner.page_table, self.capabilities.feeds_hidden,
-                         (sampling.seeds, sampling.positions) if sampled else None)
+                         (sampling.seeds, sampling.positions) if sampled else None, self.capabilities.recurrent_state)
         return TreeProposal(*out)
 
     def draft_ahead(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch, num_accepted: torch.Tensor,

@@ -99,6 +99,8 @@ class ChainRound:
             num_accepted, tokens = verify_chain(p, draft, lens, self.proposal.q, sb.seeds, sb.positions)
         if self.ctx.target.state_pool is not None:  # the state after the last accepted token becomes the committed one
             self.ctx.target.state_pool.commit(self.rows, num_accepted)
+        if self.ctx.proposer.capabilities.recurrent_state:  # it fed the root and drafts 0 .. K-2: the last accepted
+            self.ctx.proposer.accept_draft_state(self.rows, num_accepted.clamp_max(k - 1) - 1)
         if target_hidden is not None:
             self.ctx.proposer.store_accepted_hidden(self.rows, self._verify_rows(target_hidden, bsz, k))
         self.num_accepted, self.tokens = num_accepted, tokens  # what the next round's catch-up feeds (draft-ahead)

@@ -107,6 +107,9 @@ class TreeRound:
         if proposer.capabilities.compacts_draft_pool:
             compact_accepted(proposer.pool, target.page_table, self.rows, self.base, fed_on_path.clamp_min(0),
                              1 + self.draft_kv_valid)
+        if proposer.capabilities.recurrent_state:  # the last accepted node it fed: path position draft_kv_valid
+            last_fed = fed_on_path.gather(1, self.draft_kv_valid[:, None])[:, 0]
+            proposer.accept_draft_state(self.rows, last_fed.clamp_min(0) - 1)  # the root's offset 0: scratch -1
 
     def pieces(self) -> TreePieces:
         logprobs = token_logprobs(self.logits, self.tokens.clamp_min(0).flatten(), self.path_rows.flatten())
