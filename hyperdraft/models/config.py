@@ -19,8 +19,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration",
+    "Qwen3NextForCausalLM",
 )
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
@@ -52,6 +53,23 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MLP (Qwen3-Next): a router over num_experts, the top_k experts' weighted sum, plus one shared expert
+    gated by a sigmoid."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each routed expert's
+    shared_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_step: int  # layer i is sparse when (i + 1) % sparse_step == 0 ...
+    dense_layers: tuple[int, ...]  # ... and i is not one of these (mlp_only_layers)
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -78,6 +96,8 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of each head
     attn_output_gate: bool = False  # q_proj is twice as wide; attention output * sigmoid(gate)
     zero_centered_norm: bool = False  # RMSNorm weights w scale by (1 + w)
+    moe: MoeConfig | None = None  # sparse MLPs (Qwen3-Next)
+    fused_gdn_projections: bool = False  # the checkpoint packs q|k|v|z and b|a per key head (Qwen3-Next)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -208,9 +228,16 @@ def _hybrid_fields(raw: dict) -> dict[str, Any]:
     if linear.num_v_heads % linear.num_k_heads:
         raise ValueError(f"linear_num_value_heads={linear.num_v_heads} must be a multiple of "
                          f"linear_num_key_heads={linear.num_k_heads}")
+    moe = None
+    if int(raw.get("num_experts", 0) or 0) > 0:
+        moe = MoeConfig(int(raw["num_experts"]), int(raw.get("num_experts_per_tok", 10)),
+                        int(raw.get("moe_intermediate_size", 512)), int(raw.get("shared_expert_intermediate_size", 512)),
+                        bool(raw.get("norm_topk_prob", True)), int(raw.get("decoder_sparse_step", 1)),
+                        tuple(raw.get("mlp_only_layers") or ()))
     return dict(layer_types=kinds, linear_attention=linear,
                 partial_rotary_factor=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))),
-                attn_output_gate=bool(raw.get("attn_output_gate", True)), zero_centered_norm=True)
+                attn_output_gate=bool(raw.get("attn_output_gate", True)), zero_centered_norm=True, moe=moe,
+                fused_gdn_projections=raw.get("architectures", [None])[0] == "Qwen3NextForCausalLM")
 
 
 def load_model_config(model_path: str) -> ModelConfig:

@@ -117,17 +117,27 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x, residual=None):
         """-> down(SiLU(gate) * up), plus residual when given (on CUDA inside the down projection's launch)."""
         gate, up = project(x, self.gate_proj, self.up_proj)
         return self.down_proj((silu_mul if use_fused_kernels(gate) else silu_mul_reference)(gate, up), residual)
+
+    def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
+        return [(self.gate_proj, self.up_proj)]
+
+
+class MLP(SwiGLU):
+    """A dense decoder layer's MLP, shaped by its model's config."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
 
 def attention_and_mlp_groups(layer: nn.Module) -> list[tuple[Linear, ...]]:

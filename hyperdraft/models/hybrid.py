@@ -1,4 +1,4 @@
-"""HybridLM: Qwen3.5's hybrid decoder. Three of every four layers mix tokens with a Gated DeltaNet (a linear-attention
+"""HybridLM: the hybrid decoder of Qwen3.5 and Qwen3-Next. Three of every four layers mix tokens with a Gated DeltaNet (a linear-attention
 recurrence with a fixed-size state per request); the rest with gated full attention over the paged K/V cache.
 
 What differs from the dense decoder (decoder.py):
@@ -8,6 +8,9 @@ What differs from the dense decoder (decoder.py):
                   (kernels/gated_delta.py) with g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b); a
                   per-head RMSNorm gated by SiLU(z); out_proj
   every RMSNorm   but the gated one scales by (1 + w) (its weights start at zero)
+  Qwen3-Next      sparse MoE MLPs (moe.py) where its config says; its checkpoint packs each key head's q|k|v|z rows
+                  (and b|a rows) together, unpacked at load into Qwen3.5's separate projections
+                  (unpack_gdn_projections), so one GatedDeltaNet serves both
 
 A layer's kind is its module's type (FullAttentionLayer, LinearAttentionLayer), never a list of layer ids: each layer
 knows which mixer it calls, and each mixer its own index into the K/V pool or the state pool, taken from the model's
@@ -27,7 +30,8 @@ from torch import nn
 from hyperdraft.kernels.rope import rope_table
 from hyperdraft.models.config import FULL_ATTENTION, ModelConfig
 from hyperdraft.models.cpu_linear import Linear, project
-from hyperdraft.models.decoder import MLP, AttentionFn, apply_partial_rope, attention_and_mlp_groups
+from hyperdraft.models.decoder import MLP, AttentionFn, apply_partial_rope
+from hyperdraft.models.moe import SparseMoe
 
 # (state layer id, q|k|v before the conv [T, C], g [T, HV] fp32, beta [T, HV], conv weight [C, K]) -> [T, HV, dv]
 LinearFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -115,12 +119,31 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(core.reshape(t, -1))
 
 
+def is_packed_gdn_projection(name: str, cfg: ModelConfig) -> bool:
+    return cfg.fused_gdn_projections and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight"))
+
+
+def unpack_gdn_projections(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """A packed checkpoint tensor as GatedDeltaNet's parameters: Qwen3-Next's in_proj_qkvz rows run per key head as
+    [q dk | k dk | v g*dv | z g*dv] and in_proj_ba's as [b g | a g] (g = value heads per key head); Qwen3.5 keeps
+    all q, then all k, then all v in in_proj_qkv, with z, b and a apart."""
+    lin = cfg.linear_attention
+    prefix, group = name.rsplit(".", 2)[0], lin.num_v_heads // lin.num_k_heads
+    per_head = tensor.reshape(lin.num_k_heads, -1, tensor.shape[-1])  # [HK, rows of one key head, H]
+    if name.endswith("in_proj_ba.weight"):
+        b, a = per_head.split([group, group], dim=1)
+        return [(f"{prefix}.in_proj_b.weight", b.flatten(0, 1)), (f"{prefix}.in_proj_a.weight", a.flatten(0, 1))]
+    q, k, v, z = per_head.split([lin.k_head_dim, lin.k_head_dim, group * lin.v_head_dim, group * lin.v_head_dim], dim=1)
+    qkv = torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)])
+    return [(f"{prefix}.in_proj_qkv.weight", qkv), (f"{prefix}.in_proj_z.weight", z.flatten(0, 1))]
+
+
 class HybridLayer(nn.Module):
     """The parts both kinds of layer share: norms, MLP, the residual stream (as decoder.DecoderLayer)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoe(cfg) if cfg.moe is not None and cfg.moe.is_sparse(layer_index) else MLP(cfg)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -139,25 +162,26 @@ class HybridLayer(nn.Module):
 
 
 class FullAttentionLayer(HybridLayer):
-    def __init__(self, cfg: ModelConfig, kv_layer_id: int):
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, layer_index: int, kv_layer_id: int):
+        super().__init__(cfg, layer_index)
         self.self_attn = GatedAttention(cfg, kv_layer_id)
 
     def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
-        return attention_and_mlp_groups(self)
+        attn = self.self_attn
+        return [(attn.q_proj, attn.k_proj, attn.v_proj), *self.mlp.fused_projection_groups()]
 
     def mix(self, h, cos, sin, attn: AttentionFn, linear: LinearFn) -> torch.Tensor:
         return self.self_attn(h, cos, sin, attn)
 
 
 class LinearAttentionLayer(HybridLayer):
-    def __init__(self, cfg: ModelConfig, state_layer_id: int):
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, layer_index: int, state_layer_id: int):
+        super().__init__(cfg, layer_index)
         self.linear_attn = GatedDeltaNet(cfg, state_layer_id)
 
     def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
-        gdn, mlp = self.linear_attn, self.mlp
-        return [(gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a), (mlp.gate_proj, mlp.up_proj)]
+        gdn = self.linear_attn
+        return [(gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a), *self.mlp.fused_projection_groups()]
 
     def mix(self, h, cos, sin, attn: AttentionFn, linear: LinearFn) -> torch.Tensor:
         return self.linear_attn(h, linear)
@@ -167,12 +191,12 @@ def build_layers(cfg: ModelConfig) -> nn.ModuleList:
     """Each layer's module from the model's own config; full-attention layers number the K/V pool's layers, linear
     ones the state pool's."""
     layers, kv_id, state_id = [], 0, 0
-    for kind in cfg.kinds:
+    for index, kind in enumerate(cfg.kinds):
         if kind == FULL_ATTENTION:
-            layers.append(FullAttentionLayer(cfg, kv_id))
+            layers.append(FullAttentionLayer(cfg, index, kv_id))
             kv_id += 1
         else:
-            layers.append(LinearAttentionLayer(cfg, state_id))
+            layers.append(LinearAttentionLayer(cfg, index, state_id))
             state_id += 1
     return nn.ModuleList(layers)
 

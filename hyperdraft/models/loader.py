@@ -12,7 +12,7 @@ from safetensors import safe_open
 from hyperdraft.models.config import ModelConfig, load_model_config
 from hyperdraft.models.cpu_linear import fuse_projections
 from hyperdraft.models.decoder import DecoderLM, rope_inv_freq
-from hyperdraft.models.hybrid import HybridLM
+from hyperdraft.models.hybrid import HybridLM, is_packed_gdn_projection, unpack_gdn_projections
 from hyperdraft.models.gguf import is_gguf, load_gguf_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +48,8 @@ def checkpoint_name(name: str) -> str:
 
 def load_weights(model: torch.nn.Module, model_path: str) -> None:
     params = dict(model.named_parameters())
-    tied = model.config.tie_word_embeddings
+    cfg = model.config
+    tied = cfg.tie_word_embeddings
     loaded = set()
     for path in safetensors_files(model_path):
         with safe_open(path, framework="pt") as f:
@@ -56,14 +57,19 @@ def load_weights(model: torch.nn.Module, model_path: str) -> None:
                 name = checkpoint_name(stored)
                 if tied and name == "lm_head.weight":
                     continue
-                if name not in params:
-                    continue  # rotary inv_freq buffers of old checkpoints, a vision tower, MTP layers (their own loader)
-                tensor = f.get_tensor(stored)
-                if tensor.shape != params[name].shape:
-                    raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}")
-                with torch.no_grad():
-                    params[name].copy_(tensor)
-                loaded.add(name)
+                if is_packed_gdn_projection(name, cfg):
+                    pieces = unpack_gdn_projections(name, f.get_tensor(stored), cfg)
+                elif name in params:
+                    pieces = [(name, f.get_tensor(stored))]
+                else:
+                    continue  # rotary inv_freq buffers of old checkpoints, a vision tower, MTP layers (own loader)
+                for name, tensor in pieces:
+                    if tensor.shape != params[name].shape:
+                        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
+                                         f"model expects {tuple(params[name].shape)}")
+                    with torch.no_grad():
+                        params[name].copy_(tensor)
+                    loaded.add(name)
     missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
     if missing:
         raise ValueError(f"checkpoint {model_path!r} lacks weights: {sorted(missing)[:5]}")

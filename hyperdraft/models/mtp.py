@@ -56,7 +56,7 @@ class MtpHead(nn.Module):
         self.fc = Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(h, layer_cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(h, layer_cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([FullAttentionLayer(layer_cfg, 0)])
+        self.layers = nn.ModuleList([FullAttentionLayer(layer_cfg, 0, 0)])
         self.norm = ZeroCenteredRMSNorm(h, layer_cfg.rms_norm_eps)
         # The target's modules by reference, outside the module tree: .to(), state_dict() never reach them.
         self._shared = {"embed_tokens": target.model.embed_tokens, "lm_head": target.lm_head}

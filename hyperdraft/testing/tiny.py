@@ -74,7 +74,18 @@ def _config(kind: str, vocab_size: int, eos_id: int, **overrides):
                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
                       tie_word_embeddings=False)
         return Qwen3_5TextConfig(**{**base, **hybrid, **overrides})
+    if kind == "qwen3_next":  # qwen3_5's layout, with sparse MoE MLPs (4 experts, top 2, a shared one) but in layer 1
+        from transformers import Qwen3NextConfig
+
+        hybrid = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                      tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1])
+        return Qwen3NextConfig(**{**base, **hybrid, **overrides})
     raise ValueError(f"unknown tiny model kind {kind!r}")
+
+
+HYBRID_CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 
 
 def make_tiny_model(path: str, kind: str = "llama", seed: int = 0, with_tokenizer: bool = True, **overrides) -> str:
@@ -88,10 +99,10 @@ def make_tiny_model(path: str, kind: str = "llama", seed: int = 0, with_tokenize
     eos_id = overrides.pop("eos_token_id", tokenizer.eos_token_id)
     cfg = _config(kind, vocab_size, eos_id, **overrides)
     torch.manual_seed(seed)
-    if kind == "qwen3_5":
-        from transformers import Qwen3_5ForCausalLM
+    if kind in HYBRID_CLASSES:
+        import transformers
 
-        model = Qwen3_5ForCausalLM(cfg).to(torch.float32)
+        model = getattr(transformers, HYBRID_CLASSES[kind])(cfg).to(torch.float32)
         with torch.no_grad():  # zero-initialised norms, A_log and dt_bias would hide a swapped or ignored parameter
             for param in model.parameters():
                 param.add_(torch.randn_like(param) * 0.1)

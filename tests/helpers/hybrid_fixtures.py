@@ -27,11 +27,13 @@ def hybrid_models(tmp_path_factory) -> dict[str, str]:
                        target8=make_tiny_model(str(root / "target8"), "qwen3_5", seed=1, num_hidden_layers=8),
                        dense_draft=make_tiny_model(str(root / "dense"), "qwen3", seed=2, with_tokenizer=False),
                        with_mtp=with_mtp_weights(target, str(root / "with_mtp")))
+        nxt = make_tiny_model(str(root / "next"), "qwen3_next", seed=5)
+        _MODELS.update(next=nxt, next_with_mtp=with_mtp_weights(nxt, str(root / "next_with_mtp")))
     return dict(_MODELS)
 
 
 def with_mtp_weights(src: str, dst: str, seed: int = 4) -> str:
-    """A copy of a Qwen3.5 checkpoint with an MTP module under the official names (mtp.fc, mtp.pre_fc_norm_*,
+    """A copy of a Qwen3.5 or Qwen3-Next checkpoint (layer 3 full attention) with an MTP module under the official names (mtp.fc, mtp.pre_fc_norm_*,
     mtp.layers.0.*, mtp.norm), random like the rest: transformers ignores them; only hyperdraft's MTP head reads them."""
     shutil.copytree(src, dst)
     weights = load_file(os.path.join(dst, "model.safetensors"))

@@ -44,6 +44,25 @@ def test_mtp_equals_spec_off(hybrid_models, llm_factory, name, extra, page_size)
     assert spec_state(llm)["spec_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("extra", [
+    dict(speculative_algorithm="MTP", speculative_num_steps=3),
+    dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=2,
+         speculative_num_draft_tokens=6),
+    dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4),
+], ids=["MTP-chain", "NEXTN-tree", "NGRAM"])
+def test_qwen3_next_speculation_equals_spec_off(hybrid_models, llm_factory, extra):
+    """Qwen3-Next: sparse MoE MLPs in the target and in its MTP layer (layer 0 is sparse at decoder_sparse_step 1)."""
+    from hyperdraft.models.moe import SparseMoe
+
+    prompts = mixed_prompts(len(NEW_TOKENS), seed=33, max_len=40)
+    ref = _run(llm_factory(hybrid_models["next_with_mtp"], max_running_requests=16), prompts)
+    llm = llm_factory(hybrid_models["next_with_mtp"], max_running_requests=16, page_size=4, **extra)
+    if extra["speculative_algorithm"] != "NGRAM":
+        assert isinstance(llm.engine.worker.proposer.head.layers[0].mlp, SparseMoe)
+    assert _run(llm, prompts) == ref
+    assert spec_state(llm)["spec_draft_tokens"] > 0
+
+
 def test_a_checkpoint_without_mtp_weights_is_a_clear_error(hybrid_models):
     from hyperdraft import LLM
 

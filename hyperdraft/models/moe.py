@@ -1,0 +1,50 @@
+"""SparseMoe: Qwen3-Next's sparse MLP. A router picks each token's top_k of num_experts SwiGLU experts and weights
+them by their softmax probabilities (renormalised over the top_k when norm_topk_prob), and one shared expert, gated
+per token by a sigmoid, always adds its output. Module names mirror Hugging Face's checkpoints (mlp.gate,
+mlp.experts.{i}.{gate,up,down}_proj, mlp.shared_expert.*, mlp.shared_expert_gate).
+
+The expert loop here is the reference (and the CPU path): a Python loop over the experts that tokens chose, each a
+gather of its tokens, its SwiGLU, and a weighted scatter-add. Precision follows transformers: router logits in the
+model dtype, softmax and top-k in fp32, weights cast back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyperdraft.models.config import ModelConfig, MoeConfig
+from hyperdraft.models.cpu_linear import Linear
+from hyperdraft.models.decoder import SwiGLU
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe: MoeConfig = cfg.moe
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.shared_expert = SwiGLU(cfg.hidden_size, moe.shared_intermediate_size)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (the top_k experts of each token [T, top_k], their weights [T, top_k] in x's dtype)."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():  # the reference: one expert at a time
+            token, slot = (experts == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, (self.experts[e](x[token]) * weights[token, slot, None]).to(out.dtype))
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if residual is None else out + residual
+
+    def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
+        return [(e.gate_proj, e.up_proj) for e in [*self.experts, self.shared_expert]]
