@@ -9,7 +9,9 @@ the gated delta rule from the request's state and returns the recurrence's outpu
                            committed slot is untouched until StatePool.commit
   a padding request        (a captured graph's padding rows: no real K/V slot) slot 0, which belongs to no one
 
-TorchLinearBackend is the reference (and the CPU path); it reads the batch's host lists.
+TorchLinearBackend is the reference (and the CPU path); it reads the batch's host lists. TritonLinearBackend (CUDA)
+plans on the device without a host copy and runs two kernels a layer (kernels/gated_delta_walk.py): the conv walk,
+which writes every token's window where its state goes, and the delta walk, which keeps a chain's state in registers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft.kernels.gated_delta import causal_conv_step, delta_step, prepare_qkv
+from hyperdraft.kernels.gated_delta_walk import Walk, conv_walk, delta_walk
 from hyperdraft.kvcache.state_pool import StatePool
 
 
@@ -110,3 +113,47 @@ class TorchLinearBackend:
     def _qkv(self, conv_out: torch.Tensor):
         cfg = self.cfg
         return prepare_qkv(conv_out, cfg.key_dim, cfg.k_head_dim, cfg.num_v_heads, cfg.v_head_dim)
+
+
+def plan_walk(fb: ForwardBatch) -> Walk:
+    """The batch's walk (kernels/gated_delta_walk.py's terms), built on the device: speculative tokens take their
+    parents and targets from the batch, every other request's first token reads its slot (zeros when fresh) and the
+    rest continue from the token before."""
+    device, num_tokens, num_reqs = fb.input_ids.device, fb.input_ids.shape[0], len(fb.extend_lens)
+    starts = fb.extend_starts_t.to(torch.int32)
+    lens = fb.extend_lens_t.to(torch.int32)
+    live = fb.out_slots[starts.long()] != 0  # a padding row's tokens write only the padding page
+    slots = torch.where(live, fb.req_rows + 1, 0)
+    fresh = torch.tensor([p == 0 for p in fb.prefix_lens], dtype=torch.int32, device=device)
+    parent = torch.full((num_tokens,), -2, dtype=torch.int32, device=device)
+    parent[starts.long()] = -1
+    target = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
+    spec_tokens = sum(fb.extend_lens[: fb.num_spec_requests])
+    if spec_tokens:
+        parent[:spec_tokens] = fb.state_parents[:spec_tokens].to(torch.int32)
+        if fb.state_targets is not None:
+            target[:spec_tokens] = fb.state_targets[:spec_tokens].to(torch.int32)
+        else:  # a verify: token j of its request goes to scratch j
+            first = torch.repeat_interleave(starts[: fb.num_spec_requests], lens[: fb.num_spec_requests],
+                                            output_size=spec_tokens)
+            target[:spec_tokens] = torch.arange(spec_tokens, dtype=torch.int32, device=device) - first
+    return Walk(num_reqs, starts, lens, slots, fresh, parent, target)
+
+
+class TritonLinearBackend:
+    """The CUDA backend: the same states read and written as TorchLinearBackend's, two launches a layer."""
+
+    def __init__(self, pool: StatePool):
+        self.pool = pool
+        self.cfg = pool.cfg
+
+    def plan(self, fb: ForwardBatch) -> Walk:
+        return plan_walk(fb)
+
+    def forward(self, layer: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+                walk: Walk) -> torch.Tensor:
+        """mixed [T, C], g [T, HV] fp32, beta [T, HV], conv_weight [C, K] -> [T, HV, dv] in mixed's dtype."""
+        pool = self.pool
+        qkv = conv_walk(mixed, conv_weight, pool.conv[layer], pool.conv_scratch[layer], walk)
+        return delta_walk(qkv, g, beta, pool.recurrent[layer], pool.recurrent_scratch[layer], walk, self.cfg.key_dim,
+                          mixed.dtype)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.gated_delta_walk import commit_states
 from hyperdraft.models.config import LinearAttentionConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,6 +54,10 @@ class StatePool:
     def commit(self, rows: torch.Tensor, index: torch.Tensor) -> None:
         """rows [B]: page-table rows; index [B]: the scratch entry whose state becomes each request's committed one
         (its last accepted token), -1 to keep the committed state. One gather and one scatter over every layer."""
+        if use_fused_kernels(self.conv):  # one launch per buffer (kernels/gated_delta_walk.py)
+            commit_states(self.conv, self.conv_scratch, rows + 1, index)
+            commit_states(self.recurrent, self.recurrent_scratch, rows + 1, index)
+            return
         slots, keep = rows + 1, (index < 0)[None, :, None]
         index = index.clamp_min(0)
         self.conv[:, slots] = torch.where(keep[..., None], self.conv[:, slots], self.conv_scratch[:, slots, index])

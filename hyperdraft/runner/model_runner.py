@@ -14,11 +14,12 @@ import torch
 
 from hyperdraft.attention.registry import make_attention_backend
 from hyperdraft.core.forward_batch import ForwardBatch
+from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
-from hyperdraft.attention.linear_backend import TorchLinearBackend
+from hyperdraft.attention.linear_backend import TorchLinearBackend, TritonLinearBackend
 from hyperdraft.kvcache.state_pool import StatePool
 from hyperdraft.models.decoder import DecoderLM
 from hyperdraft.models.hybrid import HybridLM
@@ -95,7 +96,10 @@ class ModelRunner(GraphedRunner):
         # a hybrid model's recurrent state, one slot per page-table row, and the backend its linear layers call
         self.state_pool = StatePool(cfg.linear_attention, cfg.num_linear_layers, page_table.max_rows, self.dtype,
                                     self.device, verify_width) if cfg.is_hybrid else None
-        self.linear_backend = TorchLinearBackend(self.state_pool) if cfg.is_hybrid else None
+        self.linear_backend = None
+        if cfg.is_hybrid:
+            backend = TritonLinearBackend if use_fused_kernels(self.state_pool.conv) else TorchLinearBackend
+            self.linear_backend = backend(self.state_pool)
 
     def segment_cuts(self) -> tuple[int, ...]:
         return segment_cuts(self.config.num_layers)
