@@ -1,0 +1,146 @@
+"""GPU benchmark of a hybrid target: a Qwen3.5-shaped model (transformers' Qwen3_5TextConfig defaults, about 9B, 24
+Gated DeltaNet + 8 gated full-attention layers) with random bf16 weights, and its own MTP module (random too).
+
+  1. ceiling       device memory bandwidth (a large copy)
+  2. plain decode  batch 1 (median of 3 runs), 8, 32; batch 1 against its roofline: the bytes a step must move
+                   (every weight but the embedding table, the recurrent and conv states read and written, the K/V
+                   read) over the measured bandwidth
+  3. MTP           NEXTN chain 3 and chain 5 at simulated acceptance 0.6, 0.8, 0.9 and batch 1, 8, 32: tok/s, the
+                   accept length, and the speedup over plain at the same batch (batch 1: median of 2 runs)
+Random weights accept nothing, so the MTP runs use speculative_simulate_accept_rate (LOSSY: a speed benchmark).
+
+Hybrid targets run eagerly today (no CUDA graphs on them yet), with the Triton state backend.
+
+  python -m benchmarks.e2e.hybrid_bench --out $OUT     # writes $OUT/hybrid_bench_<device>.json and .md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+
+import torch
+
+from benchmarks.common import require_cuda, tag_of
+from benchmarks.e2e.engines import SharedWeights, decode_run, free, make_engine, median_run
+
+INPUT_LEN, OUTPUT_LEN = 256, 64
+BATCHES = (1, 8, 32)
+CHAINS = (3, 5)
+ALPHAS = (0.6, 0.8, 0.9)
+
+
+def write_config(root: str) -> str:
+    from transformers import Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig().to_dict()
+    cfg.update(architectures=["Qwen3_5ForCausalLM"], torch_dtype="bfloat16", dtype="bfloat16")
+    path = os.path.join(root, "qwen3_5_9b")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def bandwidth() -> float:
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (time.perf_counter() - start)
+
+
+def step_bytes(engine, context: int) -> dict:
+    """What one batch-1 decode step must read and write."""
+    model, pool, cfg = engine.runner.model, engine.runner.state_pool, engine.model_config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    state = 2 * (pool.recurrent[:, 0].numel() * pool.recurrent.element_size()
+                 + pool.conv[:, 0].numel() * pool.conv.element_size())
+    kv = 2 * cfg.num_kv_layers * cfg.num_kv_heads * cfg.head_dim * context * 2
+    return {"weights": weights, "state": state, "kv": kv, "total": weights + state + kv}
+
+
+def mtp_spec(steps: int, alpha: float) -> dict:
+    return dict(speculative_algorithm="NEXTN", speculative_num_steps=steps, speculative_eagle_topk=1,
+                speculative_num_draft_tokens=steps + 1, speculative_simulate_accept_rate=alpha)
+
+
+def run(out_dir: str) -> dict:
+    require_cuda()
+    SharedWeights()
+    root = tempfile.mkdtemp()
+    target = write_config(root)
+    capacity = max(BATCHES) * (INPUT_LEN + OUTPUT_LEN + 16) + 1024
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "bandwidth_GBs": bandwidth() / 1e9}
+    path = os.path.join(out_dir, f"hybrid_bench_{tag_of(result['device'])}.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    engine, info = make_engine(target, "cuda", max(BATCHES), None, capacity)
+    result["plain_build"] = info
+    result["plain"] = [median_run(engine, bs, INPUT_LEN, OUTPUT_LEN, seed=1, repeats=3) for bs in BATCHES]
+    moved = step_bytes(engine, INPUT_LEN + OUTPUT_LEN // 2)
+    result["bytes_per_step"] = moved
+    b1 = result["plain"][0]["step_ms"] / 1000
+    result["roofline_fraction_b1"] = moved["total"] / result["bandwidth_GBs"] / 1e9 / b1
+    free(engine)
+    save()
+    result["mtp"] = []
+    for steps in CHAINS:
+        for alpha in ALPHAS:
+            engine, info = make_engine(target, "cuda", max(BATCHES), mtp_spec(steps, alpha), capacity)
+            for bs, plain in zip(BATCHES, result["plain"]):
+                row = median_run(engine, bs, INPUT_LEN, OUTPUT_LEN, seed=7, repeats=2)
+                row.update(chain=steps, alpha=alpha, speedup=row["tok_per_s"] / plain["tok_per_s"])
+                result["mtp"].append(row)
+                save()
+            free(engine)
+    save()
+    with open(path[:-5] + ".md", "w") as f:
+        f.write(render(result))
+    return result
+
+
+def render(r: dict) -> str:
+    lines = [f"# Hybrid (Qwen3.5 9B shape, dummy bf16 weights) on {r['device']}", "",
+             f"Date {r['date']}, commit {r['commit']}, input {r['input_len']}, output {r['output_len']}. Command: "
+             "`python -m benchmarks.e2e.hybrid_bench --out $OUT`. Eager (no CUDA graphs on hybrids yet), Triton "
+             "state backend. MTP rows use simulated acceptance (lossy: a speed benchmark).", "",
+             f"Measured bandwidth {r['bandwidth_GBs']:.0f} GB/s. A batch-1 step moves "
+             f"{r['bytes_per_step']['total'] / 1e9:.2f} GB (weights {r['bytes_per_step']['weights'] / 1e9:.2f}, "
+             f"states {r['bytes_per_step']['state'] / 1e6:.0f} MB, K/V {r['bytes_per_step']['kv'] / 1e6:.1f} MB): "
+             f"batch-1 plain decode runs at **{100 * r['roofline_fraction_b1']:.0f}% of its roofline**.", "",
+             "| plain | tok/s | step ms |", "|---|---|---|"]
+    lines += [f"| batch {p['batch']} | {p['tok_per_s']:.1f} | {p['step_ms']:.2f} |" for p in r["plain"]]
+    lines += ["", "| MTP chain | alpha | batch | tok/s | accept length | speedup over plain |", "|---|---|---|---|---|---|"]
+    lines += [f"| {m['chain']} | {m['alpha']} | {m['batch']} | {m['tok_per_s']:.1f} | {m['accept_length']:.2f} | "
+              f"{m['speedup']:.2f}x |" for m in r.get("mtp", [])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--report", help="render a saved JSON as markdown")
+    args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            print(render(json.load(f)))
+        return
+    run(args.out)
+
+
+if __name__ == "__main__":
+    main()
