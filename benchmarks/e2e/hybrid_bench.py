@@ -9,7 +9,7 @@ Gated DeltaNet + 8 gated full-attention layers) with random bf16 weights, and it
                    accept length, and the speedup over plain at the same batch (batch 1: median of 2 runs)
 Random weights accept nothing, so the MTP runs use speculative_simulate_accept_rate (LOSSY: a speed benchmark).
 
-Hybrid targets run eagerly today (no CUDA graphs on them yet), with the Triton state backend.
+Hybrid targets run with the Triton state backend and CUDA graphs for decode and verify.
 
   python -m benchmarks.e2e.hybrid_bench --out $OUT     # writes $OUT/hybrid_bench_<device>.json and .md
 """
@@ -124,7 +124,7 @@ def run(out_dir: str) -> dict:
 def render(r: dict) -> str:
     lines = [f"# Hybrid (Qwen3.5 9B shape, dummy bf16 weights) on {r['device']}", "",
              f"Date {r['date']}, commit {r['commit']}, input {r['input_len']}, output {r['output_len']}. Command: "
-             "`python -m benchmarks.e2e.hybrid_bench --out $OUT`. Eager (no CUDA graphs on hybrids yet), Triton "
+             "`python -m benchmarks.e2e.hybrid_bench --out $OUT`. CUDA graphs (decode, verify, MTP draft), Triton "
              "state backend. MTP rows use simulated acceptance (lossy: a speed benchmark).", "",
              f"Measured bandwidth {r['bandwidth_GBs']:.0f} GB/s. A batch-1 step moves "
              f"{r['bytes_per_step']['total'] / 1e9:.2f} GB (weights {r['bytes_per_step']['weights'] / 1e9:.2f}, "

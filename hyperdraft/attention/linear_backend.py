@@ -124,9 +124,9 @@ def plan_walk(fb: ForwardBatch) -> Walk:
     lens = fb.extend_lens_t.to(torch.int32)
     live = fb.out_slots[starts.long()] != 0  # a padding row's tokens write only the padding page
     slots = torch.where(live, fb.req_rows + 1, 0)
-    fresh = torch.tensor([p == 0 for p in fb.prefix_lens], dtype=torch.int32, device=device)
+    fresh = (fb.seq_lens_t == fb.extend_lens_t).to(torch.int32)  # nothing before these tokens (device: capturable)
     parent = torch.full((num_tokens,), -2, dtype=torch.int32, device=device)
-    parent[starts.long()] = -1
+    parent.index_fill_(0, starts.long(), -1)  # (a scalar index_put would copy from the host: not capturable)
     target = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
     spec_tokens = sum(fb.extend_lens[: fb.num_spec_requests])
     if spec_tokens:

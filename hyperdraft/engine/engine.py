@@ -194,10 +194,10 @@ class Engine:
             logger.warning("CUDA graphs need attention_backend='triton' (the torch backend builds its metadata on "
                            "the host); running eagerly")
             return None
-        if self.model_config.is_hybrid:
-            # The Gated DeltaNet state backend is the torch reference for now: it reads host lists, and a verify's
-            # speculative rows are not part of a captured batch's inputs.
-            logger.warning("CUDA graphs are not captured for hybrid (linear-attention) models yet; running eagerly")
+        if self.model_config.is_hybrid and (emulate or not self.options.fused_kernels):
+            # The torch state backend plans from the batch's host lists, which a captured graph would freeze.
+            logger.warning("CUDA graphs of a hybrid (linear-attention) model need the Triton state backend (CUDA, "
+                           "fused kernels on); running eagerly")
             return None
         sizes = default_batch_sizes(min(self.args.cuda_graph_max_bs or DEFAULT_GRAPH_MAX_BS, self.max_rows))
         return GraphSettings(tuple(sizes), emulate=emulate, segments=self.options.graph_segments)

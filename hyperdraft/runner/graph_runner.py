@@ -93,12 +93,16 @@ class _StaticInputs:
         # every token's row (never refilled), or one row per request: each request's last token until filled
         self.default_logits = torch.arange(q - 1, n, q, **as_long) if shape.one_logit else None
         self.logits_indices = self.default_logits.clone() if shape.one_logit else torch.arange(n, **as_long)
+        # a hybrid target's verify: token j of each row starts from token j-1's state (a tree's parents are filled in)
+        self.chain_parents = (torch.arange(n, **as_long) % q) - 1
+        self.state_parents = self.chain_parents.clone()
         self.tail_mask = None
         if shape.mask_width:
             self.causal_rows = torch.ones(q, shape.mask_width, dtype=torch.bool, device=device).tril(shape.mask_width - q)
             self.tail_mask = self.causal_rows.repeat(max_bs, 1, 1)
 
-    def batch(self, mode, bs: int, q: int, max_seq_len: int, prefix_lens: list[int]) -> ForwardBatch:
+    def batch(self, mode, bs: int, q: int, max_seq_len: int, prefix_lens: list[int],
+              speculative: bool = False) -> ForwardBatch:
         n = bs * q
         return ForwardBatch(
             mode=mode, input_ids=self.input_ids[:n], positions=self.positions[:n], out_slots=self.out_slots[:n],
@@ -108,6 +112,7 @@ class _StaticInputs:
             seq_lens_t=self.seq_lens[:bs], extend_starts_t=self.extend_starts[:bs], extend_lens_t=self.extend_lens[:bs],
             max_extend_len=q, max_seq_len=max_seq_len,
             input_hidden=None if self.input_hidden is None else self.input_hidden[:n], logits_every_row=not self.one_logit,
+            state_parents=self.state_parents[:n] if speculative else None, num_spec_requests=bs if speculative else 0,
         )
 
     def fill(self, fb: ForwardBatch, bs: int, q: int) -> None:
@@ -120,6 +125,8 @@ class _StaticInputs:
         self.seq_lens[:real].copy_(fb.seq_lens_t)
         if fb.tail_mask is not None:
             self.tail_mask[:real].copy_(fb.tail_mask)
+        if fb.state_parents is not None:
+            self.state_parents[:n].copy_(fb.state_parents[:n])
         if self.input_hidden is not None:
             self.input_hidden[:n].copy_(fb.input_hidden)
         if self.one_logit:
@@ -132,6 +139,7 @@ class _StaticInputs:
             if self.input_hidden is not None:
                 self.input_hidden[n : bs * q].zero_()
             self.seq_lens[real:bs].fill_(q)
+            self.state_parents[n : bs * q].copy_(self.chain_parents[n : bs * q])
             if self.one_logit:
                 self.logits_indices[real:bs].copy_(self.default_logits[real:bs])
             if self.tail_mask is not None:
@@ -181,12 +189,21 @@ class GraphRunner:
 
     def _capture_one(self, shape: GraphShape, bs: int, mode) -> None:
         static = self.inputs[shape]
-        fb = static.batch(mode, bs, shape.tokens_per_req, self.max_seq_len, [0] * bs)
+        fb = static.batch(mode, bs, shape.tokens_per_req, self.max_seq_len, [0] * bs, self._speculative(shape))
         key = (shape, bs)
         if self.emulate:
             self.outputs[key] = None
             return
         self.graphs[key], self.outputs[key] = self._capture_segments(fb)
+
+    @property
+    def recurrent(self) -> bool:
+        return self.runner.state_pool is not None
+
+    def _speculative(self, shape: GraphShape) -> bool:
+        """A hybrid model's captured batches of more than one token per row are verifies: every row speculative, its
+        states going to scratch (attention/linear_backend.py plans them on the device, inside the graph)."""
+        return self.recurrent and shape.tokens_per_req > 1
 
     def memory_pool(self):
         """The memory pool every graph of this runner shares (and a drafter's whole-round graphs with them)."""
@@ -224,6 +241,9 @@ class GraphRunner:
         shape = GraphShape(q, width, num_logits != fb.num_tokens)
         if not self.fits(shape, fb.batch_size):
             return None
+        if self.recurrent and (fb.num_spec_requests != (fb.batch_size if self._speculative(shape) else 0)
+                               or fb.state_targets is not None):
+            return None  # speculative and committed rows mixed, or draft steps: not what the graph was captured for
         sizes = self.sizes[shape]
         return shape, sizes[bisect.bisect_left(sizes, fb.batch_size)]
 
@@ -255,7 +275,8 @@ class GraphRunner:
         self.num_replays += 1
         self.replays[key] += 1
         if self.emulate:  # the same buffers and padding, run eagerly; the torch backend reads the host lists
-            padded = static.batch(fb.mode, bs, q, self.max_seq_len, fb.prefix_lens + [0] * (bs - real))
+            padded = static.batch(fb.mode, bs, q, self.max_seq_len, fb.prefix_lens + [0] * (bs - real),
+                                  self._speculative(shape))
             fresh = self.runner.forward_eager(padded, self.capture_layers)
             out = self.outputs[key]
             if out is None:  # the first replay's tensors become this key's static outputs ...

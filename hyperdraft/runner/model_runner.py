@@ -55,6 +55,9 @@ class GraphedRunner:
     """Forward dispatch shared by every runner: a captured graph when one fits the batch, else eager. A runner built
     with GraphSettings owns a GraphRunner (runner/graph_runner.py), which captures what its owner plans."""
 
+    # a hybrid model's recurrent states (ModelRunner builds them); a graph runner asks it whether verifies write scratch
+    state_pool: StatePool | None = None
+
     def __init__(self, page_table: PageTable, graphs: GraphSettings | None, input_hidden_size: int | None = None):
         self.page_table = page_table
         self.input_hidden_size = input_hidden_size  # per-token hidden inputs (fb.input_hidden) the model consumes

@@ -134,3 +134,22 @@ def test_triton_backend_equals_torch_backend(mtp_model, extra):
     assert isinstance(torch_llm.engine.runner.linear_backend, TorchLinearBackend)
     assert isinstance(triton_llm.engine.runner.linear_backend, TritonLinearBackend)
     assert _greedy(triton_llm, prompts) == _greedy(torch_llm, prompts)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(speculative_algorithm="NEXTN", speculative_num_steps=3),
+                                   dict(speculative_algorithm="NEXTN", speculative_num_steps=3,
+                                        speculative_eagle_topk=2, speculative_num_draft_tokens=5),
+                                   dict(speculative_algorithm="NEXTN", speculative_adaptive=True),
+                                   dict(speculative_algorithm="NGRAM", speculative_num_steps=3)],
+                         ids=["plain", "mtp-chain", "mtp-tree", "mtp-adaptive", "ngram"])
+def test_cuda_graphs_on_equal_off_for_a_hybrid_target(mtp_model, extra):
+    """Decode and verify graphs of a hybrid target (the walk planned on the device inside the graph, padding rows in
+    slot 0) give the eager output; the graphs did run."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (3, 7, 33, 64, 5, 90, 12)]
+    base = dict(device="cuda", dtype="float32", max_running_requests=8, max_total_tokens=4096, **extra)
+    eager = _greedy(LLM(mtp_model, disable_cuda_graph=True, **base), prompts)
+    llm = LLM(mtp_model, **base)
+    assert llm.engine.runner.graphs is not None
+    assert _greedy(llm, prompts) == eager
+    assert llm.engine.runner.graphs.num_replays > 0

@@ -101,8 +101,9 @@ def test_sampled_requests_stay_reproducible(hybrid_models, llm_factory):
 
 
 def test_graphs_stay_off_for_hybrid_targets_and_output_is_unchanged(hybrid_models, llm_factory, reference):
-    """Until the state backend can be captured, a hybrid target runs eagerly even where graphs would be captured
-    (emulated here), and says so; speculation stays lossless."""
+    """The torch state backend (the CPU path) plans from the batch's host lists, which a captured graph would freeze:
+    with it a hybrid target runs eagerly even where graphs would be captured (emulated here), and says so;
+    speculation stays lossless. (On CUDA the Triton backend plans on the device and graphs run: tests/gpu.)"""
     from hyperdraft.options import RuntimeOptions
 
     llm = llm_factory(hybrid_models["target"], speculative_algorithm="NGRAM", speculative_num_steps=3,
