@@ -12,8 +12,9 @@ from safetensors import safe_open
 from hyperdraft.models.config import ModelConfig, load_model_config
 from hyperdraft.models.cpu_linear import fuse_projections
 from hyperdraft.models.decoder import DecoderLM, rope_inv_freq
-from hyperdraft.models.hybrid import HybridLM, is_packed_gdn_projection, unpack_gdn_projections
 from hyperdraft.models.gguf import is_gguf, load_gguf_weights
+from hyperdraft.models.hybrid import HybridLM, is_packed_gdn_projection, unpack_gdn_projections
+from hyperdraft.models.moe import pack_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,5 +104,7 @@ def load_model(model_path: str, dtype: str, device: torch.device, load_format: s
         (load_gguf_weights if is_gguf(model_path) else load_weights)(model, model_path)
     model.to(torch_dtype)
     fuse_projections(model.model.layers)  # q/k/v and gate/up as one product each (models/cpu_linear.py)
+    if cfg.moe is not None:
+        pack_experts(model.model.layers)  # the routed experts' weights as two stacks (models/moe.py)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in fp32 whatever the weights' dtype
     return model.eval().requires_grad_(False)

@@ -26,6 +26,7 @@ from hyperdraft.models.cpu_linear import Linear, fuse_projections
 from hyperdraft.models.decoder import AttentionFn, rope_inv_freq
 from hyperdraft.models.hybrid import FullAttentionLayer, HybridLM, ZeroCenteredRMSNorm
 from hyperdraft.models.loader import checkpoint_name, fill_dummy_weights, safetensors_files
+from hyperdraft.models.moe import pack_experts
 
 PREFIX = "mtp."
 
@@ -147,4 +148,6 @@ def load_mtp_head(path: str, target: HybridLM, load_format: str = "auto") -> Mtp
     head.to(param.dtype)
     head.inv_freq = rope_inv_freq(cfg.layer).to(param.device)
     fuse_projections(head.layers)
+    if cfg.layer.moe is not None:
+        pack_experts(head.layers)
     return head.eval().requires_grad_(False)
