@@ -181,10 +181,11 @@ class DecoderBody(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, body: nn.Module | None = None):
+        """body: embed_tokens, layers, norm (models/hybrid.py passes its own); default DecoderBody."""
         super().__init__()
         self.config = cfg
-        self.model = DecoderBody(cfg)
+        self.model = body if body is not None else DecoderBody(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -196,12 +197,14 @@ class DecoderLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn, capture_layers: tuple[int, ...] = (),
-        after_layer: Callable[[int], None] | None = None,
+        after_layer: Callable[[int], None] | None = None, linear: Callable | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions: [T] -> (final normed hidden [T, H], captured hidden states).
         capture_layers lists layer INPUTS to capture (c = the output of layer c - 1); c = num_layers captures
         the last layer's output, before the final norm. after_layer, when given, is called with the number of layers
-        done after each layer: CUDA-graph capture cuts the forward into segments there (runner/graph_runner.py)."""
+        done after each layer: CUDA-graph capture cuts the forward into segments there (runner/graph_runner.py).
+        linear: a hybrid model's state backend, which its Gated DeltaNet layers call (models/hybrid.py)."""
+        mixers = () if linear is None else (linear,)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         captured, residual = [], None
@@ -210,7 +213,7 @@ class DecoderLM(nn.Module):
             h, residual = layer.input_layernorm.add_norm(x, residual)
             if i in capture_layers:
                 captured.append(residual)
-            x, residual = layer.forward_normed(h, residual, cos, sin, attn)
+            x, residual = layer.forward_normed(h, residual, cos, sin, attn, *mixers)
             if after_layer is not None:
                 after_layer(i + 1)
         normed, total = self.model.norm.add_norm(x, residual)

@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperdraft.kernels.rope import rope_table
 from hyperdraft.models.config import FULL_ATTENTION, ModelConfig
 from hyperdraft.models.cpu_linear import Linear, project
-from hyperdraft.models.decoder import MLP, AttentionFn, apply_partial_rope
+from hyperdraft.models.decoder import MLP, AttentionFn, DecoderLM, apply_partial_rope
 from hyperdraft.models.moe import SparseMoe
 
 # (state layer id, q|k|v before the conv [T, C], g [T, HV] fp32, beta [T, HV], conv weight [C, K]) -> [T, HV, dv]
@@ -209,36 +208,8 @@ class HybridBody(nn.Module):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class HybridLM(nn.Module):
+class HybridLM(DecoderLM):
+    """The dense decoder's forward and logits over a hybrid body; forward's `linear` is the state backend."""
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        from hyperdraft.models.decoder import rope_inv_freq
-
-        self.config = cfg
-        self.model = HybridBody(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
-                capture_layers: tuple[int, ...] = (), after_layer: Callable[[int], None] | None = None,
-                linear: LinearFn | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """As DecoderLM.forward, with `linear`, the state backend the Gated DeltaNet layers call."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_table(positions, self.inv_freq, x.dtype)
-        captured, residual = [], None
-        for i, layer in enumerate(self.model.layers):
-            h, residual = layer.input_layernorm.add_norm(x, residual)
-            if i in capture_layers:
-                captured.append(residual)
-            x, residual = layer.forward_normed(h, residual, cos, sin, attn, linear)
-            if after_layer is not None:
-                after_layer(i + 1)
-        normed, total = self.model.norm.add_norm(x, residual)
-        if len(self.model.layers) in capture_layers:
-            captured.append(total)
-        return normed, captured
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden, out_dtype=torch.float32)
+        super().__init__(cfg, HybridBody(cfg))
