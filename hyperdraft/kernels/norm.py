@@ -21,7 +21,7 @@ from hyperdraft.kernels.rope import write_cos_sin_row
 
 @jit
 def _rms_norm(X, R, W, Out, ResOut, stride_xn, stride_xm, stride_rn, num_inner, dim, eps,
-              HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+              HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)
@@ -35,21 +35,17 @@ def _rms_norm(X, R, W, Out, ResOut, stride_xn, stride_xm, stride_rn, num_inner, 
         tl.store(ResOut + row * dim + cols, x, mask=mask)
         x = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+    normed = (x * inv_rms).to(Out.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:  # Qwen3.5's (1 + w), applied in fp32 before the one rounding
-        y = x * inv_rms * (1.0 + w)
-    else:
-        y = w * (x * inv_rms).to(Out.dtype.element_ty).to(tl.float32)
-    tl.store(Out + row * dim + cols, y.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + row * dim + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [N, D] or [N, M, D] (last dim contiguous); residual: None or [N, D] -> (normed, new residual).
 
     With a residual: new residual = x + residual, normed = RMSNorm(new residual). Without: normed = RMSNorm(x)
-    and the new residual is x itself (the caller's running sum starts there). zero_centered: scale by (1 + weight)
-    in fp32, rounding once at the end (models/hybrid.py's ZeroCenteredRMSNorm)."""
+    and the new residual is x itself (the caller's running sum starts there)."""
     dim = x.shape[-1]
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     num_rows, num_inner = x3.shape[0], x3.shape[1]
@@ -67,7 +63,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x3, residual if residual is not None else x3, weight, out, new_residual, x3.stride(0), x3.stride(1),
         residual.stride(0) if residual is not None else 0, num_inner, dim, eps,
         HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=min(16, max(1, block // 256)), **pdl_args(x.device),
-        ZERO_CENTERED=zero_centered,
     )
     return out, new_residual
 

@@ -27,8 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperdraft.kernels import use_fused_kernels
-from hyperdraft.kernels.norm import rms_norm
 from hyperdraft.models.config import FULL_ATTENTION, ModelConfig
 from hyperdraft.models.cpu_linear import Linear, project
 from hyperdraft.models.decoder import MLP, AttentionFn, DecoderLM, apply_partial_rope
@@ -47,22 +45,13 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fused(x):  # q/k norms: [T, heads, D] views inside the projection output
-            return rms_norm(x, self.weight, self.eps, zero_centered=True)[0]
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (norm(x + residual), x + residual), the dense decoder's interface; on CUDA one launch for both
-        (kernels/norm.py; the ~8 torch ops per norm measured ~1 ms of a 9B hybrid's 7.8 ms batch-1 step)."""
-        if self._fused(x) and x.dim() == 2:
-            return rms_norm(x, self.weight, self.eps, residual, zero_centered=True)
+        """-> (norm(x + residual), x + residual), the dense decoder's interface."""
         total = x if residual is None else x + residual
         return self(total), total
-
-    @staticmethod
-    def _fused(x: torch.Tensor) -> bool:
-        return use_fused_kernels(x) and x.dim() in (2, 3) and x.stride(-1) == 1
 
 
 class GatedRMSNorm(nn.Module):
