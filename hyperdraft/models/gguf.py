@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import os
 import re
+import shutil
 from typing import Any
 
 import numpy as np
 import torch
+
+from hyperdraft.models.gguf_file import GGUFFile, read_gguf
+from hyperdraft.options import cache_dir
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -48,10 +53,8 @@ def is_gguf(path: Any) -> bool:
 _last_reader: dict = {}  # one parsed file, so load_model parses its GGUF once for the config and the weights
 
 
-def _open(path: str):
-    """A GGUFReader over path; a corrupt, truncated or non-GGUF file raises ValueError."""
-    from gguf import GGUFReader
-
+def _open(path: str) -> GGUFFile:
+    """path's parsed header and mapped tensors; a corrupt, truncated or non-GGUF file raises ValueError."""
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path!r} does not exist")
     st = os.stat(path)
@@ -59,21 +62,16 @@ def _open(path: str):
     if key in _last_reader:
         return _last_reader[key]
     try:
-        reader = GGUFReader(path)
-        size = os.path.getsize(path)
-        for t in reader.tensors:  # the reader maps lazily: check the header's promises against the file's size
-            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-                raise ValueError(f"tensor {t.name} runs past the end of the file")
-    except Exception as e:  # the reader raises ValueError, IndexError, UnicodeDecodeError, ... on bad bytes
+        reader = read_gguf(path)
+    except Exception as e:  # ValueError, struct.error, UnicodeDecodeError, ... on bad bytes
         raise ValueError(f"{path!r} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     _last_reader.clear()
     _last_reader[key] = reader
     return reader
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
 def _check_architecture(reader, path: str) -> str:
@@ -93,7 +91,7 @@ def _dequantize(t) -> torch.Tensor:
         raise ValueError(f"GGUF tensor {t.name} has GGML type {kind}, which is not supported; "
                          f"supported types: {', '.join(SUPPORTED_GGML_TYPES)}")
     values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy: the reader maps read-only
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions innermost first
+    shape = tuple(reversed(t.shape))  # GGUF lists dimensions innermost first
     return torch.from_numpy(values).reshape(shape)
 
 
@@ -212,8 +210,9 @@ def load_gguf_weights(model: torch.nn.Module, path: str) -> None:
 
 def load_gguf_tokenizer(path: str):
     """The tokenizer embedded in a GGUF file, converted by transformers (chat template kept). The conversion parses
-    the whole vocabulary out of the file's metadata (11 s for SmolLM2's on a CI core), so it is done once per file
-    and process; each caller gets its own copy (0.2 s), as tokenizers keep per-call state."""
+    the whole vocabulary out of the file's metadata (11 s for SmolLM2's on a CI core), so its result is saved under
+    the cache directory, keyed by the file's path, size and mtime (a reload takes 0.3 s), and kept per process;
+    each caller gets its own copy, as tokenizers keep per-call state."""
     st = os.stat(path)
     return copy.deepcopy(_converted_tokenizer(os.path.realpath(path), st.st_mtime_ns, st.st_size))
 
@@ -222,4 +221,15 @@ def load_gguf_tokenizer(path: str):
 def _converted_tokenizer(path: str, mtime_ns: int, size: int):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    key = hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()[:16]
+    saved = cache_dir() / "gguf-tokenizers" / f"{os.path.basename(path)}-{key}"
+    if (saved / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    staging = saved.with_name(f"{saved.name}.{os.getpid()}.partial")
+    try:  # written aside and renamed, so a concurrent or interrupted save never leaves half a tokenizer
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, saved)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)  # a read-only or full cache: convert again next time
+    return tokenizer

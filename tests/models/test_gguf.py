@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from conftest import assert_engine_clean, greedy, hf_greedy, random_prompts
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.config import load_model_config
+from hyperdraft.models import gguf as gguf_module
 from hyperdraft.models.gguf import gguf_config_dict, is_gguf, load_gguf_tokenizer
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.tiny import CORPUS, make_tiny_model
@@ -246,6 +247,25 @@ def test_synthetic_gguf_tokenizer_matches_the_checkpoint(tiny, f32_gguf):
         assert ours.encode(text) == hf.encode(text), text
         assert ours.decode(ours.encode(text)) == text
     assert ours.chat_template  # carried over from the file's metadata
+
+
+def test_gguf_tokenizer_reloads_from_the_cache_unchanged(tiny, f32_gguf, tmp_path, monkeypatch):
+    """The converted tokenizer is saved under the cache directory; a fresh process (the per-process cache cleared)
+    reads it back, and it encodes, decodes and renders chat exactly as the conversion did."""
+    monkeypatch.setenv("HYPERDRAFT_CACHE", str(tmp_path / "cache"))
+    gguf_module._converted_tokenizer.cache_clear()
+    converted = load_gguf_tokenizer(f32_gguf)
+    saved = list((tmp_path / "cache" / "gguf-tokenizers").iterdir())
+    assert len(saved) == 1 and (saved[0] / "tokenizer_config.json").is_file()
+    gguf_module._converted_tokenizer.cache_clear()
+    reloaded = load_gguf_tokenizer(f32_gguf)
+    gguf_module._converted_tokenizer.cache_clear()
+    chat = [{"role": "user", "content": CORPUS[0]}]
+    for text in CORPUS + ["<|endoftext|> after the end", "  two spaces\n\ttab"]:
+        assert reloaded.encode(text) == converted.encode(text), text
+        assert reloaded.decode(converted.encode(text)) == converted.decode(converted.encode(text))
+    assert reloaded.apply_chat_template(chat, tokenize=False) == converted.apply_chat_template(chat, tokenize=False)
+    assert (reloaded.eos_token_id, reloaded.all_special_tokens) == (converted.eos_token_id, converted.all_special_tokens)
 
 
 def test_gguf_as_standalone_draft(llama_path, f32_gguf, make_llm):

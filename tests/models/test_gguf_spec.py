@@ -13,13 +13,13 @@ from hyperdraft.models.default_model import ensure_default_model
 from tests.conftest import assert_engine_clean
 
 MT_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "mt_bench_questions.jsonl")
-NUM_QUESTIONS = 16
+NUM_QUESTIONS = 8
 NEW_TOKENS = 64
 # Used only where shared/ is not beside the checkout: the check is the same, on other real prompts.
 FALLBACK = ["Explain why the sky is blue.", "Write a haiku about autumn leaves.", "What is 17 times 23? Show your steps.",
             "Summarize the plot of Romeo and Juliet.", "Give three tips for learning a new language.",
             "Write a Python function that reverses a string.", "What causes the seasons on Earth?",
-            "Describe a cat to someone who has never seen one."] * 2
+            "Describe a cat to someone who has never seen one."]
 
 
 def _questions() -> list[str]:
@@ -43,6 +43,6 @@ def test_ngram_is_lossless_on_mt_bench():
     questions = _questions()
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     plain, _ = _greedy(llm, prompts)
-    spec, state = _greedy(LLM(path, dtype="float32", speculative_algorithm="NGRAM", speculative_num_steps=8, page_size=16), prompts)
+    spec, state = _greedy(LLM(path, dtype="float32", speculative_algorithm="NGRAM", speculative_num_steps=4, page_size=16), prompts)
     assert spec == plain
     assert state["spec_accepted_tokens"] > 0 and state["avg_spec_accept_length"] > 1.0, state
