@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
+
+# Temperatures this small would scale logits past float32's range (inf - inf = NaN in the softmax); like vLLM,
+# they mean greedy.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+REPETITION_PENALTY_RANGE = (0.01, 2.0)  # SGLang's upper bound; the lower one keeps logits / penalty finite
 
 
 @dataclass
@@ -40,7 +46,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -52,7 +58,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
         check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1")
-        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+              f"a finite number >= 0 (below {GREEDY_BELOW_TEMPERATURE} means greedy)")
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
         # seed and top_k become int64 tensors inside a step: a larger value would fail the whole batch there
         check(_is_int(self.top_k) and (self.top_k == -1 or 0 <= self.top_k < 2**63), "top_k",
@@ -60,7 +67,9 @@ class SamplingParams:
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
         check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
         check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
-        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "a number > 0")
+        # Bounded so that logits / penalty stays finite in float32 (a penalty of 5e-324 made every logit inf).
+        check(_is_num(self.repetition_penalty) and REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty
+              <= REPETITION_PENALTY_RANGE[1], "repetition_penalty", "in [%g, %g]" % REPETITION_PENALTY_RANGE)
         check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
               "an integer in [-2**63, 2**63) or None")
         check(self.stop is None or all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
@@ -75,4 +84,4 @@ def _is_int(x) -> bool:
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

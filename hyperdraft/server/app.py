@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +38,8 @@ logger = logging.getLogger("hyperdraft.server")
 MAX_BODY_BYTES = 32 * 1024 * 1024
 ENGINE_CALL_TIMEOUT_S = 60.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the answer: counted, not logged
+PATH_ARGS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "speculative_adaptive_config")
 
 
 class _ClosingStream(StreamingResponse):
@@ -50,6 +53,8 @@ class _ClosingStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if not self.gen.closed:  # ended before its last event: the client went away
+                self.gen.ctx.metrics.error(CLIENT_CLOSED)
             self.gen.abort()
 
 
@@ -77,7 +82,9 @@ def _lifespan(ctx: ServerContext) -> Callable[[FastAPI], contextlib.AbstractAsyn
 
 def _register_error_handlers(app: FastAPI, routes: _Routes) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown path, wrong method
-        return routes.error(APIError(exc.status_code, str(exc.detail), None, None))
+        response = routes.error(APIError(exc.status_code, str(exc.detail), None, None))
+        response.headers.update(exc.headers or {})  # 405 carries Allow
+        return response
 
     app.add_exception_handler(StarletteHTTPException, http_error)
 
@@ -150,11 +157,13 @@ class _GenerationRoutes(_Routes):
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not collect.done():  # the client went away (or the server is stopping): free the engine now
-                collect.cancel()
+            client_gone = not collect.done()  # (or the server is stopping): free the engine now
+            if client_gone:
+                collect.cancel()  # takes effect at the task's next await: it is not `cancelled()` yet
                 gen.abort()
-        if collect.cancelled():
-            return Response(status_code=499)
+        if client_gone:
+            self.ctx.metrics.error(CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
         try:
             return JSONResponse(collect.result())
         except APIError as e:
@@ -184,7 +193,7 @@ class _InfoRoutes(_Routes):
         except APIError as e:
             return self.error(e)
         card = {"id": self.ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "hyperdraft",
-                "root": self.args.model_path, "max_model_len": self.ctx.context_len}
+                "max_model_len": self.ctx.context_len}
         return {"object": "list", "data": [card]}
 
     async def health(self):
@@ -199,7 +208,9 @@ class _InfoRoutes(_Routes):
             states, loop_state = await self.engine_call(lambda engine: ([engine.internal_state()], ctx.engine_loop.state()))
         except APIError as e:
             return self.error(e)
-        return {**asdict(self.args), "internal_states": states, "server_state": loop_state,
+        args = {k: (os.path.basename(os.path.normpath(v)) if k in PATH_ARGS and v else v)
+                for k, v in asdict(self.args).items()}  # names only: the server's file system stays private
+        return {**args, "internal_states": states, "server_state": loop_state,
                 "served_model_name": ctx.model_name, "max_queued_requests": self.opts.max_queued_requests,
                 "lossy_benchmark_mode": ctx.lossy, "version": __version__}
 
@@ -229,12 +240,23 @@ def _build(ctx: ServerContext, req, start: float) -> Generation:
             inputs = [tok.encode(p) for p in prompts]
             echo = list(prompts) if req.echo else None
         else:
+            _check_token_ids(prompts, ctx.vocab_size)
             inputs = prompts
             if req.echo:
                 echo = [tok.decode(p) if tok is not None else "" for p in prompts]
         max_new = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     params = [req.sampling_params(max_new, i % n, want_logprobs) for i in range(len(inputs) * n)]
     return Generation(ctx, req, inputs, params, start, echo)
+
+
+def _check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
+    """Before anything decodes them: an id outside the vocabulary would overflow or index out of range there."""
+    for i, ids in enumerate(prompts):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise APIError(400, f"{where} must hold token ids in [0, {vocab_size}), got {bad}", "prompt",
+                           "invalid_value")
 
 
 def _chat_ids(tok, req: ChatCompletionRequest) -> list[int]:

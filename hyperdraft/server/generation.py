@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from hyperdraft.server.metrics import ServerMetrics
 from hyperdraft.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, engine_error
 
 DONE = "data: [DONE]\n\n"
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -32,8 +34,9 @@ class ServerContext:
     engine_loop: EngineLoop
     tokenizer: object | None  # the server's own copy: the engine thread's copy is never touched from here
     metrics: ServerMetrics
-    model_name: str
+    model_name: str  # --served-model-name, or the model's base name: never a path
     context_len: int
+    vocab_size: int
     lossy: bool  # simulated acceptance (benchmark only): every answer says so
 
 
@@ -80,7 +83,7 @@ class Generation:
             raise engine_error(e, "messages" if self.chat else "prompt") from None
         except QueueFull as e:
             raise APIError(503, str(e), None, "queue_full", "server_overloaded") from None
-        self.ctx.metrics.requests_received += 1
+        self.ctx.metrics.requests_received.inc()
 
     def inputs_per_choice(self) -> list[list[int]]:
         n = self.request.num_choices
@@ -130,8 +133,8 @@ class Generation:
             c.finish_reason = event.finish_reason
             m.finished(event.finish_reason)
             m.e2e.observe(event.time - self.start)
-            m.prompt_tokens += (event.meta or {}).get("prompt_tokens", 0)
-            m.generation_tokens += len(c.token_ids)
+            m.prompt_tokens.inc((event.meta or {}).get("prompt_tokens", 0))
+            m.generation_tokens.inc(len(c.token_ids))
 
     # ---- non-streaming ------------------------------------------------------------------------------------------
     async def collect(self) -> dict:
@@ -198,13 +201,18 @@ class Generation:
         pieces = [tok.decode([t], skip_special_tokens=False) if tok is not None else "" for t in ids]
         if self.chat:
             content = [{"token": p, "logprob": lp, "bytes": None if "\ufffd" in p else list(p.encode()),
-                        "top_logprobs": []} for p, lp in zip(pieces, values)]
+                        "top_logprobs": []} for p, lp in zip(pieces, _finite(values))]
             return {"content": content, "refusal": None}
         offsets = []
         for p in pieces:
             offsets.append(c.text_offset)
             c.text_offset += len(p)
-        return {"tokens": pieces, "token_logprobs": list(values), "top_logprobs": None, "text_offset": offsets}
+        return {"tokens": pieces, "token_logprobs": _finite(values), "top_logprobs": None, "text_offset": offsets}
+
+
+def _finite(logprobs: list[float]) -> list[float]:
+    """JSON has no -inf or NaN: a token whose probability underflowed gets vLLM's floor instead."""
+    return [lp if math.isfinite(lp) else LOGPROB_FLOOR for lp in logprobs]
 
 
 def _sse(body: dict) -> str:

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 from hyperdraft.config import EngineArgs
-from hyperdraft.server.options import ServeOptions, check_lossy, lossy_requested
+from hyperdraft.server.options import ServeOptions, check_lossy, lossy_requested, served_model_name
 
 logger = logging.getLogger("hyperdraft.server")
 
@@ -31,8 +31,8 @@ def serve(args: EngineArgs, opts: ServeOptions, output_hook: Callable[[str | Non
     lossy = engine.spec is not None and engine.spec.simulate_accept_rate is not None
     check_lossy(lossy, opts)
     loop = EngineLoop(engine, opts.max_queued_requests, output_hook)
-    ctx = ServerContext(loop, copy.deepcopy(engine.tokenizer), ServerMetrics(),
-                        opts.served_model_name or args.model_path, engine.context_len, lossy or lossy_requested(args))
+    ctx = ServerContext(loop, copy.deepcopy(engine.tokenizer), ServerMetrics(), served_model_name(args, opts),
+                        engine.context_len, engine.model_config.vocab_size, lossy or lossy_requested(args))
     app = create_app(ctx, args, opts)
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=args.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=5)

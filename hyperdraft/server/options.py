@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from hyperdraft.options import SIMULATE_ACCEPT_RATE_ENV, RuntimeOptions
@@ -28,7 +29,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="answer 503 to a request that would make more than N requests wait for a running slot "
                             "(default: no limit)")
     group.add_argument("--served-model-name", metavar="NAME",
-                       help="the model id clients must name (default: the model path)")
+                       help="the model id clients name and answers carry (default: the model directory's or "
+                            "file's base name; the path itself never leaves the server)")
     group.add_argument("--allow-lossy-benchmark-mode", action="store_true",
                        help="allow --speculative-simulate-accept-rate (or $%s): simulated acceptance changes the "
                             "outputs, so the server refuses it unless this is given, and marks every answer "
@@ -44,6 +46,10 @@ def serve_options_from_namespace(ns: argparse.Namespace) -> ServeOptions:
         raise ValueError("--api-key must not be empty")
     return ServeOptions(ns.host, ns.port, ns.api_key, ns.max_queued_requests, ns.served_model_name,
                         ns.allow_lossy_benchmark_mode)
+
+
+def served_model_name(args, opts: ServeOptions) -> str:
+    return opts.served_model_name or os.path.basename(os.path.normpath(args.model_path))
 
 
 def lossy_requested(args) -> bool:

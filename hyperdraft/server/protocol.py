@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hyperdraft.sampling_params import SamplingParams
+from hyperdraft.sampling_params import REPETITION_PENALTY_RANGE, SamplingParams
 
 MAX_N = 64  # choices per request: n samples of each prompt
 # SamplingParams field -> the OpenAI request field a client set, for engine errors that name the former
@@ -32,7 +32,8 @@ class APIError(Exception):
 
 class _Model(BaseModel):
     # Unknown fields are ignored (clients send newer OpenAI fields); unsupported known ones are refused below.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Infinity and NaN (which Python's JSON reader accepts) are refused for every float field.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -49,7 +50,7 @@ class _Sampling(_Model):
     min_p: float | None = Field(None, ge=0, le=1)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
@@ -205,7 +206,8 @@ def _to_api_error(e: ValidationError) -> APIError:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
-_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long"}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long",
+                 "finite_number"}
 
 
 def _param(loc: tuple) -> str:

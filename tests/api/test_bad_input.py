@@ -36,6 +36,11 @@ BAD_REQUESTS = {
     "top-k-negative": (dict(input_ids=[[1, 2]]), dict(top_k=-2), r"top_k"),
     "min-p-above-1": (dict(input_ids=[[1, 2]]), dict(min_p=1.5), r"min_p"),
     "repetition-penalty-0": (dict(input_ids=[[1, 2]]), dict(repetition_penalty=0.0), r"repetition_penalty"),
+    # logits / 5e-324 is inf in float32, and the logprobs became NaN
+    "repetition-penalty-denormal": (dict(input_ids=[[1, 2]]), dict(repetition_penalty=5e-324),
+                                    r"repetition_penalty must be in \[0.01, 2\]"),
+    "repetition-penalty-inf": (dict(input_ids=[[1, 2]]), dict(repetition_penalty=float("inf")), r"repetition_penalty"),
+    "temperature-inf": (dict(input_ids=[[1, 2]]), dict(temperature=float("inf")), r"temperature must be a finite"),
     "frequency-penalty-3": (dict(input_ids=[[1, 2]]), dict(frequency_penalty=3.0), r"frequency_penalty"),
     "presence-penalty-minus-3": (dict(input_ids=[[1, 2]]), dict(presence_penalty=-3.0), r"presence_penalty"),
     "stop-token-out-of-vocab": (dict(input_ids=[[1, 2]]), dict(stop_token_ids=[VOCAB_SIZE]), r"stop_token_ids"),

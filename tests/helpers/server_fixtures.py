@@ -38,6 +38,11 @@ def add_chat_template(path: str) -> str:
     return path
 
 
+def served_name(model_path: str) -> str:
+    """The model id a server answers to by default: the model directory's base name, never its path."""
+    return os.path.basename(os.path.normpath(model_path))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

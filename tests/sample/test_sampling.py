@@ -291,3 +291,14 @@ def test_sampled_logprobs_are_raw_model_logprobs(llama_path, make_llm, sample_pr
 def test_no_logprobs_unless_asked(llama_path, make_llm, sample_prompts):
     out = generate_ids(make_llm(llama_path), sample_prompts[:1], greedy(3))[0]
     assert "output_token_logprobs" not in out.meta_info
+
+
+def test_vanishing_temperature_is_greedy_and_finite():
+    """A temperature below GREEDY_BELOW_TEMPERATURE would scale logits to inf (a NaN softmax): it means greedy, and
+    the distribution stays a finite one-hot."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    for t in (1e-30, 1e-300, 9e-6):
+        assert SamplingParams(temperature=t).is_greedy
+        p = _probs(logits, SamplingParams(temperature=t))
+        assert torch.equal(p, torch.tensor([[0.0, 0.0, 0.0, 1.0]])), (t, p)
+    assert not SamplingParams(temperature=2e-5).is_greedy

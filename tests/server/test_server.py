@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 
 import httpx
@@ -19,7 +20,8 @@ import pytest
 from conftest import assert_engine_clean
 from hyperdraft import LLM, SamplingParams
 from helpers.server_fixtures import (API_KEY, ServerProcess, add_chat_template, assert_idle, client_aborts, prompts,
-                             scrape_metrics, split_characters, stream_text, wait_client_aborts, wait_engine_idle)
+                                    scrape_metrics, served_name, split_characters, stream_text, wait_client_aborts,
+                                    wait_engine_idle)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FAULT_USER = "inject-a-fault"
@@ -76,7 +78,7 @@ def metrics(url: str) -> dict[str, float]:
 
 def test_models_health_and_api_key(server, client, chat_model):
     assert httpx.get(server.url + "/health").status_code == 200  # no key needed for liveness
-    assert [m.id for m in client.models.list().data] == [chat_model]
+    assert [m.id for m in client.models.list().data] == [served_name(chat_model)]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/server_info"),
                              ("GET", "/metrics")):
@@ -85,18 +87,18 @@ def test_models_health_and_api_key(server, client, chat_model):
             assert r.json()["error"]["code"] == "invalid_api_key"
     with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
-            bad.completions.create(model=chat_model, prompt="a", max_tokens=2)
+            bad.completions.create(model=served_name(chat_model), prompt="a", max_tokens=2)
 
 
 def test_completions_stream_equals_nonstream_and_offline(client, offline, chat_model):
     for prompt in prompts(4, seed=1):
         ref = offline.generate(prompt, SamplingParams(temperature=0, max_new_tokens=24), use_tqdm=False)
-        out = client.completions.create(model=chat_model, prompt=prompt, max_tokens=24, temperature=0)
+        out = client.completions.create(model=served_name(chat_model), prompt=prompt, max_tokens=24, temperature=0)
         assert out.choices[0].text == ref.text
         assert out.choices[0].finish_reason == ref.finish_reason
         assert out.usage.completion_tokens == len(ref.token_ids)
         assert out.usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
-        streamed = client.completions.create(model=chat_model, prompt=prompt, max_tokens=24, temperature=0,
+        streamed = client.completions.create(model=served_name(chat_model), prompt=prompt, max_tokens=24, temperature=0,
                                              stream=True)
         assert stream_text(streamed) == (ref.text, ref.finish_reason)
 
@@ -104,15 +106,15 @@ def test_completions_stream_equals_nonstream_and_offline(client, offline, chat_m
 def test_completions_batch_prompts_token_ids_n_and_echo(client, offline, chat_model):
     texts = prompts(2, seed=2)
     ids = offline.tokenizer.encode(texts[0])
-    out = client.completions.create(model=chat_model, prompt=texts, max_tokens=12, temperature=0.9, seed=5, n=2)
+    out = client.completions.create(model=served_name(chat_model), prompt=texts, max_tokens=12, temperature=0.9, seed=5, n=2)
     params = [SamplingParams(temperature=0.9, seed=5 + s, max_new_tokens=12) for _ in texts for s in (0, 1)]
     refs = offline.generate([t for t in texts for _ in range(2)], params, use_tqdm=False)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert [c.text for c in out.choices] == [r.text for r in refs]
     assert out.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
-    by_ids = client.completions.create(model=chat_model, prompt=ids, max_tokens=12, temperature=0.9, seed=5)
+    by_ids = client.completions.create(model=served_name(chat_model), prompt=ids, max_tokens=12, temperature=0.9, seed=5)
     assert by_ids.choices[0].text == refs[0].text  # a token-id prompt is the same request
-    echoed = client.completions.create(model=chat_model, prompt=texts[0], max_tokens=12, temperature=0.9, seed=5,
+    echoed = client.completions.create(model=served_name(chat_model), prompt=texts[0], max_tokens=12, temperature=0.9, seed=5,
                                        echo=True, stream=True, stream_options={"include_usage": True})
     chunks = list(echoed)
     assert "".join(c.text for ch in chunks for c in ch.choices) == texts[0] + refs[0].text
@@ -126,7 +128,7 @@ def test_stop_string_is_never_streamed(client, offline, chat_model):
     ref = offline.generate(prompt, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, stop=[stop]),
                            use_tqdm=False)
     assert ref.finish_reason == "stop" and stop not in ref.text
-    streamed = client.completions.create(model=chat_model, prompt=prompt, max_tokens=32, temperature=0, stop=stop,
+    streamed = client.completions.create(model=served_name(chat_model), prompt=prompt, max_tokens=32, temperature=0, stop=stop,
                                          extra_body={"ignore_eos": True}, stream=True)
     assert stream_text(streamed) == (ref.text, "stop")
 
@@ -140,7 +142,7 @@ def test_multibyte_characters_split_across_tokens_stream_intact(client, offline,
     split = [(p, r) for p, r in zip(candidates, refs) if split_characters(tok, r.token_ids)]
     assert split, "precondition: some reference output must hold a character split across tokens"
     for prompt, ref in split:
-        streamed = client.completions.create(model=chat_model, prompt=prompt, max_tokens=40, temperature=0,
+        streamed = client.completions.create(model=served_name(chat_model), prompt=prompt, max_tokens=40, temperature=0,
                                              extra_body={"ignore_eos": True}, stream=True)
         assert stream_text(streamed)[0] == ref.text
 
@@ -148,19 +150,19 @@ def test_multibyte_characters_split_across_tokens_stream_intact(client, offline,
 def test_chat_stream_equals_nonstream_and_offline_with_logprobs(client, offline, chat_model):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "你好, how are you?"}]
     ref = offline.chat(messages, SamplingParams(temperature=0, max_new_tokens=20, return_logprob=True), use_tqdm=False)
-    out = client.chat.completions.create(model=chat_model, messages=messages, max_tokens=20, temperature=0,
+    out = client.chat.completions.create(model=served_name(chat_model), messages=messages, max_tokens=20, temperature=0,
                                          logprobs=True)
     assert out.choices[0].message.content == ref.text and out.choices[0].message.role == "assistant"
     got = [t.logprob for t in out.choices[0].logprobs.content]
     assert got == pytest.approx(ref.meta_info["output_token_logprobs"], abs=1e-4)
-    stream = client.chat.completions.create(model=chat_model, messages=messages, max_tokens=20, temperature=0,
+    stream = client.chat.completions.create(model=served_name(chat_model), messages=messages, max_tokens=20, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.delta.content or "" for ch in chunks for c in ch.choices) == ref.text
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
     # no max_tokens: the rest of the context, as OpenAI's chat does
-    long = client.chat.completions.create(model=chat_model, messages=messages, temperature=0,
+    long = client.chat.completions.create(model=served_name(chat_model), messages=messages, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert long.usage.prompt_tokens + long.usage.completion_tokens == offline.engine.context_len
     assert long.choices[0].finish_reason == "length"
@@ -178,7 +180,7 @@ def test_64_concurrent_requests_half_streaming_match_offline(server, offline, ch
     refs = offline.generate(texts, params, use_tqdm=False)
 
     async def one(c: openai.AsyncOpenAI, i: int) -> str:
-        kw = dict(model=chat_model, prompt=texts[i], max_tokens=lengths[i], temperature=params[i].temperature,
+        kw = dict(model=served_name(chat_model), prompt=texts[i], max_tokens=lengths[i], temperature=params[i].temperature,
                   seed=100 + i, extra_body={"ignore_eos": True})
         if i % 2:
             return (await c.completions.create(**kw)).choices[0].text
@@ -197,8 +199,8 @@ def test_64_concurrent_requests_half_streaming_match_offline(server, offline, ch
 
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, offline, chat_model):
-    before, aborts = metrics(server.url), client_aborts(server.url, AUTH)
-    body = {"model": chat_model, "prompt": "hello", "max_tokens": 450, "ignore_eos": True, "temperature": 0,
+    before, aborts, log_from = metrics(server.url), client_aborts(server.url, AUTH), len(server.output())
+    body = {"model": served_name(chat_model), "prompt": "hello", "max_tokens": 450, "ignore_eos": True, "temperature": 0,
             "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH) as r:
@@ -206,7 +208,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, offline, chat
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))  # the request is running
             # another request, running alongside, is unaffected by the disconnect below
-            other = client.completions.create(model=chat_model, prompt="the quick", max_tokens=8, temperature=0)
+            other = client.completions.create(model=served_name(chat_model), prompt="the quick", max_tokens=8, temperature=0)
         # leaving the block closed the connection mid-stream
     ref = offline.generate("the quick", SamplingParams(temperature=0, max_new_tokens=8), use_tqdm=False)
     assert other.choices[0].text == ref.text
@@ -215,11 +217,22 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, offline, chat
     aborted = 'hyperdraft_requests_finished_total{"reason": "abort"}'
     assert after[aborted] == before[aborted] + 1
     assert after["hyperdraft_generation_tokens_total"] - before["hyperdraft_generation_tokens_total"] == 8
+    assert_client_closed_not_failed(server, before, after, log_from)
+
+
+def assert_client_closed_not_failed(server, before: dict, after: dict, log_from: int) -> None:
+    """A disconnect is counted as 499 (client closed), never as a 500, and logs no traceback (in the server's log
+    from offset log_from on)."""
+    closed, failed = 'hyperdraft_http_errors_total{"status": "499"}', 'hyperdraft_http_errors_total{"status": "500"}'
+    assert after.get(closed, 0) == before.get(closed, 0) + 1
+    assert after.get(failed, 0) == before.get(failed, 0)
+    log = server.output()[log_from:]
+    assert "Traceback" not in log and "InvalidStateError" not in log, log
 
 
 def test_disconnect_before_a_nonstream_answer_aborts(server, chat_model):
-    before, aborts = metrics(server.url), client_aborts(server.url, AUTH)
-    body = {"model": chat_model, "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "n": 4}
+    before, aborts, log_from = metrics(server.url), client_aborts(server.url, AUTH), len(server.output())
+    body = {"model": served_name(chat_model), "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "n": 4}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 4 x 500 tokens are done
         httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=0.3))
     assert_idle(wait_client_aborts(server.url, aborts + 4, AUTH))  # all four choices, KV freed by the aborts
@@ -227,6 +240,7 @@ def test_disconnect_before_a_nonstream_answer_aborts(server, chat_model):
     aborted = 'hyperdraft_requests_finished_total{"reason": "abort"}'
     assert after[aborted] == before[aborted] + 4
     assert after["hyperdraft_generation_tokens_total"] == before["hyperdraft_generation_tokens_total"]
+    assert_client_closed_not_failed(server, before, after, log_from)
 
 
 def test_internal_error_fails_only_its_request(server, offline, chat_model):
@@ -236,15 +250,15 @@ def test_internal_error_fails_only_its_request(server, offline, chat_model):
     async def run():
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as c:
             async def good(t):
-                out = await c.completions.create(model=chat_model, prompt=t, max_tokens=16, temperature=0)
+                out = await c.completions.create(model=served_name(chat_model), prompt=t, max_tokens=16, temperature=0)
                 return out.choices[0].text
 
             async def bad_stream():
-                stream = await c.completions.create(model=chat_model, prompt="x", max_tokens=16, user=FAULT_USER,
+                stream = await c.completions.create(model=served_name(chat_model), prompt="x", max_tokens=16, user=FAULT_USER,
                                                     stream=True)
                 return [ch async for ch in stream]
 
-            bad = c.completions.create(model=chat_model, prompt="x", max_tokens=16, user=FAULT_USER)
+            bad = c.completions.create(model=served_name(chat_model), prompt="x", max_tokens=16, user=FAULT_USER)
             return await asyncio.gather(bad, bad_stream(), *(good(t) for t in texts), return_exceptions=True)
 
     bad, bad_stream, *good = asyncio.run(run())
@@ -275,6 +289,15 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
     ({"prompt": "a " * 4000}, 400, "prompt", "context_length_exceeded"),
     ({"prompt": "a", "logprobs": 3}, 400, "logprobs", "unsupported_parameter"),
     ({"prompt": "a", "model": "gpt-9"}, 404, "model", "model_not_found"),
+    # were 500s: ids decoded for the echo before they were checked, and float limits that JSON allows
+    ({"prompt": [-331, 192], "echo": True}, 400, "prompt", "invalid_value"),
+    ({"prompt": [4294967296]}, 400, "prompt", "invalid_value"),
+    ({"prompt": [[1, 2], [3, -1]], "echo": True}, 400, "prompt", "invalid_value"),
+    ({"prompt": "a", "repetition_penalty": 5e-324, "logprobs": 0}, 400, "repetition_penalty", "invalid_value"),
+    ({"prompt": "a", "repetition_penalty": 0.0}, 400, "repetition_penalty", "invalid_value"),
+    (b'{"prompt": "a", "temperature": Infinity}', 400, "temperature", "invalid_value"),
+    (b'{"prompt": "a", "repetition_penalty": Infinity}', 400, "repetition_penalty", "invalid_value"),
+    (b'{"prompt": "a", "top_p": NaN}', 400, "top_p", "invalid_value"),
 ]
 BAD_CHATS = [
     ({"messages": []}, 400, "messages", "invalid_value"),
@@ -300,9 +323,29 @@ def test_bad_input_gets_an_openai_error_naming_the_field(server, path, case):
     assert error["type"] == "invalid_request_error"
 
 
+def test_no_filesystem_path_leaves_the_server(server, client, chat_model):
+    """The model is named by its base name (--served-model-name overrides it); the directory never appears."""
+    assert [m.id for m in client.models.list().data] == [served_name(chat_model)]
+    answers = [httpx.get(server.url + "/v1/models", headers=AUTH).text,
+               httpx.get(server.url + "/server_info", headers=AUTH).text,
+               httpx.post(server.url + "/v1/completions", json={"prompt": "a", "model": "nope"}, headers=AUTH).text,
+               httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, headers=AUTH).text]
+    parent = os.path.dirname(os.path.normpath(chat_model))
+    for text in answers:
+        assert parent not in text and parent.replace("/", "\\/") not in text, text
+
+
+def test_405_names_the_allowed_methods(server):
+    r = httpx.delete(server.url + "/v1/completions", headers=AUTH)
+    assert r.status_code == 405 and r.headers["allow"] == "POST", (r.status_code, r.headers)
+    assert r.json()["error"]["message"]
+    r = httpx.post(server.url + "/health")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
+
+
 def test_openai_client_sees_the_field_in_a_400(client, chat_model):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=chat_model, prompt="a", max_tokens=4, temperature=-1)
+        client.completions.create(model=served_name(chat_model), prompt="a", max_tokens=4, temperature=-1)
     assert err.value.param == "temperature" and "temperature" in err.value.message
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "a"}])
@@ -313,7 +356,7 @@ def test_openai_client_sees_the_field_in_a_400(client, chat_model):
 
 def test_metrics_parse_and_count_a_request(server, client, chat_model):
     before = metrics(server.url)
-    out = client.completions.create(model=chat_model, prompt="hello there", max_tokens=12, temperature=0,
+    out = client.completions.create(model=served_name(chat_model), prompt="hello there", max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True})
     after = metrics(server.url)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -329,5 +372,5 @@ def test_metrics_parse_and_count_a_request(server, client, chat_model):
     assert after["hyperdraft_lossy_benchmark_mode"] == 0
     assert not any(k.startswith("hyperdraft_spec_") for k in after)  # no speculation on this server
     info = httpx.get(server.url + "/server_info", headers=AUTH).json()
-    assert info["model_path"] == chat_model and info["lossy_benchmark_mode"] is False
+    assert info["model_path"] == served_name(chat_model) and info["lossy_benchmark_mode"] is False
     assert info["max_running_requests"] == MAX_RUNNING

@@ -18,7 +18,7 @@ import pytest
 from conftest import assert_engine_clean
 from hyperdraft import LLM, SamplingParams
 from helpers.server_fixtures import (WORDS, ServerProcess, add_chat_template, free_port, prompts, scrape_metrics,
-                             split_characters, stream_text, wait_engine_idle)
+                                    served_name, split_characters, stream_text, wait_engine_idle)
 from helpers.spec_fixtures import spec_models  # noqa: F401 - the session fixture
 
 NUM_STEPS = 4
@@ -84,14 +84,14 @@ def test_spec_stream_equals_nonstream_and_offline(servers, offline, target, algo
     before = metrics(url)
     with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
         for text, ref in zip(texts, refs):
-            kw = dict(model=target, prompt=text, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+            kw = dict(model=served_name(target), prompt=text, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
             assert client.completions.create(**kw).choices[0].text == ref.text
             assert stream_text(client.completions.create(stream=True, **kw)) == (ref.text, "length")
         messages = [{"role": "user", "content": " ".join(WORDS)}]
         chat_ref = offline.chat(messages, SamplingParams(temperature=0, max_new_tokens=30), use_tqdm=False)
-        chat = client.chat.completions.create(model=target, messages=messages, max_tokens=30, temperature=0)
+        chat = client.chat.completions.create(model=served_name(target), messages=messages, max_tokens=30, temperature=0)
         assert chat.choices[0].message.content == chat_ref.text
-        stream = client.chat.completions.create(model=target, messages=messages, max_tokens=30, temperature=0,
+        stream = client.chat.completions.create(model=served_name(target), messages=messages, max_tokens=30, temperature=0,
                                                 stream=True)
         assert "".join(c.delta.content or "" for ch in stream for c in ch.choices) == chat_ref.text
     after = metrics(url)
@@ -107,7 +107,7 @@ def test_spec_stream_equals_nonstream_and_offline(servers, offline, target, algo
 def test_spec_metrics_count_one_request_consistently(servers, target, algorithm):
     url = servers[algorithm].url
     before = metrics(url)
-    body = {"model": target, "prompt": REPETITIVE[0], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    body = {"model": served_name(target), "prompt": REPETITIVE[0], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
     out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
     after = metrics(url)
     d = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -138,7 +138,7 @@ def test_spec_metrics_count_one_request_consistently(servers, target, algorithm)
 def test_queue_limit_answers_503_and_drops_nothing(servers, offline, target):
     """--max-running-requests 2 --max-queued-requests 2: two run, two wait, the fifth is refused with a 503."""
     url = servers["NGRAM"].url
-    long = {"model": target, "prompt": "hello", "max_tokens": 450, "ignore_eos": True, "temperature": 0,
+    long = {"model": served_name(target), "prompt": "hello", "max_tokens": 450, "ignore_eos": True, "temperature": 0,
             "stream": True}
     with httpx.Client(timeout=60) as http:
         streams = [http.stream("POST", url + "/v1/completions", json=long) for _ in range(4)]
@@ -156,7 +156,7 @@ def test_queue_limit_answers_503_and_drops_nothing(servers, offline, target):
             for s in streams:
                 s.__exit__(None, None, None)
     wait_engine_idle(url)
-    ok = httpx.post(url + "/v1/completions", json={"model": target, "prompt": "hello", "max_tokens": 8,
+    ok = httpx.post(url + "/v1/completions", json={"model": served_name(target), "prompt": "hello", "max_tokens": 8,
                                                   "temperature": 0}, timeout=60)
     ref = offline.generate("hello", SamplingParams(temperature=0, max_new_tokens=8), use_tqdm=False)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == ref.text
@@ -172,7 +172,7 @@ def test_lossy_benchmark_mode_is_refused_unless_allowed_and_then_marked(target, 
     with ServerProcess(target, *spec_flags("NGRAM", spec_models), "--allow-lossy-benchmark-mode",
                        env={"HYPERDRAFT_SIMULATE_ACCEPT_RATE": "0.5"}) as srv:
         assert httpx.get(srv.url + "/server_info").json()["lossy_benchmark_mode"] is True
-        body = {"model": target, "prompt": "hello", "max_tokens": 8, "temperature": 0}
+        body = {"model": served_name(target), "prompt": "hello", "max_tokens": 8, "temperature": 0}
         assert httpx.post(srv.url + "/v1/completions", json=body).json()["lossy_benchmark_mode"] is True
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
             chunks = list(client.completions.create(stream=True, **body))
