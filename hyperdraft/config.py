@@ -16,6 +16,7 @@ ALIASES = {"model": "model_path", "tokenizer": "tokenizer_path", "speculative_dr
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+SPECULATIVE_SAMPLING_MODES = ("coupled", "rejection")
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class EngineArgs:
     speculative_eagle_topk: int | None = _opt(None, "branching factor per draft step; > 1 drafts a tree (" + ", ".join(
         name for name, traits in SPECULATIVE_ALGORITHMS.items() if traits.trees) + ")")
     speculative_num_draft_tokens: int | None = _opt(None, "tokens verified per round, the root included (steps + 1 for chains)")
-    speculative_use_rejection_sampling: bool | None = _opt(None, "draft models: sample drafts from q and verify with the real q (True), or draft greedily / top-k with one-hot q (False); unset = per step, sampled when any request samples (measured better at T>0)")
+    speculative_use_rejection_sampling: bool | None = _opt(None, "draft models: sample drafts from q and verify with the real q (True, implies --speculative-sampling rejection), or draft greedily / top-k (False); unset = per step, sampled when any request samples (measured better at T>0)")
+    speculative_sampling: str | None = _opt(None, "how sampled requests are verified: coupled (the default: a draft is accepted iff it equals the target's own sample keyed by seed and position, so output equals plain decoding's and a seeded request is reproducible whatever else runs) or rejection (the classic accept/reject with residual resampling)", choices=SPECULATIVE_SAMPLING_MODES)
     speculative_adaptive: bool = _opt(False, "switch the draft tier (steps, or a tree shape) per batch size and measured acceptance")
     speculative_adaptive_config: str | None = _opt(None, "JSON file in SGLang's adaptive format (slots keyed by batch size); default: SGLang's")
     speculative_simulate_accept_rate: float | None = _opt(None, "BENCHMARK ONLY, LOSSY: accept each draft token with this probability instead of verifying it (every kernel still runs); env HYPERDRAFT_SIMULATE_ACCEPT_RATE")
@@ -117,6 +119,8 @@ class EngineArgs:
             bad("load_format", f"one of {LOAD_FORMATS}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", f"one of {ATTENTION_BACKENDS}")
+        if self.speculative_sampling is not None and self.speculative_sampling not in SPECULATIVE_SAMPLING_MODES:
+            bad("speculative_sampling", f"one of {SPECULATIVE_SAMPLING_MODES}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":

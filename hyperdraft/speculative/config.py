@@ -27,6 +27,7 @@ class SpecConfig:
     tier: Tier  # the tier a step starts with (the only one without adaptive speculation)
     draft_model_path: str | None
     use_rejection_sampling: bool | None  # drafts drawn from q (True), one-hot q (False), or per step (None: auto)
+    sampling: str  # "coupled" or "rejection": how sampled requests are verified (verify/coupled.py, rejection.py)
     ngram_min_window: int
     ngram_max_window: int
     adaptive: AdaptiveConfig | None = None  # set when speculative_adaptive: the tier ladder per batch-size slot
@@ -105,8 +106,19 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
                        "model's (benchmark mode)", alpha)
     return SpecConfig(algo, tier, args.speculative_draft_model_path,
                       args.speculative_use_rejection_sampling if SPECULATIVE_ALGORITHMS[algo].draft_model else False,
+                      _sampling_mode(args),
                       args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
                       adaptive, alpha)
+
+
+def _sampling_mode(args: EngineArgs) -> str:
+    """Coupled unless rejection sampling is asked for, by name or by speculative_use_rejection_sampling=True."""
+    if args.speculative_use_rejection_sampling:
+        if args.speculative_sampling == "coupled":
+            raise ValueError("speculative_use_rejection_sampling=True verifies drafts drawn from q by rejection "
+                             "sampling; it cannot be combined with speculative_sampling=coupled")
+        return "rejection"
+    return args.speculative_sampling or "coupled"
 
 
 def _algorithm(name: str) -> str:

@@ -157,3 +157,17 @@ def test_sampled_mtp_keeps_the_target_distribution(small_vocab_mtp, llm_factory,
         table = np.stack([np.bincount(ref[:, j], minlength=VOCAB), np.bincount(got[:, j], minlength=VOCAB)])
         table = table[:, table.sum(0) > 0]
         assert chi2_contingency(table).pvalue > ALPHA / STEPS_OUT, (j, table.tolist())
+
+
+@pytest.mark.parametrize("extra", [dict(speculative_num_steps=3),
+                                   dict(speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_draft_tokens=7)],
+                         ids=["chain", "tree"])
+def test_coupled_mtp_equals_plain_decoding(small_vocab_mtp, llm_factory, extra):
+    """The default coupled verification: sampled MTP speculation emits plain decoding's tokens, seed for seed."""
+    base = dict(skip_tokenizer_init=True)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=STEPS_OUT, ignore_eos=True, seed=i) for i in range(16)]
+    want = [o.token_ids for o in gen(llm_factory(small_vocab_mtp, **base), [PROMPT] * 16, params)]
+    llm = llm_factory(small_vocab_mtp, speculative_algorithm="NEXTN", **base, **extra)
+    assert [o.token_ids for o in gen(llm, [PROMPT] * 16, params)] == want
+    state = spec_state(llm)
+    assert 0 < state["spec_accepted_tokens"] < state["spec_draft_tokens"], state

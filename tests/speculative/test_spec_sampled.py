@@ -1,4 +1,6 @@
-"""Sampled speculative decoding is lossless end to end: the token distribution is that of plain decoding.
+"""Sampled speculative decoding with the rejection sampler (--speculative-sampling rejection) is lossless end to end:
+the token distribution is that of plain decoding. (The default, coupled verification, gives plain decoding's very
+tokens: test_spec_coupled.py checks that by equality.)
 
 A 12-token-vocabulary target (no tokenizer) continues one fixed prompt by 4 tokens, 3000 times with seeds
 0..2999 spec-off and seeds 10^6..10^6+2999 with speculation (distinct seeds: the two samples must be independent;
@@ -33,18 +35,20 @@ CASES = {
     # name: (prompt, sampling options, engine args given the model paths)
     "STANDALONE-greedy-drafts": (PROMPT_RANDOM, PLAIN, lambda m: dict(
         speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=2,
-        speculative_use_rejection_sampling=False)),
+        speculative_use_rejection_sampling=False, speculative_sampling="rejection")),
     "STANDALONE-rejection-sampling": (PROMPT_RANDOM, PLAIN, lambda m: dict(
         speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
         speculative_use_rejection_sampling=True)),
     "STANDALONE-rejection-sampling-filtered": (PROMPT_RANDOM, FILTERED, lambda m: dict(
         speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
         speculative_use_rejection_sampling=True)),
-    "NGRAM": (PROMPT_REPETITIVE, PLAIN, lambda m: dict(speculative_algorithm="NGRAM", speculative_num_steps=3)),
+    "NGRAM": (PROMPT_REPETITIVE, PLAIN, lambda m: dict(speculative_algorithm="NGRAM", speculative_num_steps=3,
+                                                       speculative_sampling="rejection")),
     # Trees: deterministic top-k children (q one-hot per child) and children drawn from q (real-q recursive RS).
     "STANDALONE-tree-topk": (PROMPT_RANDOM, PLAIN, lambda m: dict(
         speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
-        speculative_eagle_topk=3, speculative_num_draft_tokens=8, speculative_use_rejection_sampling=False)),
+        speculative_eagle_topk=3, speculative_num_draft_tokens=8, speculative_use_rejection_sampling=False,
+        speculative_sampling="rejection")),
     "STANDALONE-tree-sampled": (PROMPT_RANDOM, PLAIN, lambda m: dict(
         speculative_algorithm="STANDALONE", speculative_draft_model_path=m["sv_draft"], speculative_num_steps=3,
         speculative_eagle_topk=3, speculative_num_draft_tokens=8, speculative_use_rejection_sampling=True)),

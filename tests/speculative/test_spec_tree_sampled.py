@@ -116,7 +116,8 @@ def test_sampled_tree_spec_matches_spec_off_distribution(spec_models, drafts, ll
     llm = llm_factory(spec_models["sv_target"], skip_tokenizer_init=True, speculative_algorithm="STANDALONE",
                       speculative_draft_model_path=drafts[draft], speculative_eagle_topk=topk,
                       speculative_num_steps=steps, speculative_num_draft_tokens=n,
-                      speculative_use_rejection_sampling=False)  # top-k children; sampled trees: test_spec_sampled.py
+                      speculative_use_rejection_sampling=False,  # top-k children; sampled trees: test_spec_sampled.py
+                      speculative_sampling="rejection")
     got = sample(llm, options, SPEC_SEED_OFFSET)
 
     state = spec_state(llm)

@@ -69,6 +69,7 @@ class ModelProposer(Proposer):
         self.runner = runner
         self.timer = ctx.timer
         self.sample_drafts = ctx.spec.use_rejection_sampling  # True: draw from q; False: greedy / top-k; None: auto
+        self.coupled = ctx.spec.sampling == "coupled"
         loops = runner.graphs is not None and ctx.options.draft_loop_graphs
         self.draft_loop = DraftLoopGraphs(runner, capabilities.feeds_hidden, self.catch_up_hidden) if loops else None
         self.capabilities = ProposerCapabilities(
@@ -80,7 +81,9 @@ class ModelProposer(Proposer):
         self.ahead_discarded = 0
 
     def propose(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch) -> Proposal | TreeProposal:
-        sampled = draws_from_q(self.sample_drafts, sampling)
+        # Coupled trees keep the beam over the draft's top-k: verification takes any tokens, and the beam's children
+        # are the likeliest winners of the target's race.
+        sampled = draws_from_q(self.sample_drafts, sampling) and not (self.coupled and tier.is_tree)
         ahead = self._take_ahead(reqs, tier, sampled, sampling)
         if ahead is not None:
             return TreeProposal(*ahead) if tier.is_tree else Proposal(ahead[0], [tier.steps] * len(reqs))
@@ -102,7 +105,7 @@ class ModelProposer(Proposer):
         """A chain of tier.steps drafts per request, step by step."""
 
         def choose(j: int, out, prefix: torch.Tensor, dest: torch.Tensor):
-            tokens, q = choose_draft(out.target_logits(), sampling.at_offset(prefix), sampled)
+            tokens, q = choose_draft(out.target_logits(), sampling.at_offset(prefix), sampled, self.coupled)
             dest.copy_(tokens)
             return q
 

@@ -18,6 +18,7 @@ from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits, token_logprobs
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.proposal import Proposal
+from hyperdraft.speculative.verify.coupled import keyed_targets
 from hyperdraft.speculative.verify.rejection import verify_chain, verify_greedy_chain
 from hyperdraft.speculative.verify.round import RoundContext, RoundOutcome, last_token, reserved_room
 from hyperdraft.speculative.verify.simulated import simulate_chain
@@ -94,6 +95,9 @@ class ChainRound:
         if alpha is not None:  # benchmark-only, lossy (see verify/simulated.py)
             num_accepted, tokens = simulate_chain(p, draft, lens, alpha, sb.seeds, sb.positions, greedy_target=target)
         elif greedy:
+            num_accepted, tokens = verify_greedy_chain(target, draft, lens)
+        elif self.ctx.coupled:  # the keyed sample of each row plays the argmax's part (coupled.py)
+            target = keyed_targets(p.flatten(0, 1), sbv.seeds, sbv.positions).view(bsz, k + 1)
             num_accepted, tokens = verify_greedy_chain(target, draft, lens)
         else:
             num_accepted, tokens = verify_chain(p, draft, lens, self.proposal.q, sb.seeds, sb.positions)

@@ -22,6 +22,7 @@ class RoundContext:
     target: ModelRunner
     proposer: Proposer
     simulate_accept_rate: float | None  # benchmark-only, lossy (simulated.py); None = verify
+    coupled: bool  # sampled rows verified against the target's keyed sample (coupled.py), else by rejection
 
 
 class RoundOutcome(NamedTuple):

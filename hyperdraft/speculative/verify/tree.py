@@ -17,6 +17,7 @@ from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.proposal import TreeProposal
 from hyperdraft.speculative.verify.compaction import compact_accepted, leading_fed_count
+from hyperdraft.speculative.verify.coupled import keyed_targets
 from hyperdraft.speculative.verify.round import RoundContext, RoundOutcome, reserved_room
 from hyperdraft.speculative.verify.simulated import simulate_tree
 from hyperdraft.speculative.verify.tree_buffers import build_tree
@@ -82,6 +83,9 @@ class TreeRound:
             num_accepted, path, tokens = simulate_tree(p, self.tree, alpha, sb.seeds, sb.positions,
                                                        max_depth=tier.steps, greedy_target=target)
         elif greedy:
+            num_accepted, path, tokens = verify_greedy_tree(target, self.tree, max_depth=tier.steps)
+        elif self.ctx.coupled:  # the keyed sample of each node plays the argmax's part (coupled.py)
+            target = keyed_targets(p.flatten(0, 1), sbt.seeds, sbt.positions).view(bsz, n)
             num_accepted, path, tokens = verify_greedy_tree(target, self.tree, max_depth=tier.steps)
         else:
             num_accepted, path, tokens = verify_tree(p, self.tree, sb.seeds, sb.positions, sampled,
