@@ -1,7 +1,8 @@
 """The FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /server_info, /metrics.
 
 Every generation route parses and checks its input before anything reaches the engine, so bad input is a 400
-naming the field and never touches engine state. Once the engine accepted a request, a client that goes away
+naming the field and never touches engine state. The event loop only reads the body (413 past its limit) and
+parses it; rendering and tokenization run in the Preprocessor (preprocess.py), off the loop and within limits. Once the engine accepted a request, a client that goes away
 aborts it: a stream through the response's close, a non-stream answer through a disconnect watcher.
 """
 
@@ -27,6 +28,7 @@ from hyperdraft.config import EngineArgs
 from hyperdraft.server.generation import Generation, ServerContext
 from hyperdraft.server.metrics import engine_snapshot
 from hyperdraft.server.options import ServeOptions
+from hyperdraft.server.preprocess import PreparedRequest
 from hyperdraft.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
 if TYPE_CHECKING:
@@ -35,9 +37,7 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 logger = logging.getLogger("hyperdraft.server")
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
 ENGINE_CALL_TIMEOUT_S = 60.0
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the answer: counted, not logged
 PATH_ARGS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "speculative_adaptive_config")
 
@@ -75,6 +75,7 @@ def _lifespan(ctx: ServerContext) -> Callable[[FastAPI], contextlib.AbstractAsyn
         ctx.engine_loop.start()
         yield
         await asyncio.to_thread(ctx.engine_loop.stop)
+        ctx.preprocessor.shutdown()
         print("hyperdraft: server stopped", file=sys.stderr, flush=True)
 
     return lifespan
@@ -134,12 +135,12 @@ class _GenerationRoutes(_Routes):
         start = time.perf_counter()
         try:
             self.authorize(request)
-            req = parse_request(model, await _read_body(request))
+            req = parse_request(model, await _read_body(request, self.ctx.preprocessor.limits.max_body_bytes))
             if req.model is not None and req.model != self.ctx.model_name:
                 raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.ctx.model_name!r}",
                                "model", "model_not_found")
             req.check_supported()
-            gen = _build(self.ctx, req, start)
+            gen = _generation(self.ctx, req, await self.ctx.preprocessor.prepare(req), start)
             await gen.submit()
         except APIError as e:
             return self.error(e)
@@ -223,61 +224,22 @@ class _InfoRoutes(_Routes):
         return PlainTextResponse(self.ctx.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _build(ctx: ServerContext, req, start: float) -> Generation:
-    """Tokenize (or apply the chat template) and make one SamplingParams per choice."""
-    tok, n = ctx.tokenizer, req.num_choices
+def _generation(ctx: ServerContext, req, prepared: PreparedRequest, start: float) -> Generation:
+    """One SamplingParams per choice: n per prompt, choice i of a prompt seeded seed + i."""
+    n = req.num_choices
     want_logprobs = req.logprobs is not None and req.logprobs is not False
-    echo = None
-    if isinstance(req, ChatCompletionRequest):
-        inputs = [_chat_ids(tok, req)]
-        max_new = req.requested_max_tokens or max(1, ctx.context_len - len(inputs[0]))
-    else:
-        prompts = req.prompts()
-        if isinstance(prompts[0], str):
-            if tok is None:
-                raise APIError(400, "text prompts need a tokenizer, but the server runs with --skip-tokenizer-init; "
-                                    "send token ids", "prompt", "invalid_type")
-            inputs = [tok.encode(p) for p in prompts]
-            echo = list(prompts) if req.echo else None
-        else:
-            _check_token_ids(prompts, ctx.vocab_size)
-            inputs = prompts
-            if req.echo:
-                echo = [tok.decode(p) if tok is not None else "" for p in prompts]
-        max_new = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-    params = [req.sampling_params(max_new, i % n, want_logprobs) for i in range(len(inputs) * n)]
-    return Generation(ctx, req, inputs, params, start, echo)
+    params = [req.sampling_params(prepared.max_new_tokens, i % n, want_logprobs)
+              for i in range(len(prepared.inputs) * n)]
+    return Generation(ctx, req, prepared.inputs, params, start, prepared.echo)
 
 
-def _check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
-    """Before anything decodes them: an id outside the vocabulary would overflow or index out of range there."""
-    for i, ids in enumerate(prompts):
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            raise APIError(400, f"{where} must hold token ids in [0, {vocab_size}), got {bad}", "prompt",
-                           "invalid_value")
-
-
-def _chat_ids(tok, req: ChatCompletionRequest) -> list[int]:
-    if tok is None or not tok.chat_template:
-        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages",
-                       "unsupported_parameter")
-    messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                       **(req.chat_template_kwargs or {}))
-    except Exception as e:  # noqa: BLE001 - jinja's TemplateError and the like: the messages do not fit the template
-        raise APIError(400, f"the chat template rejected the messages: {e}", "messages", "invalid_value") from None
-    return tok.encode(text, add_special_tokens=False)  # the template already wrote any BOS
-
-
-async def _read_body(request: Request) -> bytes:
+async def _read_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", None, "body_too_large")
+        if size > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes (--max-request-body-bytes)", None,
+                           "body_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -21,6 +21,7 @@ from hyperdraft.detokenizer import IncrementalDetokenizer
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.server.engine_loop import EngineLoop, Event, QueueFull, Submission
 from hyperdraft.server.metrics import ServerMetrics
+from hyperdraft.server.preprocess import Preprocessor
 from hyperdraft.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, engine_error
 
 DONE = "data: [DONE]\n\n"
@@ -32,11 +33,11 @@ class ServerContext:
     """What every request needs from the server; built once at start-up."""
 
     engine_loop: EngineLoop
-    tokenizer: object | None  # the server's own copy: the engine thread's copy is never touched from here
+    tokenizer: object | None  # the event loop's own copy (streaming detokenization): never the engine thread's
+    preprocessor: Preprocessor  # prompt rendering and tokenization, off the event loop
     metrics: ServerMetrics
     model_name: str  # --served-model-name, or the model's base name: never a path
     context_len: int
-    vocab_size: int
     lossy: bool  # simulated acceptance (benchmark only): every answer says so
 
 

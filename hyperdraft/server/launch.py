@@ -25,14 +25,17 @@ def serve(args: EngineArgs, opts: ServeOptions, output_hook: Callable[[str | Non
     from hyperdraft.server.engine_loop import EngineLoop
     from hyperdraft.server.generation import ServerContext
     from hyperdraft.server.metrics import ServerMetrics
+    from hyperdraft.server.preprocess import Preprocessor
 
     check_lossy(lossy_requested(args), opts)  # before loading anything
     engine = Engine(args)
     lossy = engine.spec is not None and engine.spec.simulate_accept_rate is not None
     check_lossy(lossy, opts)
     loop = EngineLoop(engine, opts.max_queued_requests, output_hook)
-    ctx = ServerContext(loop, copy.deepcopy(engine.tokenizer), ServerMetrics(), served_model_name(args, opts),
-                        engine.context_len, engine.model_config.vocab_size, lossy or lossy_requested(args))
+    preprocessor = Preprocessor(engine.tokenizer, opts.limits(engine.context_len), engine.context_len,
+                                engine.model_config.vocab_size)
+    ctx = ServerContext(loop, copy.deepcopy(engine.tokenizer), preprocessor, ServerMetrics(),
+                        served_model_name(args, opts), engine.context_len, lossy or lossy_requested(args))
     app = create_app(ctx, args, opts)
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=args.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=5)

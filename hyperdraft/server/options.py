@@ -8,6 +8,19 @@ from dataclasses import dataclass
 
 from hyperdraft.options import SIMULATE_ACCEPT_RATE_ENV, RuntimeOptions
 
+# A token rarely spans more than a few characters; 32 per token lets any prompt that fits the context through and
+# stops a multi-megabyte one before it costs seconds of tokenization.
+PROMPT_CHARS_PER_TOKEN = 32
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_body_bytes: int  # 413 beyond this, before parsing
+    max_prompt_chars: int  # prompt text (or message contents, or a rendered template) per request
+    max_sequences: int  # prompts x n per request
+    render_timeout_s: float  # rendering + tokenization of one request
+    allow_client_chat_template: bool
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -17,6 +30,16 @@ class ServeOptions:
     max_queued_requests: int | None = None
     served_model_name: str | None = None
     allow_lossy_benchmark_mode: bool = False
+    max_request_body_bytes: int = 4 << 20
+    max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN x the context length
+    max_sequences_per_request: int = 256
+    render_timeout: float = 10.0
+    allow_client_chat_template: bool = False
+
+    def limits(self, context_len: int) -> RequestLimits:
+        chars = self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * context_len
+        return RequestLimits(self.max_request_body_bytes, chars, self.max_sequences_per_request, self.render_timeout,
+                             self.allow_client_chat_template)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +54,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", metavar="NAME",
                        help="the model id clients name and answers carry (default: the model directory's or "
                             "file's base name; the path itself never leaves the server)")
+    group.add_argument("--max-request-body-bytes", type=int, default=4 << 20, metavar="N",
+                       help="answer 413 to a larger request body, before parsing it (default: 4 MiB)")
+    group.add_argument("--max-prompt-chars", type=int, metavar="N",
+                       help="answer 400 to a request whose prompt text (or rendered chat) is longer, before "
+                            f"tokenizing it (default: {PROMPT_CHARS_PER_TOKEN} x the context length)")
+    group.add_argument("--max-sequences-per-request", type=int, default=256, metavar="N",
+                       help="answer 400 to a request for more sequences (prompts x n) (default: 256)")
+    group.add_argument("--render-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="answer 400 to a request whose chat rendering and tokenization take longer (default: 10)")
+    group.add_argument("--allow-client-chat-template", action="store_true",
+                       help="render chat templates that clients send (chat_template, or chat_template_kwargs."
+                            "chat_template) in a sandboxed child process with this timeout and a length cap; "
+                            "refused (400) without this flag")
     group.add_argument("--allow-lossy-benchmark-mode", action="store_true",
                        help="allow --speculative-simulate-accept-rate (or $%s): simulated acceptance changes the "
                             "outputs, so the server refuses it unless this is given, and marks every answer "
@@ -44,8 +80,14 @@ def serve_options_from_namespace(ns: argparse.Namespace) -> ServeOptions:
         raise ValueError(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     if ns.api_key is not None and not ns.api_key:
         raise ValueError("--api-key must not be empty")
+    for name in ("max_request_body_bytes", "max_prompt_chars", "max_sequences_per_request"):
+        if getattr(ns, name) is not None and getattr(ns, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if not ns.render_timeout > 0:
+        raise ValueError(f"--render-timeout must be > 0, got {ns.render_timeout}")
     return ServeOptions(ns.host, ns.port, ns.api_key, ns.max_queued_requests, ns.served_model_name,
-                        ns.allow_lossy_benchmark_mode)
+                        ns.allow_lossy_benchmark_mode, ns.max_request_body_bytes, ns.max_prompt_chars,
+                        ns.max_sequences_per_request, ns.render_timeout, ns.allow_client_chat_template)
 
 
 def served_model_name(args, opts: ServeOptions) -> str:

@@ -142,6 +142,12 @@ class ChatMessage(BaseModel):
             content = "".join(part.text for part in content)
         return {**(self.model_extra or {}), "role": self.role, "content": content if content is not None else ""}
 
+    def text(self) -> str:
+        """What this message puts in front of the template, for the size limit (extra fields as their repr)."""
+        content = self.content if isinstance(self.content, str) else "".join(
+            part.text or "" for part in self.content or [])
+        return content + (repr(self.model_extra) if self.model_extra else "")
+
 
 class ResponseFormat(_Model):
     type: str
@@ -156,6 +162,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's field; also accepted inside chat_template_kwargs
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -168,6 +175,13 @@ class ChatCompletionRequest(_Sampling):
             raise unsupported("tools")
         if self.response_format is not None and self.response_format.type != "text":
             raise unsupported("response_format", "response_format must be {\"type\": \"text\"}")
+
+    def client_chat_template(self) -> str | None:
+        """A template the client sent instead of the model's, or None."""
+        inner = (self.chat_template_kwargs or {}).get("chat_template")
+        if inner is not None and not isinstance(inner, str):
+            raise APIError(400, "chat_template_kwargs.chat_template must be a string", "chat_template", "invalid_type")
+        return self.chat_template if self.chat_template is not None else inner
 
     @property
     def requested_max_tokens(self) -> int | None:
