@@ -20,6 +20,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,6 +32,7 @@ from hyperdraft.server.metrics import engine_snapshot
 from hyperdraft.server.options import ServeOptions
 from hyperdraft.server.preprocess import PreparedRequest
 from hyperdraft.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from hyperdraft.server.responses import ChatCompletionResponse, CompletionResponse, Health, ModelList, documented
 
 if TYPE_CHECKING:
     from hyperdraft.engine.engine import Engine
@@ -59,12 +62,31 @@ class _ClosingStream(StreamingResponse):
 
 
 def create_app(ctx: ServerContext, args: EngineArgs, opts: ServeOptions) -> FastAPI:
-    app = FastAPI(title="hyperdraft", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=_lifespan(ctx))
+    app = _App(title="hyperdraft", version=__version__, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=_lifespan(ctx))
     _register_error_handlers(app, _Routes(ctx, opts))
     _GenerationRoutes(ctx, opts).register(app)
     _InfoRoutes(ctx, opts, args).register(app)
     return app
+
+
+def _request_body(model: type) -> dict:
+    """The route reads its body itself (size limit first, strict parsing, OpenAI's error shape), so FastAPI does
+    not know the model: document it by reference; _App.openapi adds the referenced schemas."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+class _App(FastAPI):
+    def openapi(self) -> dict:
+        """FastAPI's schema plus the request models that _request_body refers to."""
+        if self.openapi_schema is None:
+            schema = get_openapi(title=self.title, version=self.version, routes=self.routes)
+            _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            self.openapi_schema = schema
+        return self.openapi_schema
 
 
 def _lifespan(ctx: ServerContext) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
@@ -122,8 +144,11 @@ class _GenerationRoutes(_Routes):
     """/v1/completions and /v1/chat/completions."""
 
     def register(self, app: FastAPI) -> None:
-        app.post("/v1/completions")(self.completions)
-        app.post("/v1/chat/completions")(self.chat_completions)
+        errors = (400, 401, 404, 413, 499, 500, 503)
+        app.post("/v1/completions", responses=documented(CompletionResponse, *errors, stream=True),
+                 openapi_extra=_request_body(CompletionRequest))(self.completions)
+        app.post("/v1/chat/completions", responses=documented(ChatCompletionResponse, *errors, stream=True),
+                 openapi_extra=_request_body(ChatCompletionRequest))(self.chat_completions)
 
     async def completions(self, request: Request):
         return await self.generate(request, CompletionRequest)
@@ -183,10 +208,12 @@ class _InfoRoutes(_Routes):
         self.opts, self.args = opts, args
 
     def register(self, app: FastAPI) -> None:
-        app.get("/v1/models")(self.models)
-        app.get("/health")(self.health)
-        app.get("/server_info")(self.server_info)
-        app.get("/metrics")(self.metrics)
+        app.get("/v1/models", responses=documented(ModelList, 401))(self.models)
+        app.get("/health", responses=documented(Health, 503))(self.health)
+        app.get("/server_info", responses=documented(None, 401, 503))(self.server_info)
+        metrics_doc = documented(None, 401, 503)
+        metrics_doc[200]["content"] = {"text/plain": {"schema": {"type": "string"}}}  # Prometheus exposition
+        app.get("/metrics", responses=metrics_doc)(self.metrics)
 
     async def models(self, request: Request):
         try:

@@ -6,9 +6,9 @@ out of range. Range checks mirror SamplingParams.validate, which the engine runs
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from hyperdraft.sampling_params import REPETITION_PENALTY_RANGE, SamplingParams
 
@@ -30,6 +30,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _integral_float_to_int(value: Any) -> Any:
+    """JSON has one number type: 60.0 is a valid integer to JSON Schema (and to clients that only have floats)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Strict otherwise: "5" is not 5, and 5.5 is not an integer.
+JsonInt = Annotated[int, BeforeValidator(_integral_float_to_int)]
+
+
 class _Model(BaseModel):
     # Unknown fields are ignored (clients send newer OpenAI fields); unsupported known ones are refused below.
     # Infinity and NaN (which Python's JSON reader accepts) are refused for every float field.
@@ -46,15 +55,15 @@ class _Sampling(_Model):
     model: str | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: JsonInt | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    n: int | None = Field(None, ge=1, le=MAX_N)
+    stop_token_ids: list[JsonInt] | None = None
+    seed: JsonInt | None = None
+    n: JsonInt | None = Field(None, ge=1, le=MAX_N)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -92,12 +101,12 @@ class _Sampling(_Model):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    prompt: str | list[str] | list[JsonInt] | list[list[JsonInt]]
+    max_tokens: JsonInt | None = Field(None, ge=1)
+    logprobs: JsonInt | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: JsonInt | None = Field(None, ge=1)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -124,21 +133,18 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(_Model):
-    type: str
-    text: str | None = None
+    type: Literal["text"]  # images, audio, ...: the engine serves text models
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, name, ...: handed to the chat template
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
     def template_dict(self, index: int) -> dict:
         content = self.content
         if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise APIError(400, "only text content parts are supported", f"messages[{index}].content",
-                               "unsupported_parameter")
             content = "".join(part.text for part in content)
         return {**(self.model_extra or {}), "role": self.role, "content": content if content is not None else ""}
 
@@ -155,10 +161,10 @@ class ResponseFormat(_Model):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: JsonInt | None = Field(None, ge=1)
+    max_completion_tokens: JsonInt | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: JsonInt | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -201,7 +207,9 @@ def parse_request(model: type[_Model], body: bytes) -> Any:
 
 
 def _to_api_error(e: ValidationError) -> APIError:
-    err = e.errors(include_url=False)[0]
+    # The deepest failure names the field best: in a union, the member that got furthest (a content part's type,
+    # not "content is not a string").
+    err = max(e.errors(include_url=False), key=lambda err: len(err["loc"]))
     kind, loc = err["type"], err["loc"]
     if kind == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {err['msg']}", None, "invalid_json")
@@ -221,7 +229,7 @@ def _to_api_error(e: ValidationError) -> APIError:
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long",
-                 "finite_number"}
+                 "finite_number", "literal_error"}
 
 
 def _param(loc: tuple) -> str:

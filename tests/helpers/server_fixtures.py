@@ -29,11 +29,11 @@ API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 120
 
 
-def add_chat_template(path: str) -> str:
+def add_chat_template(path: str, template: str = CHAT_TEMPLATE) -> str:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = template
     tok.save_pretrained(path)
     return path
 

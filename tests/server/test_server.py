@@ -302,7 +302,10 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
 BAD_CHATS = [
     ({"messages": []}, 400, "messages", "invalid_value"),
     ({"messages": [{"content": "hi"}]}, 400, "messages[0].role", "missing_required_parameter"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "invalid_value"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages", "invalid_value"),  # the template raises
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content",
+     "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, 400, "top_logprobs",
      "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "hi " * 4000}]}, 400, "messages", "context_length_exceeded"),

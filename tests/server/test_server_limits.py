@@ -122,7 +122,7 @@ def test_allowed_client_template_renders_like_the_models_own(server, chat_model)
     sent = _post(server.url, "/v1/chat/completions", {**body, "chat_template": CHAT_TEMPLATE}).json()
     assert sent["choices"][0]["message"] == own["choices"][0]["message"]
     assert sent["usage"] == own["usage"]
-    raising = _post(server.url, "/v1/chat/completions", {**body, "messages": [{"role": "robot", "content": "x"}],
+    raising = _post(server.url, "/v1/chat/completions", {**body, "messages": [{"role": "tool", "content": "x"}],
                                                          "chat_template": CHAT_TEMPLATE})
     assert _error(raising) == (400, "chat_template", "invalid_value") and "unknown role" in raising.text
 
