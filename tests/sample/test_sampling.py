@@ -302,3 +302,20 @@ def test_vanishing_temperature_is_greedy_and_finite():
         p = _probs(logits, SamplingParams(temperature=t))
         assert torch.equal(p, torch.tensor([[0.0, 0.0, 0.0, 1.0]])), (t, p)
     assert not SamplingParams(temperature=2e-5).is_greedy
+
+
+def test_hash_matches_exact_integer_arithmetic():
+    """hash_u32 relies on int64 multiplication wrapping past 2^63; Python's unbounded integers are the truth."""
+    from hyperdraft.sample.rng import hash_u32
+
+    def exact(x: int) -> int:
+        x &= 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    values = [0, 1, 0xFFFFFFFF, 0xFFFFFFFE, 2**31, 2**31 - 1, 0x9E3779B9] + torch.randint(
+        0, 2**32, (2000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64).tolist()
+    assert hash_u32(torch.tensor(values)).tolist() == [exact(v) for v in values]
