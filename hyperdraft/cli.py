@@ -131,12 +131,40 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-spec-compare", dest="compare", action="store_false",
                       help="skip the run without speculation (no speed-up or lossless check)")
 
+    _add_train_draft(sub)
+
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight model (tests, benchmarks)",
                           description="Write a tiny random-weight Hugging Face checkpoint with a byte-level BPE tokenizer.")
     tiny.add_argument("path", help="output directory")
     tiny.add_argument("--kind", choices=TINY_KINDS, default="llama", help="architecture (default: llama)")
     tiny.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default: 0)")
     return parser
+
+
+def _add_train_draft(sub) -> None:
+    train = sub.add_parser("train-draft", help="train an EAGLE-3 head on the target's own answers",
+                           description="Self-distillation: the target answers prompts, and an EAGLE-3 head learns to "
+                                       "predict those answers with EAGLE-3's training-time test. Writes the published "
+                                       "head layout (config.json, model.safetensors) to --out, with a checkpoint to "
+                                       "--resume from, train_log.jsonl and training.png.")
+    train.add_argument("--model", dest="model_path", help="target model (default: the embedded SmolLM2-135M-Instruct)")
+    train.add_argument("--out", help="head directory to write")
+    train.add_argument("--prompts", help="JSONL of prompts ('prompt', ShareGPT 'conversations', 'turns' or 'text'); "
+                                         "default: the target writes its own questions")
+    train.add_argument("--num-samples", type=int, default=2000, help="training prompts (default: 2000)")
+    train.add_argument("--max-len", type=int, default=512, help="tokens per sample, prompt + answer (default: 512)")
+    train.add_argument("--epochs", type=int, default=3, help="passes over the samples (default: 3)")
+    train.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: 1e-4)")
+    train.add_argument("--draft-vocab-size", type=int,
+                       help="target ids the head scores, the most frequent in the answers (default: all)")
+    train.add_argument("--ttt-steps", type=int, default=5, help="unrolled draft steps per position (default: 5)")
+    train.add_argument("--temperature", type=float, default=0.0, help="of the target's answers (default: 0, greedy)")
+    train.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    train.add_argument("--device", default="cuda" if _cuda() else "cpu", help="default: cuda when available")
+    train.add_argument("--dtype", default="auto", help="the target's dtype (default: auto)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--plot", metavar="HEAD_DIR", help="only draw HEAD_DIR/training.png from its train_log.jsonl")
+    train.set_defaults(subparser=train)
 
 
 def _generate(ns: argparse.Namespace) -> None:
@@ -206,6 +234,26 @@ def _demo(ns: argparse.Namespace) -> int:
     return run_demo(_model_path(ns), ns.max_new_tokens, ns.num_prompts, ns.speculative_num_steps, ns.compare, ns.device)
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _train_draft(ns: argparse.Namespace) -> None:
+    from hyperdraft.training.trainer import TrainConfig, plot_log, train_draft
+
+    if ns.plot:
+        print(plot_log(ns.plot) or "no plot drawn")
+        return
+    if not ns.out:
+        ns.subparser.error("--out is required")
+    cfg = TrainConfig(_model_path(ns), ns.out, ns.prompts, ns.num_samples, ns.max_len, ns.epochs, ns.lr,
+                      ns.draft_vocab_size, ns.ttt_steps, ns.temperature, ns.resume, ns.device, ns.dtype, ns.seed)
+    print(json.dumps(train_draft(cfg)))
+    print(f"head written to {ns.out}: use it with --speculative-algorithm EAGLE3 --speculative-draft-model-path {ns.out}")
+
+
 def _make_tiny(ns: argparse.Namespace) -> None:
     from transformers.utils import logging as hf_logging
 
@@ -225,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             _serve(ns)
         elif ns.command == "demo":
             return _demo(ns)
+        elif ns.command == "train-draft":
+            _train_draft(ns)
         else:
             _make_tiny(ns)
     except BrokenPipeError:  # e.g. piped into `head`

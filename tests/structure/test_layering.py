@@ -38,7 +38,7 @@ LAYERS: list[set[str]] = [
     {"speculative.worker"},
     {"engine", "detokenizer", "testing"},
     {"llm"},
-    {"demo", "server"},
+    {"demo", "server", "training"},
     {"cli"},
     {"__main__", "__init__"},
 ]

@@ -1,0 +1,227 @@
+"""Train an EAGLE-3 head on the target's own answers, with EAGLE-3's training-time test.
+
+Per sample (prompt + the target's answer, tokens t_0 .. t_{T-1}):
+  1. The frozen target runs the sequence: its aux states (the outputs of the head's three target layers) and its
+     logits at every position; softmax over the draft vocabulary is the soft label.
+  2. Head position i (RoPE position i) is fed token t_{i+1} and predicts t_{i+2}, labelled by the target's logits
+     at position i + 1, exactly as the head runs at inference (models/eagle.py's alignment).
+  3. Step 0 is fed fc(aux states); step s >= 1 is fed the head's own step-(s-1) output at position i - 1, with the
+     attention of unroll_attention.py, so every position is also trained as the s-th draft of a chain.
+     Step s is valid from position s on, and counts only where t_{i+2} is an answer token.
+Loss: cross-entropy against the soft label, step s weighted STEP_DECAY^s. Accuracy at step s: the head's argmax
+(as a target id) equals the target's argmax, i.e. greedy acceptance of the s-th draft given the earlier ones.
+
+The head is the inference module itself (models/eagle.Eagle3Head), trained in fp32 with the torch reference paths
+(RuntimeOptions without fused kernels: Triton launches have no backward), so what is trained is what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hyperdraft import options
+from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, eagle_config_from_dict, target_capture_layers
+from hyperdraft.models.loader import load_model
+from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
+from hyperdraft.training.head_io import head_config, load_checkpoint, save_checkpoint, save_head
+from hyperdraft.training.samples import Sample, answer, load_prompts, refuse_evaluation_prompts, self_written_prompts
+from hyperdraft.training.unroll_attention import UnrollAttention
+
+STEP_DECAY = 0.8  # EAGLE-3's weighting of later unrolled steps
+GRAD_CLIP = 0.5
+LOG = "train_log.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str
+    out: str
+    prompts: str | None = None  # JSONL; None: the target writes its own
+    num_samples: int = 2000
+    max_len: int = 512
+    epochs: int = 3
+    lr: float = 1e-4
+    draft_vocab_size: int | None = None  # None: the target's whole vocabulary
+    ttt_steps: int = 5
+    temperature: float = 0.0  # of the target's answers
+    resume: bool = False
+    device: str = "cpu"
+    dtype: str = "auto"  # the target's (and the written head's) dtype
+    seed: int = 0
+    progress: bool = True
+
+
+def train_draft(cfg: TrainConfig) -> dict:
+    """Train (or resume) and write the head to cfg.out -> the last epoch's metrics."""
+    _check(cfg)
+    os.makedirs(cfg.out, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    state = load_checkpoint(cfg.out) if cfg.resume else None
+    samples = [Sample(*s) for s in state["samples"]] if state else _make_samples(cfg)
+    device = torch.device(cfg.device)
+    target = load_model(cfg.model, cfg.dtype, device)
+    vocab = DraftVocab(state["vocab"]) if state else frequent_tokens(
+        [s.token_ids[s.answer_start:] for s in samples], target.config.vocab_size,
+        cfg.draft_vocab_size or target.config.vocab_size)
+    aux_ids = default_aux_layer_ids(target.config.num_layers)
+    config = head_config(target.config, int(vocab.target_ids.numel()), aux_ids)
+    head = _new_head(config, target, vocab, aux_ids, device)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr)
+    first_epoch = 0
+    if state:
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        first_epoch = state["epoch"] + 1
+    metrics: dict = {}
+    training_options = dataclasses.replace(options.current(), fused_kernels=False, gemv=False, cuda_kernels=False)
+    with options.activated(training_options):
+        for epoch in range(first_epoch, cfg.epochs):
+            metrics = _epoch(cfg, epoch, samples, target, head, vocab, optimizer)
+            save_checkpoint(cfg.out, {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+                                      "samples": [dataclasses.astuple(s) for s in samples],
+                                      "vocab": vocab.target_ids, "metrics": metrics})
+    save_head(cfg.out, config, head, next(target.parameters()).dtype)
+    plot_log(cfg.out)
+    return metrics
+
+
+def _check(cfg: TrainConfig) -> None:
+    for name in ("num_samples", "max_len", "epochs", "ttt_steps"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if not cfg.lr > 0:
+        raise ValueError(f"lr must be > 0, got {cfg.lr}")
+    if cfg.max_len < 16:
+        raise ValueError(f"max_len must be >= 16, got {cfg.max_len}")
+
+
+def _make_samples(cfg: TrainConfig) -> list[Sample]:
+    from hyperdraft.llm import LLM
+
+    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, context_length=None)
+    try:
+        if cfg.prompts is not None:
+            prompts = load_prompts(cfg.prompts)[: cfg.num_samples]
+        else:
+            prompts = self_written_prompts(llm, cfg.num_samples, cfg.seed)
+        refuse_evaluation_prompts(prompts)
+        samples = answer(llm, prompts, cfg.max_len, cfg.temperature, cfg.seed)
+    finally:
+        llm.shutdown()
+    if not samples:
+        raise ValueError("no training samples: every prompt was too long for --max-len, or every answer was empty")
+    return samples
+
+
+def _new_head(config: dict, target, vocab: DraftVocab, aux_ids, device) -> Eagle3Head:
+    cfg = eagle_config_from_dict(config)
+    head = Eagle3Head(cfg, target, own_embed=False, own_lm_head=True, aux_layer_ids=aux_ids).to(device)
+    with torch.no_grad():
+        head.d2t.copy_(vocab.d2t)
+        head.t2d.copy_(vocab.t2d(cfg.vocab_size))
+        # Start from the target's own output rows: the head regresses (normed) states the target's lm_head reads.
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab.target_ids.to(device)].float())
+    head.finish_loading()
+    return head.float().train()
+
+
+def _epoch(cfg: TrainConfig, epoch: int, samples: list[Sample], target, head: Eagle3Head, vocab: DraftVocab,
+           optimizer) -> dict:
+    from tqdm import tqdm
+
+    order = list(range(len(samples)))
+    random.Random(cfg.seed + epoch).shuffle(order)
+    draft_ids = vocab.target_ids.to(head.d2t.device)
+    totals = {"loss": 0.0, "correct": [0.0] * cfg.ttt_steps, "counted": [0.0] * cfg.ttt_steps}
+    bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress)
+    for index in bar:
+        loss, correct, counted = _sample_loss(samples[index], target, head, draft_ids, cfg.ttt_steps)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
+        optimizer.step()
+        totals["loss"] += float(loss.detach())
+        for s in range(cfg.ttt_steps):
+            totals["correct"][s] += correct[s]
+            totals["counted"][s] += counted[s]
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+    metrics = {"epoch": epoch + 1, "loss": totals["loss"] / len(order),
+               "accuracy_by_step": [c / max(1.0, n) for c, n in zip(totals["correct"], totals["counted"])]}
+    with open(os.path.join(cfg.out, LOG), "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    return metrics
+
+
+def _sample_loss(sample: Sample, target, head: Eagle3Head, draft_ids: torch.Tensor, steps: int):
+    """-> (weighted loss, correct drafts per step, counted positions per step) for one sample."""
+    device = draft_ids.device
+    ids = torch.tensor(sample.token_ids, device=device)
+    t = ids.numel()
+    with torch.no_grad():
+        final, captured = target(ids, torch.arange(t, device=device), _causal, target_capture_layers(head))
+        logits = target.compute_logits(final)  # [T, V]
+    n = t - 2
+    labels = logits[1:t - 1]  # head position i predicts t_{i+2}: the target's logits at i + 1
+    soft = torch.softmax(labels[:, draft_ids], dim=-1)
+    target_top = labels.argmax(-1)
+    rows = torch.arange(n, device=device)
+    in_answer = rows + 2 >= sample.answer_start
+    tokens, positions = ids[1:t - 1], rows
+    hidden = head.project_target_hidden(torch.cat(captured, -1)[:n].float())
+    attention = UnrollAttention()
+    loss = torch.zeros((), device=device)
+    correct, counted = [], []
+    for s in range(steps):
+        out = head(tokens, positions, hidden, attention)
+        log_q = F.log_softmax(head.compute_draft_logits(out).float(), dim=-1)
+        valid = in_answer & (rows >= s)
+        weight = valid.float() / max(1, int(valid.sum()))
+        loss = loss + STEP_DECAY ** s * (-(soft * log_q).sum(-1) * weight).sum()
+        hits = (draft_ids[log_q.argmax(-1)] == target_top) & valid
+        correct.append(float(hits.sum()))
+        counted.append(float(valid.sum()))
+        hidden = torch.cat([out.new_zeros(1, out.shape[1]), out[:-1]])  # step s + 1 at i is fed step s at i - 1
+    return loss, correct, counted
+
+
+def _causal(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The teacher's attention over one whole sequence (no paged cache)."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def plot_log(out_dir: str) -> str | None:
+    """training.png (loss, and accuracy per unrolled step, by epoch) from train_log.jsonl; None without
+    matplotlib (the log stays; `hyperdraft train-draft --plot DIR` draws it on a machine that has it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("train-draft: matplotlib is not installed; train_log.jsonl holds the curves")
+        return None
+    with open(os.path.join(out_dir, LOG)) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    epochs = [r["epoch"] for r in rows]
+    ax_loss.plot(epochs, [r["loss"] for r in rows], marker="o")
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="training loss")
+    for s in range(len(rows[0]["accuracy_by_step"])):
+        ax_acc.plot(epochs, [r["accuracy_by_step"][s] for r in rows], marker="o", label=f"draft {s + 1}")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="argmax agreement per draft position", ylim=(0, 1))
+    ax_acc.legend()
+    path = os.path.join(out_dir, "training.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
