@@ -1,11 +1,11 @@
-"""Load Llama-architecture GGUF files (llama.cpp's format) as hyperdraft models.
+"""Load Llama- and Qwen2-architecture GGUF files (llama.cpp's format) as hyperdraft models.
 
-A .gguf file carries the config (as `llama.*` metadata), the weights (possibly quantized) and the tokenizer.
+A .gguf file carries the config (as `llama.*` or `qwen2.*` metadata), the weights (possibly quantized) and the tokenizer.
 The config becomes an HF-style dict for model_config_from_dict, the weights are dequantized to fp32 with
 `gguf.quants.dequantize` and renamed to Hugging Face's module names, and the tokenizer is rebuilt by
 transformers' own GGUF conversion (chat template included).
 
-The catch: llama.cpp's HF->GGUF converter permutes the rows of attn_q and attn_k so that its RoPE, which rotates
+The catch: llama.cpp's HF->GGUF converter permutes the rows of a Llama's attn_q and attn_k so that its RoPE, which rotates
 adjacent pairs (2i, 2i+1), matches HF's rotate-half RoPE (pairs i, i + d/2). The loader undoes that permutation,
 so the decoder keeps its rotate-half RoPE. llama.cpp stores Llama 3 RoPE scaling not as metadata but as a
 `rope_freqs` tensor of per-frequency divisors; it becomes the "freq_factors" rope type.
@@ -27,8 +27,12 @@ import torch
 from hyperdraft.models.gguf_file import GGUFFile, read_gguf
 from hyperdraft.options import cache_dir
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# GGUF architecture -> (HF architecture, model_type). llama.cpp permutes attn_q/attn_k rows for Llama only: its
+# Qwen2 converter keeps HF's order (Qwen2 RoPE is rotate-half in llama.cpp too).
+GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
+PERMUTED_QK_ARCHITECTURES = ("llama",)
+SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -133,8 +137,8 @@ def _config_dict(reader, path: str) -> dict:
     eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [GGUF_ARCHITECTURES[arch][0]],
+        "model_type": GGUF_ARCHITECTURES[arch][1],
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
@@ -181,7 +185,7 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 def load_gguf_weights(model: torch.nn.Module, path: str) -> None:
     """Dequantize path's tensors into model (a DecoderLM built from gguf_config_dict(path))."""
     reader = _open(path)
-    _check_architecture(reader, path)
+    arch = _check_architecture(reader, path)
     cfg = model.config
     params = dict(model.named_parameters())
     loaded = set()
@@ -190,9 +194,9 @@ def load_gguf_weights(model: torch.nn.Module, path: str) -> None:
             continue  # already in the config's rope scaling
         name = hf_name(t.name)
         if name is None or name not in params or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-            raise ValueError(f"GGUF tensor {t.name!r} has no place in this Llama model")
+            raise ValueError(f"GGUF tensor {t.name!r} has no place in this {GGUF_ARCHITECTURES[arch][0]} model")
         w = _dequantize(t)
-        if ".attn_q." in t.name or ".attn_k." in t.name:
+        if arch in PERMUTED_QK_ARCHITECTURES and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
             if w.shape[0] != heads * cfg.head_dim:
                 raise ValueError(f"GGUF tensor {t.name} has {w.shape[0]} rows, expected {heads} heads x {cfg.head_dim}")

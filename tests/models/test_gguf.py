@@ -75,8 +75,9 @@ def llama3_rope_factors(cfg) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def quantized(hf_dir: str, qtype: Q, types: dict | None = None):
-    """(GGUF tensors {name: (data, raw_dtype)}, reference HF state dict holding the dequantized weights)."""
+def quantized(hf_dir: str, qtype: Q, types: dict | None = None, permute_qk: bool = True):
+    """(GGUF tensors {name: (data, raw_dtype)}, reference HF state dict holding the dequantized weights).
+    permute_qk: llama.cpp permutes a Llama's q/k rows for its pairwise RoPE (not a Qwen2's)."""
     cfg = AutoConfig.from_pretrained(hf_dir)
     tensors, ref = {}, {}
     for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
@@ -85,9 +86,9 @@ def quantized(hf_dir: str, qtype: Q, types: dict | None = None):
         data = gguf.quants.quantize(w, kind)
         # Quantization blocks run along rows, so permuting the rows commutes with quantizing them.
         ref[name] = torch.from_numpy(np.array(gguf.quants.dequantize(data, kind), dtype=np.float32).reshape(w.shape))
-        if ".q_proj." in name:
+        if ".q_proj." in name and permute_qk:
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif ".k_proj." in name:
+        elif ".k_proj." in name and permute_qk:
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
         tensors[gguf_name(name)] = (data, None if kind in (Q.F32, Q.F16) else kind)
     return tensors, ref
@@ -95,6 +96,7 @@ def quantized(hf_dir: str, qtype: Q, types: dict | None = None):
 
 def write_gguf(path: str, hf_dir: str, tensors: dict, arch: str = "llama", with_tokenizer: bool = True) -> str:
     cfg = AutoConfig.from_pretrained(hf_dir)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Qwen2 has no field
     w = gguf.GGUFWriter(path, arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -104,10 +106,10 @@ def write_gguf(path: str, hf_dir: str, tensors: dict, arch: str = "llama", with_
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(cfg.head_dim)
-    if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     rope_type = cfg.rope_parameters.get("rope_type", "default")
     if rope_type == "linear":
@@ -195,7 +197,7 @@ def _random_kquant(rows: int, cols: int, qtype: Q, rng) -> np.ndarray:
     def fp16(lo, hi):
         return rng.uniform(lo, hi, size=(raw.shape[0], 1)).astype(np.float16).view(np.uint8)
 
-    if qtype == Q.Q4_K:  # d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin, 12 bytes of 6-bit scales/mins, (Q5_K: 32 bytes of high bits,) codes
         raw[:, 0:2], raw[:, 2:4] = fp16(1e-4, 3e-4), fp16(1e-4, 3e-4)
     else:  # Q6_K: 128 + 64 bytes of codes, 16 int8 scales, then d
         raw[:, -2:] = fp16(2e-5, 5e-5)
@@ -203,7 +205,7 @@ def _random_kquant(rows: int, cols: int, qtype: Q, rng) -> np.ndarray:
 
 
 def test_synthetic_gguf_k_quants_match_hf(tiny, tmp_path, make_llm):
-    """A Q4_K_M-like mix: Q6_K for the embeddings, attn_v and ffn_down, Q4_K elsewhere."""
+    """A Q4_K_M-like mix: Q6_K for the embeddings, attn_v and ffn_down, Q5_K for attn_output, Q4_K elsewhere."""
     hf_dir = tiny["k256"]
     cfg = AutoConfig.from_pretrained(hf_dir)
     rng = np.random.default_rng(0)
@@ -213,7 +215,8 @@ def test_synthetic_gguf_k_quants_match_hf(tiny, tmp_path, make_llm):
             data = t.numpy()
             ref[name] = t
         else:
-            kind = Q.Q6_K if any(k in name for k in ("embed_tokens", "v_proj", "down_proj")) else Q.Q4_K
+            kind = (Q.Q6_K if any(k in name for k in ("embed_tokens", "v_proj", "down_proj"))
+                    else Q.Q5_K if "o_proj" in name else Q.Q4_K)
             data = _random_kquant(*t.shape, kind, rng)
             ref[name] = torch.from_numpy(np.array(gguf.quants.dequantize(data, kind), dtype=np.float32))
             if ".q_proj." in name:
@@ -224,7 +227,22 @@ def test_synthetic_gguf_k_quants_match_hf(tiny, tmp_path, make_llm):
     path = write_gguf(str(tmp_path / "k256-kquants.gguf"), hf_dir, tensors)
     llm = make_llm(path, skip_tokenizer_init=True)
     diff = max_logit_diff(llm, hf_reference(hf_dir, ref), PROMPTS)
-    assert diff < 1e-4, f"Q4_K/Q6_K: max |logits - HF on the dequantized weights| = {diff}"
+    assert diff < 1e-4, f"Q4_K/Q5_K/Q6_K: max |logits - HF on the dequantized weights| = {diff}"
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+def test_synthetic_qwen2_gguf_matches_transformers_gguf_loading(tmp_path, make_llm, qtype):
+    """A Qwen2 GGUF (q/k/v biases, rows not permuted, qwen2.* metadata): the engine's logits equal those of
+    transformers loading the very same file, and of HF on the dequantized weights."""
+    hf_dir = make_tiny_model(str(tmp_path / "qwen2"), "qwen2", seed=3)
+    tensors, ref = quantized(hf_dir, qtype, permute_qk=False)
+    path = write_gguf(str(tmp_path / f"qwen2-{qtype.name}.gguf"), hf_dir, tensors, arch="qwen2")
+    assert gguf_config_dict(path)["architectures"] == ["Qwen2ForCausalLM"]
+    llm = make_llm(path, page_size=4)
+    assert max_logit_diff(llm, hf_reference(hf_dir, ref), PROMPTS) < 1e-4
+    transformers_gguf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
+                                                             dtype=torch.float32).eval()
+    assert max_logit_diff(llm, transformers_gguf, PROMPTS) < 1e-4
 
 
 def test_synthetic_gguf_config_matches_hf(tiny, f32_gguf):
