@@ -1,12 +1,12 @@
 """Load Llama- and Qwen2-architecture GGUF files (llama.cpp's format) as hyperdraft models.
 
-A .gguf file carries the config (as `llama.*` or `qwen2.*` metadata), the weights (possibly quantized) and the tokenizer.
-The config becomes an HF-style dict for model_config_from_dict, the weights are dequantized to fp32 with
+A .gguf file carries the config (as `llama.*` or `qwen2.*` metadata), the weights (possibly quantized) and the
+tokenizer. The config becomes an HF-style dict for model_config_from_dict, the weights are dequantized to fp32 with
 `gguf.quants.dequantize` and renamed to Hugging Face's module names, and the tokenizer is rebuilt by
 transformers' own GGUF conversion (chat template included).
 
-The catch: llama.cpp's HF->GGUF converter permutes the rows of a Llama's attn_q and attn_k so that its RoPE, which rotates
-adjacent pairs (2i, 2i+1), matches HF's rotate-half RoPE (pairs i, i + d/2). The loader undoes that permutation,
+The catch: llama.cpp's HF->GGUF converter permutes the rows of a Llama's attn_q and attn_k so that its RoPE, which
+rotates adjacent pairs (2i, 2i+1), matches HF's rotate-half RoPE (pairs i, i + d/2). The loader undoes that permutation,
 so the decoder keeps its rotate-half RoPE. llama.cpp stores Llama 3 RoPE scaling not as metadata but as a
 `rope_freqs` tensor of per-frequency divisors; it becomes the "freq_factors" rope type.
 """

@@ -2,8 +2,9 @@
 
 Every generation route parses and checks its input before anything reaches the engine, so bad input is a 400
 naming the field and never touches engine state. The event loop only reads the body (413 past its limit) and
-parses it; rendering and tokenization run in the Preprocessor (preprocess.py), off the loop and within limits. Once the engine accepted a request, a client that goes away
-aborts it: a stream through the response's close, a non-stream answer through a disconnect watcher.
+parses it; rendering and tokenization run in the Preprocessor (preprocess.py), off the loop and within limits.
+Once the engine accepted a request, a client that goes away aborts it: a stream through the response's close, a
+non-stream answer through a disconnect watcher.
 """
 
 from __future__ import annotations

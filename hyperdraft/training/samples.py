@@ -36,7 +36,8 @@ def load_prompts(path: str) -> list[str]:
             row = json.loads(line)
             prompt = _prompt_of(row)
             if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError(f"{path}:{number}: no prompt (expected a 'prompt', 'conversations', 'turns' or 'text' field)")
+                raise ValueError(f"{path}:{number}: no prompt (expected a 'prompt', 'conversations', 'turns' or "
+                                 "'text' field)")
             prompts.append(prompt)
     return prompts
 
