@@ -68,6 +68,7 @@ def test_loss_falls_and_accuracy_rises(trained):
     assert [row["epoch"] for row in log] == list(range(1, EPOCHS + 1))
     assert log[0]["loss"] > log[EPOCHS // 2]["loss"] > log[-1]["loss"], log
     assert log[-1]["accuracy_by_step"][0] > log[0]["accuracy_by_step"][0] + 0.2, log
+    assert os.path.getsize(os.path.join(trained, "training.png")) > 1000  # the curves, drawn
 
 
 def test_writes_the_published_eagle3_layout(trained, target):

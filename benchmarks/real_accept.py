@@ -1,0 +1,94 @@
+"""Real acceptance on a real model: MT-bench first turns on SmolLM2-135M-Instruct (the default model), plain decoding
+against NGRAM and an EAGLE-3 head trained by `hyperdraft train-draft`, as chains, trees and adaptive tiers.
+
+For each row: tok/s (and the ratio to plain decoding, measured in the same run), accept length, acceptance per
+draft position, and how many outputs equal plain decoding's (greedy; bitwise in fp32 on CPU).
+
+  hyperdraft train-draft --out /tmp/smol-eagle3 --prompts sharegpt.jsonl --draft-vocab-size 8192
+  python -m benchmarks.real_accept --head /tmp/smol-eagle3 --device cpu --turns 10 --batch 1
+      -> benchmarks/results/real_accept_cpu.md
+  python -m benchmarks.real_accept --head /tmp/smol-eagle3 --device cuda --dtype bfloat16 --turns 80 --batch 1 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, results_path
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.models.default_model import ensure_default_model
+
+
+def rows(head: str | None) -> dict[str, dict]:
+    out = {"plain": {}, "NGRAM, chain 4": dict(speculative_algorithm="NGRAM", speculative_num_steps=4)}
+    if head:
+        eagle = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
+        out["trained head, chain 5"] = dict(eagle, speculative_num_steps=5)
+        out["trained head, tree (topk 4, 8 tokens)"] = dict(eagle, speculative_num_steps=5, speculative_eagle_topk=4,
+                                                           speculative_num_draft_tokens=8)
+        out["trained head, adaptive"] = dict(eagle, speculative_adaptive=True)
+    return out
+
+
+def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, device: str, dtype: str, spec: dict):
+    llm = LLM(model, device=device, dtype=dtype, max_running_requests=batch, **spec)
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    llm.generate(input_ids=prompts[:batch], sampling_params=SamplingParams(temperature=0, max_new_tokens=8),
+                 use_tqdm=False)  # warm-up (graph capture, first-call costs)
+    before = llm.get_server_info()["internal_states"][0]
+    start = time.perf_counter()
+    outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = llm.get_server_info()["internal_states"][0]
+    llm.shutdown()
+    return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / seconds, before, after
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.real_accept", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", help="EAGLE-3 head directory written by hyperdraft train-draft")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--turns", type=int, default=80)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1], help="max running requests (each a row set)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    model = ensure_default_model()
+    chat = LLM(model, device="cpu", dtype="float32")
+    prompts = [chat.apply_chat_template([{"role": "user", "content": q}]) for q in mt_bench_first_turns()[:args.turns]]
+    chat.shutdown()
+    tag = device_tag(args.device)
+    lines = [f"# Real acceptance: SmolLM2-135M-Instruct, {args.turns} MT-bench first turns ({tag.upper()}, {args.dtype})",
+             "", f"- date: {datetime.date.today()}; commit: {git_commit()}; command: `{command_line()}`",
+             f"- greedy, {args.new_tokens} new tokens (ignore_eos); head: `{os.path.basename(str(args.head))}`", ""]
+    for batch in args.batch:
+        lines += [f"## batch {batch}", "", "| row | tok/s | vs plain | accept length | acceptance by position | "
+                  "outputs equal to plain |", "|---|---|---|---|---|---|"]
+        plain_ids, plain_rate = None, None
+        for name, spec in rows(args.head).items():
+            ids, rate, _, state = run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec)
+            if plain_ids is None:
+                plain_ids, plain_rate = ids, rate
+            same = sum(a == b for a, b in zip(ids, plain_ids))
+            accept = state.get("avg_spec_accept_length")
+            by_pos = state.get("spec_acceptance_by_position") or []
+            lines.append(f"| {name} | {rate:.1f} | {rate / plain_rate:.2f}x | "
+                         f"{'-' if not accept else f'{accept:.2f}'} | {' '.join(f'{a:.2f}' for a in by_pos) or '-'} "
+                         f"| {same}/{len(ids)} |")
+            print(lines[-1], flush=True)
+        lines.append("")
+    out = args.out or results_path("real_accept", tag)
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(json.dumps({"written": out}))
+
+
+if __name__ == "__main__":
+    main()
