@@ -38,6 +38,7 @@ from hyperdraft.training.unroll_attention import UnrollAttention
 STEP_DECAY = 0.8  # EAGLE-3's weighting of later unrolled steps
 GRAD_CLIP = 0.5
 LOG = "train_log.jsonl"
+LOG_EVERY = 25  # samples per logged point
 
 
 @dataclass(frozen=True)
@@ -140,24 +141,43 @@ def _epoch(cfg: TrainConfig, epoch: int, samples: list[Sample], target, head: Ea
     order = list(range(len(samples)))
     random.Random(cfg.seed + epoch).shuffle(order)
     draft_ids = vocab.target_ids.to(head.d2t.device)
-    totals = {"loss": 0.0, "correct": [0.0] * cfg.ttt_steps, "counted": [0.0] * cfg.ttt_steps}
+    whole, window = _Totals(cfg.ttt_steps), _Totals(cfg.ttt_steps)
     bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress)
-    for index in bar:
+    for done, index in enumerate(bar, 1):
         loss, correct, counted = _sample_loss(samples[index], target, head, draft_ids, cfg.ttt_steps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
         optimizer.step()
-        totals["loss"] += float(loss.detach())
-        for s in range(cfg.ttt_steps):
-            totals["correct"][s] += correct[s]
-            totals["counted"][s] += counted[s]
+        for totals in (whole, window):
+            totals.add(float(loss.detach()), correct, counted)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-    metrics = {"epoch": epoch + 1, "loss": totals["loss"] / len(order),
-               "accuracy_by_step": [c / max(1.0, n) for c, n in zip(totals["correct"], totals["counted"])]}
-    with open(os.path.join(cfg.out, LOG), "a") as f:
-        f.write(json.dumps(metrics) + "\n")
+        if done % LOG_EVERY == 0 or done == len(order):  # the curves' points: running means over the window
+            _log(cfg.out, {"kind": "window", "step": epoch * len(order) + done, **window.means()})
+            window = _Totals(cfg.ttt_steps)
+    metrics = {"epoch": epoch + 1, **whole.means()}
+    _log(cfg.out, {"kind": "epoch", **metrics})
     return metrics
+
+
+class _Totals:
+    def __init__(self, steps: int):
+        self.loss, self.samples = 0.0, 0
+        self.correct, self.counted = [0.0] * steps, [0.0] * steps
+
+    def add(self, loss: float, correct: list[float], counted: list[float]) -> None:
+        self.loss, self.samples = self.loss + loss, self.samples + 1
+        self.correct = [a + b for a, b in zip(self.correct, correct)]
+        self.counted = [a + b for a, b in zip(self.counted, counted)]
+
+    def means(self) -> dict:
+        return {"loss": self.loss / max(1, self.samples),
+                "accuracy_by_step": [c / max(1.0, n) for c, n in zip(self.correct, self.counted)]}
+
+
+def _log(out_dir: str, row: dict) -> None:
+    with open(os.path.join(out_dir, LOG), "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _sample_loss(sample: Sample, target, head: Eagle3Head, draft_ids: torch.Tensor, steps: int):
@@ -200,7 +220,7 @@ def _causal(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 
 def plot_log(out_dir: str) -> str | None:
-    """training.png (loss, and accuracy per unrolled step, by epoch) from train_log.jsonl; None without
+    """training.png (loss, and accuracy per unrolled step, against samples seen) from train_log.jsonl; None without
     matplotlib (the log stays; `hyperdraft train-draft --plot DIR` draws it on a machine that has it)."""
     try:
         import matplotlib
@@ -211,14 +231,14 @@ def plot_log(out_dir: str) -> str | None:
         print("train-draft: matplotlib is not installed; train_log.jsonl holds the curves")
         return None
     with open(os.path.join(out_dir, LOG)) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        rows = [row for row in map(json.loads, filter(str.strip, f)) if row.get("kind") == "window"]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    epochs = [r["epoch"] for r in rows]
-    ax_loss.plot(epochs, [r["loss"] for r in rows], marker="o")
-    ax_loss.set(xlabel="epoch", ylabel="loss", title="training loss")
+    steps = [r["step"] for r in rows]
+    ax_loss.plot(steps, [r["loss"] for r in rows], marker=".")
+    ax_loss.set(xlabel="samples seen", ylabel="loss", title="training loss")
     for s in range(len(rows[0]["accuracy_by_step"])):
-        ax_acc.plot(epochs, [r["accuracy_by_step"][s] for r in rows], marker="o", label=f"draft {s + 1}")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="argmax agreement per draft position", ylim=(0, 1))
+        ax_acc.plot(steps, [r["accuracy_by_step"][s] for r in rows], marker=".", label=f"draft {s + 1}")
+    ax_acc.set(xlabel="samples seen", ylabel="accuracy", title="argmax agreement per draft position", ylim=(0, 1))
     ax_acc.legend()
     path = os.path.join(out_dir, "training.png")
     fig.tight_layout()

@@ -37,7 +37,7 @@ def target_and_head(tmp_path_factory):
 
 def test_loss_falls_on_cuda(target_and_head):
     with open(os.path.join(target_and_head[1], "train_log.jsonl")) as f:
-        log = [json.loads(line) for line in f]
+        log = [row for row in map(json.loads, f) if row["kind"] == "epoch"]
     assert log[-1]["loss"] < log[0]["loss"] and log[-1]["accuracy_by_step"][0] > log[0]["accuracy_by_step"][0], log
 
 

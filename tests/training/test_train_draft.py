@@ -64,8 +64,10 @@ def trained(target, prompts_file, tmp_path_factory) -> str:
 
 def test_loss_falls_and_accuracy_rises(trained):
     with open(os.path.join(trained, "train_log.jsonl")) as f:
-        log = [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f]
+    log = [row for row in rows if row["kind"] == "epoch"]
     assert [row["epoch"] for row in log] == list(range(1, EPOCHS + 1))
+    assert [row["step"] for row in rows if row["kind"] == "window"] == [len(PROMPTS) * e for e in range(1, EPOCHS + 1)]
     assert log[0]["loss"] > log[EPOCHS // 2]["loss"] > log[-1]["loss"], log
     assert log[-1]["accuracy_by_step"][0] > log[0]["accuracy_by_step"][0] + 0.2, log
     assert os.path.getsize(os.path.join(trained, "training.png")) > 1000  # the curves, drawn
@@ -109,7 +111,7 @@ def test_resume_continues_exactly_where_it_stopped(target, prompts_file, tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["epoch"] == 2
     with open(os.path.join(str(tmp_path / "resumed"), "train_log.jsonl")) as f:
-        assert [json.loads(line)["epoch"] for line in f] == [1, 2]
+        assert [row["epoch"] for row in map(json.loads, f) if row["kind"] == "epoch"] == [1, 2]
 
 
 def test_unroll_equals_sequential_drafting(trained, target):
