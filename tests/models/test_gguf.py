@@ -153,14 +153,16 @@ def max_logit_diff(llm: LLM, ref_model, prompts) -> float:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, str]:
-    """HF checkpoints: llama (llama3 RoPE, tied, GQA 2:1), mqa (untied, 1 KV head, linear RoPE), and k256 (hidden and
-    FFN 256 wide, as K-quant blocks of 256 weights need)."""
+    """HF checkpoints: llama (llama3 RoPE, tied, GQA 2:1), mqa (untied, 1 KV head, linear RoPE), and k256 (plain
+    RoPE, hidden and FFN 256 wide, as K-quant blocks of 256 weights need)."""
     root = tmp_path_factory.mktemp("gguf_tiny")
     linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     return {
         "llama": make_tiny_model(str(root / "llama"), "llama"),
         "mqa": make_tiny_model(str(root / "mqa"), "mqa", seed=1, rope_scaling=linear),
-        "k256": make_tiny_model(str(root / "k256"), "llama", seed=2, hidden_size=256, intermediate_size=256),
+        # plain RoPE: transformers' GGUF loader drops Llama 3 scaling (rope_freqs), and it is compared against here
+        "k256": make_tiny_model(str(root / "k256"), "llama", seed=2, hidden_size=256, intermediate_size=256,
+                                rope_scaling={"rope_type": "default", "rope_theta": 10000.0}),
     }
 
 
@@ -228,6 +230,11 @@ def test_synthetic_gguf_k_quants_match_hf(tiny, tmp_path, make_llm):
     llm = make_llm(path, skip_tokenizer_init=True)
     diff = max_logit_diff(llm, hf_reference(hf_dir, ref), PROMPTS)
     assert diff < 1e-4, f"Q4_K/Q5_K/Q6_K: max |logits - HF on the dequantized weights| = {diff}"
+    # and against transformers' own GGUF loading of the very same file (its dequantization, its q/k un-permutation)
+    transformers_gguf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
+                                                             dtype=torch.float32).eval()
+    diff = max_logit_diff(llm, transformers_gguf, PROMPTS)
+    assert diff < 1e-4, f"Q4_K/Q5_K/Q6_K: max |logits - transformers' GGUF loading| = {diff}"
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
