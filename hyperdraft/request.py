@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 from hyperdraft.sampling_params import SamplingParams
 
 
+def first_invalid_token(ids: list, vocab_size: int):
+    """The first entry of ids that is not a token id in [0, vocab_size), or None when all are."""
+    return next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+
+
 def same_requests(a: list["Request"], b: list["Request"]) -> bool:
     """The same request objects in the same order (a batch that did not change between two steps)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))

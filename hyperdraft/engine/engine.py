@@ -18,7 +18,7 @@ from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.kvcache.state_pool import StatePool
 from hyperdraft.models.loader import load_model
 from hyperdraft.options import RuntimeOptions, activated
-from hyperdraft.request import Request
+from hyperdraft.request import Request, first_invalid_token
 from hyperdraft.runner.graph_runner import GraphSettings, default_batch_sizes
 from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.sampling_params import SamplingParams
@@ -236,7 +236,7 @@ class Engine:
         if len(ids) == 0:
             raise ValueError("prompt is empty: input_ids/prompt must contain at least one token")
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+        if first_invalid_token(ids, vocab) is not None:
             raise ValueError(f"input_ids must be integers in [0, {vocab})")
         if len(ids) >= self.context_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.context_len}, "

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+from hyperdraft.request import first_invalid_token
 from hyperdraft.server.options import RequestLimits
 from hyperdraft.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from hyperdraft.server.template_sandbox import RenderRefused, render_in_sandbox
@@ -55,12 +56,13 @@ class Preprocessor:
     def _check_limits(self, req) -> None:
         limits = self.limits
         chat = isinstance(req, ChatCompletionRequest)
-        prompts = 1 if chat else len(req.prompts())
-        if prompts * req.num_choices > limits.max_sequences:
+        prompts = [] if chat else req.prompts()
+        count = 1 if chat else len(prompts)
+        if count * req.num_choices > limits.max_sequences:
             raise APIError(400, f"a request may ask for at most {limits.max_sequences} sequences (prompts x n); this "
-                                f"one asks for {prompts} x {req.num_choices}", "n", "invalid_value")
+                                f"one asks for {count} x {req.num_choices}", "n", "invalid_value")
         chars = sum(len(m.text()) for m in req.messages) if chat else sum(
-            len(p) for p in req.prompts() if isinstance(p, str))
+            len(p) for p in prompts if isinstance(p, str))
         if chars > limits.max_prompt_chars:
             raise APIError(400, f"the prompt has {chars} characters; this server takes at most "
                                 f"{limits.max_prompt_chars} (--max-prompt-chars)", "messages" if chat else "prompt",
@@ -131,7 +133,7 @@ def _render(tok, messages: list[dict], kwargs: dict) -> str:
 def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
     """Before anything decodes them: an id outside the vocabulary would overflow or index out of range there."""
     for i, ids in enumerate(prompts):
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        bad = first_invalid_token(ids, vocab_size)
         if bad is not None:
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             raise APIError(400, f"{where} must hold token ids in [0, {vocab_size}), got {bad}", "prompt",

@@ -107,7 +107,7 @@ def _check(cfg: TrainConfig) -> None:
 def _make_samples(cfg: TrainConfig) -> list[Sample]:
     from hyperdraft.llm import LLM
 
-    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, context_length=None)
+    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype)
     try:
         if cfg.prompts is not None:
             prompts = load_prompts(cfg.prompts)[: cfg.num_samples]

@@ -32,12 +32,7 @@ def test_config_and_layer_kinds(hybrid_models):
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("chunk", [-1, 7])
 def test_greedy_equals_transformers(hybrid_models, llm_factory, page_size, chunk):
-    prompts = mixed_prompts(5, seed=3, max_len=40) + [[11]]
-    refs = hf_greedy(hybrid_models["target"], prompts, 12)
-    llm = llm_factory(hybrid_models["target"], page_size=page_size, chunked_prefill_size=chunk, max_running_requests=8)
-    outs = llm.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=12,
-                                                                          ignore_eos=True), use_tqdm=False)
-    assert [o.token_ids for o in outs] == [list(r) for r in refs]
+    llm = _assert_greedy_equals_transformers(hybrid_models["target"], llm_factory, 3, page_size, chunk)
     runner = llm.engine.runner
     assert runner.pool.k.shape[0] == 1 and runner.state_pool.recurrent.shape[0] == 3  # K/V for 1 layer, state for 3
     assert all(isinstance(layer, FullAttentionLayer if k == FULL_ATTENTION else LinearAttentionLayer)
@@ -116,12 +111,19 @@ def test_qwen3_next_config_routes_sparse_and_dense_mlps(hybrid_models):
 def test_qwen3_next_greedy_equals_transformers(hybrid_models, llm_factory, page_size, chunk):
     """Qwen3-Next's packed q|k|v|z and b|a projections, unpacked at load, and its MoE MLPs: greedy output equals
     transformers' Qwen3NextForCausalLM, with several requests batched and prefilled in chunks."""
-    prompts = mixed_prompts(5, seed=4, max_len=40) + [[11]]
-    refs = hf_greedy(hybrid_models["next"], prompts, 12)
-    llm = llm_factory(hybrid_models["next"], page_size=page_size, chunked_prefill_size=chunk, max_running_requests=8)
+    _assert_greedy_equals_transformers(hybrid_models["next"], llm_factory, 4, page_size, chunk)
+
+
+def _assert_greedy_equals_transformers(path: str, llm_factory, seed: int, page_size: int, chunk: int):
+    """Six prompts (one a single token), batched and prefilled in chunks: 12 greedy tokens each equal transformers'.
+    -> the LLM, for further checks."""
+    prompts = mixed_prompts(5, seed=seed, max_len=40) + [[11]]
+    refs = hf_greedy(path, prompts, 12)
+    llm = llm_factory(path, page_size=page_size, chunked_prefill_size=chunk, max_running_requests=8)
     outs = llm.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=12,
                                                                           ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == [list(r) for r in refs]
+    return llm
 
 
 def test_qwen3_next_logprobs_equal_transformers(hybrid_models, llm_factory):
