@@ -74,6 +74,7 @@ class EngineArgs:
     attention_backend: str | None = _opt(None, "attention implementation: triton (the default on CUDA) or torch (the default on CPU, and the reference)", choices=ATTENTION_BACKENDS)
     log_level: str = _opt("warning", "logging level")
     disable_cuda_graph: bool = _opt(False, "run every forward eagerly (no CUDA graphs)")
+    disable_radix_cache: bool = _opt(False, "turn prefix caching off: every prompt is computed from scratch (the radix cache shares whole K/V pages of common prefixes between requests; always off for hybrid models)")
     cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default 64, capped by max_running_requests)")
     # ---- speculative decoding (SGLang names) ----
     speculative_algorithm: str | None = _opt(None, _algorithm_help())

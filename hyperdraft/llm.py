@@ -37,6 +37,7 @@ def meta_info(req: Request) -> dict:
         "id": req.rid,
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": completion,
+        "cached_tokens": req.cached_tokens,
         "e2e_latency": (req.finish_time or 0.0) - req.arrival_time,
         "ttft": (req.first_token_time - req.arrival_time) if req.first_token_time else None,
         "num_retractions": req.num_retractions,
@@ -185,6 +186,10 @@ class LLM:
         return StreamDelta(index, text, list(new_ids), req.finished, req.finish_reason, output)
 
     # ---- server-style introspection -----------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (only while nothing runs) -> whether it did."""
+        return self.engine.flush_cache()
+
     def get_server_info(self) -> dict:
         from dataclasses import asdict
 

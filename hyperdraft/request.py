@@ -36,6 +36,8 @@ class Request:
     num_computed: int = 0
     draft_num_computed: int = 0  # tokens with K/V in the draft model's pool (STANDALONE)
     row: int | None = None  # page-table row while running
+    cache_node: object | None = None  # the prefix-cache node this request holds locked (kvcache/prefix_cache.py)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     finish_reason: str | None = None
     stop_str_hit: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)

@@ -15,6 +15,8 @@ from hyperdraft.engine.scheduler import Scheduler
 from hyperdraft.engine.stop import StopChecker
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.kvcache.prefix_cache import PrefixCache
+from hyperdraft.kvcache.radix_tree import RadixTree
 from hyperdraft.kvcache.state_pool import StatePool
 from hyperdraft.models.loader import load_model
 from hyperdraft.options import RuntimeOptions, activated
@@ -125,18 +127,33 @@ class Engine:
             self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
             proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
             draft = proposer_cls.load_draft(self.spec, model, args, self.device) if proposer_cls is not None else None
-            self.max_rows, self.page_table = self._page_table(model, draft)
+            tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
+            self.max_rows, self.page_table = self._page_table(model, draft, tree)
             backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
             graphs = self._graph_settings(backend)
             self.runner = ModelRunner(model, self.page_table, backend, graphs, self._verify_width())
             self.worker = self._make_worker(proposer_cls, draft, backend, graphs)
             if graphs is not None:
                 self.worker.capture_graphs(list(graphs.batch_sizes))
+        self.prefix_cache = self._prefix_cache(tree)
         self.scheduler = self._make_scheduler()
         self._seed_rng = random.Random(args.random_seed)
         self._rid_counter = itertools.count()
 
-    def _page_table(self, model, draft) -> tuple[int, PageTable]:
+    def _prefix_cache(self, tree: RadixTree | None) -> PrefixCache | None:
+        """On unless turned off (--disable-radix-cache) or a model keeps recurrent state, which K/V pages cannot
+        restore (no state snapshots at page boundaries yet). An EAGLE head's K/V at a position depends on the next
+        token (lookahead 1); a drafter with a pool of its own bounds what may be cached by its draft_num_computed."""
+        if tree is None:
+            return None
+        proposer = self.worker.proposer if self.spec is not None else None
+        if self.model_config.is_hybrid or (proposer is not None and proposer.capabilities.recurrent_state):
+            logger.info("prefix cache off: a hybrid (linear-attention) model's recurrent state is not cached")
+            return None
+        lookahead = 1 if proposer is not None and proposer.capabilities.feeds_hidden else 0
+        return PrefixCache(tree, self.page_table, lookahead, draft_kv=proposer is not None and proposer.pool is not None)
+
+    def _page_table(self, model, draft, tree: RadixTree | None) -> tuple[int, PageTable]:
         """(rows, one page table for every pool): the budget goes to the recurrent states of the rows first (hybrid
         models), the rest to K/V pages, split by the target's and the draft's bytes per token."""
         args = self.args
@@ -154,6 +171,7 @@ class Engine:
             max_rows=rows,
             max_pages_per_row=-(-(self.context_len + self._decode_reserve()) // args.page_size),
             device=self.device,
+            cache=tree,
         )
 
     def _fitting_rows(self, budget: int, state_per_row: int) -> int:
@@ -209,7 +227,7 @@ class Engine:
         return Scheduler(self.page_table, StopChecker(tokenizer, eos, self.context_len),
                          max_running_requests=self.max_rows,
                          prefill_budget=chunk if chunk > 0 else self.context_len, chunked_prefill=chunk > 0,
-                         decode_reserve=self._decode_reserve())
+                         decode_reserve=self._decode_reserve(), cache=self.prefix_cache)
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -269,6 +287,30 @@ class Engine:
     def kv_capacity_slots(self) -> int:
         return self.page_table.capacity_slots
 
+    @property
+    def kv_cached_slots(self) -> int:
+        """Slots the prefix cache owns (referenced by running requests or not)."""
+        return self.page_table.cache.num_pages * self.page_table.page_size if self.page_table.cache else 0
+
+    def flush_cache(self) -> bool:
+        """Free every cached page, as SGLang's flush_cache: only while no request is queued or running (their
+        pages are referenced) -> whether it flushed."""
+        if self.scheduler.has_unfinished():
+            return False
+        self.page_table.flush_cache()
+        return True
+
+    def cache_state(self) -> dict:
+        """The prefix cache's size and counters (internal_state, /metrics)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return {"radix_cache": False}
+        tree, ps = cache.tree, self.page_table.page_size
+        return {"radix_cache": True, "cache_tokens": tree.num_pages * ps, "cache_evictable_tokens": tree.evictable_pages * ps,
+                "cache_evicted_tokens": tree.evicted_pages * ps, "cache_lookup_tokens": cache.stats.lookup_tokens,
+                "cache_hit_tokens": cache.stats.hit_tokens,
+                "cache_hit_rate": cache.stats.hit_tokens / cache.stats.lookup_tokens if cache.stats.lookup_tokens else 0.0}
+
     def internal_state(self) -> dict:
         spec = {}
         if self.spec is not None:
@@ -289,4 +331,5 @@ class Engine:
             "kv_free_tokens": self.kv_free_slots,
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
+            **self.cache_state(),
         }

@@ -6,11 +6,15 @@ Each step, in order:
      newest running requests are retracted (KV freed, recomputed later);
   2. unfinished prefills continue, then waiting requests are admitted FCFS,
      under a prefill token budget (chunked prefill) and max_running_requests.
+     With the prefix cache, an admitted request first takes the longest cached
+     prefix of its sequence (whole pages, locked) and prefills only the rest.
 Decodes and prefill chunks share one forward.
 
 After the forward, commit() applies the worker's results: K/V kept by
 length, tokens appended one at a time through the StopChecker, finished
-requests freed.
+requests freed. The prefix cache takes a request's computed whole pages after
+each prefill chunk, and when it finishes or is retracted; pages it holds that
+no running request references are evicted (LRU) before anyone is retracted.
 """
 
 from __future__ import annotations
@@ -21,18 +25,20 @@ from collections import deque
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch, ScheduledRequest, StepOutput
 from hyperdraft.engine.stop import StopChecker
 from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.kvcache.prefix_cache import PrefixCache
 from hyperdraft.request import Request
 
 
 class Scheduler:
     def __init__(self, page_table: PageTable, stop: StopChecker, max_running_requests: int, prefill_budget: int,
-                 chunked_prefill: bool, decode_reserve: int = 1):
+                 chunked_prefill: bool, decode_reserve: int = 1, cache: PrefixCache | None = None):
         self.page_table = page_table
         self.stop = stop
         self.max_running = max_running_requests
         self.prefill_budget = prefill_budget
         self.chunked_prefill = chunked_prefill
         self.decode_reserve = decode_reserve  # K/V room a decode needs beyond the tokens it already has
+        self.cache = cache  # None: every prompt is computed from scratch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -89,30 +95,41 @@ class Scheduler:
             items.append(ScheduledRequest(req, chunk, chunk == req.num_uncomputed))
             budget -= chunk
         while self.waiting and len(self.running) < self.max_running and self.page_table.num_free_rows:
-            req = self.waiting[0]
-            chunk = min(req.num_uncomputed, budget) if self.chunked_prefill else req.num_uncomputed
-            if chunk <= 0 or (not self.chunked_prefill and items and chunk > budget):
+            chunk = self._admit(self.waiting[0], budget, bool(items))
+            if chunk is None:
                 break
-            # Headroom: keep one decode's worth of room per running request so admission does not force retraction.
-            # With nothing running the whole pool is free and the request fits (prompt checks, retraction sizes):
-            # demanding headroom then would leave a request that fits only alone waiting forever.
-            headroom = self.decode_reserve * len(self.running) + self.page_table.page_size if self.running else 0
-            if self.page_table.num_free_slots < chunk + headroom:
-                break
-            self.waiting.popleft()
-            req.row = self.page_table.acquire_row()
-            if not self.page_table.reserve(req.row, req.num_computed + chunk):
-                raise AssertionError("reserve failed after the free-slot check")
-            self.running.append(req)
-            items.append(ScheduledRequest(req, chunk, chunk == req.num_uncomputed))
+            items.append(ScheduledRequest(self.waiting[0], chunk, chunk == self.waiting[0].num_uncomputed))
+            self.running.append(self.waiting.popleft())
             budget -= chunk
         return items
+
+    def _admit(self, req: Request, budget: int, batch_has_items: bool) -> int | None:
+        """Give the first waiting request a row, its cached prefix and room for its first chunk -> the chunk's length,
+        or None when it does not fit this step (nothing changed then)."""
+        hit = self.cache.match(req) if self.cache is not None else None
+        uncomputed = req.seq_len - (hit.num_pages * self.page_table.page_size if hit is not None else 0)
+        chunk = min(uncomputed, budget) if self.chunked_prefill else uncomputed
+        # Headroom: keep one decode's worth of room per running request so admission does not force retraction.
+        # With nothing running the whole pool is free and the request fits (prompt checks, retraction sizes):
+        # demanding headroom then would leave a request that fits only alone waiting forever.
+        headroom = self.decode_reserve * len(self.running) + self.page_table.page_size if self.running else 0
+        if (chunk <= 0 or (not self.chunked_prefill and batch_has_items and chunk > budget)
+                or self.page_table.num_available_slots < chunk + headroom):
+            if hit is not None:
+                self.cache.unlock(hit)
+            return None
+        req.row = self.page_table.acquire_row()
+        if self.cache is not None:
+            self.cache.attach(req, req.row, hit)
+        if not self.page_table.reserve(req.row, req.num_computed + chunk):
+            raise AssertionError("reserve failed after the free-slot check")
+        return chunk
 
     def _retract(self, req: Request) -> None:
         """Free a running request's K/V and queue it first for recompute; its tokens so far are kept."""
         self.running.remove(req)
-        self.page_table.release_row(req.row)
-        req.row, req.num_computed, req.draft_num_computed = None, 0, 0
+        self._release(req, keep_cached=True)
+        req.num_computed, req.draft_num_computed = 0, 0
         req.num_retractions += 1
         self.waiting.appendleft(req)
 
@@ -124,10 +141,13 @@ class Scheduler:
             req = item.req
             if req.finished:
                 continue  # aborted while its step ran
+            prefill = not item.is_decode
             req.num_computed += res.num_committed
             if res.num_drafted is not None:  # rollback by length after a verify: rejected drafts' slots go back (a
                 # plain step keeps its room: a decode queued ahead has written the next index, engine/model_worker.py)
                 self.page_table.truncate(req.row, req.num_computed)
+            if prefill and self.cache is not None:  # a later request with this prefix skips it (no decode pays this)
+                self.cache.save(req)
             if not item.samples:
                 continue
             if res.num_drafted is not None:
@@ -150,5 +170,13 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         if req.row is not None:
-            self.page_table.release_row(req.row)
-            req.row = None
+            self._release(req, keep_cached=reason != "abort")
+
+    def _release(self, req: Request, keep_cached: bool) -> None:
+        """Free the request's row; with keep_cached, its computed whole pages stay in the prefix cache first."""
+        if self.cache is not None:
+            if keep_cached:
+                self.cache.save(req)
+            self.cache.release(req)
+        self.page_table.release_row(req.row)
+        req.row = None

@@ -11,6 +11,11 @@ the same number of slots as the target's, so one page table indexes both.
 The host owns the allocation (per-row page lists); the device table mirrors it. Changes are queued per entry and
 written in one copy and one launch when the device table is next read (`table`, `slots`, `flush`), not as a small
 copy per request per step: with page_size 1, every decode would otherwise pay one copy per request.
+
+With prefix caching (radix_tree.py, prefix_cache.py) a row's leading pages may belong to the tree: `attach` starts a
+row on cached pages, `share` hands a row's computed pages to the tree (or swaps them for the tree's copies). The row
+never frees those; rolling back below them only drops them from the row. When the free list runs short, `reserve`
+asks the tree to evict unreferenced pages first. Every page is then free, the tree's, or exactly one row's own.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.core.host_copy import to_device_many
+from hyperdraft.kvcache.radix_tree import RadixTree
 
 
 class PageTable:
-    def __init__(self, num_pages: int, page_size: int, max_rows: int, max_pages_per_row: int, device: torch.device):
+    def __init__(self, num_pages: int, page_size: int, max_rows: int, max_pages_per_row: int, device: torch.device,
+                 cache: RadixTree | None = None):
+        """cache: the prefix tree that owns cached pages and gives unreferenced ones back when the pool runs short."""
         if num_pages < 2:
             raise ValueError("the KV pool needs at least 2 pages (page 0 is reserved for padding)")
         self.page_size = page_size
@@ -30,6 +38,8 @@ class PageTable:
         self._free_pages = list(range(num_pages - 1, 0, -1))
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._row_pages: dict[int, list[int]] = {}
+        self._row_shared: dict[int, int] = {}  # leading pages of the row that the prefix tree owns
+        self.cache = cache
         self._table = torch.zeros(max_rows, max_pages_per_row, dtype=torch.int64, device=device)  # [rows, pages]
         self._pending: dict[int, int] = {}  # flat entry row * max_pages_per_row + page index -> page, not yet written
 
@@ -62,6 +72,17 @@ class PageTable:
         return len(self._free_pages) * self.page_size
 
     @property
+    def num_available_slots(self) -> int:
+        """Free slots plus the cached ones no running request references (reserve evicts those when it must)."""
+        evictable = self.cache.evictable_pages if self.cache is not None else 0
+        return (len(self._free_pages) + evictable) * self.page_size
+
+    @property
+    def num_private_slots(self) -> int:
+        """Slots in pages that one row owns (not the tree's): free + cached + private = capacity."""
+        return sum(len(p) - self._row_shared[r] for r, p in self._row_pages.items()) * self.page_size
+
+    @property
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 
@@ -71,12 +92,52 @@ class PageTable:
     def acquire_row(self) -> int:
         row = self._free_rows.pop()
         self._row_pages[row] = []
+        self._row_shared[row] = 0
         return row
 
     def release_row(self, row: int) -> None:
         self.truncate(row, 0)
-        del self._row_pages[row]
+        del self._row_pages[row], self._row_shared[row]
         self._free_rows.append(row)
+
+    def row_pages(self, row: int) -> list[int]:
+        return list(self._row_pages[row])
+
+    def num_shared_pages(self, row: int) -> int:
+        return self._row_shared[row]
+
+    def attach(self, row: int, pages: list[int]) -> None:
+        """Start an empty row on cached pages (a prefix-cache hit); the tree keeps owning them."""
+        assert not self._row_pages[row], "attach needs an empty row"
+        self._set_pages(row, 0, pages)
+        self._row_shared[row] = len(pages)
+
+    def share(self, row: int, tree_pages: list[int]) -> None:
+        """The tree now holds the row's first len(tree_pages) pages: where it kept its own copy of a page (the same
+        tokens cached earlier), the row switches to it and frees its duplicate."""
+        own = self._row_pages[row][: len(tree_pages)]
+        self._free_pages.extend(p for p, t in zip(own, tree_pages) if p != t)
+        self._set_pages(row, 0, tree_pages)
+        self._row_shared[row] = max(self._row_shared[row], len(tree_pages))
+
+    def _set_pages(self, row: int, start: int, pages: list[int]) -> None:
+        row_pages = self._row_pages[row]
+        row_pages[start : start + len(pages)] = pages
+        base = row * self.max_pages_per_row + start
+        self._pending.update(zip(range(base, base + len(pages)), pages))
+
+    def flush_cache(self) -> int:
+        """Free every cached page no row references -> how many pages."""
+        freed = self.cache.flush() if self.cache is not None else []
+        self._free_pages.extend(freed)
+        return len(freed)
+
+    def _take(self, need: int) -> bool:
+        """need pages on the free list, evicting unreferenced cached pages when it is short."""
+        short = need - len(self._free_pages)
+        if short > 0 and self.cache is not None and self.cache.evictable_pages:
+            self._free_pages.extend(self.cache.evict(short))
+        return need <= len(self._free_pages)
 
     def extra_pages_needed(self, row: int, num_tokens: int) -> int:
         return max(0, self.pages_for(num_tokens) - len(self._row_pages[row]))
@@ -84,17 +145,14 @@ class PageTable:
     def reserve(self, row: int, num_tokens: int) -> bool:
         """Make room for num_tokens tokens in the row; all or nothing."""
         need = self.extra_pages_needed(row, num_tokens)
-        if need > len(self._free_pages):
-            return False
         if need == 0:
             return True
+        if not self._take(need):
+            return False
         pages = self._row_pages[row]
         if len(pages) + need > self.max_pages_per_row:
             raise ValueError(f"request needs {num_tokens} tokens, more than the page table row holds")
-        new = [self._free_pages.pop() for _ in range(need)]
-        base = row * self.max_pages_per_row + len(pages)
-        self._pending.update(zip(range(base, base + need), new))
-        pages.extend(new)
+        self._set_pages(row, len(pages), [self._free_pages.pop() for _ in range(need)])
         return True
 
     def reserve_ahead(self, rows: list[int], num_tokens: list[int]) -> bool:
@@ -105,11 +163,14 @@ class PageTable:
         return all(n <= width for n in num_tokens) and all(map(self.reserve, rows, num_tokens))
 
     def truncate(self, row: int, num_tokens: int) -> None:
-        """Release the pages past the first num_tokens tokens (rollback by length)."""
+        """Release the pages past the first num_tokens tokens (rollback by length); the tree's pages are only dropped
+        from the row, never freed by it."""
         pages = self._row_pages[row]
         keep = self.pages_for(num_tokens)
         if keep < len(pages):
-            self._free_pages.extend(reversed(pages[keep:]))
+            shared = self._row_shared[row]
+            self._free_pages.extend(reversed(pages[max(keep, shared):]))
+            self._row_shared[row] = min(shared, keep)
             # Released pages stop mapping: a stray write past the row's room lands in the padding page, never in a
             # page since given to another row.
             base = row * self.max_pages_per_row

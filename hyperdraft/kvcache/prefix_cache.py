@@ -1,0 +1,109 @@
+"""PrefixCache: what the scheduler asks of the radix tree, in terms of requests.
+
+  match(req)         at admission: the longest cached prefix of the request's sequence, locked -> a Hit (or None);
+                     at most seq_len - 2 tokens, so the request still runs a prefill of at least two tokens and joins
+                     the batch as a prefill, with every drafter's prefill path run over it
+  attach(req, row, hit)   the request starts on the hit's pages: num_computed = draft_num_computed = hit length
+  save(req)          after a prefill chunk, and when a request finishes or is retracted: its computed whole pages go
+                     into the tree (pages already cached swap to the tree's copies), and its lock moves down to them
+  release(req)       drop the request's lock (its row is being released)
+
+What may be cached is what every pool indexed by the page table holds for those tokens: the target's K/V up to
+num_computed (accepted tokens only: a verify's rejected drafts are rolled back before save runs, and drafts in flight
+are past num_computed), and, for a drafter with K/V of its own, only up to draft_num_computed. An EAGLE head's K/V at
+position i is computed from (target hidden h_i, token t_{i+1}): it depends on the NEXT token too. So with
+`lookahead` 1 the tree's keys are (t_i, t_{i+1}) pairs: a match then implies the following token matched as well,
+which is exactly when the head's cached K/V is the one it would compute. The head's hidden-state buffer needs nothing
+from the cache: after a hit of m tokens the head has consumed positions < m, and its prefill resumes at m from the
+target states of the new chunk (speculative/proposers/eagle.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.kvcache.radix_tree import Node, RadixTree
+from hyperdraft.request import Request
+
+
+@dataclass(frozen=True)
+class Hit:
+    node: Node  # locked
+    pages: list[int]
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+
+@dataclass
+class CacheStats:
+    lookup_tokens: int = 0  # prompt tokens of admitted requests looked up
+    hit_tokens: int = 0  # of those, served from the cache
+
+
+class PrefixCache:
+    def __init__(self, tree: RadixTree, page_table: PageTable, lookahead: int, draft_kv: bool):
+        """lookahead: 1 when a drafter's K/V at a position depends on the next token (EAGLE heads), else 0;
+        draft_kv: a drafter keeps K/V of its own (its draft_num_computed bounds what may be cached)."""
+        self.tree, self.page_table = tree, page_table
+        self.page_size = page_table.page_size
+        self.lookahead, self.draft_kv = lookahead, draft_kv
+        self.stats = CacheStats()
+
+    def keys(self, req: Request, length: int) -> list:
+        """The tree's keys for the request's first `length` positions."""
+        tokens = req.token_ids(0, length + self.lookahead)
+        return list(zip(tokens, tokens[1:])) if self.lookahead else tokens
+
+    def match(self, req: Request) -> Hit | None:
+        usable = (req.seq_len - 2) // self.page_size * self.page_size
+        if usable <= 0:
+            return None
+        node, pages = self.tree.match(self.keys(req, usable))
+        if not pages:
+            return None
+        self.tree.lock(node)
+        return Hit(node, pages)
+
+    def unlock(self, hit: Hit) -> None:
+        """A hit the scheduler could not admit after all."""
+        self.tree.unlock(hit.node)
+
+    def attach(self, req: Request, row: int, hit: Hit | None) -> None:
+        """Start the request in `row` on the hit's pages (or on nothing), and count the lookup."""
+        cached = hit.num_pages * self.page_size if hit is not None else 0
+        if req.num_retractions == 0:  # a recompute after retraction is no new prompt
+            self.stats.lookup_tokens += len(req.prompt_ids)
+            self.stats.hit_tokens += min(cached, len(req.prompt_ids))
+            req.cached_tokens = min(cached, len(req.prompt_ids))
+        if hit is None:
+            return
+        self.page_table.attach(row, hit.pages)
+        req.cache_node = hit.node
+        req.num_computed = req.draft_num_computed = cached
+
+    def save(self, req: Request) -> None:
+        """Cache the request's computed whole pages (see the module doc for what counts as computed)."""
+        length = min(req.num_computed, req.seq_len - self.lookahead)
+        if self.draft_kv:
+            length = min(length, req.draft_num_computed)
+        num_pages = length // self.page_size
+        if num_pages <= self.page_table.num_shared_pages(req.row):
+            return
+        pages = self.page_table.row_pages(req.row)[:num_pages]
+        node, tree_pages = self.tree.insert(self.keys(req, num_pages * self.page_size), pages)
+        self.page_table.share(req.row, tree_pages)
+        self.tree.lock(node)
+        self.release(req)
+        req.cache_node = node
+
+    def release(self, req: Request) -> None:
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+            req.cache_node = None
+
+    def flush(self) -> int:
+        """Free every unreferenced cached page -> how many pages."""
+        return self.page_table.flush_cache()

@@ -1,0 +1,149 @@
+"""RadixTree: cached K/V pages keyed by the token sequence that produced them (prefix caching).
+
+Each edge holds a run of keys whose length is a multiple of page_size, and the pages that hold their K/V: key j of an
+edge lives in pages[j // page_size]. Every edge is page-aligned, so a match shares only whole pages; the partial page
+after it belongs to the new request alone (it is recomputed there), and no request ever writes into a page the tree
+owns. A key is a token id, or whatever the caller derives from the tokens (prefix_cache.py pairs each token with the
+next one for drafters whose K/V at a position depends on it); the tree only compares keys.
+
+  match(keys)          the longest cached page-aligned prefix of keys -> (node, its pages); an edge the match ends
+                       inside is split there, so the node covers exactly the match
+  insert(keys, pages)  cache pages for keys; where the tree already holds a prefix, its pages win (the caller drops
+                       its duplicates) -> (node, the tree's pages for all of keys)
+  lock / unlock(node)  a running request's reference to a node and all its ancestors; referenced nodes never go
+  evict(num_pages)     frees least-recently-used unreferenced leaves (a parent left childless and unreferenced becomes
+                       one) until num_pages pages are freed or nothing unreferenced is left -> the freed pages
+
+A locked node's ancestors are locked too, so every unreferenced node can be evicted once its subtree has been:
+evictable_pages counts them all, and is what the pool can win back.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Node:
+    key: list[Hashable]
+    pages: list[int]
+    parent: Node | None
+    children: dict[tuple, Node] = field(default_factory=dict)
+    refs: int = 0  # running requests whose locked path passes through this node
+    last_use: int = 0  # logical clock of the latest match or insert that walked through it
+
+
+class RadixTree:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.root = Node([], [], None)
+        self.root.refs = 1  # never evicted, never counted
+        self.num_pages = 0  # pages the tree owns
+        self.evictable_pages = 0  # of those, in unreferenced nodes
+        self.evicted_pages = 0  # pages freed by evict() so far (metrics)
+        self._clock = itertools.count(1)
+
+    # ---- lookups ------------------------------------------------------------------------------------------------
+    def match(self, keys: Sequence[Hashable]) -> tuple[Node, list[int]]:
+        node, pages, _ = self._walk(list(keys))
+        return node, pages
+
+    def insert(self, keys: Sequence[Hashable], pages: Sequence[int]) -> tuple[Node, list[int]]:
+        """keys: a multiple of page_size; pages: one per page of keys. New pages become the tree's; over a prefix the
+        tree already holds, the tree keeps its own and returns them in their place."""
+        assert len(keys) % self.page_size == 0 and len(pages) * self.page_size == len(keys)
+        keys = list(keys)
+        node, tree_pages, pos = self._walk(keys)
+        if pos < len(keys):
+            leaf = Node(keys[pos:], list(pages[pos // self.page_size:]), node, last_use=node.last_use)
+            node.children[self._first(keys, pos)] = leaf
+            self.num_pages += len(leaf.pages)
+            self.evictable_pages += len(leaf.pages)
+            node, tree_pages = leaf, tree_pages + leaf.pages
+        return node, tree_pages
+
+    def _walk(self, keys: list[Hashable]) -> tuple[Node, list[int], int]:
+        """Follow keys down from the root over whole matching pages -> (deepest node, its path's pages, keys
+        matched). Splits an edge the match ends inside, and marks the path as used now."""
+        now, ps = next(self._clock), self.page_size
+        node, pages, pos = self.root, [], 0
+        while len(keys) - pos >= ps:
+            child = node.children.get(self._first(keys, pos))
+            if child is None:
+                break
+            k = ps  # the child's first page equals ours (that is its dict key)
+            while k < len(child.key) and len(keys) - pos - k >= ps and child.key[k:k + ps] == keys[pos + k:pos + k + ps]:
+                k += ps
+            if k < len(child.key):
+                child = self._split(child, k)
+            child.last_use = now
+            node, pages, pos = child, pages + child.pages, pos + k
+        return node, pages, pos
+
+    def _first(self, keys: Sequence[Hashable], pos: int) -> tuple:
+        return tuple(keys[pos:pos + self.page_size])
+
+    def _split(self, child: Node, k: int) -> Node:
+        """Cut child's edge after k keys: a new node takes the first k (and their pages) and becomes its parent. The
+        new node lies on exactly the locked paths child did, so it takes child's reference count."""
+        parent = child.parent
+        head = Node(child.key[:k], child.pages[:k // self.page_size], parent, refs=child.refs, last_use=child.last_use)
+        parent.children[self._first(child.key, 0)] = head
+        child.key, child.pages, child.parent = child.key[k:], child.pages[k // self.page_size:], head
+        head.children[self._first(child.key, 0)] = child
+        return head
+
+    # ---- references ---------------------------------------------------------------------------------------------
+    def lock(self, node: Node) -> None:
+        while node is not self.root:
+            if node.refs == 0:
+                self.evictable_pages -= len(node.pages)
+            node.refs += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root:
+            node.refs -= 1
+            assert node.refs >= 0, "unlock without a lock"
+            if node.refs == 0:
+                self.evictable_pages += len(node.pages)
+            node = node.parent
+
+    # ---- eviction -----------------------------------------------------------------------------------------------
+    def evict(self, num_pages: int) -> list[int]:
+        """Free unreferenced leaves, least recently used first, until num_pages pages are freed (whole leaves: it may
+        free more) or none is left."""
+        freed = self._evict(num_pages)
+        self.evicted_pages += len(freed)
+        return freed
+
+    def flush(self) -> list[int]:
+        """Free every unreferenced page (not counted as evictions)."""
+        return self._evict(self.num_pages)
+
+    def _evict(self, num_pages: int) -> list[int]:
+        order = itertools.count()  # ties in last_use break by discovery order, never by comparing nodes
+        heap = [(n.last_use, next(order), n) for n in self._nodes() if not n.children and n.refs == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[self._first(leaf.key, 0)]
+            freed += leaf.pages
+            if parent is not self.root and not parent.children and parent.refs == 0:
+                heapq.heappush(heap, (parent.last_use, next(order), parent))
+        self.num_pages -= len(freed)
+        self.evictable_pages -= len(freed)
+        return freed
+
+    def _nodes(self) -> list[Node]:
+        nodes, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
