@@ -1,6 +1,6 @@
 """The state backend of a hybrid model's Gated DeltaNet layers: what the K/V attention backend is to full attention.
 
-A layer hands it q|k|v before the conv, g and beta for every packed token; per request it runs the causal conv and
+A layer hands it q|k|v before the conv and the gate inputs (GdnGates) for every packed token; per request it runs the causal conv and
 the gated delta rule from the request's state and returns the recurrence's output. Where states come from and go:
   a request that advances  its committed slot (StatePool.conv / recurrent): read, then overwritten; a request whose
                            first chunk this is (prefix 0) starts from zeros, whatever its slot held before
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch
-from hyperdraft.kernels.gated_delta import causal_conv_step, delta_step, prepare_qkv
+from hyperdraft.kernels.gated_delta import GdnGates, causal_conv_step, delta_step, prepare_qkv
 from hyperdraft.kernels.gated_delta_walk import Walk, conv_walk, delta_walk
 from hyperdraft.kvcache.state_pool import StatePool
 
@@ -59,10 +59,11 @@ class TorchLinearBackend:
         return LinearPlan(starts, list(fb.extend_lens), slots, [p == 0 for p in fb.prefix_lens],
                           fb.num_spec_requests, parents, targets)
 
-    def forward(self, layer: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+    def forward(self, layer: int, mixed: torch.Tensor, gates: GdnGates, conv_weight: torch.Tensor,
                 plan: LinearPlan) -> torch.Tensor:
-        """mixed [T, C], g [T, HV] fp32, beta [T, HV], conv_weight [C, K] -> [T, HV, dv] in mixed's dtype."""
+        """mixed [T, C], conv_weight [C, K] -> [T, HV, dv] in mixed's dtype."""
         cfg = self.cfg
+        g, beta = gates.decay_and_beta()
         out = torch.zeros(mixed.shape[0], cfg.num_v_heads, cfg.v_head_dim, dtype=mixed.dtype, device=mixed.device)
         if plan.num_spec:
             self._speculative(layer, plan, mixed, g, beta, conv_weight, out)
@@ -150,10 +151,10 @@ class TritonLinearBackend:
     def plan(self, fb: ForwardBatch) -> Walk:
         return plan_walk(fb)
 
-    def forward(self, layer: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+    def forward(self, layer: int, mixed: torch.Tensor, gates: GdnGates, conv_weight: torch.Tensor,
                 walk: Walk) -> torch.Tensor:
-        """mixed [T, C], g [T, HV] fp32, beta [T, HV], conv_weight [C, K] -> [T, HV, dv] in mixed's dtype."""
+        """mixed [T, C], conv_weight [C, K] -> [T, HV, dv] in mixed's dtype."""
         pool = self.pool
         qkv = conv_walk(mixed, conv_weight, pool.conv[layer], pool.conv_scratch[layer], walk)
-        return delta_walk(qkv, g, beta, pool.recurrent[layer], pool.recurrent_scratch[layer], walk, self.cfg.key_dim,
+        return delta_walk(qkv, gates, pool.recurrent[layer], pool.recurrent_scratch[layer], walk, self.cfg.key_dim,
                           mixed.dtype)

@@ -13,8 +13,28 @@ This is the form of transformers' torch_recurrent_gated_delta_rule, which the eq
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GdnGates:
+    """A Gated DeltaNet layer's gate inputs for the packed tokens, before their nonlinearities: the log decay
+    g = -exp(A_log) * softplus(a + dt_bias), in fp32 (exp(A_log) overflows fp16), and the write strength
+    beta = sigmoid(b), in b's dtype. The Triton delta walk computes both inside its token loop, which saves the seven
+    elementwise launches per layer that decay_and_beta (the reference, and the CPU path) runs."""
+
+    a: torch.Tensor  # [T, HV], any row stride (a column block of the fused input projection)
+    b: torch.Tensor  # [T, HV], any row stride
+    A_log: torch.Tensor  # [HV]
+    dt_bias: torch.Tensor  # [HV]
+
+    def decay_and_beta(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (g [T, HV] fp32, beta [T, HV] in b's dtype)."""
+        g = -self.A_log.float().exp() * F.softplus(self.a.float() + self.dt_bias)
+        return g, self.b.sigmoid()
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
-from hyperdraft.kernels.gated_delta import causal_conv_step, delta_step, prepare_qkv
+from hyperdraft.kernels.gated_delta import GdnGates, causal_conv_step, delta_step, prepare_qkv
+from hyperdraft.options import triton_interpreted
+
+try:
+    from triton.language.extra import libdevice
+except ImportError:
+    libdevice = None
 
 
 @dataclass(frozen=True)
@@ -80,9 +86,10 @@ def _conv_walk(Mixed, Out, Weight, Conv, ConvScratch, Starts, Lens, Slots, Fresh
 
 
 @jit
-def _delta_walk(QKV, G, Beta, Out, State, Scratch, Starts, Lens, Slots, Fresh, Parent, Target,
-                s_qt, s_gt, s_bt, s_ot, s_oh, s_ss, s_sh, s_sk, s_xs, s_xw, s_xh, s_xk, key_dim, scale,
-                GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _delta_walk(QKV, A, B, ALog, DtBias, Out, State, Scratch, Starts, Lens, Slots, Fresh, Parent, Target,
+                s_qt, s_at, s_bt, s_ot, s_oh, s_ss, s_sh, s_sk, s_xs, s_xw, s_xh, s_xk, key_dim, scale,
+                GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                LIBDEVICE: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     kk = tl.arange(0, BK)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -94,6 +101,8 @@ def _delta_walk(QKV, G, Beta, Out, State, Scratch, Starts, Lens, Slots, Fresh, P
     committed = State + slot * s_ss + h * s_sh + kk[:, None] * s_sk + vv[None, :]
     scratch = Scratch + slot * s_xs + h * s_xh + kk[:, None] * s_xk + vv[None, :]
     kh = h // GROUP
+    decay_rate = tl.exp(tl.load(ALog + h).to(tl.float32))
+    dt_bias = tl.load(DtBias + h).to(tl.float32)
     state = tl.zeros([BK, BV], dtype=tl.float32)
     prev_target = tl.zeros([], dtype=tl.int32) - 3
     for j in range(0, n):
@@ -111,8 +120,15 @@ def _delta_walk(QKV, G, Beta, Out, State, Scratch, Starts, Lens, Slots, Fresh, P
         v = tl.load(QKV + t * s_qt + 2 * key_dim + h * DV + vv, mask=vmask, other=0.0).to(tl.float32)
         q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
         k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-        g = tl.load(G + t * s_gt + h).to(tl.float32)
-        beta = tl.load(Beta + t * s_bt + h).to(tl.float32)
+        # GdnGates.decay_and_beta, in the loop: softplus as torch's (x past 20 passes through), beta rounded to b's dtype
+        a = tl.load(A + t * s_at + h).to(tl.float32) + dt_bias
+        if LIBDEVICE:
+            softplus = tl.where(a > 20.0, a, libdevice.log1p(tl.exp(a)))
+        else:
+            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        g = -decay_rate * softplus
+        b_in = tl.load(B + t * s_bt + h)
+        beta = (1.0 / (1.0 + tl.exp(-b_in.to(tl.float32)))).to(b_in.dtype).to(tl.float32)
         # the rule: h <- h * exp(g);  u = beta * (v - h^T k);  h <- h + k u^T;  o = h^T q
         state = state * tl.exp(g)
         u = beta * (v - tl.sum(state * k[:, None], axis=0))
@@ -143,20 +159,23 @@ def conv_walk(mixed: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, con
     return out
 
 
-def delta_walk(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, recurrent: torch.Tensor,
-               recurrent_scratch: torch.Tensor, walk: Walk, key_dim: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """qkv [T, C] (the conv's output), g [T, HV] fp32, beta [T, HV]; recurrent [S, HV, dk, dv] and recurrent_scratch
-    [S, W, HV, dk, dv] (one layer) -> o [T, HV, dv]."""
+def delta_walk(qkv: torch.Tensor, gates: GdnGates, recurrent: torch.Tensor, recurrent_scratch: torch.Tensor,
+               walk: Walk, key_dim: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """qkv [T, C] (the conv's output), gates over [T, HV] (the decay and beta are computed here); recurrent
+    [S, HV, dk, dv] and recurrent_scratch [S, W, HV, dk, dv] (one layer) -> o [T, HV, dv]."""
     _, heads, dk, dv = recurrent.shape
+    assert gates.a.stride(-1) == 1 and gates.b.stride(-1) == 1, "gate inputs: heads contiguous"
     out = torch.empty(qkv.shape[0], heads, dv, dtype=out_dtype, device=qkv.device)
     bv = min(triton.next_power_of_2(dv), 32)  # [dk, 32] fp32 per program: registers, and HV * dv / 32 programs
     group = heads // (key_dim // dk)
     _delta_walk[(walk.num_requests, heads, triton.cdiv(dv, bv))](
-        qkv, g, beta, out, recurrent, recurrent_scratch, walk.starts, walk.lens, walk.slots, walk.fresh,
-        walk.parent, walk.target, qkv.stride(0), g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        qkv, gates.a, gates.b, gates.A_log, gates.dt_bias, out, recurrent, recurrent_scratch, walk.starts, walk.lens,
+        walk.slots, walk.fresh, walk.parent, walk.target, qkv.stride(0), gates.a.stride(0), gates.b.stride(0),
+        out.stride(0), out.stride(1),
         recurrent.stride(0), recurrent.stride(1), recurrent.stride(2), recurrent_scratch.stride(0),
         recurrent_scratch.stride(1), recurrent_scratch.stride(2), recurrent_scratch.stride(3), key_dim,
-        dk ** -0.5, GROUP=group, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, num_warps=4)
+        dk ** -0.5, GROUP=group, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, LIBDEVICE=not triton_interpreted(),
+        num_warps=4)
     return out
 
 

@@ -120,8 +120,8 @@ class ModelRunner(GraphedRunner):
         else:
             plan = self.linear_backend.plan(fb)
 
-            def linear(layer_id, mixed, g, beta, conv_weight):
-                return self.linear_backend.forward(layer_id, mixed, g, beta, conv_weight, plan)
+            def linear(layer_id, mixed, gates, conv_weight):
+                return self.linear_backend.forward(layer_id, mixed, gates, conv_weight, plan)
 
             hidden, captured = self.model(fb.input_ids, fb.positions, attn, capture_layers, after_layer, linear)
         logits = self.model.compute_logits(fb.logits_rows(hidden))

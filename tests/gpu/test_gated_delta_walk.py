@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.kernels.gated_delta import GdnGates
 from hyperdraft.kernels.gated_delta_walk import Walk, commit_states, conv_walk, delta_walk, walk_reference
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.tiny import make_tiny_model
@@ -55,15 +56,19 @@ def test_walk_kernels_equal_the_reference(dims, dtype):
         return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dt)
 
     mixed, weight = rand(tokens, channels), rand(channels, kernel, scale=0.5)
-    g = -torch.rand(tokens, hv, generator=gen, device="cuda")  # log decay <= 0, fp32
-    beta = torch.rand(tokens, hv, generator=gen, device="cuda").to(dtype)
+    # a and b as column blocks of one projection output (row stride 3 * hv), as a layer hands them over; a spans
+    # softplus' pass-through (> 20) and its tiny-value range
+    ab = rand(tokens, 3 * hv, scale=3.0)
+    ab[0, :hv] = torch.linspace(-30, 30, hv, device="cuda").to(dtype)
+    gates = GdnGates(ab[:, :hv], ab[:, hv : 2 * hv], rand(hv, scale=0.5), rand(hv))
+    g, beta = gates.decay_and_beta()
     pools = [rand(slots, channels, kernel - 1), rand(slots, width, channels, kernel - 1),
              rand(slots, hv, dk, dv, scale=0.3, dt=torch.float32), rand(slots, width, hv, dk, dv, scale=0.3,
                                                                          dt=torch.float32)]
     mine = [p.clone() for p in pools]
     ref = walk_reference(mixed, weight, g, beta, *pools, walk, key_dim, dk)
     qkv = conv_walk(mixed, weight, mine[0], mine[1], walk)
-    out = delta_walk(qkv, g, beta, mine[2], mine[3], walk, key_dim, dtype)
+    out = delta_walk(qkv, gates, mine[2], mine[3], walk, key_dim, dtype)
     tol = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
     for name, a, b in zip(("conv", "conv_scratch", "recurrent", "recurrent_scratch"), mine, pools):
@@ -94,7 +99,9 @@ def test_kernels_read_the_scratch_through_its_own_strides():
     tokens = walk.parent.shape[0]
     mixed = torch.randn(tokens, channels, generator=gen, device="cuda")
     weight = torch.randn(channels, kernel, generator=gen, device="cuda") * 0.5
-    g, beta = -torch.rand(tokens, hv, generator=gen, device="cuda"), torch.rand(tokens, hv, generator=gen, device="cuda")
+    gates = GdnGates(*torch.randn(2, tokens, hv, generator=gen, device="cuda"), torch.randn(hv, generator=gen, device="cuda"),
+                     torch.randn(hv, generator=gen, device="cuda"))
+    g, beta = gates.decay_and_beta()
     conv = torch.randn(7, channels, kernel - 1, generator=gen, device="cuda")
     rec = torch.randn(7, hv, dk, dv, generator=gen, device="cuda") * 0.3
     wide_conv = torch.randn(7, 11, channels, kernel - 1, generator=gen, device="cuda")
@@ -102,7 +109,7 @@ def test_kernels_read_the_scratch_through_its_own_strides():
     pools = [conv.clone(), wide_conv[:, :6].clone(), rec.clone(), wide_rec[:, :6].clone()]
     ref = walk_reference(mixed, weight, g, beta, *pools, walk, key_dim, dk)
     qkv = conv_walk(mixed, weight, conv, wide_conv[:, :6], walk)
-    out = delta_walk(qkv, g, beta, rec, wide_rec[:, :6], walk, key_dim, torch.float32)
+    out = delta_walk(qkv, gates, rec, wide_rec[:, :6], walk, key_dim, torch.float32)
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(wide_rec[:, :6], pools[3], atol=2e-4, rtol=1e-4)
 

@@ -59,3 +59,44 @@ def test_speculation_equals_plain_on_cuda(models, dtype):
             assert got == plain, extra
         else:  # bf16 verify widths round differently (issue 24): report, do not assert
             print(dtype, extra, sum(g == p for g, p in zip(got, plain)), "of", len(plain), "identical")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centered_rms_norm_kernel_equals_the_reference(dtype):
+    """kernels/norm.py with zero_centered: (1 + w) in fp32 and one rounding, as Qwen3.5's norm; with the residual add
+    fused (hidden states) and on strided [T, heads, D] views (q/k norms)."""
+    from hyperdraft.kernels.norm import rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(256, generator=gen, device="cuda").to(dtype) * 0.1
+
+    def ref(x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(dtype)
+
+    x = torch.randn(7, 256, generator=gen, device="cuda").to(dtype)
+    r = torch.randn(7, 256, generator=gen, device="cuda").to(dtype)
+    out, total = rms_norm(x, w, 1e-6, r, zero_centered=True)
+    assert torch.equal(total, x + r)
+    torch.testing.assert_close(out, ref(x + r), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+    packed = torch.randn(7, 3 * 4 * 256, generator=gen, device="cuda").to(dtype)
+    heads = packed[:, 4 * 256 : 8 * 256].view(7, 4, 256)  # strided rows, contiguous last dim
+    torch.testing.assert_close(rms_norm(heads, w, 1e-6, zero_centered=True)[0], ref(heads),
+                               atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_kernel_equals_the_reference(dtype):
+    """kernels/norm.py's gated norm: per head of x [T, HV, dv], gated by SiLU(z) where z is a column block of a wider
+    projection output (its own row stride)."""
+    from hyperdraft.kernels.norm import gated_rms_norm, gated_rms_norm_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tokens, heads, dim = 9, 4, 128
+    x = torch.randn(tokens, heads, dim, generator=gen, device="cuda").to(dtype)
+    packed = (torch.randn(tokens, 3 * heads * dim, generator=gen, device="cuda") * 3).to(dtype)
+    z = packed[:, heads * dim : 2 * heads * dim]
+    w = (1 + 0.1 * torch.randn(dim, generator=gen, device="cuda")).to(dtype)
+    got, want = gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_reference(x, z, w, 1e-6)
+    assert got.shape == want.shape == (tokens, heads * dim)
+    torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5 if dtype == torch.float32 else 2e-2)

@@ -18,9 +18,9 @@ NEW_TOKENS = [14, 5, 18, 9, 11, 3]
 
 
 class WalkReferenceBackend(TritonLinearBackend):
-    def forward(self, layer, mixed, g, beta, conv_weight, walk):
+    def forward(self, layer, mixed, gates, conv_weight, walk):
         pool, cfg = self.pool, self.cfg
-        return walk_reference(mixed, conv_weight, g, beta, pool.conv[layer], pool.conv_scratch[layer],
+        return walk_reference(mixed, conv_weight, *gates.decay_and_beta(), pool.conv[layer], pool.conv_scratch[layer],
                               pool.recurrent[layer], pool.recurrent_scratch[layer], walk, cfg.key_dim, cfg.k_head_dim)
 
 
