@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import random
 from dataclasses import dataclass
@@ -89,8 +88,11 @@ def train_draft(cfg: TrainConfig) -> dict:
             save_checkpoint(cfg.out, {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
                                       "samples": [dataclasses.astuple(s) for s in samples],
                                       "vocab": vocab.target_ids, "metrics": metrics})
-    save_head(cfg.out, config, head, next(target.parameters()).dtype)
-    plot_log(cfg.out)
+            # the published head after every epoch: a run stopped by a time limit leaves a usable head behind
+            save_head(cfg.out, config, head, next(target.parameters()).dtype)
+            plot_log(cfg.out)
+    if first_epoch >= cfg.epochs:  # a resume with nothing left to train: still write the layout
+        save_head(cfg.out, config, head, next(target.parameters()).dtype)
     return metrics
 
 
