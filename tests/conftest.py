@@ -68,12 +68,42 @@ def llama_path(tiny_models) -> str:
     return tiny_models["llama"]
 
 
+def assert_kv_accounted(engine) -> None:
+    """Every page is free, the prefix cache's, or one running request's own, and no cached page that nothing
+    references is counted as referenced (or the other way round)."""
+    table = engine.page_table
+    assert engine.kv_free_slots + engine.kv_cached_slots + table.num_private_slots == engine.kv_capacity_slots, (
+        f"KV pages unaccounted for: free {engine.kv_free_slots} + cached {engine.kv_cached_slots} + in use "
+        f"{table.num_private_slots} != {engine.kv_capacity_slots}")
+    cache = table.cache
+    if cache is not None:
+        nodes = cache._nodes()
+        assert sum(len(n.pages) for n in nodes) == cache.num_pages
+        assert sum(len(n.pages) for n in nodes if n.refs == 0) == cache.evictable_pages
+        locks = [r.cache_node for r in engine.scheduler.running if r.cache_node is not None]
+        for n in nodes:  # a node's references are exactly the running requests whose locked node is it or below it
+            assert n.refs == sum(1 for lock in locks if _on_path(lock, n)), "prefix-cache references out of step"
+
+
+def _on_path(node, ancestor) -> bool:
+    while node is not None:
+        if node is ancestor:
+            return True
+        node = node.parent
+    return False
+
+
 def assert_engine_clean(llm: LLM) -> None:
-    """The invariant every test must leave behind: no request queued or running, every KV slot free."""
+    """The invariant every test must leave behind: no request queued or running, every page accounted for, nothing
+    in the prefix cache referenced, and every KV slot free once the cache is flushed."""
     engine = llm.engine
     sched = engine.scheduler
     assert not sched.running, f"requests left running: {[r.rid for r in sched.running]}"
     assert not sched.waiting, f"requests left waiting: {[r.rid for r in sched.waiting]}"
+    assert_kv_accounted(engine)
+    assert engine.page_table.num_private_slots == 0, "a finished request still holds pages of its own"
+    assert engine.flush_cache(), "flush_cache refused with nothing running"
+    assert engine.kv_cached_slots == 0, f"{engine.kv_cached_slots} cached slots still referenced after a flush"
     assert engine.kv_free_slots == engine.kv_capacity_slots, (
         f"KV pool leak: {engine.kv_capacity_slots - engine.kv_free_slots} of {engine.kv_capacity_slots} slots still held"
     )

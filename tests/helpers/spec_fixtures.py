@@ -27,7 +27,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import assert_engine_clean
+from tests.conftest import assert_engine_clean, assert_kv_accounted
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.tiny import make_tiny_model
 
@@ -217,7 +217,8 @@ def step_until_done(engine, reqs, page_size: int, max_steps: int, check_draft: b
             break
         engine.step()
         held = sum(-(-r.num_computed // page_size) * page_size for r in engine.scheduler.running)
-        assert engine.kv_capacity_slots - engine.kv_free_slots == held
+        assert sum(engine.page_table.num_slots(r.row) for r in engine.scheduler.running) == held
+        assert_kv_accounted(engine)
         if check_draft:
             for r in engine.scheduler.running:
                 assert r.draft_num_computed <= r.num_computed

@@ -72,6 +72,6 @@ def test_failing_step_fails_its_requests_and_the_loop_goes_on(loop_llm):
     llm.engine.worker.run = fail_once
     last = drain(running)[-1]
     assert last.finish_reason == "error" and "injected step failure" in last.error
-    assert loop.call(lambda engine: engine.kv_free_slots == engine.kv_capacity_slots).result(timeout=30)
+    assert loop.call(lambda engine: engine.flush_cache() and engine.kv_free_slots == engine.kv_capacity_slots).result(timeout=30)
     after = drain(submit(loop, [5, 6, 7], 8))  # served normally after the failure
     assert [t for e in after for t in e.token_ids] == ref and len(ref) == 8

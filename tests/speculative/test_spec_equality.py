@@ -190,6 +190,6 @@ def test_abandoned_stream_releases_everything(spec_models, llm_factory, prompts,
             break
     stream.close()
     assert not llm.engine.has_unfinished()
-    assert llm.engine.kv_free_slots == llm.engine.kv_capacity_slots
+    assert llm.engine.page_table.num_private_slots == 0 and llm.engine.prefix_cache.tree.evictable_pages == llm.engine.prefix_cache.tree.num_pages
     refs = reference(spec_models, prompts, greedy(NEW_TOKENS), "plain")
     assert_same_outputs(gen(llm, prompts, greedy(NEW_TOKENS)), refs, drafter)
