@@ -45,6 +45,7 @@ class RadixTree:
         self.evictable_pages = 0  # of those, in unreferenced nodes
         self.evicted_pages = 0  # pages freed by evict() so far (metrics)
         self._clock = itertools.count(1)
+        self._now = 0  # the clock value of the latest walk
 
     # ---- lookups ------------------------------------------------------------------------------------------------
     def match(self, keys: Sequence[Hashable]) -> tuple[Node, list[int]]:
@@ -58,7 +59,7 @@ class RadixTree:
         keys = list(keys)
         node, tree_pages, pos = self._walk(keys)
         if pos < len(keys):
-            leaf = Node(keys[pos:], list(pages[pos // self.page_size:]), node, last_use=node.last_use)
+            leaf = Node(keys[pos:], list(pages[pos // self.page_size:]), node, last_use=self._now)
             node.children[self._first(keys, pos)] = leaf
             self.num_pages += len(leaf.pages)
             self.evictable_pages += len(leaf.pages)
@@ -68,7 +69,8 @@ class RadixTree:
     def _walk(self, keys: list[Hashable]) -> tuple[Node, list[int], int]:
         """Follow keys down from the root over whole matching pages -> (deepest node, its path's pages, keys
         matched). Splits an edge the match ends inside, and marks the path as used now."""
-        now, ps = next(self._clock), self.page_size
+        now = self._now = next(self._clock)
+        ps = self.page_size
         node, pages, pos = self.root, [], 0
         while len(keys) - pos >= ps:
             child = node.children.get(self._first(keys, pos))
