@@ -1,4 +1,5 @@
-"""The FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /server_info, /metrics.
+"""The FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /server_info, /metrics,
+/flush_cache.
 
 Every generation route parses and checks its input before anything reaches the engine, so bad input is a 400
 naming the field and never touches engine state. The event loop only reads the body (413 past its limit) and
@@ -215,6 +216,9 @@ class _InfoRoutes(_Routes):
         metrics_doc = documented(None, 401, 503)
         metrics_doc[200]["content"] = {"text/plain": {"schema": {"type": "string"}}}  # Prometheus exposition
         app.get("/metrics", responses=metrics_doc)(self.metrics)
+        flush_doc = documented(None, 400, 401, 503)
+        flush_doc[200]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+        app.post("/flush_cache", responses=flush_doc)(self.flush_cache)
 
     async def models(self, request: Request):
         try:
@@ -242,6 +246,18 @@ class _InfoRoutes(_Routes):
         return {**args, "internal_states": states, "server_state": loop_state,
                 "served_model_name": ctx.model_name, "max_queued_requests": self.opts.max_queued_requests,
                 "lossy_benchmark_mode": ctx.lossy, "version": __version__}
+
+    async def flush_cache(self, request: Request):
+        """SGLang's flush_cache: empty the prefix cache; refused (400) while requests are queued or running."""
+        try:
+            self.authorize(request)
+            flushed = await self.engine_call(lambda engine: engine.flush_cache())
+        except APIError as e:
+            return self.error(e)
+        if not flushed:
+            return self.error(APIError(400, "cannot flush the cache while requests are running or waiting", None,
+                                       "requests_running"))
+        return PlainTextResponse("Cache flushed.\n")
 
     async def metrics(self, request: Request):
         try:

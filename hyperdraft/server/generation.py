@@ -50,6 +50,7 @@ class Choice:
     finish_reason: str | None = None
     last_time: float | None = None
     text_offset: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (meta_info, on the finishing event)
 
 
 class Generation:
@@ -135,6 +136,7 @@ class Generation:
             m.finished(event.finish_reason)
             m.e2e.observe(event.time - self.start)
             m.prompt_tokens.inc((event.meta or {}).get("prompt_tokens", 0))
+            c.cached_tokens = (event.meta or {}).get("cached_tokens", 0)
             m.generation_tokens.inc(len(c.token_ids))
 
     # ---- non-streaming ------------------------------------------------------------------------------------------
@@ -195,7 +197,11 @@ class Generation:
     def _usage(self) -> dict:
         prompt = sum(len(ids) for ids in self.inputs)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        # each prompt counts once (as in prompt_tokens): the most any of its n choices found cached
+        n = self.request.num_choices
+        cached = sum(max(c.cached_tokens for c in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _logprobs(self, c: Choice, ids: list[int], values: list[float]) -> dict:
         tok = self.ctx.tokenizer

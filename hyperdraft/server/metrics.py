@@ -91,11 +91,24 @@ class EngineCollector:
         yield _gauge("num_running_reqs", "requests running in the engine", snap["running"])
         yield _gauge("num_waiting_reqs", "requests waiting for admission (queued)", snap["waiting"])
         yield _gauge("kv_capacity_tokens", "KV-pool capacity in tokens", snap["kv_capacity"])
-        yield _gauge("kv_used_tokens", "KV-pool tokens in use", snap["kv_used"])
+        yield _gauge("kv_used_tokens", "KV-pool tokens in use by requests (not counting unreferenced cached ones)",
+                 snap["kv_used"])
         yield _gauge("kv_usage", "fraction of the KV pool in use", snap["kv_used"] / max(1, snap["kv_capacity"]))
         yield _gauge("lossy_benchmark_mode", "1 when verification is simulated (benchmark only, lossy)", snap["lossy"])
+        if snap["cache"].get("radix_cache"):
+            yield from _cache_families(snap["cache"])
         if snap.get("spec") is not None:
             yield from _spec_families(snap["spec"])
+
+
+def _cache_families(c: dict) -> Iterator[Metric]:
+    yield _gauge("cache_tokens", "KV tokens held by the prefix cache (referenced or not)", c["cache_tokens"])
+    yield _gauge("cache_evictable_tokens", "prefix-cache tokens no running request references", c["cache_evictable_tokens"])
+    yield _counter("cache_lookup_tokens", "prompt tokens of admitted requests looked up in the prefix cache",
+                   c["cache_lookup_tokens"])
+    yield _counter("cache_hit_tokens", "prompt tokens served from the prefix cache", c["cache_hit_tokens"])
+    yield _gauge("cache_hit_rate", "cache_hit_tokens / cache_lookup_tokens", c["cache_hit_rate"])
+    yield _counter("cache_evicted_tokens", "prefix-cache tokens evicted to make room (LRU)", c["cache_evicted_tokens"])
 
 
 def _spec_families(s: dict) -> Iterator[Metric]:
@@ -152,7 +165,9 @@ def engine_snapshot(engine: Engine, lossy: bool) -> dict:
     """Engine state for /metrics; runs on the engine thread (EngineLoop.call)."""
     sched = engine.scheduler
     snap = {"running": len(sched.running), "waiting": len(sched.waiting), "kv_capacity": engine.kv_capacity_slots,
-            "kv_used": engine.kv_capacity_slots - engine.kv_free_slots, "lossy": int(lossy), "spec": None}
+            # cached pages no request references are reclaimable, so not "in use" (SGLang counts them the same way)
+            "kv_used": engine.kv_capacity_slots - engine.page_table.num_available_slots, "lossy": int(lossy), "spec": None,
+            "cache": engine.cache_state()}
     if engine.spec is not None:
         m, tier = engine.worker.metrics, engine.worker.last_tier
         snap["spec"] = {

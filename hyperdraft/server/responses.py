@@ -29,10 +29,15 @@ class ErrorResponse(_Response):
     error: ErrorBody
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):

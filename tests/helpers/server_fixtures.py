@@ -146,16 +146,17 @@ def wait_client_aborts(url: str, count: int, headers: dict | None = None, timeou
 
 def assert_idle(state: dict) -> None:
     assert (state["num_running_reqs"], state["num_waiting_reqs"]) == (0, 0), state
-    assert state["kv_free_tokens"] == state["kv_capacity_tokens"], state
+    assert state["kv_free_tokens"] + state.get("cache_evictable_tokens", 0) == state["kv_capacity_tokens"], state
 
 
 def wait_engine_idle(url: str, headers: dict | None = None, timeout: float = 30.0) -> dict:
-    """Poll /server_info until nothing runs or waits and every KV slot is free; fail with the last state."""
+    """Poll /server_info until nothing runs or waits and every KV slot is free or in the prefix cache unreferenced;
+    fail with the last state."""
     deadline = time.monotonic() + timeout
     while True:
         state = engine_state(url, headers)
         idle = (state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0
-                and state["kv_free_tokens"] == state["kv_capacity_tokens"])
+                and state["kv_free_tokens"] + state.get("cache_evictable_tokens", 0) == state["kv_capacity_tokens"])
         if idle:
             return state
         if time.monotonic() > deadline:

@@ -14,8 +14,12 @@ SPEC = {"verify_forwards": 9, "verifies": 6, "draft_tokens": 24, "accepted_token
         "tier_draft_tokens": 4}
 
 
-def snapshot(spec: dict | None = SPEC) -> dict:
-    return {"running": 2, "waiting": 1, "kv_capacity": 4096, "kv_used": 1024, "lossy": 1, "spec": spec}
+CACHE = {"radix_cache": True, "cache_tokens": 640, "cache_evictable_tokens": 512, "cache_evicted_tokens": 96,
+         "cache_lookup_tokens": 2000, "cache_hit_tokens": 1500, "cache_hit_rate": 0.75}
+
+
+def snapshot(spec: dict | None = SPEC, cache: dict = CACHE) -> dict:
+    return {"running": 2, "waiting": 1, "kv_capacity": 4096, "kv_used": 1024, "lossy": 1, "spec": spec, "cache": cache}
 
 
 def parse(text: str) -> tuple[dict[str, str], dict[tuple, float]]:
@@ -54,9 +58,9 @@ def test_family_names_and_types(scraped):
     counters = ["requests_received", "requests_finished", "http_errors", "prompt_tokens", "generation_tokens",
                 "spec_verify_steps", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens",
                 "spec_emitted_tokens", "spec_position_proposed", "spec_position_accepted", "spec_tier_steps",
-                "spec_tier_switches"]
+                "spec_tier_switches", "cache_lookup_tokens", "cache_hit_tokens", "cache_evicted_tokens"]
     gauges = ["num_running_reqs", "num_waiting_reqs", "kv_capacity_tokens", "kv_used_tokens", "kv_usage",
-              "lossy_benchmark_mode", "spec_avg_accept_length", "spec_acceptance_rate_by_position",
+              "lossy_benchmark_mode", "cache_tokens", "cache_evictable_tokens", "cache_hit_rate", "spec_avg_accept_length", "spec_acceptance_rate_by_position",
               "spec_tier_num_steps", "spec_tier_topk", "spec_tier_num_draft_tokens"]
     histograms = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                   "spec_accept_length"]
@@ -109,6 +113,16 @@ def test_engine_gauges(scraped):
     assert samples[("hyperdraft_kv_used_tokens",)] == 1024
     assert samples[("hyperdraft_kv_usage",)] == 0.25
     assert samples[("hyperdraft_lossy_benchmark_mode",)] == 1
+
+
+def test_prefix_cache_metrics(scraped):
+    _, samples = scraped
+    assert samples[("hyperdraft_cache_tokens",)] == 640 and samples[("hyperdraft_cache_evictable_tokens",)] == 512
+    assert samples[("hyperdraft_cache_hit_tokens_total",)] == 1500
+    assert samples[("hyperdraft_cache_lookup_tokens_total",)] == 2000
+    assert samples[("hyperdraft_cache_hit_rate",)] == 0.75 and samples[("hyperdraft_cache_evicted_tokens_total",)] == 96
+    _, off = parse(ServerMetrics().render(snapshot(cache={"radix_cache": False})))
+    assert not [k for k in off if k[0].startswith("hyperdraft_cache_")]  # --disable-radix-cache: no cache families
 
 
 def test_spec_metrics(scraped):

@@ -19,7 +19,8 @@ import pytest
 
 from conftest import assert_engine_clean
 from hyperdraft import LLM, SamplingParams
-from helpers.server_fixtures import (API_KEY, ServerProcess, add_chat_template, assert_idle, client_aborts, prompts,
+from helpers.server_fixtures import (API_KEY, ServerProcess, add_chat_template, assert_idle, client_aborts, engine_state,
+                                    prompts,
                                     scrape_metrics, served_name, split_characters, stream_text, wait_client_aborts,
                                     wait_engine_idle)
 
@@ -355,6 +356,32 @@ def test_openai_client_sees_the_field_in_a_400(client, chat_model):
 
 
 # ---- metrics --------------------------------------------------------------------------------------------------------
+
+
+def test_prefix_cache_usage_metrics_and_flush(server, client, chat_model):
+    """A repeated prompt is served from the prefix cache: usage.prompt_tokens_details.cached_tokens, the hit and
+    lookup counters of /metrics and the cache size in /server_info say so; POST /flush_cache empties it."""
+    prompt = " ".join(f"word{i}" for i in range(40))
+    before = metrics(server.url)
+    first = client.completions.create(model=served_name(chat_model), prompt=prompt, max_tokens=4, temperature=0)
+    second = client.completions.create(model=served_name(chat_model), prompt=prompt, max_tokens=4, temperature=0)
+    assert second.choices[0].text == first.choices[0].text
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and first.usage.prompt_tokens_details.cached_tokens <= cached
+    after = metrics(server.url)
+    assert after["hyperdraft_cache_hit_tokens_total"] - before.get("hyperdraft_cache_hit_tokens_total", 0) >= cached
+    assert after["hyperdraft_cache_lookup_tokens_total"] > 0 and 0 < after["hyperdraft_cache_hit_rate"] <= 1
+    assert after["hyperdraft_cache_tokens"] >= cached and "hyperdraft_cache_evicted_tokens_total" in after
+    state = wait_engine_idle(server.url, AUTH)
+    assert state["radix_cache"] is True and state["cache_tokens"] >= cached
+    assert httpx.post(server.url + "/flush_cache").status_code == 401
+    r = httpx.post(server.url + "/flush_cache", headers=AUTH)
+    assert r.status_code == 200, r.text
+    state = engine_state(server.url, AUTH)
+    assert state["cache_tokens"] == 0 and state["kv_free_tokens"] == state["kv_capacity_tokens"]
+    chat = client.chat.completions.create(model=served_name(chat_model), messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0  # just flushed
 
 
 def test_metrics_parse_and_count_a_request(server, client, chat_model):
