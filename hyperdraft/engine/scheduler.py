@@ -94,20 +94,27 @@ class Scheduler:
                 return items
             items.append(ScheduledRequest(req, chunk, chunk == req.num_uncomputed))
             budget -= chunk
+        fresh: list[Request] = []  # admitted by this call
         while self.waiting and len(self.running) < self.max_running and self.page_table.num_free_rows:
-            chunk = self._admit(self.waiting[0], budget, bool(items))
+            chunk = self._admit(self.waiting[0], budget, bool(items), fresh)
             if chunk is None:
                 break
             items.append(ScheduledRequest(self.waiting[0], chunk, chunk == self.waiting[0].num_uncomputed))
+            fresh.append(self.waiting[0])
             self.running.append(self.waiting.popleft())
             budget -= chunk
         return items
 
-    def _admit(self, req: Request, budget: int, batch_has_items: bool) -> int | None:
+    def _admit(self, req: Request, budget: int, batch_has_items: bool, fresh: list[Request]) -> int | None:
         """Give the first waiting request a row, its cached prefix and room for its first chunk -> the chunk's length,
-        or None when it does not fit this step (nothing changed then)."""
+        or None when it does not fit this step, or should wait for a prefix a request admitted in this same step is
+        about to cache (nothing changed then)."""
         hit = self.cache.match(req) if self.cache is not None else None
-        uncomputed = req.seq_len - (hit.num_pages * self.page_table.page_size if hit is not None else 0)
+        cached = hit.num_pages * self.page_table.page_size if hit is not None else 0
+        if self.cache is not None and _shares_uncached(req, cached, fresh):
+            self._release_hit(hit)
+            return None
+        uncomputed = req.seq_len - cached
         chunk = min(uncomputed, budget) if self.chunked_prefill else uncomputed
         # Headroom: keep one decode's worth of room per running request so admission does not force retraction.
         # With nothing running the whole pool is free and the request fits (prompt checks, retraction sizes):
@@ -115,8 +122,7 @@ class Scheduler:
         headroom = self.decode_reserve * len(self.running) + self.page_table.page_size if self.running else 0
         if (chunk <= 0 or (not self.chunked_prefill and batch_has_items and chunk > budget)
                 or self.page_table.num_available_slots < chunk + headroom):
-            if hit is not None:
-                self.cache.unlock(hit)
+            self._release_hit(hit)
             return None
         req.row = self.page_table.acquire_row()
         if self.cache is not None:
@@ -124,6 +130,10 @@ class Scheduler:
         if not self.page_table.reserve(req.row, req.num_computed + chunk):
             raise AssertionError("reserve failed after the free-slot check")
         return chunk
+
+    def _release_hit(self, hit) -> None:
+        if hit is not None:
+            self.cache.unlock(hit)
 
     def _retract(self, req: Request) -> None:
         """Free a running request's K/V and queue it first for recompute; its tokens so far are kept."""
@@ -180,3 +190,22 @@ class Scheduler:
             self.cache.release(req)
         self.page_table.release_row(req.row)
         req.row = None
+
+
+# A waiting request that shares at least this many tokens past its cached prefix with a request admitted in the same
+# step waits one step: that request caches them when its chunk commits, and the next step's match finds them (a
+# shared system prompt, n > 1 siblings), instead of every request of the burst computing them again.
+IN_STEP_SHARE_TOKENS = 32
+
+
+def _shares_uncached(req: Request, cached: int, fresh: list[Request]) -> bool:
+    if not fresh:
+        return False
+    ids = req.prompt_ids
+    for other in fresh:
+        n, limit = cached, min(len(ids), len(other.prompt_ids))
+        while n < limit and ids[n] == other.prompt_ids[n]:
+            n += 1
+        if n - cached >= IN_STEP_SHARE_TOKENS:
+            return True
+    return False

@@ -229,3 +229,16 @@ def test_drafter_reads_the_same_state_from_shared_pages(models, monkeypatch, dra
             assert torch.allclose(rows[0], ref, atol=2e-3, rtol=1e-4), (len(seq), (rows[0] - ref).abs().max())
             compared += 1
     assert compared >= 8
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_burst_sharing_a_prompt_computes_it_once(models, page_size):
+    """n > 1 siblings and a shared system prompt arriving together: the first request computes the shared part, the
+    rest wait one step for it to be cached instead of all computing it at once."""
+    rng = random.Random(3)
+    system = [rng.randrange(VOCAB) for _ in range(60)]
+    prompts = [system + [1, 2]] * 3 + [system + [rng.randrange(VOCAB) for _ in range(5)] for _ in range(3)]
+    on = run_checked(make(models["target"], page_size=page_size), prompts, 6)
+    off = run_checked(make(models["target"], page_size=page_size, disable_radix_cache=True), prompts, 6)
+    assert [r["ids"] for r in on] == [r["ids"] for r in off]
+    assert on[0]["cached"] == 0 and all(r["cached"] >= 56 for r in on[1:])
