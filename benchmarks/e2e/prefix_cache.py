@@ -8,7 +8,9 @@
   no-reuse     --plain-requests distinct MT-bench questions as raw text (no chat template, so no shared template
                prefix), submitted together. Measured: output tokens/s: what the cache costs when it never hits.
 
-Greedy, fp32; every run checks that the cache-on tokens equal the cache-off tokens.
+Greedy, fp32; every run checks that the cache-on tokens equal the cache-off tokens. Both engines are loaded side by
+side and each workload runs off, then on (multi-turn: conversation by conversation), so load from anything else on
+the machine hits both alike.
 
   python -m benchmarks.e2e.prefix_cache      # CPU -> benchmarks/results/prefix_cache_cpu.md
 """
@@ -46,20 +48,24 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
 
 
-def multi_turn(llm: LLM, qs: list[list[str]], args) -> dict:
-    ttft, cached, history, outs = [], [], [], []
+def multi_turn(llms: dict[str, LLM], qs: list[list[str]], args) -> dict[str, dict]:
+    """Conversation by conversation, cache off then on, so that anything else the machine does hits both alike."""
+    rows = {name: {"ttft": [], "cached": [], "prompt": [], "outs": []} for name in llms}
     for k in range(args.conversations):
-        turn1 = [{"role": "user", "content": reference_text(llm, qs, k, args.history) + "\n\n" + qs[k][0]}]
-        first = llm.chat(turn1, greedy(args.new_tokens), use_tqdm=False)
-        turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": qs[k][1]}]
-        ids = llm.apply_chat_template(turn2)
-        second = llm.generate(input_ids=[ids], sampling_params=greedy(args.new_tokens), use_tqdm=False)[0]
-        ttft.append(second.meta_info["ttft"])
-        cached.append(second.meta_info["cached_tokens"])
-        history.append(len(ids))
-        outs.append(first.token_ids + second.token_ids)
-    return {"ttft": statistics.mean(ttft), "cached": statistics.mean(cached), "prompt": statistics.mean(history),
-            "outs": outs}
+        for name, llm in llms.items():
+            turn1 = [{"role": "user", "content": reference_text(llm, qs, k, args.history) + "\n\n" + qs[k][0]}]
+            first = llm.chat(turn1, greedy(args.new_tokens), use_tqdm=False)
+            turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": qs[k][1]}]
+            ids = llm.apply_chat_template(turn2)
+            second = llm.generate(input_ids=[ids], sampling_params=greedy(args.new_tokens), use_tqdm=False)[0]
+            row = rows[name]
+            row["ttft"].append(second.meta_info["ttft"])
+            row["cached"].append(second.meta_info["cached_tokens"])
+            row["prompt"].append(len(ids))
+            row["outs"].append(first.token_ids + second.token_ids)
+    return {name: {"ttft": statistics.mean(r["ttft"]), "cached": statistics.mean(r["cached"]),
+                   "prompt": statistics.mean(r["prompt"]), "outs": r["outs"], "ttfts": r["ttft"]}
+            for name, r in rows.items()}
 
 
 def burst(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -72,20 +78,27 @@ def burst(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
             "prompt": statistics.mean(len(p) for p in prompts), "outs": [o.token_ids for o in outs]}
 
 
-def run(path: str, disabled: bool, qs: list[list[str]], args) -> dict:
-    llm = LLM(path, device=args.device, dtype="float32", disable_radix_cache=disabled)
-    llm.generate("warm-up", greedy(4), use_tqdm=False)
-    llm.flush_cache()
-    results = {"multi-turn": multi_turn(llm, qs, args)}
-    llm.flush_cache()
-    system = reference_text(llm, qs, 40, args.history)
-    shared = [llm.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q[0]}])
+def run(path: str, qs: list[list[str]], args) -> dict[str, dict]:
+    """Both engines side by side; each workload runs cache off, then on."""
+    llms = {name: LLM(path, device=args.device, dtype="float32", disable_radix_cache=name == "off")
+            for name in ("off", "on")}
+    for llm in llms.values():
+        llm.generate("warm-up", greedy(4), use_tqdm=False)
+        llm.flush_cache()
+    results = {name: {} for name in llms}
+    for name, row in multi_turn(llms, qs, args).items():
+        results[name]["multi-turn"] = row
+    tok = llms["on"]
+    system = reference_text(tok, qs, 40, args.history)
+    shared = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q[0]}])
               for q in qs[: args.shared_requests]]
-    results["shared"] = burst(llm, shared, args.new_tokens)
-    llm.flush_cache()
-    plain = [llm.tokenizer.encode(q[0]) for q in qs[-args.plain_requests:]]
-    results["no-reuse"] = burst(llm, plain, args.new_tokens)
-    results["state"] = llm.get_server_info()["internal_states"][0]
+    plain = [tok.tokenizer.encode(q[0]) for q in qs[-args.plain_requests:]]
+    for workload, prompts in (("shared", shared), ("no-reuse", plain)):
+        for name, llm in llms.items():
+            llm.flush_cache()
+            results[name][workload] = burst(llm, prompts, args.new_tokens)
+    for name, llm in llms.items():
+        results[name]["state"] = llm.get_server_info()["internal_states"][0]
     return results
 
 
@@ -111,7 +124,10 @@ def report(on: dict, off: dict, args) -> list[str]:
         f"Cache counters of the cache-on engine over all three workloads (flushes do not reset them): hit rate "
         f"{on['state']['cache_hit_rate']:.2f}, evicted tokens {on['state']['cache_evicted_tokens']}. TTFT runs from "
         "a request's arrival to its first token; a burst's requests share prefill steps, so its TTFT includes "
-        "waiting for the others.",
+        "waiting for the others. Both engines are loaded side by side and every workload runs cache off, then on "
+        "(conversation by conversation for multi-turn).", "",
+        "Turn-2 TTFT per conversation (s), off / on: "
+        + ", ".join(f"{a:.2f} / {b:.3f}" for a, b in zip(off["multi-turn"]["ttfts"], on["multi-turn"]["ttfts"])) + ".",
     ]
 
 
@@ -131,9 +147,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     path, qs = ensure_default_model(), questions()
-    off = run(path, True, qs, args)
-    on = run(path, False, qs, args)
-    lines = report(on, off, args)
+    results = run(path, qs, args)
+    lines = report(results["on"], results["off"], args)
     out = args.out or results_path("prefix_cache", device_tag(args.device))
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -199,13 +199,11 @@ IN_STEP_SHARE_TOKENS = 32
 
 
 def _shares_uncached(req: Request, cached: int, fresh: list[Request]) -> bool:
-    if not fresh:
-        return False
-    ids = req.prompt_ids
-    for other in fresh:
-        n, limit = cached, min(len(ids), len(other.prompt_ids))
-        while n < limit and ids[n] == other.prompt_ids[n]:
+    ids, want = req.prompt_ids, cached + IN_STEP_SHARE_TOKENS
+    for other in fresh:  # compares at most IN_STEP_SHARE_TOKENS tokens per request admitted this step
+        n = cached
+        while n < want and n < len(ids) and n < len(other.prompt_ids) and ids[n] == other.prompt_ids[n]:
             n += 1
-        if n - cached >= IN_STEP_SHARE_TOKENS:
+        if n == want:
             return True
     return False

@@ -8,6 +8,7 @@ would draft differently even though verification keeps the output right."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 
@@ -242,3 +243,16 @@ def test_a_burst_sharing_a_prompt_computes_it_once(models, page_size):
     off = run_checked(make(models["target"], page_size=page_size, disable_radix_cache=True), prompts, 6)
     assert [r["ids"] for r in on] == [r["ids"] for r in off]
     assert on[0]["cached"] == 0 and all(r["cached"] >= 56 for r in on[1:])
+
+
+def test_cli_flag(models, capsys):
+    from hyperdraft.cli import main
+
+    base = ["generate", "--model", models["target"], "--device", "cpu", "--dtype", "float32", "--skip-tokenizer-init",
+            "--max-new-tokens", "2", "--json"]
+    ids = ",".join(str(t % VOCAB) for t in range(40))
+    for flag, cached in (("--disable-radix-cache", [0, 0]), ("--no-disable-radix-cache", [0, 38])):
+        # the same prompt twice in one run: the second waits a step and takes the first's pages, unless the cache is off
+        assert main(base + ["--input-ids", ids, "--input-ids", ids, flag]) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [r["meta_info"]["cached_tokens"] for r in rows] == cached
