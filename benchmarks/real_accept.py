@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=80)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="max running requests (each a row set)")
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: "
+                                  "benchmarks/results/)")
     args = ap.parse_args()
     model = ensure_default_model()
     chat = LLM(model, device="cpu", dtype="float32")
@@ -84,6 +85,8 @@ def main() -> None:
             print(lines[-1], flush=True)
         lines.append("")
     out = args.out or results_path("real_accept", tag)
+    if os.path.isdir(out):
+        out = os.path.join(out, os.path.basename(results_path("real_accept", tag)))
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

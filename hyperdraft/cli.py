@@ -155,6 +155,7 @@ def _add_train_draft(sub) -> None:
     train.add_argument("--max-len", type=int, default=512, help="tokens per sample, prompt + answer (default: 512)")
     train.add_argument("--epochs", type=int, default=3, help="passes over the samples (default: 3)")
     train.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: 1e-4)")
+    train.add_argument("--batch-size", type=int, default=16, help="samples per optimizer step (default: 16)")
     train.add_argument("--draft-vocab-size", type=int,
                        help="target ids the head scores, the most frequent in the answers (default: all)")
     train.add_argument("--ttt-steps", type=int, default=5, help="unrolled draft steps per position (default: 5)")
@@ -248,8 +249,10 @@ def _train_draft(ns: argparse.Namespace) -> None:
         return
     if not ns.out:
         ns.subparser.error("--out is required")
-    cfg = TrainConfig(_model_path(ns), ns.out, ns.prompts, ns.num_samples, ns.max_len, ns.epochs, ns.lr,
-                      ns.draft_vocab_size, ns.ttt_steps, ns.temperature, ns.resume, ns.device, ns.dtype, ns.seed)
+    cfg = TrainConfig(_model_path(ns), ns.out, prompts=ns.prompts, num_samples=ns.num_samples, max_len=ns.max_len,
+                      epochs=ns.epochs, lr=ns.lr, draft_vocab_size=ns.draft_vocab_size, ttt_steps=ns.ttt_steps,
+                      temperature=ns.temperature, resume=ns.resume, device=ns.device, dtype=ns.dtype, seed=ns.seed,
+                      batch_size=ns.batch_size)
     print(json.dumps(train_draft(cfg)))
     print(f"head written to {ns.out}: use it with --speculative-algorithm EAGLE3 --speculative-draft-model-path {ns.out}")
 

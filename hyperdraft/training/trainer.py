@@ -1,6 +1,7 @@
 """Train an EAGLE-3 head on the target's own answers, with EAGLE-3's training-time test.
 
-Per sample (prompt + the target's answer, tokens t_0 .. t_{T-1}):
+Per sample (prompt + the target's answer, tokens t_0 .. t_{T-1}; a step trains batch_size samples, padded to one
+length, each attending only within itself):
   1. The frozen target runs the sequence: its aux states (the outputs of the head's three target layers) and its
      logits at every position; softmax over the draft vocabulary is the soft label.
   2. Head position i (RoPE position i) is fed token t_{i+1} and predicts t_{i+2}, labelled by the target's logits
@@ -8,7 +9,8 @@ Per sample (prompt + the target's answer, tokens t_0 .. t_{T-1}):
   3. Step 0 is fed fc(aux states); step s >= 1 is fed the head's own step-(s-1) output at position i - 1, with the
      attention of unroll_attention.py, so every position is also trained as the s-th draft of a chain.
      Step s is valid from position s on, and counts only where t_{i+2} is an answer token.
-Loss: cross-entropy against the soft label, step s weighted STEP_DECAY^s. Accuracy at step s: the head's argmax
+Loss: cross-entropy against the soft label, step s weighted STEP_DECAY^s, averaged over each sample's positions
+and then over the batch. Accuracy at step s: the head's argmax
 (as a target id) equals the target's argmax, i.e. greedy acceptance of the s-th draft given the earlier ones.
 
 The head is the inference module itself (models/eagle.Eagle3Head), trained in fp32 with the torch reference paths
@@ -57,6 +59,7 @@ class TrainConfig:
     dtype: str = "auto"  # the target's (and the written head's) dtype
     seed: int = 0
     progress: bool = True
+    batch_size: int = 16  # samples per optimizer step
 
 
 def train_draft(cfg: TrainConfig) -> dict:
@@ -97,7 +100,7 @@ def train_draft(cfg: TrainConfig) -> dict:
 
 
 def _check(cfg: TrainConfig) -> None:
-    for name in ("num_samples", "max_len", "epochs", "ttt_steps"):
+    for name in ("num_samples", "max_len", "epochs", "ttt_steps", "batch_size"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if not cfg.lr > 0:
@@ -140,22 +143,23 @@ def _epoch(cfg: TrainConfig, epoch: int, samples: list[Sample], target, head: Ea
            optimizer) -> dict:
     from tqdm import tqdm
 
-    order = list(range(len(samples)))
-    random.Random(cfg.seed + epoch).shuffle(order)
     draft_ids = vocab.target_ids.to(head.d2t.device)
     whole, window = _Totals(cfg.ttt_steps), _Totals(cfg.ttt_steps)
-    bar = tqdm(order, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress)
-    for done, index in enumerate(bar, 1):
-        loss, correct, counted = _sample_loss(samples[index], target, head, draft_ids, cfg.ttt_steps)
+    bar = tqdm(total=len(samples), desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress)
+    done = 0
+    for batch in _batches(samples, cfg.batch_size, random.Random(cfg.seed + epoch)):
+        loss, correct, counted = _batch_loss(batch, target, head, draft_ids, cfg.ttt_steps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
         optimizer.step()
         for totals in (whole, window):
             totals.add(float(loss.detach()), correct, counted)
+        done += len(batch)
+        bar.update(len(batch))
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-        if done % LOG_EVERY == 0 or done == len(order):  # the curves' points: running means over the window
-            _log(cfg.out, {"kind": "window", "step": epoch * len(order) + done, **window.means()})
+        if window.samples * cfg.batch_size >= LOG_EVERY or done == len(samples):  # the curves' points: window means
+            _log(cfg.out, {"kind": "window", "step": epoch * len(samples) + done, **window.means()})
             window = _Totals(cfg.ttt_steps)
     metrics = {"epoch": epoch + 1, **whole.means()}
     _log(cfg.out, {"kind": "epoch", **metrics})
@@ -182,43 +186,63 @@ def _log(out_dir: str, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _sample_loss(sample: Sample, target, head: Eagle3Head, draft_ids: torch.Tensor, steps: int):
-    """-> (weighted loss, correct drafts per step, counted positions per step) for one sample."""
-    device = draft_ids.device
-    ids = torch.tensor(sample.token_ids, device=device)
-    t = ids.numel()
+def _batches(samples: list[Sample], size: int, rng: random.Random) -> list[list[Sample]]:
+    """The epoch's batches: a shuffled order, cut into groups of 8 batches whose samples are sorted by length (less
+    padding), the batches shuffled again."""
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    group = 8 * size
+    batches = []
+    for g in range(0, len(order), group):
+        chunk = sorted(order[g:g + group], key=lambda i: len(samples[i].token_ids))
+        batches += [[samples[i] for i in chunk[b:b + size]] for b in range(0, len(chunk), size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _batch_loss(batch: list[Sample], target, head: Eagle3Head, draft_ids: torch.Tensor, steps: int):
+    """-> (the batch's mean weighted loss, correct drafts per step, counted positions per step)."""
+    device, b = draft_ids.device, len(batch)
+    lens = torch.tensor([len(s.token_ids) for s in batch], device=device)[:, None]  # [B, 1]
+    length = max(len(s.token_ids) for s in batch)
+    ids = torch.tensor([s.token_ids + [0] * (length - len(s.token_ids)) for s in batch], device=device)  # [B, L]
     with torch.no_grad():
-        final, captured = target(ids, torch.arange(t, device=device), _causal, target_capture_layers(head))
-        logits = target.compute_logits(final)  # [T, V]
-    n = t - 2
-    labels = logits[1:t - 1]  # head position i predicts t_{i+2}: the target's logits at i + 1
-    soft = torch.softmax(labels[:, draft_ids], dim=-1)
-    target_top = labels.argmax(-1)
+        final, captured = target(ids.flatten(), torch.arange(length, device=device).repeat(b), _causal_within(b),
+                                 target_capture_layers(head))
+        labels = target.compute_logits(final).view(b, length, -1)[:, 1:length - 1]  # [B, n, V]
+    n = length - 2  # head position i predicts t_{i+2}: labelled by the target's logits at i + 1
+    soft = torch.softmax(labels[..., draft_ids], dim=-1)  # [B, n, Vd]
+    target_top = labels.argmax(-1)  # [B, n]
     rows = torch.arange(n, device=device)
-    in_answer = rows + 2 >= sample.answer_start
-    tokens, positions = ids[1:t - 1], rows
-    hidden = head.project_target_hidden(torch.cat(captured, -1)[:n].float())
-    attention = UnrollAttention()
+    answer_start = torch.tensor([s.answer_start for s in batch], device=device)[:, None]
+    in_answer = (rows + 2 >= answer_start) & (rows + 2 < lens)  # [B, n]: answer tokens, not padding
+    tokens, positions = ids[:, 1:length - 1].flatten(), rows.repeat(b)
+    hidden = head.project_target_hidden(torch.cat(captured, -1).view(b, length, -1)[:, :n].flatten(0, 1).float())
+    attention = UnrollAttention(b)
     loss = torch.zeros((), device=device)
     correct, counted = [], []
     for s in range(steps):
-        out = head(tokens, positions, hidden, attention)
-        log_q = F.log_softmax(head.compute_draft_logits(out).float(), dim=-1)
+        out = head(tokens, positions, hidden, attention)  # [B * n, H]
+        log_q = F.log_softmax(head.compute_draft_logits(out).float(), dim=-1).view(b, n, -1)
         valid = in_answer & (rows >= s)
-        weight = valid.float() / max(1, int(valid.sum()))
-        loss = loss + STEP_DECAY ** s * (-(soft * log_q).sum(-1) * weight).sum()
-        hits = (draft_ids[log_q.argmax(-1)] == target_top) & valid
-        correct.append(float(hits.sum()))
-        counted.append(float(valid.sum()))
-        hidden = torch.cat([out.new_zeros(1, out.shape[1]), out[:-1]])  # step s + 1 at i is fed step s at i - 1
-    return loss, correct, counted
+        weight = valid.float() / valid.sum(1, keepdim=True).clamp_min(1)  # each sample's positions average to 1
+        loss = loss + STEP_DECAY ** s * (-(soft * log_q).sum(-1) * weight).sum() / b
+        correct.append(((draft_ids[log_q.argmax(-1)] == target_top) & valid).sum())
+        counted.append(valid.sum())
+        out = out.view(b, n, -1)  # step s + 1 at i is fed step s at i - 1
+        hidden = torch.cat([out.new_zeros(b, 1, out.shape[-1]), out[:, :-1]], dim=1).flatten(0, 1)
+    return loss, torch.stack(correct).tolist(), torch.stack(counted).tolist()
 
 
-def _causal(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The teacher's attention over one whole sequence (no paged cache)."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                                         enable_gqa=True)
-    return out.transpose(0, 1)
+def _causal_within(batch: int):
+    """The teacher's attention over `batch` whole sequences of one length packed back to back (no paged cache)."""
+
+    def attend(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(batch, -1, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).flatten(0, 1)
+
+    return attend
 
 
 def plot_log(out_dir: str) -> str | None:

@@ -8,8 +8,9 @@ position at once. For head position i (its RoPE position; it predicts token i + 
 Step s's own key at position i is always visible, so no row is empty. The diagonal keys cost N dot products per
 step instead of an N x N block: scores are [heads, N, N + s], not [heads, N, (s + 1) N].
 
-Called as the head's AttentionFn, attn(layer_id, q, k, v) with q [N, Hq, D], k and v [N, Hkv, D]; the caller runs
-steps 0, 1, ... in order after `start()`.
+Called as the head's AttentionFn, attn(layer_id, q, k, v) with q [B * N, Hq, D], k and v [B * N, Hkv, D]: B
+sequences of N positions each (padded to one length), each attending only within itself; the caller runs steps
+0, 1, ... in order after `start()`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 
 
 class UnrollAttention:
-    def __init__(self):
-        self.keys: list[torch.Tensor] = []  # per step: [N, Hkv, D]
+    def __init__(self, batch: int = 1):
+        self.batch = batch
+        self.keys: list[torch.Tensor] = []  # per step: [B * N, Hkv, D]
         self.values: list[torch.Tensor] = []
 
     def start(self) -> None:
@@ -31,24 +33,27 @@ class UnrollAttention:
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
-        step, (n, heads, dim) = len(self.keys) - 1, q.shape
-        group = heads // k.shape[1]
-        expand = lambda t: t.repeat_interleave(group, dim=1)  # noqa: E731 - [N, Hkv, D] -> [N, Hq, D]
-        qh = q.transpose(0, 1) / math.sqrt(dim)  # [Hq, N, D]
-        k0, v0 = expand(self.keys[0]).transpose(0, 1), expand(self.values[0]).transpose(0, 1)
-        scores = [qh @ k0.transpose(1, 2)]  # [Hq, N, N] against step 0
+        step, (total, heads, dim), b = len(self.keys) - 1, q.shape, self.batch
+        n, group = total // b, heads // k.shape[1]
+
+        def per_sequence(t: torch.Tensor) -> torch.Tensor:  # [B * N, Hkv, D] -> [B, N, Hq, D]
+            return t.repeat_interleave(group, dim=1).view(b, n, heads, dim)
+
+        qh = q.view(b, n, heads, dim).transpose(1, 2) / math.sqrt(dim)  # [B, Hq, N, D]
+        k0, v0 = (per_sequence(t[0]).transpose(1, 2) for t in (self.keys, self.values))
+        scores = [qh @ k0.transpose(-1, -2)]  # [B, Hq, N, N] against step 0
         rows = torch.arange(n, device=q.device)
         visible = [rows[None, :] <= rows[:, None] - step]  # [N, N]
         diagonal_values = []
         for j in range(1, step + 1):
-            at = rows - step + j  # the key of step j that row i sees
-            kj = expand(self.keys[j])[at.clamp_min(0)].transpose(0, 1)  # [Hq, N, D]
-            scores.append((qh * kj).sum(-1, keepdim=True))  # [Hq, N, 1]
-            visible.append((at >= 0)[:, None])
-            diagonal_values.append(expand(self.values[j])[at.clamp_min(0)].transpose(0, 1))
+            at = (rows - step + j).clamp_min(0)  # the key of step j that row i sees (none before row step - j)
+            kj = per_sequence(self.keys[j])[:, at].transpose(1, 2)  # [B, Hq, N, D]
+            scores.append((qh * kj).sum(-1, keepdim=True))  # [B, Hq, N, 1]
+            visible.append((rows - step + j >= 0)[:, None])
+            diagonal_values.append(per_sequence(self.values[j])[:, at].transpose(1, 2))
         mask = torch.cat(visible, dim=1)  # [N, N + step]
         probs = torch.softmax(torch.cat(scores, dim=-1).masked_fill(~mask, float("-inf")), dim=-1)
-        out = probs[..., :n] @ v0  # [Hq, N, D]
+        out = probs[..., :n] @ v0  # [B, Hq, N, D]
         for j, vj in enumerate(diagonal_values):
             out = out + probs[..., n + j:n + j + 1] * vj
-        return out.transpose(0, 1)  # [N, Hq, D]
+        return out.transpose(1, 2).reshape(total, heads, dim)

@@ -31,7 +31,8 @@ def target_and_head(tmp_path_factory):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CORPUS[:6]))
     head = str(root / "head")
     train_draft(TrainConfig(target, head, str(prompts), num_samples=6, max_len=96, epochs=6, lr=5e-3,
-                            draft_vocab_size=200, ttt_steps=3, device="cuda", dtype="bfloat16", progress=False))
+                            draft_vocab_size=200, ttt_steps=3, device="cuda", dtype="bfloat16", progress=False,
+                            batch_size=2))
     return target, head
 
 

@@ -21,7 +21,7 @@ from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import CORPUS, make_tiny_model
 from hyperdraft.training.draft_vocab import frequent_tokens
 from hyperdraft.training.samples import refuse_evaluation_prompts
-from hyperdraft.training.trainer import TrainConfig, _causal, train_draft
+from hyperdraft.training.trainer import TrainConfig, _batch_loss, _causal_within, train_draft
 from hyperdraft.training.unroll_attention import UnrollAttention
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -49,7 +49,7 @@ def prompts_file(tmp_path_factory) -> str:
 
 def _config(target, out, prompts_file, **kw) -> TrainConfig:
     base = dict(num_samples=len(PROMPTS), max_len=96, epochs=3, lr=3e-3, draft_vocab_size=200, ttt_steps=3,
-                progress=False)
+                progress=False, batch_size=2)
     return TrainConfig(target, str(out), prompts_file, **{**base, **kw})
 
 
@@ -58,7 +58,7 @@ def trained(target, prompts_file, tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("head")
     assert cli_main(["train-draft", "--model", target, "--out", str(out), "--prompts", prompts_file,
                      "--num-samples", str(len(PROMPTS)), "--max-len", "96", "--epochs", str(EPOCHS), "--lr", "5e-3",
-                     "--draft-vocab-size", "200", "--ttt-steps", "3", "--device", "cpu"]) == 0
+                     "--draft-vocab-size", "200", "--ttt-steps", "3", "--batch-size", "2", "--device", "cpu"]) == 0
     return str(out)
 
 
@@ -128,7 +128,7 @@ def test_unroll_equals_sequential_drafting(trained, target):
     ids = torch.tensor([5, 17, 3, 99, 42, 8, 61, 23, 7, 30, 12, 4])
     t, steps = ids.numel(), 3
     with torch.no_grad():
-        _, captured = model(ids, torch.arange(t), _causal, target_capture_layers(head))
+        _, captured = model(ids, torch.arange(t), _causal_within(1), target_capture_layers(head))
         hidden0 = head.project_target_hidden(torch.cat(captured, -1)[: t - 2])
         tokens, n_pos = ids[1:t - 1], t - 2
         unroll, attention, hidden = [], UnrollAttention(), hidden0
@@ -176,3 +176,28 @@ def test_mt_bench_prompts_are_refused(tmp_path):
     refuse_evaluation_prompts(["Tell me a joke."], (str(evaluation),))
     with pytest.raises(ValueError, match="MT-bench questions"):
         refuse_evaluation_prompts(["Tell me a joke.", "What is the capital of France?"], (str(evaluation),))
+
+
+def test_a_batch_trains_as_its_samples_one_by_one(trained, target):
+    """Padding to one length and packing B sequences (the teacher's attention and the unroll's, each within its own
+    sequence) change nothing: a batch's loss is the mean of its samples' losses alone, and its per-step counts their
+    sums. Samples of different lengths, so padding and the answer mask both matter."""
+    from hyperdraft.training.samples import Sample
+
+    model = load_model(target, "float32", torch.device("cpu"))
+    with open(os.path.join(trained, "config.json")) as f:
+        cfg = eagle_config_from_dict(json.load(f))
+    head = Eagle3Head(cfg, model, own_embed=False, own_lm_head=True,
+                      aux_layer_ids=tuple(cfg.eagle_aux_hidden_state_layer_ids))
+    head.load_state_dict(load_file(os.path.join(trained, "model.safetensors")), strict=False)
+    head.finish_loading()
+    gen = torch.Generator().manual_seed(4)
+    samples = [Sample(torch.randint(0, 384, (n,), generator=gen).tolist(), start)
+               for n, start in ((23, 1), (40, 12), (31, 30))]
+    draft_ids = head.draft_to_target
+    with torch.no_grad():
+        alone = [_batch_loss([s], model, head, draft_ids, 3) for s in samples]
+        loss, correct, counted = _batch_loss(samples, model, head, draft_ids, 3)
+    torch.testing.assert_close(loss, torch.stack([a[0] for a in alone]).mean(), rtol=1e-5, atol=1e-5)
+    assert correct == [sum(a[1][s] for a in alone) for s in range(3)]
+    assert counted == [sum(a[2][s] for a in alone) for s in range(3)] and counted[0] > counted[2] > 0
