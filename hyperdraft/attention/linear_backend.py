@@ -1,12 +1,15 @@
 """The state backend of a hybrid model's Gated DeltaNet layers: what the K/V attention backend is to full attention.
 
-A layer hands it q|k|v before the conv and the gate inputs (GdnGates) for every packed token; per request it runs the causal conv and
-the gated delta rule from the request's state and returns the recurrence's output. Where states come from and go:
+A layer hands it q|k|v before the conv and the gate inputs (GdnGates) for every packed token; per request it runs the
+causal conv and the gated delta rule from the request's state and returns the recurrence's output. Where states come
+from and go:
   a request that advances  its committed slot (StatePool.conv / recurrent): read, then overwritten; a request whose
                            first chunk this is (prefix 0) starts from zeros, whatever its slot held before
   a speculative request    (the first fb.num_spec_requests: a verify's rows) token j starts from its parent's state
                            (fb.state_parents; -1: the committed one) and writes its own to scratch [slot, j]; the
-                           committed slot is untouched until StatePool.commit
+                           committed slot is untouched until StatePool.commit. fb.state_targets, when given, names
+                           each token's destination instead (-1: the committed slot), as a plain decode queued
+                           ahead alternates a request's state between its slot and scratch entry 0
   a padding request        (a captured graph's padding rows: no real K/V slot) slot 0, which belongs to no one
 
 TorchLinearBackend is the reference (and the CPU path); it reads the batch's host lists. TritonLinearBackend (CUDA)
@@ -93,7 +96,7 @@ class TorchLinearBackend:
 
     def _speculative(self, layer, plan: LinearPlan, mixed, g, beta, weight, out) -> None:
         """Token j of every speculative request at once: from its parent's state (scratch, or the committed one for
-        -1) into its target's scratch (j for a verify)."""
+        -1) into its target (scratch j for a verify; -1: the committed slot)."""
         pool, device = self.pool, mixed.device
         for j in range(max(plan.lens[: plan.num_spec])):
             reqs = [b for b in range(plan.num_spec) if plan.lens[b] > j]
@@ -101,15 +104,25 @@ class TorchLinearBackend:
             slots = torch.tensor([plan.slots[b] for b in reqs], device=device)
             parent = torch.tensor([plan.parents[b][j] for b in reqs], device=device)
             target = torch.tensor([plan.targets[b][j] for b in reqs], device=device)
-            from_scratch = (parent >= 0)[:, None, None]
-            conv_state = torch.where(from_scratch, pool.conv_scratch[layer, slots, parent.clamp_min(0)],
-                                     pool.conv[layer, slots])
-            state = torch.where(from_scratch[..., None], pool.recurrent_scratch[layer, slots, parent.clamp_min(0)],
-                                pool.recurrent[layer, slots]).float()
-            conv_out, pool.conv_scratch[layer, slots, target] = causal_conv_step(mixed[rows], conv_state, weight)
+            conv_state, state = pool.conv[layer, slots], pool.recurrent[layer, slots].float()
+            if any(plan.parents[b][j] >= 0 for b in reqs):  # (a plain engine's decodes may have no scratch at all)
+                from_scratch = (parent >= 0)[:, None, None]
+                conv_state = torch.where(from_scratch, pool.conv_scratch[layer, slots, parent.clamp_min(0)], conv_state)
+                state = torch.where(from_scratch[..., None], pool.recurrent_scratch[layer, slots, parent.clamp_min(0)],
+                                    state.to(pool.recurrent_scratch.dtype)).float()
+            conv_out, conv_state = causal_conv_step(mixed[rows], conv_state, weight)
             o, state = delta_step(state, *self._qkv(conv_out), g[rows], beta[rows])
-            pool.recurrent_scratch[layer, slots, target] = state.to(pool.recurrent_scratch.dtype)
+            self._store(layer, slots, target, conv_state, state)
             out[rows] = o.to(out.dtype)
+
+    def _store(self, layer: int, slots, target, conv_state, state) -> None:
+        """Each token's new states to its target: a scratch entry, or (-1) the committed slot."""
+        pool, to_slot = self.pool, target < 0
+        to_scratch = ~to_slot
+        pool.conv[layer, slots[to_slot]] = conv_state[to_slot]
+        pool.recurrent[layer, slots[to_slot]] = state[to_slot].to(pool.recurrent.dtype)
+        pool.conv_scratch[layer, slots[to_scratch], target[to_scratch]] = conv_state[to_scratch]
+        pool.recurrent_scratch[layer, slots[to_scratch], target[to_scratch]] = state[to_scratch].to(pool.recurrent_scratch.dtype)
 
     def _qkv(self, conv_out: torch.Tensor):
         cfg = self.cfg

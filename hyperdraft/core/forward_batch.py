@@ -67,8 +67,9 @@ class ForwardBatch:
     # advances its committed state. None / 0: no request is speculative.
     state_parents: torch.Tensor | None = None
     num_spec_requests: int = 0
-    # [T] int64: the scratch index each speculative token's state goes to; None: its position within its request (a
-    # verify). A draft model's steps write scratch at their node's offset past the root, less one.
+    # [T] int64: the scratch index each speculative token's state goes to (-1: the committed slot); None: its position
+    # within its request (a verify). A draft model's steps write scratch at their node's offset past the root, less
+    # one; a plain decode queued ahead (engine/model_worker.py) writes the location its request's state is not in.
     state_targets: torch.Tensor | None = None
 
     def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -125,11 +126,12 @@ def _token_lists(inputs: list[ForwardInput], starts: list[int], with_ids: bool, 
 def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_table, device,
                         input_ids: torch.Tensor | None = None, tail_mask: torch.Tensor | None = None,
                         positions: torch.Tensor | None = None, state_parents: torch.Tensor | None = None,
-                        num_spec_requests: int = 0) -> ForwardBatch:
+                        num_spec_requests: int = 0, state_targets: torch.Tensor | None = None) -> ForwardBatch:
     """Pack inputs into one ForwardBatch. input_ids, when given, replaces the packed token ids with a device
     tensor (draft tokens that never visit the host); the inputs' token_ids then only count tokens. positions, when
     given, likewise replaces the packed RoPE positions (tree nodes sit at root + depth, known on the device).
-    state_parents / num_spec_requests: the speculative requests of a hybrid model's verify (see ForwardBatch).
+    state_parents / num_spec_requests / state_targets: where a hybrid model's leading requests read and write their
+    recurrent states (see ForwardBatch).
 
     Every integer the forward needs travels in ONE host-to-device copy (pinned on CUDA, so it does not block). Default
     RoPE positions are the tokens' sequence indices, so they are sent once and serve as both."""
@@ -170,6 +172,7 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
         max_seq_len=max(seq, default=0),
         state_parents=state_parents,
         num_spec_requests=num_spec_requests,
+        state_targets=state_targets,
     )
 
 

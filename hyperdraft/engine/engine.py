@@ -187,8 +187,11 @@ class Engine:
         return min(rows, fit)
 
     def _verify_width(self) -> int:
-        """The most tokens one request verifies in a forward, over every tier (a hybrid model's state scratch)."""
-        return max(t.num_draft_tokens for t in [self.spec.tier, *self.spec.tiers()]) if self.spec is not None else 0
+        """The most tokens one request verifies in a forward, over every tier (a hybrid model's state scratch); without
+        speculation, the one entry a decode queued ahead writes (engine/model_worker.py)."""
+        if self.spec is None:
+            return 1 if self.options.decode_ahead else 0
+        return max(t.num_draft_tokens for t in [self.spec.tier, *self.spec.tiers()])
 
     def _decode_reserve(self) -> int:
         """K/V room a decoding request needs past its tokens: the widest round any tier can run, or 1."""
@@ -196,8 +199,7 @@ class Engine:
 
     def _make_worker(self, proposer_cls: type[Proposer] | None, draft, backend: str, graphs: GraphSettings | None):
         if self.spec is None:
-            # A queued decode that the next step throws away would have advanced a recurrent state for good.
-            return ModelWorker(self.runner, self.options.decode_ahead and not self.model_config.is_hybrid)
+            return ModelWorker(self.runner, self.options.decode_ahead)
         timer = PhaseTimer(self.device, self.options.record_step_time)
         ctx = ProposerContext(self.spec, self.runner, backend, graphs, self.options, timer, self.max_rows)
         tiers = make_tier_source(self.spec.tier, self.spec.adaptive, list(graphs.batch_sizes) if graphs else None)
@@ -212,8 +214,9 @@ class Engine:
             logger.warning("CUDA graphs need attention_backend='triton' (the torch backend builds its metadata on "
                            "the host); running eagerly")
             return None
-        if self.model_config.is_hybrid and (emulate or not self.options.fused_kernels):
-            # The torch state backend plans from the batch's host lists, which a captured graph would freeze.
+        if self.model_config.is_hybrid and not emulate and not self.options.fused_kernels:
+            # The torch state backend plans from the batch's host lists, which a captured graph would freeze (an
+            # emulated replay plans again from the refilled static buffers, so CPU tests run hybrids with graphs).
             logger.warning("CUDA graphs of a hybrid (linear-attention) model need the Triton state backend (CUDA, "
                            "fused kernels on); running eagerly")
             return None

@@ -8,6 +8,12 @@ the queued forward wrote only the K/V of each request's next token (what the rea
 finished request's released slots before their next owner writes them: one stream), and its row's slot for that
 token was reserved when it was queued. Penalised batches (their counts are updated from host outputs) decode when
 scheduled. RuntimeOptions.decode_ahead (HYPERDRAFT_DECODE_AHEAD=0) turns it off.
+
+A hybrid model's recurrent state advances in place, so a thrown-away decode would not be harmless there: a queued
+decode instead writes its requests' new states to the other of two locations (the slot, or scratch entry 0), and
+reads the one that holds them now. state_at (host bookkeeping, no sync) says where each row's state is: a queued
+decode that is used moves it there; one that is thrown away leaves it, the location it wrote being the spare one. A
+decode scheduled normally reads state_at and writes the slot, so every other step finds states in their slots.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
-from hyperdraft.core.host_copy import HostCopy
+from hyperdraft.core.host_copy import HostCopy, to_device
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
@@ -34,6 +40,7 @@ class AheadDecode:
     reqs: list[Request]
     sampling: SamplingBatch  # its rows' parameters, positions one past the step that queued it
     sampled: SampledTokens  # [B] each
+    state_targets: list[int]  # hybrid models: where each request's state went (-1 the slot, 0 scratch entry 0)
 
 
 class ModelWorker:
@@ -47,6 +54,8 @@ class ModelWorker:
         self.ahead: AheadDecode | None = None
         self.ahead_used = 0  # steps served by a queued decode, and queued decodes thrown away (tests, benchmarks)
         self.ahead_discarded = 0
+        self.recurrent = runner.state_pool is not None
+        self.state_at: dict[int, int] = {}  # hybrid models: row -> scratch entry holding its state (absent: the slot)
 
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
         items = batch.items
@@ -56,12 +65,14 @@ class ModelWorker:
         if ahead is not None and decoding and same_requests(reqs, ahead.reqs):
             self.ahead_used += 1
             sb, sampled = ahead.sampling, ahead.sampled
+            self._moved_states(reqs, ahead.state_targets)
         else:
             self.ahead_discarded += ahead is not None
             mode = ForwardMode.DECODE if decoding else ForwardMode.EXTEND
             fb = build_forward_batch(mode, [it.forward_input() for it in items], self.runner.page_table,
-                                     self.runner.device)
+                                     self.runner.device, **self._state_walk(items))
             out = self.runner.forward(fb)
+            self._moved_states(reqs, [-1] * len(reqs))
             sampling = [it.req for it in items if it.samples]
             if not sampling:
                 return [RequestResult(num_committed=it.num_tokens) for it in items]
@@ -89,10 +100,38 @@ class ModelWorker:
         if not page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + 2 for r in reqs]):
             return  # the pool is dry: the next schedule decides who keeps running
         inputs = [ForwardInput(r.row, r.num_computed + 1, [0], 1) for r in reqs]
+        parents = [self.state_at.get(r.row, -1) for r in reqs]
+        targets = [0 if p < 0 else -1 for p in parents]  # the location the state is not in
+        walk = self._walk_tensors(parents, targets) if self.recurrent else {}
         out = self.runner.forward(build_forward_batch(ForwardMode.DECODE, inputs, page_table, self.runner.device,
-                                                      input_ids=tokens))
+                                                      input_ids=tokens, **walk))
         next_sb = replace(sb, positions=sb.positions + 1)
-        self.ahead = AheadDecode(list(reqs), next_sb, self.sampler.sample(out.logits, next_sb))
+        self.ahead = AheadDecode(list(reqs), next_sb, self.sampler.sample(out.logits, next_sb), targets)
+
+    def _state_walk(self, items) -> dict:
+        """build_forward_batch's state arguments for a scheduled step: its leading decodes read their states where
+        state_at says and write their slots; nothing when every state is in its slot already."""
+        if not self.recurrent or not self.state_at:
+            return {}
+        decodes = [it.req.row for it in items if it.is_decode]
+        if not any(row in self.state_at for row in decodes):
+            return {}
+        assert all(it.is_decode for it in items[: len(decodes)]), "decodes lead a scheduled batch"
+        return self._walk_tensors([self.state_at.get(row, -1) for row in decodes], [-1] * len(decodes))
+
+    def _walk_tensors(self, parents: list[int], targets: list[int]) -> dict:
+        walk = to_device(parents + targets, torch.int64, self.runner.device)
+        return dict(state_parents=walk[: len(parents)], state_targets=walk[len(parents):],
+                    num_spec_requests=len(parents))
+
+    def _moved_states(self, reqs: list[Request], targets: list[int]) -> None:
+        if not self.recurrent:
+            return
+        for req, target in zip(reqs, targets):
+            if target < 0:
+                self.state_at.pop(req.row, None)
+            else:
+                self.state_at[req.row] = target
 
 
 def _one(token_logprob: tuple[float, float]) -> tuple[list[int], list[float]]:

@@ -96,6 +96,8 @@ class _StaticInputs:
         # a hybrid target's verify: token j of each row starts from token j-1's state (a tree's parents are filled in)
         self.chain_parents = (torch.arange(n, **as_long) % q) - 1
         self.state_parents = self.chain_parents.clone()
+        # a hybrid target's one-token decode: each row's state source and destination (-1 / -1: its slot, in place)
+        self.state_targets = torch.full((n,), -1, **as_long) if q == 1 else None
         self.tail_mask = None
         if shape.mask_width:
             self.causal_rows = torch.ones(q, shape.mask_width, dtype=torch.bool, device=device).tril(shape.mask_width - q)
@@ -113,6 +115,7 @@ class _StaticInputs:
             max_extend_len=q, max_seq_len=max_seq_len,
             input_hidden=None if self.input_hidden is None else self.input_hidden[:n], logits_every_row=not self.one_logit,
             state_parents=self.state_parents[:n] if speculative else None, num_spec_requests=bs if speculative else 0,
+            state_targets=self.state_targets[:n] if speculative and self.state_targets is not None else None,
         )
 
     def fill(self, fb: ForwardBatch, bs: int, q: int) -> None:
@@ -127,6 +130,13 @@ class _StaticInputs:
             self.tail_mask[:real].copy_(fb.tail_mask)
         if fb.state_parents is not None:
             self.state_parents[:n].copy_(fb.state_parents[:n])
+        elif self.state_targets is not None:  # a decode whose states stay in their slots
+            self.state_parents[:n].fill_(-1)
+        if self.state_targets is not None:
+            if fb.state_targets is not None:
+                self.state_targets[:n].copy_(fb.state_targets[:n])
+            else:
+                self.state_targets[:n].fill_(-1)
         if self.input_hidden is not None:
             self.input_hidden[:n].copy_(fb.input_hidden)
         if self.one_logit:
@@ -140,6 +150,8 @@ class _StaticInputs:
                 self.input_hidden[n : bs * q].zero_()
             self.seq_lens[real:bs].fill_(q)
             self.state_parents[n : bs * q].copy_(self.chain_parents[n : bs * q])
+            if self.state_targets is not None:
+                self.state_targets[n : bs * q].fill_(-1)
             if self.one_logit:
                 self.logits_indices[real:bs].copy_(self.default_logits[real:bs])
             if self.tail_mask is not None:
@@ -201,9 +213,11 @@ class GraphRunner:
         return self.runner.state_pool is not None
 
     def _speculative(self, shape: GraphShape) -> bool:
-        """A hybrid model's captured batches of more than one token per row are verifies: every row speculative, its
-        states going to scratch (attention/linear_backend.py plans them on the device, inside the graph)."""
-        return self.recurrent and shape.tokens_per_req > 1
+        """A hybrid model's captured batches read and write states where static buffers say (attention/linear_backend.py
+        plans the walk on the device, inside the graph): more than one token per row is a verify, every row's states
+        going to scratch; one token per row is a decode, each row's source and destination refilled per replay
+        (in place for a plain decode; slot and scratch entry 0 in turn for decodes queued ahead)."""
+        return self.recurrent
 
     def memory_pool(self):
         """The memory pool every graph of this runner shares (and a drafter's whole-round graphs with them)."""
@@ -241,11 +255,21 @@ class GraphRunner:
         shape = GraphShape(q, width, num_logits != fb.num_tokens)
         if not self.fits(shape, fb.batch_size):
             return None
-        if self.recurrent and (fb.num_spec_requests != (fb.batch_size if self._speculative(shape) else 0)
-                               or fb.state_targets is not None):
+        if self.recurrent and not self._fits_state_walk(fb, q):
             return None  # speculative and committed rows mixed, or draft steps: not what the graph was captured for
         sizes = self.sizes[shape]
         return shape, sizes[bisect.bisect_left(sizes, fb.batch_size)]
+
+    @staticmethod
+    def _fits_state_walk(fb: ForwardBatch, q: int) -> bool:
+        """Whether a hybrid model's batch walks its states as a captured graph of q tokens per row does: a verify
+        (every row speculative, scratch by position), or a decode with every row's source and destination given, or
+        none (its slot, in place)."""
+        if q > 1:
+            return fb.num_spec_requests == fb.batch_size and fb.state_targets is None
+        if fb.state_parents is None:
+            return fb.num_spec_requests == 0
+        return fb.num_spec_requests == fb.batch_size and fb.state_targets is not None
 
     def fits(self, shape: GraphShape, batch_size: int) -> bool:
         """A graph of this shape exists for batch_size (after padding up to a captured size)."""

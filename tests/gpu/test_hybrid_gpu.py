@@ -100,3 +100,22 @@ def test_gated_rms_norm_kernel_equals_the_reference(dtype):
     got, want = gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_reference(x, z, w, 1e-6)
     assert got.shape == want.shape == (tokens, heads * dim)
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_decode_ahead_equals_no_decode_ahead_on_cuda(models):
+    """A hybrid target's plain decode queued ahead (states alternating between slot and scratch entry 0) on CUDA
+    graphs and the Triton walk: seeded sampling, stop tokens and a request joining mid-decode make some queued
+    decodes go unused; tokens equal decode-ahead off, and queued decodes did serve steps."""
+    from hyperdraft.options import RuntimeOptions
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in (5, 17, 40, 9, 26, 3)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_new_tokens=24 + 3 * i, ignore_eos=True,
+                             stop_token_ids=[7, 11] if i == 3 else None) for i in range(6)]
+    outs = {}
+    for ahead in (True, False):
+        llm = LLM(models["target"], device="cuda", dtype="float32", runtime_options=RuntimeOptions(decode_ahead=ahead))
+        outs[ahead] = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        if ahead:
+            assert llm.engine.worker.ahead_used > 0
+    assert outs[True] == outs[False]

@@ -100,16 +100,53 @@ def test_sampled_requests_stay_reproducible(hybrid_models, llm_factory):
     assert [o.token_ids for o in gen(ngram, prompts, params)] == off
 
 
-def test_graphs_stay_off_for_hybrid_targets_and_output_is_unchanged(hybrid_models, llm_factory, reference):
-    """The torch state backend (the CPU path) plans from the batch's host lists, which a captured graph would freeze:
-    with it a hybrid target runs eagerly even where graphs would be captured (emulated here), and says so;
-    speculation stays lossless. (On CUDA the Triton backend plans on the device and graphs run: tests/gpu.)"""
+def test_emulated_graphs_of_a_hybrid_target_leave_output_unchanged(hybrid_models, llm_factory, reference):
+    """Emulated graphs (CPU): each replay plans the state walk again from the refilled static buffers, as the Triton
+    backend does inside a real graph; verify and decode graphs of a hybrid target ran, and speculation stays
+    lossless. (A real capture with the torch state backend would freeze its host-side plan: CUDA without fused
+    kernels runs hybrids eagerly.)"""
     from hyperdraft.options import RuntimeOptions
 
     llm = llm_factory(hybrid_models["target"], speculative_algorithm="NGRAM", speculative_num_steps=3,
                       max_running_requests=16, runtime_options=RuntimeOptions(emulate_cuda_graphs=True))
-    assert llm.engine.runner.graphs is None
     assert _run(llm) == [reference[tuple(p)] for p in _prompts()]
+    assert llm.engine.runner.graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("max_total_tokens", [None, 800])
+def test_decode_ahead_on_a_hybrid_target_changes_nothing(hybrid_models, llm_factory, max_total_tokens):
+    """A plain decode queued ahead (engine/model_worker.py) writes each request's state to the location it is not in
+    (slot or scratch entry 0) and reads the one it is in, so a queued decode thrown away leaves every state as it
+    was. Requests finishing early (stop tokens), seeded sampling, prefill chunks joining, an abort between two steps
+    and, with a small pool, retractions make the next batch differ from the queued one; tokens equal decode-ahead
+    off and no graphs at all, and states really did sit in scratch between steps."""
+    from hyperdraft.options import RuntimeOptions
+
+    prompts = mixed_prompts(8, seed=5, max_len=40)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_new_tokens=30, ignore_eos=i < 2,
+                             stop_token_ids=[7, 11] if i == 3 else None) for i in range(8)]
+
+    def run(options: RuntimeOptions):
+        llm = llm_factory(hybrid_models["target"], cuda_graph_max_bs=8, chunked_prefill_size=24, max_running_requests=8,
+                          max_total_tokens=max_total_tokens, runtime_options=options)
+        engine, in_scratch = llm.engine, 0
+        reqs = [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts[:6], params[:6])]
+        step = 0
+        while engine.has_unfinished():
+            engine.step()
+            in_scratch += len(engine.worker.state_at)
+            step += 1
+            if step == 4:  # joins running decodes as prefill chunks
+                reqs += [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts[6:], params[6:])]
+            if step == 9:  # between two steps, as a server's disconnect would
+                engine.abort(reqs[1].rid)
+        return engine, [r.output_ids for r in reqs], sum(r.num_retractions for r in reqs), in_scratch
+
+    engine, outs, retractions, in_scratch = run(RuntimeOptions(emulate_cuda_graphs=True))
+    assert engine.worker.ahead_used > 10 and engine.worker.ahead_discarded > 0 and in_scratch > 0
+    assert (retractions > 0) == (max_total_tokens is not None)
+    assert run(RuntimeOptions(emulate_cuda_graphs=True, decode_ahead=False))[1] == outs
+    assert run(RuntimeOptions())[1] == outs
 
 
 def test_retraction_with_speculation_under_a_small_pool(hybrid_models, llm_factory, reference, monkeypatch):
