@@ -79,6 +79,7 @@ def _run(path, dtype, **args):
     prompts = _prompts(llm.engine.model_config.vocab_size)
     outs = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
     engine = llm.engine
+    assert engine.flush_cache(), "prefix cache not flushable"  # cached pages are not leaked ones
     assert engine.kv_free_slots == engine.kv_capacity_slots and not engine.has_unfinished()
     graphs = engine.runner.graphs
     replays = 0 if graphs is None else graphs.num_replays

@@ -75,6 +75,7 @@ def test_greedy_matches_transformers_on_cuda(models, kind, dtype):
     sp = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=sp, use_tqdm=False)]
     ref, gaps = _hf_greedy(path, prompts, getattr(torch, dtype))
+    assert llm.engine.flush_cache(), "prefix cache not flushable"  # cached pages are not leaked ones
     assert llm.engine.kv_free_slots == llm.engine.kv_capacity_slots
     llm.shutdown()
     mismatches = []
@@ -115,6 +116,7 @@ def test_spec_on_equals_spec_off_on_cuda(models, algo, dtype):
     b = [o.token_ids for o in fast.generate(input_ids=prompts, sampling_params=sp, use_tqdm=False)]
     same = sum(x == y for x, y in zip(a, b))
     _report({"test": "spec_on_vs_off", "algo": algo, "dtype": dtype, "prompts": len(prompts), "identical": same})
+    assert fast.engine.flush_cache(), "prefix cache not flushable"  # cached pages are not leaked ones
     assert fast.engine.kv_free_slots == fast.engine.kv_capacity_slots
     base.shutdown()
     fast.shutdown()

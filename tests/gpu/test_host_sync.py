@@ -104,5 +104,6 @@ def test_one_sync_per_step(models, case, params):
     assert pageable == 0, f"{case} {params}: pageable host-to-device copies: {names}"
     for r in list(engine.scheduler.running):
         engine.abort(r.rid)
+    assert engine.flush_cache(), "prefix cache not flushable"  # cached pages are not leaked ones
     assert engine.kv_free_slots == engine.kv_capacity_slots
     llm.shutdown()

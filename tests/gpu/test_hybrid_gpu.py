@@ -114,7 +114,8 @@ def test_decode_ahead_equals_no_decode_ahead_on_cuda(models):
                              stop_token_ids=[7, 11] if i == 3 else None) for i in range(6)]
     outs = {}
     for ahead in (True, False):
-        llm = LLM(models["target"], device="cuda", dtype="float32", runtime_options=RuntimeOptions(decode_ahead=ahead))
+        llm = LLM(models["target"], device="cuda", dtype="float32", max_total_tokens=8192,
+                  runtime_options=RuntimeOptions(decode_ahead=ahead))
         outs[ahead] = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
         if ahead:
             assert llm.engine.worker.ahead_used > 0

@@ -45,11 +45,12 @@ def test_loss_falls_on_cuda(target_and_head):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_trained_head_drafts_losslessly_with_graphs(target_and_head, dtype):
     target, head = target_and_head
-    plain = LLM(target, device="cuda", dtype=dtype)
+    plain = LLM(target, device="cuda", dtype=dtype, max_total_tokens=8192)
     prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in CORPUS[:6]]
     greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(input_ids=prompts, sampling_params=greedy, use_tqdm=False)]
-    llm = LLM(target, device="cuda", dtype=dtype, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    llm = LLM(target, device="cuda", dtype=dtype, max_total_tokens=8192, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head,
               speculative_num_steps=3)
     got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=greedy, use_tqdm=False)]
     if dtype == "float32":
