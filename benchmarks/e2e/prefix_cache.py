@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import statistics
+import sys
 import time
 
 from benchmarks.common import MT_BENCH, command_line, cpu_name, device_tag, git_commit, results_path
@@ -63,6 +64,8 @@ def multi_turn(llms: dict[str, LLM], qs: list[list[str]], args) -> dict[str, dic
             row["cached"].append(second.meta_info["cached_tokens"])
             row["prompt"].append(len(ids))
             row["outs"].append(first.token_ids + second.token_ids)
+            print(f"multi-turn {k} {name}: turn-2 TTFT {row['ttft'][-1]:.3f} s, {row['cached'][-1]} cached of "
+                  f"{len(ids)}", file=sys.stderr, flush=True)
     return {name: {"ttft": statistics.mean(r["ttft"]), "cached": statistics.mean(r["cached"]),
                    "prompt": statistics.mean(r["prompt"]), "outs": r["outs"], "ttfts": r["ttft"]}
             for name, r in rows.items()}
@@ -97,6 +100,7 @@ def run(path: str, qs: list[list[str]], args) -> dict[str, dict]:
         for name, llm in llms.items():
             llm.flush_cache()
             results[name][workload] = burst(llm, prompts, args.new_tokens)
+            print(f"{workload} {name}: {results[name][workload]['seconds']:.1f} s", file=sys.stderr, flush=True)
     for name, llm in llms.items():
         results[name]["state"] = llm.get_server_info()["internal_states"][0]
     return results
