@@ -114,17 +114,23 @@ def test_resume_continues_exactly_where_it_stopped(target, prompts_file, tmp_pat
         assert [row["epoch"] for row in map(json.loads, f) if row["kind"] == "epoch"] == [1, 2]
 
 
+def _target_and_head(target: str, head_dir: str):
+    """The target (fp32, CPU) and the head train-draft wrote, built as the trainer builds it."""
+    model = load_model(target, "float32", torch.device("cpu"))
+    with open(os.path.join(head_dir, "config.json")) as f:
+        cfg = eagle_config_from_dict(json.load(f))
+    head = Eagle3Head(cfg, model, own_embed=False, own_lm_head=True,
+                      aux_layer_ids=tuple(cfg.eagle_aux_hidden_state_layer_ids))
+    head.load_state_dict(load_file(os.path.join(head_dir, "model.safetensors")), strict=False)
+    head.finish_loading()
+    return model, head
+
+
 def test_unroll_equals_sequential_drafting(trained, target):
     """Step s of the unroll at position i is the s-th draft of the chain anchored at n = i - s + 1, drafted as the
     engine does: an extend over positions 0 .. n-1 fed the target's states, then one position per step fed the
     previous output (ground-truth tokens in both)."""
-    model = load_model(target, "float32", torch.device("cpu"))
-    with open(os.path.join(trained, "config.json")) as f:
-        cfg = eagle_config_from_dict(json.load(f))
-    head = Eagle3Head(cfg, model, own_embed=False, own_lm_head=True,
-                      aux_layer_ids=tuple(cfg.eagle_aux_hidden_state_layer_ids))
-    head.load_state_dict(load_file(os.path.join(trained, "model.safetensors")), strict=False)
-    head.finish_loading()
+    model, head = _target_and_head(target, trained)
     ids = torch.tensor([5, 17, 3, 99, 42, 8, 61, 23, 7, 30, 12, 4])
     t, steps = ids.numel(), 3
     with torch.no_grad():
@@ -184,13 +190,7 @@ def test_a_batch_trains_as_its_samples_one_by_one(trained, target):
     sums. Samples of different lengths, so padding and the answer mask both matter."""
     from hyperdraft.training.samples import Sample
 
-    model = load_model(target, "float32", torch.device("cpu"))
-    with open(os.path.join(trained, "config.json")) as f:
-        cfg = eagle_config_from_dict(json.load(f))
-    head = Eagle3Head(cfg, model, own_embed=False, own_lm_head=True,
-                      aux_layer_ids=tuple(cfg.eagle_aux_hidden_state_layer_ids))
-    head.load_state_dict(load_file(os.path.join(trained, "model.safetensors")), strict=False)
-    head.finish_loading()
+    model, head = _target_and_head(target, trained)
     gen = torch.Generator().manual_seed(4)
     samples = [Sample(torch.randint(0, 384, (n,), generator=gen).tolist(), start)
                for n, start in ((23, 1), (40, 12), (31, 30))]
