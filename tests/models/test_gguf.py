@@ -177,7 +177,7 @@ def f32_gguf(tiny, tmp_path_factory) -> str:
 PROMPTS = random_prompts([1, 7, 40, 130], seed=5)
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 @pytest.mark.parametrize("kind", ["llama", "mqa"])
 def test_synthetic_gguf_logits_match_hf(tiny, tmp_path, make_llm, kind, qtype):
     tensors, ref = quantized(tiny[kind], qtype)
