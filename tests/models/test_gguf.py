@@ -326,9 +326,14 @@ def test_corrupt_gguf_is_a_value_error(f32_gguf, tmp_path, how):
 
 
 def test_unsupported_ggml_type_is_named(tiny, tmp_path):
-    tensors, _ = quantized(tiny["llama"], Q.Q8_0, types={"model.layers.1.mlp.down_proj.weight": Q.Q5_0})
-    path = write_gguf(str(tmp_path / "q5.gguf"), tiny["llama"], tensors)
-    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight has GGML type Q5_0.*supported types: .*Q4_K"):
+    tensors, _ = quantized(tiny["llama"], Q.Q8_0)
+    cfg = AutoConfig.from_pretrained(tiny["llama"])
+    rows, cols = cfg.hidden_size, cfg.intermediate_size  # down_proj: [hidden, intermediate]
+    block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]  # any bytes will do: the type is refused before they are read
+    raw = np.random.default_rng(0).integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
+    tensors["blk.1.ffn_down.weight"] = (raw, Q.IQ4_NL)
+    path = write_gguf(str(tmp_path / "iq4.gguf"), tiny["llama"], tensors)
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight has GGML type IQ4_NL.*supported types: .*Q4_K"):
         load_model(path, "float32", CPU)
 
 
