@@ -87,6 +87,7 @@ class EngineArgs:
     speculative_sampling: str | None = _opt(None, "how sampled requests are verified: coupled (the default: a draft is accepted iff it equals the target's own sample keyed by seed and position, so output equals plain decoding's and a seeded request is reproducible whatever else runs) or rejection (the classic accept/reject with residual resampling)", choices=SPECULATIVE_SAMPLING_MODES)
     speculative_adaptive: bool = _opt(False, "switch the draft tier (steps, or a tree shape) per batch size and measured acceptance")
     speculative_adaptive_config: str | None = _opt(None, "JSON file in SGLang's adaptive format (slots keyed by batch size); default: SGLang's")
+    speculative_token_map: str | None = _opt(None, "EAGLE, NEXTN, MTP (heads scoring the whole vocabulary): hot token ids, a torch file of a list or 1-D tensor (SGLang's .pt) or a .json list; the head's lm_head keeps only those rows (FR-Spec), so a draft step over a large vocabulary reads far fewer bytes; verification is unchanged, outputs stay lossless")
     speculative_simulate_accept_rate: float | None = _opt(None, "BENCHMARK ONLY, LOSSY: accept each draft token with this probability instead of verifying it (every kernel still runs); env HYPERDRAFT_SIMULATE_ACCEPT_RATE")
     load_format: str = _opt("auto", "auto: read the checkpoint's weights; dummy: random weights of the checkpoint's shapes (benchmarks)", choices=LOAD_FORMATS)
     speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix that may match")

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import require_cuda
 from benchmarks.e2e.engines import LLAMA_8B, eagle3_spec, make_engine, write_configs
-from benchmarks.e2e.hybrid_bench import mtp_spec, write_config
+from benchmarks.e2e.hybrid_bench import mtp_spec, write_config, write_token_map
 from hyperdraft.sampling_params import SamplingParams
 
 
@@ -87,13 +87,15 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", action="store_true", help="EAGLE-3 chain 5 at simulated alpha 0.8 instead of plain decode")
     ap.add_argument("--hybrid", action="store_true", help="the Qwen3.5-9B-shaped hybrid (MTP chain 5 with --spec)")
+    ap.add_argument("--token-map", action="store_true", help="with --hybrid --spec: the MTP head drafts from a 32k-token map")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default: $OUT or .)")
     a = ap.parse_args()
     require_cuda()
     if a.hybrid:
-        target = write_config(tempfile.mkdtemp())
-        spec = mtp_spec(5, 0.8) if a.spec else None
+        root = tempfile.mkdtemp()
+        target = write_config(root)
+        spec = mtp_spec(5, 0.8, write_token_map(root) if a.token_map else None) if a.spec else None
     else:
         target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
         spec = eagle3_spec(head, steps=5, topk=1, num_draft_tokens=6, alpha=0.8) if a.spec else None

@@ -58,6 +58,7 @@ from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_reference
 from hyperdraft.kernels.rope import rope_table
 from hyperdraft.kernels.vocab_map import VocabMap
+from hyperdraft.models.hot_vocab import HotVocab
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
 
@@ -184,13 +185,16 @@ class _Head(nn.Module):
 
 
 class EagleHead(_Head):
-    """EAGLE-1: fc(concat(embedding, hidden)) -> num_layers Llama layers (layer 0 without input norm); no final norm."""
+    """EAGLE-1: fc(concat(embedding, hidden)) -> num_layers Llama layers (layer 0 without input norm); no final norm.
+    With a token map (hot_ids) its draft logits cover only the map's tokens (models/hot_vocab.py)."""
 
-    def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool):
+    def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool,
+                 hot_ids: torch.Tensor | None = None):
         super().__init__(cfg, target, own_embed, own_lm_head, cfg.vocab_size)
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(cfg.layer, i) for i in range(cfg.num_layers))
         self.layers[0].input_layernorm = IdentityNorm()
+        self.hot_vocab = None if hot_ids is None else HotVocab(cfg.hidden_size, cfg.vocab_size, hot_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionFn):
         self._check_hidden(hidden)
@@ -205,7 +209,16 @@ class EagleHead(_Head):
         return self._lm_head(hidden, out_dtype=torch.float32)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.compute_logits(hidden)  # the head scores the whole target vocabulary
+        """[N, V] fp32 over the whole target vocabulary, or [N, Vd] over the token map's ids (vocab_map)."""
+        return self.compute_logits(hidden) if self.hot_vocab is None else self.hot_vocab.logits(hidden)
+
+    @property
+    def vocab_map(self) -> VocabMap | None:
+        return None if self.hot_vocab is None else self.hot_vocab.vocab_map
+
+    def finish_loading(self) -> None:
+        if self.hot_vocab is not None:
+            self.hot_vocab.finish_loading(self._part("lm_head").weight)
 
     def project_target_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
         self._check_hidden(target_hidden)  # the target's final normed hidden; fc runs inside forward
@@ -327,8 +340,10 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None, load_format: str = "auto") -> EagleHead | Eagle3Head:
-    """Load an EAGLE-1/EAGLE-3 head for `target`; dtype/device default to the target's ("auto" = the target's dtype)."""
+                    device: torch.device | str | None = None, load_format: str = "auto",
+                    hot_ids: torch.Tensor | None = None) -> EagleHead | Eagle3Head:
+    """Load an EAGLE-1/EAGLE-3 head for `target`; dtype/device default to the target's ("auto" = the target's dtype).
+    hot_ids: a token map's ids (EAGLE-1 only: an EAGLE-3 head carries its own draft vocabulary, d2t)."""
     cfg, tcfg = load_eagle_config(path), target.config
     param = next(target.parameters())
     device = torch.device(device) if device is not None else param.device
@@ -336,10 +351,13 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
         raise ValueError(f"dtype {dtype!r} is not supported; allowed values: auto, {', '.join(DTYPES)}")
     dtype = param.dtype if dtype in (None, "auto") else DTYPES.get(dtype, dtype)
     ids = _check_against_target(cfg, tcfg)
+    if hot_ids is not None and cfg.kind == "eagle3":
+        raise ValueError("speculative_token_map is for heads that score the whole vocabulary (EAGLE, NEXTN, MTP); "
+                         "an EAGLE3 head carries its own draft vocabulary (draft_vocab_size, d2t)")
     weights, own_embed, own_lm_head = _head_weights(path, cfg, tcfg, load_format)
     with torch.device("meta"):
         head = (Eagle3Head(cfg, target, own_embed, own_lm_head, ids) if cfg.kind == "eagle3"
-                else EagleHead(cfg, target, own_embed, own_lm_head))
+                else EagleHead(cfg, target, own_embed, own_lm_head, hot_ids))
     head = head.to_empty(device=device)
     _fill_state(head, path, cfg, weights)
     head.to(dtype)  # floating tensors only: d2t/t2d keep their integer/bool dtypes
@@ -387,7 +405,7 @@ def _head_weights(path: str, cfg: EagleConfig, tcfg, load_format: str) -> tuple[
 
 def _fill_state(head: EagleHead | Eagle3Head, path: str, cfg: EagleConfig, weights: dict | None) -> None:
     """The checkpoint's tensors into the head's state (random ones for dummy weights), checked by name and shape."""
-    state = head.state_dict()
+    state = {n: t for n, t in head.state_dict().items() if not n.startswith("hot_vocab.")}  # copied at finish_loading
     if cfg.kind == "eagle3":
         state["d2t"].zero_()  # identity defaults for a full-vocabulary head that ships no d2t/t2d
         state["t2d"].fill_(True)

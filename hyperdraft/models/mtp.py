@@ -5,7 +5,8 @@ Head position i consumes the target's final normed hidden state h_i and the next
   z = fc([pre_fc_norm_embedding(embed(t_{i+1})) ; pre_fc_norm_hidden(h_i)])      fc: 2H -> H, no bias
   z = one gated full-attention decoder layer (its own paged K/V)
   g = norm(z);  logits = lm_head(g)                                              embed and lm_head: the target's
-g also feeds the next draft step, so one module drafts any number of steps.
+g also feeds the next draft step, so one module drafts any number of steps. With a token map (hot_vocab.py) the
+logits cover only the map's tokens: the lm_head over a 248k vocabulary is most of a draft step's bytes.
 
 The head owns a frozen config of its own (MtpConfig); the target's layer is built from the target's frozen
 ModelConfig, which nothing can rewrite, and a layer's kind is its module's type: drafting cannot change how the
@@ -24,6 +25,8 @@ from hyperdraft.kernels.rope import rope_table
 from hyperdraft.models.config import ModelConfig
 from hyperdraft.models.cpu_linear import Linear, fuse_projections
 from hyperdraft.models.decoder import AttentionFn, rope_inv_freq
+from hyperdraft.kernels.vocab_map import VocabMap
+from hyperdraft.models.hot_vocab import HotVocab
 from hyperdraft.models.hybrid import FullAttentionLayer, HybridLM, ZeroCenteredRMSNorm
 from hyperdraft.models.loader import checkpoint_name, fill_dummy_weights, safetensors_files
 from hyperdraft.models.moe import pack_experts
@@ -46,10 +49,10 @@ class MtpConfig:
 
 
 class MtpHead(nn.Module):
-    vocab_map = None  # it scores the target's whole vocabulary
     aux_layer_ids: tuple[int, ...] = ()  # it reads the target's final hidden state, no aux layers
 
-    def __init__(self, cfg: MtpConfig, target: HybridLM):
+    def __init__(self, cfg: MtpConfig, target: HybridLM, hot_ids: torch.Tensor | None = None):
+        """hot_ids: the token map's ids (hot_vocab.load_token_map), or None to score the whole vocabulary."""
         super().__init__()
         self.config = cfg
         layer_cfg = cfg.layer
@@ -61,6 +64,7 @@ class MtpHead(nn.Module):
         self.norm = ZeroCenteredRMSNorm(h, layer_cfg.rms_norm_eps)
         # The target's modules by reference, outside the module tree: .to(), state_dict() never reach them.
         self._shared = {"embed_tokens": target.model.embed_tokens, "lm_head": target.lm_head}
+        self.hot_vocab = None if hot_ids is None else HotVocab(h, layer_cfg.vocab_size, hot_ids)
         self.register_buffer("inv_freq", rope_inv_freq(layer_cfg), persistent=False)
 
     num_layers = property(lambda self: self.config.num_layers)
@@ -77,9 +81,21 @@ class MtpHead(nn.Module):
         x, residual = self.layers[0](z, None, cos, sin, attn, None)
         return self.norm.add_norm(x, residual)[0]
 
+    @property
+    def vocab_map(self) -> VocabMap | None:
+        """Which target ids compute_draft_logits' columns are: None for the whole vocabulary."""
+        return None if self.hot_vocab is None else self.hot_vocab.vocab_map
+
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] fp32 logits, or [N, Vd] over the token map's ids (vocab_map)."""
+        if self.hot_vocab is not None:
+            return self.hot_vocab.logits(hidden)
         lm = self._shared["lm_head"]
         return lm(hidden.to(lm.weight.dtype), out_dtype=torch.float32)
+
+    def finish_loading(self) -> None:
+        if self.hot_vocab is not None:
+            self.hot_vocab.finish_loading(self._shared["lm_head"].weight)
 
     def project_target_hidden(self, target_hidden: torch.Tensor) -> torch.Tensor:
         return target_hidden  # the target's final normed hidden state, as it is
@@ -108,8 +124,10 @@ def mtp_weight_names(path: str) -> list[str]:
     return names
 
 
-def load_mtp_head(path: str, target: HybridLM, load_format: str = "auto") -> MtpHead:
-    """The MTP module of the checkpoint at `path` (the target's own), on the target's device and dtype."""
+def load_mtp_head(path: str, target: HybridLM, load_format: str = "auto",
+                  hot_ids: torch.Tensor | None = None) -> MtpHead:
+    """The MTP module of the checkpoint at `path` (the target's own), on the target's device and dtype; hot_ids:
+    a token map's ids (its logits then cover only those)."""
     from safetensors import safe_open
 
     if not target.config.is_hybrid:
@@ -118,9 +136,9 @@ def load_mtp_head(path: str, target: HybridLM, load_format: str = "auto") -> Mtp
     cfg = MtpConfig(dataclasses.replace(target.config, num_layers=1, layer_types=("full_attention",)),
                     target.config.architecture)
     with torch.device("meta"):
-        head = MtpHead(cfg, target)
+        head = MtpHead(cfg, target, hot_ids)
     head = head.to_empty(device=param.device)
-    state = head.state_dict()
+    state = {n: t for n, t in head.state_dict().items() if not n.startswith("hot_vocab.")}  # copied, not loaded
     if load_format == "dummy":
         fill_dummy_weights(head)
     else:
@@ -147,6 +165,7 @@ def load_mtp_head(path: str, target: HybridLM, load_format: str = "auto") -> Mtp
             raise ValueError(f"{path!r}: the MTP module lacks weights {['mtp.' + n for n in missing[:5]]}")
     head.to(param.dtype)
     head.inv_freq = rope_inv_freq(cfg.layer).to(param.device)
+    head.finish_loading()
     fuse_projections(head.layers)
     if cfg.layer.moe is not None:
         pack_experts(head.layers)

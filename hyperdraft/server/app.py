@@ -44,7 +44,8 @@ logger = logging.getLogger("hyperdraft.server")
 
 ENGINE_CALL_TIMEOUT_S = 60.0
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the answer: counted, not logged
-PATH_ARGS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "speculative_adaptive_config")
+PATH_ARGS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "speculative_adaptive_config",
+             "speculative_token_map")
 
 
 class _ClosingStream(StreamingResponse):

@@ -32,6 +32,7 @@ class SpecConfig:
     ngram_max_window: int
     adaptive: AdaptiveConfig | None = None  # set when speculative_adaptive: the tier ladder per batch-size slot
     simulate_accept_rate: float | None = None  # benchmark-only LOSSY accept decision (verify/simulated.py)
+    token_map: str | None = None  # hot token ids for a full-vocabulary head's draft lm_head (models/hot_vocab.py)
 
     @property
     def num_steps(self) -> int:
@@ -98,6 +99,10 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
     tier = _initial_tier(algo, steps, topk, draft_tokens, adaptive is not None)
     if not 1 <= args.speculative_ngram_min_match_window_size <= args.speculative_ngram_max_match_window_size:
         raise ValueError("speculative_ngram_min_match_window_size must be >= 1 and <= speculative_ngram_max_match_window_size")
+    if args.speculative_token_map is not None and algo != "EAGLE":
+        raise ValueError(f"speculative_token_map is for EAGLE, NEXTN and MTP heads (they score the whole vocabulary), "
+                         f"not speculative_algorithm {algo}" + (": an EAGLE3 head carries its own draft vocabulary "
+                                                                 "(draft_vocab_size, d2t)" if algo == "EAGLE3" else ""))
     alpha = args.speculative_simulate_accept_rate
     if alpha is None:
         alpha = (options or RuntimeOptions.from_env()).simulate_accept_rate
@@ -108,7 +113,7 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
                       args.speculative_use_rejection_sampling if SPECULATIVE_ALGORITHMS[algo].draft_model else False,
                       _sampling_mode(args),
                       args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
-                      adaptive, alpha)
+                      adaptive, alpha, args.speculative_token_map)
 
 
 def _sampling_mode(args: EngineArgs) -> str:

@@ -61,6 +61,19 @@ def test_speculation_equals_plain_on_cuda(models, dtype):
             print(dtype, extra, sum(g == p for g, p in zip(got, plain)), "of", len(plain), "identical")
 
 
+def test_mtp_with_a_token_map_equals_plain_on_cuda(models, tmp_path):
+    """The hot-vocabulary lm_head on the GPU path: draft logits [N, Vd] in graphs, argmax through the map."""
+    token_map = str(tmp_path / "map.pt")
+    torch.save(sorted(torch.randperm(384, generator=torch.Generator().manual_seed(3))[:192].tolist()), token_map)
+    base = dict(device="cuda", dtype="float32", max_running_requests=8, max_total_tokens=4096)
+    plain = _greedy(LLM(models["mtp"], **base))
+    for extra in (dict(speculative_num_steps=3),
+                  dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)):
+        llm = LLM(models["mtp"], **base, speculative_algorithm="NEXTN", speculative_token_map=token_map, **extra)
+        assert _greedy(llm) == plain, extra
+        assert llm.get_server_info()["internal_states"][0]["spec_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_centered_rms_norm_kernel_equals_the_reference(dtype):
     """kernels/norm.py with zero_centered: (1 + w) in fp32 and one rounding, as Qwen3.5's norm; with the residual add

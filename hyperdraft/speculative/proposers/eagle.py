@@ -33,6 +33,7 @@ from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.decoder import DecoderLM
 from hyperdraft.models.eagle import Eagle3Head, EagleHead, load_eagle_head, target_capture_layers
+from hyperdraft.models.hot_vocab import load_token_map
 from hyperdraft.models.hybrid import HybridLM
 from hyperdraft.models.mtp import MtpHead, load_mtp_head, load_model_config_if_model
 from hyperdraft.request import Request
@@ -74,12 +75,13 @@ class EagleProposer(ModelProposer):
         """An EAGLE / EAGLE-3 head from speculative_draft_model_path, or the MTP module of a hybrid checkpoint: the
         target's own when no path is given (NEXTN, MTP), or the checkpoint the path names."""
         path = spec.draft_model_path or args.model_path
+        hot_ids = None if spec.token_map is None else load_token_map(spec.token_map, target.config.vocab_size)
         if spec.algorithm == "EAGLE" and load_model_config_if_model(path) is not None:
-            return load_mtp_head(path, target, load_format=args.load_format)
+            return load_mtp_head(path, target, load_format=args.load_format, hot_ids=hot_ids)
         if spec.draft_model_path is None:
             raise ValueError(f"speculative_draft_model_path is required for speculative_algorithm {spec.algorithm}: "
                              f"{args.model_path!r} has no MTP module of its own")
-        head = load_eagle_head(spec.draft_model_path, target, load_format=args.load_format)
+        head = load_eagle_head(spec.draft_model_path, target, load_format=args.load_format, hot_ids=hot_ids)
         if head.config.kind != spec.algorithm.lower():
             raise ValueError(f"speculative_draft_model_path holds an {head.config.kind.upper()} head "
                              f"({head.config.architecture}), but speculative_algorithm is {spec.algorithm}")
