@@ -89,7 +89,7 @@ def write_token_map(root: str, size: int = TOKEN_MAP_SIZE) -> str:
     return path
 
 
-def run(out_dir: str) -> dict:
+def run(out_dir: str, chains: tuple[int, ...] = CHAINS, alphas: tuple[float, ...] = ALPHAS, tag: str = "") -> dict:
     require_cuda()
     SharedWeights()
     root = tempfile.mkdtemp()
@@ -98,7 +98,7 @@ def run(out_dir: str) -> dict:
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
               "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "bandwidth_GBs": bandwidth() / 1e9}
-    path = os.path.join(out_dir, f"hybrid_bench_{tag_of(result['device'])}.json")
+    path = os.path.join(out_dir, f"hybrid_bench_{tag_of(result['device'])}{tag}.json")
 
     def save():
         with open(path, "w") as f:
@@ -116,8 +116,8 @@ def run(out_dir: str) -> dict:
     save()
     result["mtp"] = []
     token_map = write_token_map(root)
-    for steps in CHAINS:
-        for alpha in ALPHAS:
+    for steps in chains:
+        for alpha in alphas:
             for map_size, map_path in ((None, None), (TOKEN_MAP_SIZE, token_map)):
                 engine, info = make_engine(target, "cuda", max(BATCHES), mtp_spec(steps, alpha, map_path), capacity)
                 for bs, plain in zip(BATCHES, result["plain"]):
@@ -159,12 +159,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".")
     parser.add_argument("--report", help="render a saved JSON as markdown")
+    parser.add_argument("--chains", type=int, nargs="+", default=list(CHAINS), help="MTP chain lengths (one device call "
+                        "fits about six MTP engines)")
+    parser.add_argument("--alphas", type=float, nargs="+", default=list(ALPHAS))
+    parser.add_argument("--tag", default="", help="output file name suffix")
     args = parser.parse_args()
     if args.report:
         with open(args.report) as f:
             print(render(json.load(f)))
         return
-    run(args.out)
+    run(args.out, tuple(args.chains), tuple(args.alphas), args.tag)
 
 
 if __name__ == "__main__":

@@ -61,17 +61,31 @@ def test_speculation_equals_plain_on_cuda(models, dtype):
             print(dtype, extra, sum(g == p for g, p in zip(got, plain)), "of", len(plain), "identical")
 
 
-def test_mtp_with_a_token_map_equals_plain_on_cuda(models, tmp_path):
-    """The hot-vocabulary lm_head on the GPU path: draft logits [N, Vd] in graphs, argmax through the map."""
-    token_map = str(tmp_path / "map.pt")
-    torch.save(sorted(torch.randperm(384, generator=torch.Generator().manual_seed(3))[:192].tolist()), token_map)
+def test_mtp_with_a_token_map_equals_plain_on_cuda(tmp_path):
+    """The hot-vocabulary lm_head on the GPU path (draft logits [N, Vd] in graphs, argmax through the map), on a
+    bigram target whose pass-through MTP drafts perfectly: with a map of every token it accepts what it accepts
+    without a map (the same rows in the same order: the same drafts); with the emitted tokens left out of the map it
+    accepts none; the output is plain decoding's either way."""
+    from tests.speculative.test_mtp import _bigram_with_passthrough_mtp
+
+    path = _bigram_with_passthrough_mtp(str(tmp_path))
     base = dict(device="cuda", dtype="float32", max_running_requests=8, max_total_tokens=4096)
-    plain = _greedy(LLM(models["mtp"], **base))
+    plain = _greedy(LLM(path, **base))
+    emitted = {t for out in plain for t in out}
+    maps = {"none": None, "full": list(range(384)), "without": sorted(set(range(384)) - emitted)}
     for extra in (dict(speculative_num_steps=3),
                   dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)):
-        llm = LLM(models["mtp"], **base, speculative_algorithm="NEXTN", speculative_token_map=token_map, **extra)
-        assert _greedy(llm) == plain, extra
-        assert llm.get_server_info()["internal_states"][0]["spec_accepted_tokens"] > 0
+        accepted = {}
+        for name, ids in maps.items():
+            token_map = None if ids is None else str(tmp_path / f"{name}.pt")
+            if ids is not None:
+                torch.save(ids, token_map)
+            llm = LLM(path, **base, speculative_algorithm="NEXTN", speculative_token_map=token_map, **extra)
+            assert _greedy(llm) == plain, (name, extra)
+            state = llm.get_server_info()["internal_states"][0]
+            accepted[name] = state["spec_accepted_tokens"]
+            assert state["spec_draft_tokens"] > 0
+        assert accepted["full"] == accepted["none"] >= 2 * NEW and accepted["without"] == 0, (extra, accepted)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

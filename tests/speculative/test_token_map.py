@@ -71,9 +71,10 @@ def test_eagle_head_with_a_token_map_equals_spec_off(llm_factory, tmp_path):
 
 
 def test_the_map_decides_which_tokens_are_drafted(llm_factory, tmp_path):
-    """A pass-through MTP drafts a bigram target perfectly. With a map of every token it still does, so the copied
-    lm_head rows and the id maps are right; with the target's output tokens left out of the map, none of them can be
-    drafted, so nothing is accepted, and the output stays the target's."""
+    """A pass-through MTP drafts a bigram target perfectly. With a map of every token it still does, and a tree
+    accepts exactly what it accepts without a map (the same rows in the same order), so the copied lm_head rows and
+    the id maps are right; with the target's output tokens left out of the map, none of them can be drafted, so
+    nothing is accepted, and the output stays the target's."""
     path = _bigram_with_passthrough_mtp(str(tmp_path))
     prompts = mixed_prompts(4, seed=6, max_len=20)
     params = [greedy(24)] * 4
@@ -89,6 +90,14 @@ def test_the_map_decides_which_tokens_are_drafted(llm_factory, tmp_path):
         states[name] = spec_state(llm)
     assert states["full"]["spec_acceptance_rate"] > 0.95, states["full"]
     assert states["without"]["spec_accepted_tokens"] == 0 < states["without"]["spec_draft_tokens"], states["without"]
+    tree = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=2,
+                speculative_num_draft_tokens=5, max_running_requests=8)
+    accepted = []
+    for token_map in (None, full):
+        llm = llm_factory(path, speculative_token_map=token_map, **tree)
+        assert [o.token_ids for o in gen(llm, prompts, params)] == ref
+        accepted.append(spec_state(llm)["spec_accepted_tokens"])
+    assert accepted[0] == accepted[1] > 0, accepted
 
 
 # A 12-token target continues one prompt by 4 tokens 3000 times, spec off (seeds 0..2999) and with sampled MTP
