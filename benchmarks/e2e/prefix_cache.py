@@ -8,11 +8,12 @@
   no-reuse     --plain-requests distinct MT-bench questions as raw text (no chat template, so no shared template
                prefix), submitted together. Measured: output tokens/s: what the cache costs when it never hits.
 
-Greedy, fp32; every run checks that the cache-on tokens equal the cache-off tokens. Both engines are loaded side by
+Greedy, fp32 (--dtype); every run checks that the cache-on tokens equal the cache-off tokens. Both engines are loaded side by
 side and each workload runs off, then on (multi-turn: conversation by conversation), so load from anything else on
 the machine hits both alike.
 
   python -m benchmarks.e2e.prefix_cache      # CPU -> benchmarks/results/prefix_cache_cpu.md
+  python -m benchmarks.e2e.prefix_cache --device cuda --conversations 20 --shared-requests 64 --out $OUT/x.md
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def burst(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
 
 def run(path: str, qs: list[list[str]], args) -> dict[str, dict]:
     """Both engines side by side; each workload runs cache off, then on."""
-    llms = {name: LLM(path, device=args.device, dtype="float32", disable_radix_cache=name == "off")
+    # Two engines on one GPU: each gets a fixed K/V pool (the first would take mem_fraction_static of the memory).
+    capacity = dict(max_total_tokens=args.max_total_tokens) if args.device != "cpu" else {}
+    llms = {name: LLM(path, device=args.device, dtype=args.dtype, disable_radix_cache=name == "off", **capacity)
             for name in ("off", "on")}
     for llm in llms.values():
         llm.generate("warm-up", greedy(4), use_tqdm=False)
@@ -111,8 +114,8 @@ def report(on: dict, off: dict, args) -> list[str]:
     mt, sh, nr = (on[w] for w in ("multi-turn", "shared", "no-reuse"))
     mt0, sh0, nr0 = (off[w] for w in ("multi-turn", "shared", "no-reuse"))
     return [
-        "# Prefix caching on vs off (SmolLM2-135M-Instruct, fp32, CPU)", "",
-        f"- device: {cpu_name()}, {args.threads} torch threads; date: {datetime.date.today()}; commit: {git_commit()}",
+        f"# Prefix caching on vs off (SmolLM2-135M-Instruct, {args.dtype}, {device_name(args)})", "",
+        f"- device: {device_name(args)}; date: {datetime.date.today()}; commit: {git_commit()}",
         f"- command: `{command_line()}`",
         f"- greedy, {args.new_tokens} new tokens per turn/request; cache-on tokens identical to cache-off: **{same}**", "",
         "| workload | requests | prompt tokens (mean) | cached tokens (mean, on) | metric | off | on | off / on |",
@@ -135,6 +138,14 @@ def report(on: dict, off: dict, args) -> list[str]:
     ]
 
 
+def device_name(args) -> str:
+    if args.device == "cpu":
+        return f"{cpu_name()}, {args.threads} torch threads"
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.prefix_cache", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,6 +156,8 @@ def main() -> None:
     ap.add_argument("--plain-requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-total-tokens", type=int, default=200_000, help="each engine's K/V pool on a GPU")
     ap.add_argument("--out", help="report path (default: benchmarks/results/prefix_cache_<device>.md)")
     args = ap.parse_args()
     import torch
