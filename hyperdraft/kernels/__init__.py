@@ -7,8 +7,8 @@ only torch.
 - attention.py: paged attention (decode, extend over a cached prefix, tree-masked verify), split-K + merge
 - kv_store.py: new K/V into the paged pool (one launch for K and V)
 - kv_move.py: the accepted-path compaction copy, every layer, gather-then-scatter
-- norm.py, activation.py, rope.py: RMSNorm (+ residual add), SiLU(gate) * up, rotary embedding in place and the
-  cos/sin table of a forward's positions
+- norm.py, activation.py, rope.py: RMSNorm (+ residual add), SiLU(gate) * up and the gated attention's
+  x * sigmoid(gate), rotary embedding in place (partial too) and the cos/sin table of a forward's positions
 - vocab_map.py: an EAGLE-3 head's draft-vocabulary logits spread over the target vocabulary
 - uniform.py, argmax.py: counter-based uniforms (bit-identical to sample/rng.py), row argmax over a vocabulary
 - logprob.py: chosen tokens' log-probabilities (one log-sum-exp per row)

@@ -5,7 +5,9 @@ cos/sin table of a forward's positions, one launch instead of six (a product, a 
 
 Rounding follows `x * cos + rotate_half(x) * sin` in the activation dtype: each product is rounded, then the sum.
 q: [T, Hq, D], k: [T, Hkv, D] with any token and head strides and a contiguous last dim (views into a fused
-q/k/v output); cos, sin: [T, D] in the activation dtype, as DecoderLM.rope builds them (two equal halves).
+q/k/v output); cos, sin: [T, R] in the activation dtype, as DecoderLM.rope builds them (two equal halves). R = D for
+most models; a partial RoPE (Qwen3.5: R = D / 4) rotates the first R dims of each head and leaves the rest as they
+are, in place too (the torch path slices, rotates and concatenates: two more copies per tensor).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hyperdraft.options import triton_interpreted
 
 @jit
 def _rotate_heads(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotates dims [0, 2 * half) of each head of token t; a partial RoPE's dims past them are never touched."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (d < half)
@@ -52,12 +55,15 @@ def _rope(Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, num_q_head
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k in place; returns them. cos/sin: [T, D] (or [T, 1, D]), contiguous."""
+    """Rotate the first R dims of each head of q and k in place (R = D but for a partial RoPE); returns them.
+    cos/sin: [T, R] (or [T, 1, R]), contiguous."""
     num_tokens, num_q_heads, head_dim = q.shape
-    cos, sin = cos.reshape(num_tokens, head_dim), sin.reshape(num_tokens, head_dim)
-    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous() and head_dim % 2 == 0
+    rotary = cos.shape[-1]
+    cos, sin = cos.reshape(num_tokens, rotary), sin.reshape(num_tokens, rotary)
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    assert rotary % 2 == 0 and rotary <= head_dim == k.shape[2]
     if num_tokens:
-        half = head_dim // 2
+        half = rotary // 2
         _rope[(num_tokens,)](
             q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q_heads, k.shape[1], half,
             BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
@@ -126,6 +132,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Out of place. cos/sin: [T, 1, D] (or [T, D])."""
+    """Out of place. cos/sin: [T, 1, R] (or [T, R]); the first R dims of each head rotate, the rest pass through."""
     cos, sin = cos.reshape(cos.shape[0], 1, -1), sin.reshape(sin.shape[0], 1, -1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    rotary = cos.shape[-1]
+    if rotary == q.shape[-1]:
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    q_rot, k_rot = apply_rope_reference(q[..., :rotary], k[..., :rotary], cos, sin)
+    return torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)

@@ -56,13 +56,9 @@ class IdentityNorm(nn.Module):
 
 
 def apply_partial_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """RoPE on the first cos.shape[-1] dims of each head (all of them for most models); the rest pass through."""
-    rotary = cos.shape[-1]
-    rope = apply_rope if use_fused_kernels(q) else apply_rope_reference
-    if rotary == q.shape[-1]:
-        return rope(q, k, cos, sin)
-    q_rot, k_rot = apply_rope_reference(q[..., :rotary], k[..., :rotary], cos, sin)
-    return torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
+    """RoPE on the first cos.shape[-1] dims of each head (all of them for most models); the rest pass through. On
+    CUDA in place (one launch), so q and k must be tensors the caller needs only rotated."""
+    return (apply_rope if use_fused_kernels(q) else apply_rope_reference)(q, k, cos, sin)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

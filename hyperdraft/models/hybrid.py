@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.activation import sigmoid_gate_mul, sigmoid_gate_mul_reference
 from hyperdraft.kernels.gated_delta import GdnGates
 from hyperdraft.kernels.norm import gated_rms_norm, gated_rms_norm_reference, rms_norm
 from hyperdraft.models.config import FULL_ATTENTION, ModelConfig
@@ -96,12 +97,13 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         qg, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        # q_norm and k_norm return new tensors, not views of the projection output: RoPE may rotate them in place
         q = self.q_norm(q)
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         q, k = apply_partial_rope(q, k, cos, sin)
         out = attn(self.kv_layer_id, q.contiguous(), k, v.view(t, self.num_kv_heads, self.head_dim))
-        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
+        gated = sigmoid_gate_mul if use_fused_kernels(out) else sigmoid_gate_mul_reference
+        return self.o_proj(gated(out, gate))
 
 
 class GatedDeltaNet(nn.Module):

@@ -1,5 +1,6 @@
-"""The fused elementwise kernels (RMSNorm with the residual add, SiLU * up, RoPE) against their torch references,
-then a whole model with them against the same model on the references. Run on a GPU machine:
+"""The fused elementwise kernels (RMSNorm with the residual add, SiLU * up, x * sigmoid(gate), RoPE, partial too)
+against their torch references, then a whole model (and a hybrid model's gated attention layer) with them against the
+same on the references. Run on a GPU machine:
 `python3 -m pytest tests/gpu/test_fused_kernels.py`. (With TRITON_INTERPRET=1 and triton installed they also run
 on the CPU, slowly, without the allocator poisoning.)
 
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from hyperdraft.options import RuntimeOptions, activated
-from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
+from hyperdraft.kernels.activation import (sigmoid_gate_mul, sigmoid_gate_mul_reference, silu_mul,
+                                           silu_mul_reference)
 from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
 from hyperdraft.kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
 
@@ -25,7 +27,8 @@ pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
 DTYPES = [torch.float32, torch.bfloat16]
 # |out - ref| <= ATOL + RTOL * |ref|. fp32: another reduction order / rsqrt. bf16: up to three bf16 steps (2^-7
 # relative each), which only the interpreter's truncating casts need; on a GPU the kernels round as torch does.
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2.5e-2)}
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2.5e-2),
+       torch.float16: dict(atol=3e-3, rtol=3e-3)}
 # One rounding of one add is exact on a GPU; the interpreter truncates to bf16 instead of rounding to nearest.
 EXACT = {torch.float32: dict(atol=0, rtol=0), torch.bfloat16: TOL[torch.bfloat16] if INTERPRET else dict(atol=0, rtol=0)}
 
@@ -134,6 +137,55 @@ def test_rope(dtype, num_tokens, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens,heads,kv_heads,head_dim,rotary", [(1, 16, 4, 256, 64), (7, 8, 2, 128, 32),
+                                                                     (300, 4, 1, 256, 64), (3, 2, 1, 80, 20)])
+def test_partial_rope(dtype, num_tokens, heads, kv_heads, head_dim, rotary):
+    """A partial RoPE (Qwen3.5: the first quarter of each head) in place == the reference's slice, rotate and
+    concatenate; bit for bit in 16-bit on a GPU (each product rounded, then the sum). q is the strided first half of
+    each head's q|gate slice of a q projection output and k a column block beside v: nothing outside the first
+    `rotary` dims of q's and k's heads may change (q's own tail, the gate, k's tail, v)."""
+    qg = _randn(num_tokens, heads * 2 * head_dim, dtype=dtype, seed=20)
+    q = qg.view(num_tokens, heads, 2 * head_dim)[..., :head_dim]
+    kv = _randn(num_tokens, 2 * kv_heads * head_dim, dtype=dtype, seed=21)
+    k = kv[:, : kv_heads * head_dim].view(num_tokens, kv_heads, head_dim)
+    qg_before, kv_before = qg.clone(), kv.clone()
+    positions = torch.randint(0, 131072, (num_tokens,), generator=torch.Generator().manual_seed(22)).to(DEVICE)
+    inv_freq = 1.0 / (10000000.0 ** (torch.arange(0, rotary, 2).float() / rotary))
+    cos, sin = rope_cos_sin_reference(positions, inv_freq.to(DEVICE), dtype)  # [T, 1, rotary]
+    ref_q, ref_k = apply_rope_reference(q, k, cos, sin)
+    out_q, out_k = apply_rope(q, k, cos, sin)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    tol = TOL[dtype] if INTERPRET or dtype == torch.float32 else dict(atol=0, rtol=0)  # fp32: FMA contraction
+    torch.testing.assert_close(out_q, ref_q, **tol)
+    torch.testing.assert_close(out_k, ref_k, **tol)
+    q_heads, q_heads_before = (t.view(num_tokens, heads, 2 * head_dim) for t in (qg, qg_before))
+    assert torch.equal(q_heads[..., rotary:], q_heads_before[..., rotary:])  # q's tail and the gate
+    k_heads, k_heads_before = (t.view(num_tokens, 2 * kv_heads, head_dim) for t in (kv, kv_before))
+    assert torch.equal(k_heads[:, :kv_heads, rotary:], k_heads_before[:, :kv_heads, rotary:])
+    assert torch.equal(k_heads[:, kv_heads:], k_heads_before[:, kv_heads:])  # v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens,heads,head_dim", [(1, 16, 256), (7, 4, 128), (300, 3, 64), (5, 2, 80)])
+@pytest.mark.parametrize("strided_x", [False, True])
+def test_sigmoid_gate_mul(dtype, num_tokens, heads, head_dim, strided_x):
+    """The gated attention's output gate == eager `x * sigmoid(gate)`, bit for bit on a GPU in every dtype (the
+    sigmoid in fp32 with the math library's expf and an IEEE division, rounded, then the product rounded). The gate
+    is the second half of each head's q|gate slice of a q projection output; x the attention output, or every other
+    row of a wider one; saturating gates (+-100: exp overflows to inf) included."""
+    qg = _randn(num_tokens, heads * 2 * head_dim, dtype=dtype, seed=23) * 4
+    gate = qg.view(num_tokens, heads, 2 * head_dim)[..., head_dim:]
+    gate[0, 0, :4] = torch.tensor([-100.0, -20.0, 20.0, 100.0])
+    x = _randn(2 * num_tokens if strided_x else num_tokens, heads, head_dim, dtype=dtype, seed=24)
+    x = x[::2] if strided_x else x
+    _poison((num_tokens, heads * head_dim), dtype=dtype)
+    out = sigmoid_gate_mul(x, gate)
+    assert out.shape == (num_tokens, heads * head_dim) and out.is_contiguous()
+    exact = TOL[dtype] if INTERPRET else dict(atol=0, rtol=0)  # the interpreter: numpy's exp
+    torch.testing.assert_close(out, sigmoid_gate_mul_reference(x, gate), **exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens,head_dim", [(1, 128), (6, 64), (300, 80), (2, 256)])
 def test_rope_cos_sin(dtype, num_tokens, head_dim):
     """The table kernel == the torch table bit for bit (same fp32 angles, the math library's cos/sin, one rounding
@@ -198,6 +250,15 @@ def test_token_logprobs(rows, vocab, with_rows):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
+def _causal(_layer, q, k, v):
+    """Causal attention over the forward's own tokens in plain matmuls (SDPA's fp32 kernels may round through TF32)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) / q.shape[-1] ** 0.5  # [H, T, T]
+    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
 @pytest.mark.skipif(INTERPRET, reason="a whole model under the interpreter is too slow")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_model_fused_equals_reference(tmp_path, arch, monkeypatch):
@@ -209,24 +270,44 @@ def test_model_fused_equals_reference(tmp_path, arch, monkeypatch):
     model = load_model(path, "float32", torch.device(DEVICE))
     ids = torch.randint(0, model.config.vocab_size, (37,), device=DEVICE)
     pos = torch.arange(37, device=DEVICE)
-
-    def causal(_layer, q, k, v):  # plain fp32 matmuls: SDPA's fp32 kernels may round through TF32
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1)
-        scores = q.transpose(0, 1) @ k.transpose(1, 2) / q.shape[-1] ** 0.5  # [H, T, T]
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-        return (scores.softmax(-1) @ v).transpose(0, 1)
-
     layers = (1, model.config.num_layers)
     with torch.inference_mode():
-        hidden, captured = model(ids, pos, causal, layers)
+        hidden, captured = model(ids, pos, _causal, layers)
         with activated(RuntimeOptions.from_env(fused_kernels=False)):
-            ref_hidden, ref_captured = model(ids, pos, causal, layers)
+            ref_hidden, ref_captured = model(ids, pos, _causal, layers)
     # fp32 kernels differ from torch in the last bits (1/sqrt vs rsqrt, summation order, FMA contraction); two
     # layers of a random model with large weights amplify that to ~1e-5.
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-4, rtol=1e-4)
     for got, want in zip(captured, ref_captured):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the models take the kernels only on CUDA tensors")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_gated_attention_fused_equals_reference(tmp_path, dtype, num_tokens):
+    """A Qwen3.5-shaped gated attention layer (16 heads of 256, 4 KV heads, RoPE on the first 64 dims, q/k/v one
+    packed product) with the fused kernels == with the torch references: the zero-centered q/k norms, the partial
+    RoPE in place and the output gate. fp32 differs in the norms' last bits. In bf16 those flip some normed q/k
+    elements by one step, which the o projection sums over 4096 inputs: 2% of the largest output (~3 bf16 steps)."""
+    from hyperdraft.models.hybrid import GatedAttention
+    from hyperdraft.models.loader import load_model
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / "qwen3_5"), "qwen3_5", with_tokenizer=False, head_dim=256,
+                           num_attention_heads=16, num_key_value_heads=4)
+    model = load_model(path, {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype], torch.device(DEVICE))
+    layer = next(m for m in model.modules() if isinstance(m, GatedAttention))
+    x = _randn(num_tokens, model.config.hidden_size, dtype=dtype, seed=25)
+    with torch.inference_mode():
+        cos, sin = model.rope(torch.arange(40, 40 + num_tokens, device=DEVICE), dtype)
+        assert cos.shape[-1] == 64
+        out = layer(x, cos, sin, _causal)
+        with activated(RuntimeOptions.from_env(fused_kernels=False)):
+            ref = layer(x, cos, sin, _causal)
+    scale = float(ref.abs().max())
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2 * scale, rtol=2.5e-2)
+    torch.testing.assert_close(out, ref, **tol)
 
 
 @pytest.mark.parametrize("width", [1, 7, 1024, 128256])
