@@ -141,7 +141,8 @@ def test_rope(dtype, num_tokens, heads, kv_heads, head_dim):
                                                                      (300, 4, 1, 256, 64), (3, 2, 1, 80, 20)])
 def test_partial_rope(dtype, num_tokens, heads, kv_heads, head_dim, rotary):
     """A partial RoPE (Qwen3.5: the first quarter of each head) in place == the reference's slice, rotate and
-    concatenate; bit for bit in 16-bit on a GPU (each product rounded, then the sum). q is the strided first half of
+    concatenate, within the full RoPE test's tolerance (the kernel has never been bit-exact against eager torch: on an
+    H200 a quarter of the bf16 elements differ by an ulp). q is the strided first half of
     each head's q|gate slice of a q projection output and k a column block beside v: nothing outside the first
     `rotary` dims of q's and k's heads may change (q's own tail, the gate, k's tail, v)."""
     qg = _randn(num_tokens, heads * 2 * head_dim, dtype=dtype, seed=20)
@@ -155,9 +156,8 @@ def test_partial_rope(dtype, num_tokens, heads, kv_heads, head_dim, rotary):
     ref_q, ref_k = apply_rope_reference(q, k, cos, sin)
     out_q, out_k = apply_rope(q, k, cos, sin)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
-    tol = TOL[dtype] if INTERPRET or dtype == torch.float32 else dict(atol=0, rtol=0)  # fp32: FMA contraction
-    torch.testing.assert_close(out_q, ref_q, **tol)
-    torch.testing.assert_close(out_k, ref_k, **tol)
+    torch.testing.assert_close(out_q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(out_k, ref_k, **TOL[dtype])
     q_heads, q_heads_before = (t.view(num_tokens, heads, 2 * head_dim) for t in (qg, qg_before))
     assert torch.equal(q_heads[..., rotary:], q_heads_before[..., rotary:])  # q's tail and the gate
     k_heads, k_heads_before = (t.view(num_tokens, 2 * kv_heads, head_dim) for t in (kv, kv_before))
