@@ -76,14 +76,30 @@ class RadixTree:
             child = node.children.get(self._first(keys, pos))
             if child is None:
                 break
-            k = ps  # the child's first page equals ours (that is its dict key)
-            while k < len(child.key) and len(keys) - pos - k >= ps and child.key[k:k + ps] == keys[pos + k:pos + k + ps]:
-                k += ps
+            k = self._matching_keys(child.key, keys, pos)
             if k < len(child.key):
                 child = self._split(child, k)
             child.last_use = now
             node, pages, pos = child, pages + child.pages, pos + k
         return node, pages, pos
+
+    def _matching_keys(self, edge: list[Hashable], keys: list[Hashable], pos: int) -> int:
+        """How many keys of edge equal keys[pos:], in whole pages (the first page is known to). List slices compare
+        in C: a whole edge at once, else a bisection for the first mismatch; page by page in Python, a 2k-token
+        history took 4 ms per walk, and a cached turn 2 walks twice (match, then insert)."""
+        ps = self.page_size
+        n = min(len(edge), len(keys) - pos)
+        n -= n % ps
+        if edge[:n] == keys[pos:pos + n]:
+            return n
+        same, differs = ps, n  # edge[:same] matches, edge[:differs] does not
+        while differs - same > 1:
+            mid = (same + differs) // 2
+            if edge[same:mid] == keys[pos + same:pos + mid]:
+                same = mid
+            else:
+                differs = mid
+        return same - same % ps
 
     def _first(self, keys: Sequence[Hashable], pos: int) -> tuple:
         return tuple(keys[pos:pos + self.page_size])
