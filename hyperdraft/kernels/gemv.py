@@ -33,10 +33,12 @@ from hyperdraft.kernels.pdl import pdl_args, pdl_enabled, pdl_wait
 
 MAX_ROWS = 16
 MMA_K_MULTIPLE = 1024  # gemv_mma.cu: 4 warps split K, each in batches of 8 chunks of 32
-# One row: a vector kernel, 8 output columns x 2048-wide K steps per program (CUDA-core FMAs keep up with the
-# weight stream at one row, not at several). 2..16 rows: tensor cores, gemv_mma.cu or else (below) a Triton kernel
-# over the rows padded to 16.
-VEC_BLOCK_N, VEC_BLOCK_K, VEC_WARPS = 8, 2048, 8
+# One row: a vector kernel, 8 output columns x 1024-wide K steps per program on 4 warps (CUDA-core FMAs keep up
+# with the weight stream at one row, not at several). On an H200 that tile streamed a 32-layer chain of the 9B hybrid's
+# products 5.2% faster than 8 x 2048 on 8 warps (3.384 against 3.560 ms for 13.8 GB), and Llama-8B's 5.0%
+# (benchmarks/results/gemv_vec_tiles_h200.md); it is also among the best on both. 2..16 rows: tensor cores,
+# gemv_mma.cu or else (below) a Triton kernel over the rows padded to 16.
+VEC_BLOCK_N, VEC_BLOCK_K, VEC_WARPS = 8, 1024, 4
 DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 6
 # Where 32-column tiles make between one and two waves of programs, the second wave runs mostly empty: wider tiles
 # (half the programs) with the operands swapped (W is the MMA's 64-row operand) measured 19.0 us against 20.5 for
