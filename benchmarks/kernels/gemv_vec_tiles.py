@@ -37,7 +37,7 @@ def launch(x, w, out, tile) -> None:
     block_n, block_k, warps, stages = tile
     n, k = w.shape
     gemv_module._gemv_vec[(triton.cdiv(n, block_n),)](
-        x, w, w, out, out, n, k, HAS_BIAS=False, HAS_RES=False, EVEN=n % block_n == 0 and k % block_k == 0,
+        x, x, w, w, out, out, n, k, GATED=False, HAS_BIAS=False, HAS_RES=False, EVEN=n % block_n == 0 and k % block_k == 0,
         BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, 64), num_warps=warps, num_stages=stages,
         **gemv_module.pdl_args(x.device))
 

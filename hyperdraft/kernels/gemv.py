@@ -70,21 +70,38 @@ def _add_residual(out, res_ptrs, mask, DTYPE: tl.constexpr):
 
 
 @jit
-def _gemv_vec(X, W, Bias, Res, Out, N, K, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+def _x_chunk(X, Up, ks, K, GATED: tl.constexpr, EVEN: tl.constexpr):
+    """x[ks] in fp32; GATED: SiLU(x[ks]) * up[ks], rounded as kernels/activation.py's silu_mul rounds it (the SiLU to
+    the activation dtype, then the product), so the product sees bit for bit the input silu_mul would have written."""
+    if EVEN:  # no masks: the loads stay 16 bytes wide
+        x = tl.load(X + ks).to(tl.float32)
+    else:
+        x = tl.load(X + ks, mask=ks < K, other=0.0).to(tl.float32)
+    if GATED:
+        if EVEN:
+            u = tl.load(Up + ks).to(tl.float32)
+        else:
+            u = tl.load(Up + ks, mask=ks < K, other=0.0).to(tl.float32)
+        dt = X.dtype.element_ty
+        act = (x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32)
+        x = (act * u).to(dt).to(tl.float32)
+    return x
+
+
+@jit
+def _gemv_vec(X, Up, W, Bias, Res, Out, N, K, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+              EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     _weights_first(W, cols, N, K, BLOCK_K, LINE, PDL)
     w_rows = W + cols[:, None].to(tl.int64) * K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN:  # no masks: the loads stay 16 bytes wide
+        if EVEN:
             w = tl.load(w_rows + ks[None, :])
-            x = tl.load(X + ks)
         else:
             w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
-            x = tl.load(X + ks, mask=ks < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * _x_chunk(X, Up, ks, K, GATED, EVEN)[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -171,11 +188,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert residual is None or (res.stride(-1) == 1 and res.dtype == x.dtype)
     line = 128 // x.element_size()
     if m == 1:
-        block_k = min(VEC_BLOCK_K, triton.next_power_of_2(k))
-        _gemv_vec[(triton.cdiv(n, VEC_BLOCK_N),)](
-            rows, weight, b, res, out, n, k, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-            EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N, BLOCK_K=block_k,
-            LINE=min(block_k, line), num_warps=VEC_WARPS, num_stages=3, **pdl_args(x.device))
+        _launch_vec(rows, None, weight, bias, res if residual is not None else None, out)
     elif mma_fits(rows, weight, bias):
         _launch_mma(rows, weight, bias, residual is not None, res, out)
     else:
@@ -191,6 +204,36 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, line),
             num_warps=DOT_WARPS, num_stages=stages, **pdl_args(x.device))
     return out.view(*x.shape[:-1], n)
+
+
+def _launch_vec(x: torch.Tensor, up: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None, out: torch.Tensor) -> None:
+    """One row: out = x @ weight^T (+ bias, + residual); with `up`, x is SiLU(x) * up first (GATED)."""
+    n, k = weight.shape
+    block_k = min(VEC_BLOCK_K, triton.next_power_of_2(k))
+    _gemv_vec[(triton.cdiv(n, VEC_BLOCK_N),)](
+        x, up if up is not None else x, weight, bias if bias is not None else weight,
+        residual if residual is not None else out, out, n, k, GATED=up is not None, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N,
+        BLOCK_K=block_k, LINE=min(block_k, 128 // x.element_size()), num_warps=VEC_WARPS, num_stages=3,
+        **pdl_args(x.device))
+
+
+def silu_mul_gemv_fits(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether silu_mul_gemv serves down(SiLU(gate) * up): one row (a batch-1 decode), as gemv_fits otherwise."""
+    return (gate.dim() == 2 and gate.shape[0] == 1 and up.shape == gate.shape and up.dtype == gate.dtype
+            and up.stride(-1) == 1 and gemv_fits(gate, weight))
+
+
+def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """gate, up: [1, I] (views into one gate/up projection output) -> (SiLU(gate) * up) @ weight^T (+ bias, +
+    residual) [1, N] in one launch, bit for bit gemv(silu_mul(gate, up), ...): a batch-1 decode's MLP runs the
+    activation inside the down projection instead of a launch of its own (32 per step of a 32-layer model)."""
+    out = torch.empty(1, weight.shape[0], dtype=gate.dtype, device=gate.device)
+    assert residual is None or (residual.dtype == gate.dtype and residual.is_contiguous())
+    _launch_vec(gate, up, weight, bias, residual, out)
+    return out
 
 
 def mma_fits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperdraft import options
-from hyperdraft.kernels.gemv import cuda_linear, finish_product
+from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
+from hyperdraft.kernels.gemv import cuda_linear, finish_product, silu_mul_gemv, silu_mul_gemv_fits
 
 # Up to this many rows, `W @ x^T` beats F.linear (by 1.2-3x at 2..8 rows, 1.2-1.4x at 9..11); from 12 rows on MKL
 # picks the same kernel for both.
@@ -79,6 +80,14 @@ class Linear(nn.Linear):
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T + b, plus residual ([..., out]) when given, cast to out_dtype when given."""
         return skinny_linear(x, self.weight, self.bias, residual, out_dtype)
+
+    def forward_silu_mul(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor | None = None,
+                         fused: bool = False) -> torch.Tensor:
+        """self(SiLU(gate) * up, residual): fused (CUDA kernels) takes the activation's kernel, or for one row the
+        product's own launch (kernels/gemv.py silu_mul_gemv, bit for bit the same); else the torch reference."""
+        if fused and silu_mul_gemv_fits(gate, up, self.weight):
+            return silu_mul_gemv(gate, up, self.weight, self.bias, residual)
+        return self((silu_mul if fused else silu_mul_reference)(gate, up), residual)
 
 
 @dataclass

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from hyperdraft.kernels import use_fused_kernels
-from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
 from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
 from hyperdraft.kernels.rope import apply_rope, apply_rope_reference, rope_table
 from hyperdraft.models.config import ModelConfig
@@ -123,7 +122,7 @@ class SwiGLU(nn.Module):
     def forward(self, x, residual=None):
         """-> down(SiLU(gate) * up), plus residual when given (on CUDA inside the down projection's launch)."""
         gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj((silu_mul if use_fused_kernels(gate) else silu_mul_reference)(gate, up), residual)
+        return self.down_proj.forward_silu_mul(gate, up, residual, fused=use_fused_kernels(gate))
 
     def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
         return [(self.gate_proj, self.up_proj)]

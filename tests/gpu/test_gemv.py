@@ -185,3 +185,25 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
     with activated(RuntimeOptions.from_env(pdl=False)):
         for inp, out in outs:
             assert torch.equal(_layer_chain(inp, weights), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,inter", [(4096, 12288), (96, 200), (64, 1000)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_silu_mul_gemv_equals_the_activation_then_the_product(dtype, n, inter, with_residual):
+    """The batch-1 MLP's down projection with SiLU(gate) * up computed in its prologue == silu_mul's output fed to
+    gemv, bit for bit (gate and up are views into one gate/up output; ragged widths take the masked loads), and
+    every output element written (poisoned allocation)."""
+    from hyperdraft.kernels.gemv import silu_mul_gemv, silu_mul_gemv_fits
+
+    g = torch.Generator().manual_seed(n + inter)
+    gate_up = (torch.randn(1, 2 * inter, generator=g) * 3).to(DEVICE, dtype)
+    gate, up = gate_up.split(inter, dim=-1)
+    w = (torch.randn(n, inter, generator=g) / inter**0.5).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(1, n, generator=g).to(DEVICE, dtype) if with_residual else None
+    assert silu_mul_gemv_fits(gate, up, w)
+    want = gemv(silu_mul(gate, up), w, bias, residual)
+    got = _poisoned(silu_mul_gemv, gate, up, w, bias, residual)
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert not silu_mul_gemv_fits(gate_up[:, :inter].expand(2, inter), up.expand(2, inter), w)  # one row only
