@@ -127,3 +127,30 @@ def test_without_tokenizer_emits_nothing():
     detok = IncrementalDetokenizer(None, ["x"])
     assert detok.push([1, 2, 3], final=True) == "" and detok.text == ""
     assert detok.ids == [1, 2, 3]
+
+
+class _CountingTokenizer:
+    """The real tokenizer, counting how many ids each decode is given."""
+
+    def __init__(self, tok):
+        self.tok, self.ids_decoded = tok, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.ids_decoded += len(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_push_costs_the_same_however_long_the_output(tok):
+    """Decoding the whole output at every push is O(n^2) over a request; the window keeps it O(n), with the text
+    still equal to the whole output's decode (long mixed text, pushed in chunks of 1..4 tokens)."""
+    text = (ASCII + " " + MULTIBYTE + " ") * 40
+    ids = tok.encode(text)
+    counting = _CountingTokenizer(tok)
+    detok = IncrementalDetokenizer(counting, ["never appears"])
+    out, i, sizes = "", 0, [1, 3, 2, 4]
+    while i < len(ids):
+        n = sizes[i % 4]
+        out += detok.push(ids[i:i + n], final=i + n >= len(ids))
+        i += n
+    assert out == tok.decode(ids) == detok.text
+    assert len(ids) > 1000 and counting.ids_decoded < 12 * len(ids), counting.ids_decoded
