@@ -19,8 +19,10 @@ from torch import nn
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
 from hyperdraft.kernels.rope import apply_rope, apply_rope_reference, rope_table
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.config import ModelConfig
 from hyperdraft.models.cpu_linear import Linear, project
+from hyperdraft.models.tensor_parallel import embedding, row_linear
 
 # (layer_id, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -86,14 +88,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE):
+        """cfg: the rank's own config under tensor parallelism (its share of the heads); o_proj then sums over tp."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = row_linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -113,11 +116,11 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = row_linear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x, residual=None):
         """-> down(SiLU(gate) * up), plus residual when given (on CUDA inside the down projection's launch)."""
@@ -131,8 +134,8 @@ class SwiGLU(nn.Module):
 class MLP(SwiGLU):
     """A dense decoder layer's MLP, shaped by its model's config."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
 
 
 def attention_and_mlp_groups(layer: nn.Module) -> list[tuple[Linear, ...]]:
@@ -142,10 +145,10 @@ def attention_and_mlp_groups(layer: nn.Module) -> list[tuple[Linear, ...]]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_id, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -168,20 +171,24 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, body: nn.Module | None = None):
-        """body: embed_tokens, layers, norm (models/hybrid.py passes its own); default DecoderBody."""
+    def __init__(self, cfg: ModelConfig, body: nn.Module | None = None, tp: TensorParallel = SINGLE):
+        """body: embed_tokens, layers, norm (models/hybrid.py passes its own); default DecoderBody. tp: the group the
+        model is split over (models/tensor_parallel.py; cfg is then the rank's config): its lm_head keeps the rank's
+        vocabulary rows and compute_logits gathers them."""
         super().__init__()
         self.config = cfg
-        self.model = body if body is not None else DecoderBody(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = body if body is not None else DecoderBody(cfg, tp)
+        start, stop = tp.padded_split(cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, stop - start, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -217,5 +224,7 @@ class DecoderLM(nn.Module):
         return normed, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the lm_head's product in the model's dtype (as HF's `.float()`; on CUDA in one launch)."""
-        return self.lm_head(hidden, out_dtype=torch.float32)
+        """fp32 logits of the lm_head's product in the model's dtype (as HF's `.float()`; on CUDA in one launch),
+        gathered over the vocabulary's shards under tensor parallelism."""
+        logits = self.lm_head(hidden, out_dtype=torch.float32)
+        return logits if self.tp.size == 1 else self.tp.gather_last_dim(logits)[..., : self.config.vocab_size]

@@ -9,12 +9,14 @@ import os
 import torch
 from safetensors import safe_open
 
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.config import ModelConfig, load_model_config
 from hyperdraft.models.cpu_linear import fuse_projections
 from hyperdraft.models.decoder import DecoderLM, rope_inv_freq
 from hyperdraft.models.gguf import is_gguf, load_gguf_weights
 from hyperdraft.models.hybrid import HybridLM, is_packed_gdn_projection, unpack_gdn_projections
 from hyperdraft.models.moe import pack_experts
+from hyperdraft.models.tensor_parallel import rank_config, shard_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,7 +92,12 @@ def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
                 param.normal_(0.0, 0.02, generator=gen)
 
 
-def load_model(model_path: str, dtype: str, device: torch.device, load_format: str = "auto") -> DecoderLM | HybridLM:
+def load_model(model_path: str, dtype: str, device: torch.device, load_format: str = "auto",
+               tp: TensorParallel = SINGLE) -> DecoderLM | HybridLM:
+    """The model at model_path; under tensor parallelism (tp.size > 1) this rank's part of it."""
+    if tp.size > 1:
+        rank_config(load_model_config(model_path), tp)  # refuse a model that cannot split before loading it
+        return split_model(load_model(model_path, dtype, device, load_format), tp)
     cfg = load_model_config(model_path)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
@@ -108,3 +115,20 @@ def load_model(model_path: str, dtype: str, device: torch.device, load_format: s
         pack_experts(model.model.layers)  # the routed experts' weights as two stacks (models/moe.py)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in fp32 whatever the weights' dtype
     return model.eval().requires_grad_(False)
+
+
+def split_model(whole: DecoderLM, tp: TensorParallel) -> DecoderLM:
+    """This rank's part of a loaded dense model: its own config, its slices of every weight (models/tensor_parallel.py).
+    The whole model is loaded first on every rank (twice the memory while splitting): one loader serves Hugging Face
+    and GGUF checkpoints alike."""
+    cfg, param = whole.config, next(whole.parameters())
+    with torch.device("meta"):
+        part = DecoderLM(rank_config(cfg, tp), tp=tp)
+    part = part.to_empty(device=param.device)
+    if cfg.tie_word_embeddings:
+        part.lm_head.weight = part.model.embed_tokens.weight
+    shard_state(part, whole, cfg, tp)
+    part.to(param.dtype)
+    fuse_projections(part.model.layers)
+    part.inv_freq = whole.inv_freq
+    return part.eval().requires_grad_(False)

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.abspath(hyperdraft.__file__))
 LAYERS: list[set[str]] = [
     {"options", "sampling_params"},
     {"config", "request"},
-    {"core"},
+    {"core", "distributed"},
     {"kernels"},
     {"models"},
     {"kvcache"},

@@ -1,0 +1,57 @@
+"""TensorParallel: one rank's place in a tensor-parallel group, and the collectives a split model calls.
+
+A model split over `size` ranks (Megatron's layout, as SGLang and vLLM split it):
+  column-parallel   q/k/v and gate/up keep 1/size of their output rows: heads and MLP columns are local
+  row-parallel      o_proj and down_proj keep 1/size of their input columns; their partial products are summed
+                    over the group (all_reduce), then the bias is added once
+  vocab-parallel    the embedding and the lm_head keep 1/size of the vocabulary rows; a token's embedding row lives
+                    on one rank (the others contribute zeros to a sum), the logits are gathered along the vocabulary
+With size 1 every collective is the identity, so one code path serves split and whole models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the torch.distributed process group (None: the default group, or no group at size 1)
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} must lie in [0, tp_size={self.size})")
+
+    def split(self, n: int) -> tuple[int, int]:
+        """[start, stop) of this rank's part of n items split evenly (n a multiple of size)."""
+        assert n % self.size == 0, f"{n} does not split over {self.size} ranks"
+        part = n // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+    def padded_split(self, n: int) -> tuple[int, int]:
+        """[start, stop) of this rank's ceil(n / size) items, the last part padded past n (vocabulary rows)."""
+        part = -(-n // self.size)
+        return self.rank * part, (self.rank + 1) * part
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] per rank -> [..., size * n], rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = TensorParallel()  # an unsplit model

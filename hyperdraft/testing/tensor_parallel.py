@@ -1,0 +1,57 @@
+"""Run a model split over gloo processes on the CPU (tests of models/tensor_parallel.py).
+
+split_logits spawns tp_size processes; each loads its part of the model and runs the same prompts through a plain
+causal attention; rank 0 writes the gathered logits, which every rank holds after compute_logits.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
+from hyperdraft.models.loader import load_model
+
+
+def prompt_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt's logits [len, V], one causal forward per prompt (no K/V cache)."""
+    def attn(layer_id, q, k, v):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                             enable_gqa=True)
+        return out.transpose(0, 1)
+
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            hidden, _ = model(torch.tensor(prompt), torch.arange(len(prompt)), attn)
+            outs.append(model.compute_logits(hidden))
+    return outs
+
+
+def whole_logits(model_path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    return prompt_logits(load_model(model_path, "float32", torch.device("cpu"), tp=SINGLE), prompts)
+
+
+def split_logits(model_path: str, prompts: list[list[int]], tp_size: int) -> list[torch.Tensor]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "logits.pt")
+        mp.spawn(_rank_main, args=(tp_size, model_path, prompts, os.path.join(tmp, "rendezvous"), out_path),
+                 nprocs=tp_size, join=True)
+        return torch.load(out_path)
+
+
+def _rank_main(rank: int, size: int, model_path: str, prompts, rendezvous: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+    try:
+        model = load_model(model_path, "float32", torch.device("cpu"), tp=TensorParallel(rank, size))
+        logits = prompt_logits(model, prompts)
+        if rank == 0:
+            torch.save(logits, out_path)
+    finally:
+        dist.destroy_process_group()
