@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-ALIASES = {"model": "model_path", "tokenizer": "tokenizer_path", "speculative_draft_model": "speculative_draft_model_path"}
+ALIASES = {"model": "model_path", "tokenizer": "tokenizer_path", "speculative_draft_model": "speculative_draft_model_path",
+           "tensor_parallel_size": "tp_size"}
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -76,6 +77,12 @@ class EngineArgs:
     disable_cuda_graph: bool = _opt(False, "run every forward eagerly (no CUDA graphs)")
     disable_radix_cache: bool = _opt(False, "turn prefix caching off: every prompt is computed from scratch (the radix cache shares whole K/V pages of common prefixes between requests; always off for hybrid models)")
     cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default 64, capped by max_running_requests)")
+    # ---- tensor parallelism (SGLang names) ----
+    tp_size: int = _opt(1, "tensor-parallel ranks, one process each, the model split over them (alias: --tensor-parallel-size); CPU (gloo) so far")
+    dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")
+    dist_timeout: float = _opt(600.0, "seconds a rank waits in a collective before the engine stops with an error")
+    nnodes: int = _opt(1, "machines the ranks run on (1 so far)")
+    node_rank: int = _opt(0, "this machine's index among nnodes")
     # ---- speculative decoding (SGLang names) ----
     speculative_algorithm: str | None = _opt(None, _algorithm_help())
     speculative_draft_model_path: str | None = _opt(None, _draft_path_help())
@@ -111,6 +118,13 @@ class EngineArgs:
             bad("cuda_graph_max_bs", "an integer >= 1")
         if self.context_length is not None and self.context_length < 2:
             bad("context_length", "an integer >= 2")
+        if self.tp_size < 1:
+            bad("tp_size", "an integer >= 1")
+        if self.nnodes != 1 or self.node_rank != 0:
+            raise ValueError(f"nnodes={self.nnodes}, node_rank={self.node_rank}: the ranks of a tensor-parallel group "
+                             "run on one machine so far (nnodes 1, node_rank 0)")
+        if self.dist_timeout <= 0:
+            bad("dist_timeout", "a number of seconds > 0")
         if self.dtype not in DTYPE_CHOICES:
             bad("dtype", f"one of {DTYPE_CHOICES}")
         if self.speculative_simulate_accept_rate is not None and not 0 <= self.speculative_simulate_accept_rate <= 1:
@@ -154,7 +168,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for f in fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
-        names = [flag] + [f"--{a}" for a, target in ALIASES.items() if target == f.name]
+        names = [flag] + [f"--{a.replace('_', '-')}" for a, target in ALIASES.items() if target == f.name]
         kind = _field_type(f)
         if kind is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])

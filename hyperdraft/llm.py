@@ -201,6 +201,7 @@ class LLM:
             return
         for req in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
             self.engine.abort(req.rid)
+        self.engine.close()  # a tensor-parallel group's other ranks stop with it
         self.engine = None
         import gc
 

@@ -10,6 +10,8 @@ import torch
 
 from hyperdraft.config import EngineArgs
 from hyperdraft.core.schedule import StepOutput
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
+from hyperdraft.engine.lockstep import Command, Lockstep, init_group
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.scheduler import Scheduler
 from hyperdraft.engine.stop import StopChecker
@@ -18,7 +20,9 @@ from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.kvcache.prefix_cache import PrefixCache
 from hyperdraft.kvcache.radix_tree import RadixTree
 from hyperdraft.kvcache.state_pool import StatePool
+from hyperdraft.models.config import load_model_config
 from hyperdraft.models.loader import load_model
+from hyperdraft.models.tensor_parallel import rank_config
 from hyperdraft.options import RuntimeOptions, activated
 from hyperdraft.request import Request, first_invalid_token
 from hyperdraft.runner.graph_runner import GraphSettings, default_batch_sizes
@@ -110,9 +114,10 @@ def kv_capacity_tokens(args: EngineArgs, kv_bytes_per_token: int, budget: int, s
 
 
 class Engine:
-    def __init__(self, args: EngineArgs, options: RuntimeOptions | None = None):
+    def __init__(self, args: EngineArgs, options: RuntimeOptions | None = None, tp: TensorParallel | None = None):
         """options: the runtime switches (default: RuntimeOptions.from_args, i.e. the environment's); active around
-        everything the engine runs, from loading and capture to every step."""
+        everything the engine runs, from loading and capture to every step. tp: a follower rank's place in its
+        tensor-parallel group (engine/lockstep.py); None builds rank 0, which starts the others when tp_size > 1."""
         if args.model_path is None:
             raise ValueError("model_path is required (pass model=PATH)")
         _configure_logging(args.log_level)
@@ -120,7 +125,8 @@ class Engine:
         self.options = options if options is not None else RuntimeOptions.from_args(args)
         with activated(self.options):
             self.device = resolve_device(args.device)
-            model = load_model(args.model_path, args.dtype, self.device, args.load_format)
+            self.lockstep = self._lockstep(tp)
+            model = load_model(args.model_path, args.dtype, self.device, args.load_format, self.lockstep.tp)
             self.model_config = model.config
             self.tokenizer = load_tokenizer(args)
             self.context_len = args.context_length or self.model_config.max_position_embeddings
@@ -139,6 +145,19 @@ class Engine:
         self.scheduler = self._make_scheduler()
         self._seed_rng = random.Random(args.random_seed)
         self._rid_counter = itertools.count()
+
+    def _lockstep(self, tp: TensorParallel | None) -> Lockstep:
+        if tp is not None or self.args.tp_size == 1:
+            return Lockstep(tp or SINGLE)
+        if self.device.type != "cpu":
+            raise ValueError(f"tp_size={self.args.tp_size} runs on the CPU (gloo) so far; device {self.device} is not "
+                             "supported yet with tensor parallelism")
+        algorithm = (self.args.speculative_algorithm or "").upper()
+        if algorithm not in ("", "NGRAM", "STANDALONE"):
+            raise ValueError(f"speculative_algorithm {algorithm} with tp_size={self.args.tp_size}: not yet (its head "
+                             "reads the target's split embedding and lm_head); NGRAM and STANDALONE work")
+        rank_config(load_model_config(self.args.model_path), TensorParallel(0, self.args.tp_size))  # before any process
+        return Lockstep.lead(self.args, follow, self.options)
 
     def _prefix_cache(self, tree: RadixTree | None) -> PrefixCache | None:
         """On unless turned off (--disable-radix-cache) or a model keeps recurrent state, which K/V pages cannot
@@ -251,6 +270,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(rid or f"req-{next(self._rid_counter)}", list(input_ids), params, seed)
         self.scheduler.add(req)
+        self.lockstep.record("add", (req.rid, req.prompt_ids, params, seed))
         return req
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -266,6 +286,7 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_total_tokens={self.page_table.capacity_slots} can hold")
 
     def abort(self, rid: str) -> Request | None:
+        self.lockstep.record("abort", rid)
         return self.scheduler.abort(rid)
 
     def has_unfinished(self) -> bool:
@@ -274,6 +295,7 @@ class Engine:
     # ---- the loop -----------------------------------------------------------------------------------------------
     @torch.no_grad()  # products outside the runners' inference mode (EAGLE-3's fc) must not record autograd
     def step(self) -> list[StepOutput]:
+        self.lockstep.publish_step()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -300,8 +322,43 @@ class Engine:
         pages are referenced) -> whether it flushed."""
         if self.scheduler.has_unfinished():
             return False
+        self.lockstep.record("flush")
         self.page_table.flush_cache()
         return True
+
+    # ---- tensor parallelism -------------------------------------------------------------------------------------
+    def replay_until_stopped(self) -> None:
+        """A follower rank: replay rank 0's calls, step by step, until it stops the group."""
+        while True:
+            for command in self.lockstep.receive():
+                if command.kind == "stop":
+                    return
+                self._replay(command)
+
+    def _replay(self, command: Command) -> None:
+        if command.kind == "add":
+            self.scheduler.add(Request(*command.payload))
+        elif command.kind == "abort":
+            self.scheduler.abort(command.payload)
+        elif command.kind == "flush":
+            self.page_table.flush_cache()
+        elif command.kind == "report":
+            self.lockstep.report(self.pool_state())
+        else:
+            self.step()
+
+    def pool_state(self) -> dict:
+        return {"kv_free_tokens": self.kv_free_slots, "kv_capacity_tokens": self.kv_capacity_slots,
+                "kv_cached_tokens": self.kv_cached_slots, "num_running_reqs": len(self.scheduler.running),
+                "num_waiting_reqs": len(self.scheduler.waiting)}
+
+    def rank_states(self) -> list[dict]:
+        """pool_state() of every rank of the tensor-parallel group (this engine's alone without one)."""
+        return self.lockstep.gather(self.pool_state())
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (rank 0) and leave it."""
+        self.lockstep.close()
 
     def cache_state(self) -> dict:
         """The prefix cache's size and counters (internal_state, /metrics)."""
@@ -336,3 +393,14 @@ class Engine:
             "num_waiting_reqs": len(self.scheduler.waiting),
             **self.cache_state(),
         }
+
+
+def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -> None:
+    """A follower rank's process (engine/lockstep.py): its engine replays rank 0's calls until told to stop."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // args.tp_size))
+    tp = init_group(args, rank, address)
+    engine = Engine(args, options, tp)
+    try:
+        engine.replay_until_stopped()
+    finally:
+        engine.close()

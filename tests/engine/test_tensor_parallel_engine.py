@@ -1,0 +1,101 @@
+"""--tp-size 2 on the CPU: two processes (gloo), the model split over them, the engines in lockstep
+(engine/lockstep.py). Greedy and seeded sampled outputs equal tp_size 1's, for plain decoding, NGRAM and STANDALONE
+(its draft replicated on both ranks), chains and trees, at page sizes 1 and 4 with chunked prefill; every rank's K/V
+pool ends free; a rank that dies stops the engine with an error instead of a hang; bad settings are clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.testing.tiny import make_tiny_model
+from helpers.spec_fixtures import greedy, mixed_prompts
+from tests.conftest import assert_engine_clean
+
+NEW_TOKENS = [12, 5, 20, 9, 16, 3]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0),
+            "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1)}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _outputs(path, prompts, params, **engine_args):
+    llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=24, dist_timeout=120,
+              **engine_args)
+    try:
+        outs = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        states = llm.engine.rank_states()
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+    return outs, states
+
+
+def _check_pools_free(states, tp_size):
+    assert len(states) == tp_size
+    for s in states:  # every rank: nothing running, every page free or held by the prefix cache only
+        assert s["num_running_reqs"] == s["num_waiting_reqs"] == 0, s
+        assert s["kv_free_tokens"] + s["kv_cached_tokens"] == s["kv_capacity_tokens"], s
+
+
+@pytest.mark.parametrize("kind,page_size,extra", [
+    ("llama", 1, {}),
+    ("qwen3", 4, {}),
+    ("llama", 4, dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)),
+    ("qwen3", 1, dict(speculative_algorithm="STANDALONE", speculative_draft_model="llama", speculative_num_steps=3)),
+    ("qwen3", 4, dict(speculative_algorithm="STANDALONE", speculative_draft_model="llama", speculative_num_steps=3,
+                      speculative_eagle_topk=2, speculative_num_draft_tokens=6)),
+], ids=["plain-llama", "plain-qwen3-page4", "ngram", "standalone-chain", "standalone-tree"])
+def test_tp2_greedy_equals_tp1(models, kind, page_size, extra):
+    """Llama's one K/V head is replicated on both ranks; Qwen3's two are split."""
+    extra = {k: (models[v] if k == "speculative_draft_model" else v) for k, v in extra.items()}
+    prompts = mixed_prompts(len(NEW_TOKENS), seed=4, max_len=60)
+    params = [greedy(n) for n in NEW_TOKENS]
+    want, _ = _outputs(models[kind], prompts, params, page_size=page_size, **extra)
+    got, states = _outputs(models[kind], prompts, params, page_size=page_size, tp_size=2, **extra)
+    assert got == want
+    _check_pools_free(states, 2)
+
+
+def test_tp2_seeded_sampling_equals_tp1(models):
+    prompts = mixed_prompts(6, seed=5, max_len=30)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10, ignore_eos=True, seed=i) for i in range(6)]
+    want, _ = _outputs(models["llama"], prompts, params)
+    got, _ = _outputs(models["llama"], prompts, params, tensor_parallel_size=2)
+    assert got == want
+
+
+def test_a_dead_rank_stops_the_engine_with_an_error(models):
+    llm = LLM(models["llama"], device="cpu", dtype="float32", tp_size=2, dist_timeout=30)
+    try:
+        llm.generate(input_ids=[[1, 2, 3]], sampling_params=greedy(2), use_tqdm=False)
+        follower = llm.engine.lockstep.followers[0]
+        follower.kill()
+        follower.join(timeout=10)
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            llm.generate(input_ids=[[4, 5, 6]], sampling_params=greedy(2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(tp_size=0), "tp_size must be an integer >= 1"),
+    (dict(tp_size=2, nnodes=2), "run on one machine so far"),
+    (dict(tp_size=3), "tp_size=3 must divide the model's num_attention_heads=4"),
+    (dict(tp_size=2, speculative_algorithm="EAGLE3", speculative_draft_model_path="x"), "EAGLE3 with tp_size=2: not yet"),
+])
+def test_bad_tensor_parallel_settings_are_clear_errors(models, args, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(models["llama"], device="cpu", **args)
