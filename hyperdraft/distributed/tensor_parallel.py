@@ -45,6 +45,10 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def gather_first_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] per rank -> [size * n, ...], rank order."""
+        return self.gather_last_dim(x.movedim(0, -1)).movedim(-1, 0).contiguous()
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] per rank -> [..., size * n], rank order."""
         if self.size == 1:

@@ -152,10 +152,6 @@ class Engine:
         if self.device.type != "cpu":
             raise ValueError(f"tp_size={self.args.tp_size} runs on the CPU (gloo) so far; device {self.device} is not "
                              "supported yet with tensor parallelism")
-        algorithm = (self.args.speculative_algorithm or "").upper()
-        if algorithm not in ("", "NGRAM", "STANDALONE"):
-            raise ValueError(f"speculative_algorithm {algorithm} with tp_size={self.args.tp_size}: not yet (its head "
-                             "reads the target's split embedding and lm_head); NGRAM and STANDALONE work")
         rank_config(load_model_config(self.args.model_path), TensorParallel(0, self.args.tp_size))  # before any process
         return Lockstep.lead(self.args, follow, self.options)
 

@@ -59,6 +59,7 @@ from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_referen
 from hyperdraft.kernels.rope import rope_table
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.models.hot_vocab import HotVocab
+from hyperdraft.models.tensor_parallel import whole_vocab_modules
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
 
@@ -144,16 +145,18 @@ class _Head(nn.Module):
         self.target_num_layers = target.config.num_layers
         self.aux_layer_ids = aux_layer_ids  # target layers whose outputs the head reads (EAGLE-3; () for EAGLE-1)
         # Target modules used by reference live in a plain dict, not as submodules: head.to(), state_dict() and
-        # parameters() never reach them, so the target's weights are neither copied nor converted.
+        # parameters() never reach them, so the target's weights are neither copied nor converted. A target split
+        # over a tensor-parallel group lends whole copies instead (the head runs whole on every rank).
         self._shared: dict[str, nn.Module] = {}
+        embed, lm_head = (None, None) if own_embed and own_lm_head else whole_vocab_modules(target)
         if own_embed:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         else:
-            self._shared["embed_tokens"] = target.model.embed_tokens
+            self._shared["embed_tokens"] = embed
         if own_lm_head:
             self.lm_head = Linear(cfg.hidden_size, lm_rows, bias=False)
         else:
-            self._shared["lm_head"] = target.lm_head
+            self._shared["lm_head"] = lm_head
         self.register_buffer("inv_freq", rope_inv_freq(cfg.layer), persistent=False)
 
     num_layers = property(lambda self: self.config.num_layers)

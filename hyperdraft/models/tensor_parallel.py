@@ -97,6 +97,22 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(rows)
 
 
+def whole_vocab_modules(target: nn.Module) -> tuple[nn.Module, Linear]:
+    """(embedding, lm_head) over the whole vocabulary for a draft head that shares the target's: the target's own
+    modules, or, when the target is split, whole copies gathered from its ranks (a collective: every rank calls it,
+    in the same order, as every rank builds its head). A head drafts on every rank alike, from whole tables."""
+    tp, cfg = target.tp, target.config
+    if tp.size == 1:
+        return target.model.embed_tokens, target.lm_head
+    table = tp.gather_first_dim(target.model.embed_tokens.weight.detach())[: cfg.vocab_size]
+    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=table.device, dtype=table.dtype)
+    embed.weight = nn.Parameter(table, requires_grad=False)
+    lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=table.device, dtype=table.dtype)
+    lm_weight = table if cfg.tie_word_embeddings else tp.gather_first_dim(target.lm_head.weight.detach())[: cfg.vocab_size]
+    lm_head.weight = nn.Parameter(lm_weight, requires_grad=False)
+    return embed, lm_head
+
+
 def shard_state(part: nn.Module, whole: nn.Module, cfg: ModelConfig, tp: TensorParallel) -> None:
     """Copy into the rank's model `part` its slice of every parameter of the unsplit model `whole` (cfg: whole's)."""
     whole_params = dict(whole.named_parameters())

@@ -1,6 +1,7 @@
 """--tp-size 2 on the CPU: two processes (gloo), the model split over them, the engines in lockstep
-(engine/lockstep.py). Greedy and seeded sampled outputs equal tp_size 1's, for plain decoding, NGRAM and STANDALONE
-(its draft replicated on both ranks), chains and trees, at page sizes 1 and 4 with chunked prefill; every rank's K/V
+(engine/lockstep.py). Greedy and seeded sampled outputs equal tp_size 1's, for plain decoding, NGRAM, STANDALONE
+(its draft replicated on both ranks), EAGLE and EAGLE-3 (the head whole on every rank, with whole copies of the
+target's embedding and lm_head), chains and trees, at page sizes 1 and 4 with chunked prefill; every rank's K/V
 pool ends free; a rank that dies stops the engine with an error instead of a hang; bad settings are clear errors."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from helpers.spec_fixtures import greedy, mixed_prompts
 from tests.conftest import assert_engine_clean
@@ -19,8 +21,11 @@ NEW_TOKENS = [12, 5, 20, 9, 16, 3]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
+    llama6 = make_tiny_model(str(root / "llama6"), "llama", seed=2, num_hidden_layers=6)
     return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0),
-            "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1)}
+            "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1), "llama6": llama6,
+            "eagle3": write_random_eagle_checkpoint(str(root / "e3"), llama6, kind="eagle3", draft_vocab_size=200),
+            "eagle": write_random_eagle_checkpoint(str(root / "e1"), llama6, kind="eagle")}
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +62,13 @@ def _check_pools_free(states, tp_size):
     ("qwen3", 1, dict(speculative_algorithm="STANDALONE", speculative_draft_model="llama", speculative_num_steps=3)),
     ("qwen3", 4, dict(speculative_algorithm="STANDALONE", speculative_draft_model="llama", speculative_num_steps=3,
                       speculative_eagle_topk=2, speculative_num_draft_tokens=6)),
-], ids=["plain-llama", "plain-qwen3-page4", "ngram", "standalone-chain", "standalone-tree"])
+    ("llama6", 1, dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3", speculative_num_steps=3,
+                       speculative_eagle_topk=1)),
+    ("llama6", 4, dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3")),
+    ("llama6", 4, dict(speculative_algorithm="EAGLE", speculative_draft_model="eagle", speculative_num_steps=3,
+                       speculative_eagle_topk=2, speculative_num_draft_tokens=6)),
+], ids=["plain-llama", "plain-qwen3-page4", "ngram", "standalone-chain", "standalone-tree", "eagle3-chain",
+        "eagle3-tree", "eagle-tree"])
 def test_tp2_greedy_equals_tp1(models, kind, page_size, extra):
     """Llama's one K/V head is replicated on both ranks; Qwen3's two are split."""
     extra = {k: (models[v] if k == "speculative_draft_model" else v) for k, v in extra.items()}
@@ -94,8 +105,16 @@ def test_a_dead_rank_stops_the_engine_with_an_error(models):
     (dict(tp_size=0), "tp_size must be an integer >= 1"),
     (dict(tp_size=2, nnodes=2), "run on one machine so far"),
     (dict(tp_size=3), "tp_size=3 must divide the model's num_attention_heads=4"),
-    (dict(tp_size=2, speculative_algorithm="EAGLE3", speculative_draft_model_path="x"), "EAGLE3 with tp_size=2: not yet"),
 ])
 def test_bad_tensor_parallel_settings_are_clear_errors(models, args, match):
     with pytest.raises(ValueError, match=match):
         LLM(models["llama"], device="cpu", **args)
+
+
+def test_a_hybrid_model_is_refused_before_any_process_starts(tmp_path):
+    hybrid = make_tiny_model(str(tmp_path / "h"), "qwen3_5", seed=1)
+    with pytest.raises(ValueError, match="tp_size=2: .* cannot be split yet"):
+        LLM(hybrid, device="cpu", tp_size=2)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
