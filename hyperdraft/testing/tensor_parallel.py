@@ -1,7 +1,8 @@
 """Run a model split over gloo processes on the CPU (tests of models/tensor_parallel.py).
 
-split_logits spawns tp_size processes; each loads its part of the model and runs the same prompts through a plain
-causal attention; rank 0 writes the gathered logits, which every rank holds after compute_logits.
+split_logits spawns tp_size processes once for several models; each loads its part of every model and runs the same
+prompts through a plain causal attention; rank 0 writes the gathered logits, which every rank holds after
+compute_logits.
 """
 
 from __future__ import annotations
@@ -37,20 +38,21 @@ def whole_logits(model_path: str, prompts: list[list[int]]) -> list[torch.Tensor
     return prompt_logits(load_model(model_path, "float32", torch.device("cpu"), tp=SINGLE), prompts)
 
 
-def split_logits(model_path: str, prompts: list[list[int]], tp_size: int) -> list[torch.Tensor]:
+def split_logits(model_paths: list[str], prompts: list[list[int]], tp_size: int) -> list[list[torch.Tensor]]:
+    """Per model, each prompt's logits from the model split over tp_size processes."""
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "logits.pt")
-        mp.spawn(_rank_main, args=(tp_size, model_path, prompts, os.path.join(tmp, "rendezvous"), out_path),
+        mp.spawn(_rank_main, args=(tp_size, model_paths, prompts, os.path.join(tmp, "rendezvous"), out_path),
                  nprocs=tp_size, join=True)
         return torch.load(out_path)
 
 
-def _rank_main(rank: int, size: int, model_path: str, prompts, rendezvous: str, out_path: str) -> None:
+def _rank_main(rank: int, size: int, model_paths: list[str], prompts, rendezvous: str, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
     try:
-        model = load_model(model_path, "float32", torch.device("cpu"), tp=TensorParallel(rank, size))
-        logits = prompt_logits(model, prompts)
+        tp = TensorParallel(rank, size)
+        logits = [prompt_logits(load_model(path, "float32", torch.device("cpu"), tp=tp), prompts) for path in model_paths]
         if rank == 0:
             torch.save(logits, out_path)
     finally:

@@ -22,19 +22,21 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in (1, 9, 40)]
 
 
-@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
-                                            ("qwen3", dict(vocab_size=301, with_tokenizer=False))],
-                         ids=["llama", "qwen2", "qwen3", "qwen3-vocab301"])
-def test_two_ranks_compute_the_whole_models_logits(tmp_path, kind, overrides):
-    path = make_tiny_model(str(tmp_path / kind), kind, seed=3, **overrides)
-    vocab = overrides.get("vocab_size", 384)
-    prompts = _prompts(vocab)
-    want = whole_logits(path, prompts)
-    got = split_logits(path, prompts, tp_size=2)
-    for w, g in zip(want, got):
-        assert g.shape == w.shape == (w.shape[0], vocab)
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
-        assert torch.equal(g.argmax(-1), w.argmax(-1))
+CASES = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
+         "qwen3-vocab301": ("qwen3", dict(vocab_size=301, with_tokenizer=False))}
+
+
+def test_two_ranks_compute_the_whole_models_logits(tmp_path):
+    """All four models in one pair of processes (a spawn costs seconds)."""
+    paths = [make_tiny_model(str(tmp_path / name), kind, seed=3, **overrides) for name, (kind, overrides) in CASES.items()]
+    prompts = _prompts(301)
+    got = split_logits(paths, prompts, tp_size=2)
+    for name, path, split in zip(CASES, paths, got):
+        vocab = CASES[name][1].get("vocab_size", 384)
+        for w, g in zip(whole_logits(path, prompts), split):
+            assert g.shape == w.shape == (w.shape[0], vocab), name
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=name)
+            assert torch.equal(g.argmax(-1), w.argmax(-1)), name
 
 
 def test_a_model_that_cannot_split_is_refused(tmp_path):
