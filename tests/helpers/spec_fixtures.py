@@ -228,3 +228,16 @@ def step_until_done(engine, reqs, page_size: int, max_steps: int, check_draft: b
                 while_speculating += r.spec_verify_ct > 0
     assert not engine.has_unfinished(), "engine did not finish"
     return seen, while_speculating
+
+
+def assert_same_position_distributions(ref, got, vocab: int, alpha: float) -> None:
+    """ref, got: [N, steps] token ids of independent samples. Per position a two-sample chi-square test at
+    alpha / steps (Bonferroni): the whole check fails falsely with probability at most alpha."""
+    import numpy as np
+    from scipy.stats import chi2_contingency
+
+    steps = ref.shape[1]
+    for j in range(steps):
+        table = np.stack([np.bincount(ref[:, j], minlength=vocab), np.bincount(got[:, j], minlength=vocab)])
+        table = table[:, table.sum(0) > 0]
+        assert chi2_contingency(table).pvalue > alpha / steps, (j, table.tolist())
