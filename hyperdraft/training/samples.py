@@ -65,8 +65,20 @@ def refuse_evaluation_prompts(prompts: list[str], candidates: tuple[str, ...] = 
                          f"{leaked[0][:60]!r}: train on other prompts")
 
 
-def self_written_prompts(llm, count: int, seed: int) -> list[str]:
-    """`count` distinct questions the target writes itself, sampled at temperature 1 (seed, seed + 1, ...)."""
+def self_written_prompts(llm, count: int, seed: int, path: str | None = None) -> list[str]:
+    """`count` distinct questions the target writes itself, sampled at temperature 1 (seed, seed + 1, ...); with a
+    path, the ones written there by an earlier run (a resumed run answers the same questions)."""
+    if path is not None and os.path.isfile(path):
+        with open(path) as f:
+            return [json.loads(line)["prompt"] for line in f][:count]
+    prompts = _write_prompts(llm, count, seed)
+    if path is not None:
+        with open(path, "w") as f:
+            f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    return prompts
+
+
+def _write_prompts(llm, count: int, seed: int) -> list[str]:
     ids = llm.apply_chat_template([{"role": "user", "content": SELF_PROMPT}])
     prompts: list[str] = []
     tries = 0
@@ -81,11 +93,64 @@ def self_written_prompts(llm, count: int, seed: int) -> list[str]:
     return prompts[:count]
 
 
-def answer(llm, prompts: list[str], max_len: int, temperature: float, seed: int) -> list[Sample]:
-    """The target's answers, each sample at most max_len tokens; prompts too long to leave room are skipped."""
+class SampleStore:
+    """OUT/samples.jsonl: each prompt's answer, appended as chunks of prompts are answered, so a run stopped midway
+    (a GPU call's time limit) resumes where it stopped and no prompt is answered twice. One line per prompt: its
+    index, its text (a resumed run with other prompts is refused), and its sample, or null when the prompt was too
+    long or the answer empty."""
+
+    def __init__(self, path: str | None):
+        """path None: kept in memory only."""
+        self.path = path
+        self.done: dict[int, tuple[str, Sample | None]] = {}
+        if path is not None and os.path.isfile(path):
+            with open(path) as f:
+                for line in f:
+                    row = json.loads(line)
+                    sample = None if row["sample"] is None else Sample(*row["sample"])
+                    self.done[row["index"]] = (row["prompt"], sample)
+
+    def check(self, prompts: list[str]) -> None:
+        for index, (text, _) in self.done.items():
+            if index >= len(prompts) or prompts[index] != text:
+                raise ValueError(f"{self.path} holds answers to other prompts (prompt {index} differs): remove it, "
+                                 "or train from the prompts it was made from")
+
+    def add(self, index: int, prompt: str, sample: Sample | None) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"index": index, "prompt": prompt,
+                                    "sample": None if sample is None else [sample.token_ids, sample.answer_start]}) + "\n")
+        self.done[index] = (prompt, sample)
+
+
+ANSWER_CHUNK = 512  # prompts answered between two appends to the store
+
+
+def answer(llm, prompts: list[str], max_len: int, temperature: float, seed: int,
+           store: SampleStore | None = None) -> list[Sample]:
+    """The target's answers in prompt order, each sample at most max_len tokens; prompts too long to leave room, and
+    empty answers, are skipped. With a store, prompts it already answered are taken from it and new answers go to it
+    chunk by chunk. Prompt i's answer is sampled with seed + i, however the prompts were chunked or resumed."""
+    store = store if store is not None else SampleStore(None)
+    store.check(prompts)
+    todo = [i for i in range(len(prompts)) if i not in store.done]
+    for start in range(0, len(todo), ANSWER_CHUNK):
+        chunk = todo[start:start + ANSWER_CHUNK]
+        for i, sample in zip(chunk, _answer_chunk(llm, [prompts[i] for i in chunk], chunk, max_len, temperature, seed)):
+            store.add(i, prompts[i], sample)
+    return [s for i in range(len(prompts)) if (s := store.done[i][1]) is not None]
+
+
+def _answer_chunk(llm, prompts: list[str], indices: list[int], max_len: int, temperature: float,
+                  seed: int) -> list[Sample | None]:
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    kept = [ids for ids in inputs if len(ids) + MIN_ANSWER_TOKENS <= max_len]
-    params = [SamplingParams(temperature=temperature, seed=seed + i, max_new_tokens=max_len - len(ids))
-              for i, ids in enumerate(kept)]
-    outs = llm.generate(input_ids=kept, sampling_params=params, use_tqdm=True)
-    return [Sample(ids + out.token_ids, len(ids)) for ids, out in zip(kept, outs) if len(out.token_ids) >= 2]
+    kept = [k for k, ids in enumerate(inputs) if len(ids) + MIN_ANSWER_TOKENS <= max_len]
+    params = [SamplingParams(temperature=temperature, seed=seed + indices[k], max_new_tokens=max_len - len(inputs[k]))
+              for k in kept]
+    outs = llm.generate(input_ids=[inputs[k] for k in kept], sampling_params=params, use_tqdm=True)
+    samples: list[Sample | None] = [None] * len(prompts)
+    for k, out in zip(kept, outs):
+        if len(out.token_ids) >= 2:
+            samples[k] = Sample(inputs[k] + out.token_ids, len(inputs[k]))
+    return samples

@@ -33,12 +33,15 @@ from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, eagle_con
 from hyperdraft.models.loader import load_model
 from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
 from hyperdraft.training.head_io import head_config, load_checkpoint, save_checkpoint, save_head
-from hyperdraft.training.samples import Sample, answer, load_prompts, refuse_evaluation_prompts, self_written_prompts
+from hyperdraft.training.samples import (Sample, SampleStore, answer, load_prompts, refuse_evaluation_prompts,
+                                         self_written_prompts)
 from hyperdraft.training.unroll_attention import UnrollAttention
 
 STEP_DECAY = 0.8  # EAGLE-3's weighting of later unrolled steps
 GRAD_CLIP = 0.5
 LOG = "train_log.jsonl"
+SAMPLES = "samples.jsonl"  # the target's answers, appended as they are made (a stopped run resumes them)
+SELF_PROMPTS = "self_prompts.jsonl"
 LOG_EVERY = 25  # samples per logged point
 
 
@@ -117,9 +120,10 @@ def _make_samples(cfg: TrainConfig) -> list[Sample]:
         if cfg.prompts is not None:
             prompts = load_prompts(cfg.prompts)[: cfg.num_samples]
         else:
-            prompts = self_written_prompts(llm, cfg.num_samples, cfg.seed)
+            prompts = self_written_prompts(llm, cfg.num_samples, cfg.seed, os.path.join(cfg.out, SELF_PROMPTS))
         refuse_evaluation_prompts(prompts)
-        samples = answer(llm, prompts, cfg.max_len, cfg.temperature, cfg.seed)
+        samples = answer(llm, prompts, cfg.max_len, cfg.temperature, cfg.seed,
+                         SampleStore(os.path.join(cfg.out, SAMPLES)))
     finally:
         llm.shutdown()
     if not samples:

@@ -201,3 +201,34 @@ def test_a_batch_trains_as_its_samples_one_by_one(trained, target):
     torch.testing.assert_close(loss, torch.stack([a[0] for a in alone]).mean(), rtol=1e-5, atol=1e-5)
     assert correct == [sum(a[1][s] for a in alone) for s in range(3)]
     assert counted == [sum(a[2][s] for a in alone) for s in range(3)] and counted[0] > counted[2] > 0
+
+
+def test_answers_are_stored_and_a_stopped_run_answers_only_the_rest(target, tmp_path, monkeypatch):
+    """The target's answers go to samples.jsonl chunk by chunk. A run stopped after some chunks (its time limit)
+    resumes: prompts already answered are read back, only the rest reach the engine, and the samples equal an
+    uninterrupted run's, in prompt order. A store made from other prompts is refused."""
+    import hyperdraft.training.samples as samples_module
+    from hyperdraft.training.samples import SampleStore, answer
+
+    prompts = [p[:40] + f" #{i}" for i, p in enumerate(CORPUS * 2)][:10] + ["x " * 200]  # the last is too long
+    llm = LLM(target, device="cpu", dtype="float32")
+    seen: list[int] = []
+    generate = llm.generate
+
+    def counting_generate(*args, **kw):
+        seen.append(len(kw["input_ids"]))
+        return generate(*args, **kw)
+
+    monkeypatch.setattr(llm, "generate", counting_generate)
+    monkeypatch.setattr(samples_module, "ANSWER_CHUNK", 4)
+    want = answer(llm, prompts, 96, 0.0, seed=0)  # in memory, uninterrupted
+    path = str(tmp_path / "samples.jsonl")
+    first = answer(llm, prompts[:5], 96, 0.0, seed=0, store=SampleStore(path))  # "stopped" after 5 prompts
+    seen.clear()
+    resumed = answer(llm, prompts, 96, 0.0, seed=0, store=SampleStore(path))
+    assert resumed == want and first == want[:5]
+    assert sum(seen) == 5, seen  # prompts 5..9 answered, the too-long one never sent
+    assert len(open(path).read().splitlines()) == len(prompts)
+    with pytest.raises(ValueError, match="holds answers to other prompts"):
+        answer(llm, ["another"] + prompts[1:], 96, 0.0, seed=0, store=SampleStore(path))
+    llm.shutdown()
