@@ -131,6 +131,7 @@ class EngineLoop:
         for cmd in self._next_commands(block=False):  # nobody will run these: answer their callers now
             if cmd.future is not None:
                 _fail_future(cmd.future, RuntimeError("the server is shutting down"))
+        self.engine.close()  # a tensor-parallel group's other ranks stop with the thread that drove them
 
     def _next_commands(self, block: bool) -> list[_Command]:
         cmds = [self._commands.get()] if block else []  # idle: sleep here until a command arrives

@@ -210,3 +210,20 @@ def test_seeded_sampling_is_reproducible_under_speculation(servers, offline, tar
 
     outs = asyncio.run(loaded())
     assert [o.choices[0].text for o in outs[:2]] == refs[:2]
+
+
+def test_a_tensor_parallel_server_answers_as_one_rank_does(target, offline):
+    """--tp-size 2: the engine thread drives rank 0, which starts and, at a graceful stop, stops its follower."""
+    texts = REPETITIVE[:2] + prompts(2, seed=12)
+    refs = offline.generate(texts, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True), use_tqdm=False)
+    srv = ServerProcess(target, "--tp-size", "2", "--dist-timeout", "60")
+    try:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            for text, ref in zip(texts, refs):
+                out = client.completions.create(model=served_name(target), prompt=text, max_tokens=24, temperature=0,
+                                                extra_body={"ignore_eos": True})
+                assert out.choices[0].text == ref.text
+        srv.assert_alive()
+    finally:
+        graceful = srv.stop()
+    assert graceful, srv.output()[-2000:]
