@@ -85,3 +85,21 @@ def require_cuda() -> None:
         name = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", "this benchmark")
         raise SystemExit(f"{name} needs a CUDA GPU (and triton); none is available here. "
                          "Run it on the GPU machine (see benchmarks/README.md).")
+
+
+def timed_generate(llm, prompts: list[list[int]], params, warm_up: int, warm_up_tokens: int = 8):
+    """Generate prompts once after a warm-up of their first `warm_up` prompts (graph capture, first-call costs), then
+    shut the LLM down -> (token ids per prompt, output tokens per second, internal state before, and after)."""
+    import time
+
+    from hyperdraft import SamplingParams
+
+    llm.generate(input_ids=prompts[:warm_up], sampling_params=SamplingParams(temperature=0, max_new_tokens=warm_up_tokens),
+                 use_tqdm=False)
+    before = llm.get_server_info()["internal_states"][0]
+    start = time.perf_counter()
+    outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = llm.get_server_info()["internal_states"][0]
+    llm.shutdown()
+    return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / seconds, before, after

@@ -16,9 +16,8 @@ import argparse
 import datetime
 import json
 import os
-import time
 
-from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, results_path
+from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, results_path, timed_generate
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 
@@ -36,16 +35,8 @@ def rows(head: str | None) -> dict[str, dict]:
 
 def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, device: str, dtype: str, spec: dict):
     llm = LLM(model, device=device, dtype=dtype, max_running_requests=batch, **spec)
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    llm.generate(input_ids=prompts[:batch], sampling_params=SamplingParams(temperature=0, max_new_tokens=8),
-                 use_tqdm=False)  # warm-up (graph capture, first-call costs)
-    before = llm.get_server_info()["internal_states"][0]
-    start = time.perf_counter()
-    outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    after = llm.get_server_info()["internal_states"][0]
-    llm.shutdown()
-    return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / seconds, before, after
+    return timed_generate(llm, prompts, SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True),
+                          warm_up=batch)
 
 
 def main() -> None:

@@ -18,12 +18,11 @@ import hashlib
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import command_line, git_commit, results_path
+from benchmarks.common import command_line, git_commit, results_path, timed_generate
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.options import cache_dir
 
@@ -80,15 +79,8 @@ def ensure(model: SplitModel) -> str:
 
 def run(target: str, prompts: list[list[int]], new_tokens: int, spec: dict):
     llm = LLM(target, device="cpu", dtype="float32", max_running_requests=1, **spec)
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens)
-    llm.generate(input_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_new_tokens=4), use_tqdm=False)
-    before = llm.get_server_info()["internal_states"][0]
-    start = time.perf_counter()
-    outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    state = llm.get_server_info()["internal_states"][0]
-    llm.shutdown()
-    return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / seconds, before, state
+    return timed_generate(llm, prompts, SamplingParams(temperature=0, max_new_tokens=new_tokens), warm_up=1,
+                          warm_up_tokens=4)
 
 
 def main() -> None:
