@@ -78,7 +78,7 @@ class EngineArgs:
     disable_radix_cache: bool = _opt(False, "turn prefix caching off: every prompt is computed from scratch (the radix cache shares whole K/V pages of common prefixes between requests; always off for hybrid models)")
     cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default 64, capped by max_running_requests)")
     # ---- tensor parallelism (SGLang names) ----
-    tp_size: int = _opt(1, "tensor-parallel ranks, one process each, the model split over them (alias: --tensor-parallel-size); CPU (gloo) and dense models so far")
+    tp_size: int = _opt(1, "tensor-parallel ranks, one process each, the model split over them (alias: --tensor-parallel-size); CPU (gloo), dense and Qwen3.5 models so far")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")
     dist_timeout: float = _opt(600.0, "seconds a rank waits in a collective before the engine stops with an error")
     nnodes: int = _opt(1, "machines the ranks run on (1 so far)")

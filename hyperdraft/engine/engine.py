@@ -126,25 +126,36 @@ class Engine:
         with activated(self.options):
             self.device = resolve_device(args.device)
             self.lockstep = self._lockstep(tp)
-            model = load_model(args.model_path, args.dtype, self.device, args.load_format, self.lockstep.tp)
-            self.model_config = model.config
-            self.tokenizer = load_tokenizer(args)
-            self.context_len = args.context_length or self.model_config.max_position_embeddings
-            self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
-            proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
-            draft = proposer_cls.load_draft(self.spec, model, args, self.device) if proposer_cls is not None else None
-            tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
-            self.max_rows, self.page_table = self._page_table(model, draft, tree)
-            backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-            graphs = self._graph_settings(backend)
-            self.runner = ModelRunner(model, self.page_table, backend, graphs, self._verify_width())
-            self.worker = self._make_worker(proposer_cls, draft, backend, graphs)
-            if graphs is not None:
-                self.worker.capture_graphs(list(graphs.batch_sizes))
+            try:
+                tree = self._build()
+            except BaseException:
+                if self.lockstep.leads:  # followers may be anywhere in their own build: end them
+                    self.lockstep.abandon()
+                raise
         self.prefix_cache = self._prefix_cache(tree)
         self.scheduler = self._make_scheduler()
         self._seed_rng = random.Random(args.random_seed)
         self._rid_counter = itertools.count()
+
+    def _build(self) -> RadixTree | None:
+        """The models, pools, runners and graphs -> the prefix cache's (empty) tree, or None without a cache."""
+        args = self.args
+        model = load_model(args.model_path, args.dtype, self.device, args.load_format, self.lockstep.tp)
+        self.model_config = model.config
+        self.tokenizer = load_tokenizer(args)
+        self.context_len = args.context_length or self.model_config.max_position_embeddings
+        self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
+        proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
+        draft = proposer_cls.load_draft(self.spec, model, args, self.device) if proposer_cls is not None else None
+        tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
+        self.max_rows, self.page_table = self._page_table(model, draft, tree)
+        backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        graphs = self._graph_settings(backend)
+        self.runner = ModelRunner(model, self.page_table, backend, graphs, self._verify_width())
+        self.worker = self._make_worker(proposer_cls, draft, backend, graphs)
+        if graphs is not None:
+            self.worker.capture_graphs(list(graphs.batch_sizes))
+        return tree
 
     def _lockstep(self, tp: TensorParallel | None) -> Lockstep:
         if tp is not None or self.args.tp_size == 1:

@@ -111,6 +111,16 @@ class Lockstep:
         dist.destroy_process_group()
         self.tp = SINGLE
 
+    def abandon(self) -> None:
+        """Rank 0, when its engine failed to build: end the followers without a word (they may be anywhere in their
+        own build) and leave the group, so this process can build another engine."""
+        for p in self.followers:
+            p.kill()
+            p.join(timeout=30)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.tp = SINGLE
+
     def _check_followers(self) -> None:
         dead = [(rank, p.exitcode) for rank, p in enumerate(self.followers, 1) if not p.is_alive()]
         if dead:

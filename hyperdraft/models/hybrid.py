@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.activation import sigmoid_gate_mul, sigmoid_gate_mul_reference
 from hyperdraft.kernels.gated_delta import GdnGates
@@ -34,6 +35,7 @@ from hyperdraft.models.config import FULL_ATTENTION, ModelConfig
 from hyperdraft.models.cpu_linear import Linear, project
 from hyperdraft.models.decoder import MLP, AttentionFn, DecoderLM, apply_partial_rope
 from hyperdraft.models.moe import SparseMoe
+from hyperdraft.models.tensor_parallel import embedding, row_linear
 
 # (state layer id, q|k|v before the conv [T, C], the gates, conv weight [C, K]) -> [T, HV, dv]
 LinearFn = Callable[[int, torch.Tensor, GdnGates, torch.Tensor], torch.Tensor]
@@ -82,14 +84,14 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, kv_layer_id: int):
+    def __init__(self, cfg: ModelConfig, kv_layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.kv_layer_id = kv_layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim * 2, bias=cfg.qkv_bias)
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = row_linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -107,7 +109,8 @@ class GatedAttention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, state_layer_id: int):
+    def __init__(self, cfg: ModelConfig, state_layer_id: int, tp: TensorParallel = SINGLE):
+        """cfg: the rank's own under tensor parallelism (its key heads and their value heads); out_proj sums over tp."""
         super().__init__()
         lin = cfg.linear_attention
         self.state_layer_id = state_layer_id
@@ -120,7 +123,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(lin.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(lin.num_v_heads))
         self.norm = GatedRMSNorm(lin.v_head_dim, cfg.rms_norm_eps)
-        self.out_proj = Linear(lin.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = row_linear(lin.value_dim, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor, linear: LinearFn) -> torch.Tensor:
         mixed, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
@@ -151,9 +154,9 @@ def unpack_gdn_projections(name: str, tensor: torch.Tensor, cfg: ModelConfig) ->
 class HybridLayer(nn.Module):
     """The parts both kinds of layer share: norms, MLP, the residual stream (as decoder.DecoderLayer)."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int):
+    def __init__(self, cfg: ModelConfig, layer_index: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.mlp = SparseMoe(cfg) if cfg.moe is not None and cfg.moe.is_sparse(layer_index) else MLP(cfg)
+        self.mlp = SparseMoe(cfg) if cfg.moe is not None and cfg.moe.is_sparse(layer_index) else MLP(cfg, tp)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -172,9 +175,9 @@ class HybridLayer(nn.Module):
 
 
 class FullAttentionLayer(HybridLayer):
-    def __init__(self, cfg: ModelConfig, layer_index: int, kv_layer_id: int):
-        super().__init__(cfg, layer_index)
-        self.self_attn = GatedAttention(cfg, kv_layer_id)
+    def __init__(self, cfg: ModelConfig, layer_index: int, kv_layer_id: int, tp: TensorParallel = SINGLE):
+        super().__init__(cfg, layer_index, tp)
+        self.self_attn = GatedAttention(cfg, kv_layer_id, tp)
 
     def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
         attn = self.self_attn
@@ -185,9 +188,9 @@ class FullAttentionLayer(HybridLayer):
 
 
 class LinearAttentionLayer(HybridLayer):
-    def __init__(self, cfg: ModelConfig, layer_index: int, state_layer_id: int):
-        super().__init__(cfg, layer_index)
-        self.linear_attn = GatedDeltaNet(cfg, state_layer_id)
+    def __init__(self, cfg: ModelConfig, layer_index: int, state_layer_id: int, tp: TensorParallel = SINGLE):
+        super().__init__(cfg, layer_index, tp)
+        self.linear_attn = GatedDeltaNet(cfg, state_layer_id, tp)
 
     def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
         gdn = self.linear_attn
@@ -197,30 +200,30 @@ class LinearAttentionLayer(HybridLayer):
         return self.linear_attn(h, linear)
 
 
-def build_layers(cfg: ModelConfig) -> nn.ModuleList:
+def build_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> nn.ModuleList:
     """Each layer's module from the model's own config; full-attention layers number the K/V pool's layers, linear
     ones the state pool's."""
     layers, kv_id, state_id = [], 0, 0
     for index, kind in enumerate(cfg.kinds):
         if kind == FULL_ATTENTION:
-            layers.append(FullAttentionLayer(cfg, index, kv_id))
+            layers.append(FullAttentionLayer(cfg, index, kv_id, tp))
             kv_id += 1
         else:
-            layers.append(LinearAttentionLayer(cfg, index, state_id))
+            layers.append(LinearAttentionLayer(cfg, index, state_id, tp))
             state_id += 1
     return nn.ModuleList(layers)
 
 
 class HybridBody(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = build_layers(cfg)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = build_layers(cfg, tp)
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class HybridLM(DecoderLM):
     """The dense decoder's forward and logits over a hybrid body; forward's `linear` is the state backend."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, HybridBody(cfg))
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
+        super().__init__(cfg, HybridBody(cfg, tp), tp)

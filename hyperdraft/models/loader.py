@@ -117,13 +117,13 @@ def load_model(model_path: str, dtype: str, device: torch.device, load_format: s
     return model.eval().requires_grad_(False)
 
 
-def split_model(whole: DecoderLM, tp: TensorParallel) -> DecoderLM:
-    """This rank's part of a loaded dense model: its own config, its slices of every weight (models/tensor_parallel.py).
+def split_model(whole: DecoderLM | HybridLM, tp: TensorParallel) -> DecoderLM | HybridLM:
+    """This rank's part of a loaded dense or hybrid model: its own config, its slices of every weight (models/tensor_parallel.py).
     The whole model is loaded first on every rank (twice the memory while splitting): one loader serves Hugging Face
     and GGUF checkpoints alike."""
     cfg, param = whole.config, next(whole.parameters())
     with torch.device("meta"):
-        part = DecoderLM(rank_config(cfg, tp), tp=tp)
+        part = HybridLM(rank_config(cfg, tp), tp) if cfg.is_hybrid else DecoderLM(rank_config(cfg, tp), tp=tp)
     part = part.to_empty(device=param.device)
     if cfg.tie_word_embeddings:
         part.lm_head.weight = part.model.embed_tokens.weight

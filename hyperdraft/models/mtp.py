@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hyperdraft.kernels.rope import rope_table
-from hyperdraft.models.config import ModelConfig
+from hyperdraft.models.config import ModelConfig, load_model_config
 from hyperdraft.models.cpu_linear import Linear, fuse_projections
 from hyperdraft.models.decoder import AttentionFn, rope_inv_freq
 from hyperdraft.kernels.vocab_map import VocabMap
@@ -30,6 +30,7 @@ from hyperdraft.models.hot_vocab import HotVocab
 from hyperdraft.models.hybrid import FullAttentionLayer, HybridLM, ZeroCenteredRMSNorm
 from hyperdraft.models.loader import checkpoint_name, fill_dummy_weights, safetensors_files
 from hyperdraft.models.moe import pack_experts
+from hyperdraft.models.tensor_parallel import whole_vocab_modules
 
 PREFIX = "mtp."
 
@@ -63,7 +64,8 @@ class MtpHead(nn.Module):
         self.layers = nn.ModuleList([FullAttentionLayer(layer_cfg, 0, 0)])
         self.norm = ZeroCenteredRMSNorm(h, layer_cfg.rms_norm_eps)
         # The target's modules by reference, outside the module tree: .to(), state_dict() never reach them.
-        self._shared = {"embed_tokens": target.model.embed_tokens, "lm_head": target.lm_head}
+        embed, lm_head = whole_vocab_modules(target)  # the target's, or whole copies of a split target's
+        self._shared = {"embed_tokens": embed, "lm_head": lm_head}
         self.hot_vocab = None if hot_ids is None else HotVocab(h, layer_cfg.vocab_size, hot_ids)
         self.register_buffer("inv_freq", rope_inv_freq(layer_cfg), persistent=False)
 
@@ -133,8 +135,9 @@ def load_mtp_head(path: str, target: HybridLM, load_format: str = "auto",
     if not target.config.is_hybrid:
         raise ValueError(f"{path!r} is a {target.config.architecture}: only hybrid Qwen3.5 models carry an MTP module")
     param = next(target.parameters())
-    cfg = MtpConfig(dataclasses.replace(target.config, num_layers=1, layer_types=("full_attention",)),
-                    target.config.architecture)
+    # A split target's config holds its rank's share of the heads; the MTP layer is whole on every rank.
+    whole = target.config if target.tp.size == 1 else load_model_config(path)
+    cfg = MtpConfig(dataclasses.replace(whole, num_layers=1, layer_types=("full_attention",)), whole.architecture)
     with torch.device("meta"):
         head = MtpHead(cfg, target, hot_ids)
     head = head.to_empty(device=param.device)

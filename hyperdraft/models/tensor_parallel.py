@@ -27,17 +27,22 @@ def rank_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
     """The rank's share of the heads and MLP columns; everything else (hidden size, vocabulary) as the model's."""
     if tp.size == 1:
         return cfg
-    if cfg.is_hybrid or cfg.moe is not None:
-        raise ValueError(f"tp_size={tp.size}: {cfg.architecture} cannot be split yet (dense decoders only: Llama, "
-                         "Mistral, Qwen2, Qwen3)")
-    for field, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
+    if cfg.moe is not None:
+        raise ValueError(f"tp_size={tp.size}: {cfg.architecture} cannot be split yet (MoE; dense decoders and Qwen3.5 "
+                         "split)")
+    lin = cfg.linear_attention
+    counts = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)]
+    counts += [("linear_num_key_heads", lin.num_k_heads)] if lin is not None else []
+    for field, n in counts:
         if n % tp.size:
             raise ValueError(f"tp_size={tp.size} must divide the model's {field}={n}")
     kv = cfg.num_kv_heads
     if kv % tp.size and tp.size % kv:
         raise ValueError(f"tp_size={tp.size} and num_key_value_heads={kv}: one must divide the other")
+    if lin is not None:  # a rank keeps whole groups: its key heads and the value heads that read them
+        lin = dataclasses.replace(lin, num_k_heads=lin.num_k_heads // tp.size, num_v_heads=lin.num_v_heads // tp.size)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp.size, num_kv_heads=max(1, kv // tp.size),
-                               intermediate_size=cfg.intermediate_size // tp.size)
+                               intermediate_size=cfg.intermediate_size // tp.size, linear_attention=lin)
 
 
 def kv_head_range(cfg: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
@@ -116,27 +121,66 @@ def whole_vocab_modules(target: nn.Module) -> tuple[nn.Module, Linear]:
 def shard_state(part: nn.Module, whole: nn.Module, cfg: ModelConfig, tp: TensorParallel) -> None:
     """Copy into the rank's model `part` its slice of every parameter of the unsplit model `whole` (cfg: whole's)."""
     whole_params = dict(whole.named_parameters())
-    q_heads = tp.split(cfg.num_heads)
-    kv_heads = kv_head_range(cfg, tp)
-    inter = tp.split(cfg.intermediate_size)
-    vocab = tp.padded_split(cfg.vocab_size)
-    d = cfg.head_dim
-    rows_of = {"q_proj": (q_heads[0] * d, q_heads[1] * d), "k_proj": (kv_heads[0] * d, kv_heads[1] * d),
-               "v_proj": (kv_heads[0] * d, kv_heads[1] * d), "gate_proj": inter, "up_proj": inter}
-    cols_of = {"o_proj": (q_heads[0] * d, q_heads[1] * d), "down_proj": inter}
+    rows, cols = _row_blocks(cfg, tp), _col_blocks(cfg, tp)
     with torch.no_grad():
         for name, param in part.named_parameters():
             src = whole_params[name]
-            module, kind = name.rsplit(".", 2)[-2:] if name.count(".") >= 1 else ("", name)
-            if module in rows_of:
-                start, stop = rows_of[module]
-                src = src[start:stop]
-            elif module in cols_of and kind == "weight":
-                start, stop = cols_of[module]
-                src = src[:, start:stop]
-            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-                src = _padded_rows(src, *vocab)
+            module, kind = name.rsplit(".", 2)[-2:]
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                src = _padded_rows(src, *tp.padded_split(cfg.vocab_size))
+            elif module in rows:  # a column-parallel weight, its bias, a conv's channels
+                runs, units = rows[module]
+                src = _take(src, runs, src.shape[0] // units, dim=0)
+            elif kind in ("dt_bias", "A_log"):  # one per value head
+                src = _take(src, rows["in_proj_b"][0], 1, dim=0)
+            elif module in cols and kind == "weight":
+                runs, units = cols[module]
+                src = _take(src, runs, src.shape[1] // units, dim=1)
             param.copy_(src)
+
+
+# Which whole-model blocks a rank keeps, per module: ([(first unit, units)], units in the whole model); a unit is a
+# head, a value head, an MLP column or a row, and how many rows (or columns) it spans follows from the weight's shape.
+Blocks = dict[str, tuple[list[tuple[int, int]], int]]
+
+
+def _row_blocks(cfg: ModelConfig, tp: TensorParallel) -> Blocks:
+    q0, q1 = tp.split(cfg.num_heads)
+    kv0, kv1 = kv_head_range(cfg, tp)
+    i0, i1 = tp.split(cfg.intermediate_size)
+    blocks = {"q_proj": ([(q0, q1 - q0)], cfg.num_heads), "k_proj": ([(kv0, kv1 - kv0)], cfg.num_kv_heads),
+              "v_proj": ([(kv0, kv1 - kv0)], cfg.num_kv_heads), "gate_proj": ([(i0, i1 - i0)], cfg.intermediate_size),
+              "up_proj": ([(i0, i1 - i0)], cfg.intermediate_size)}
+    lin = cfg.linear_attention
+    if lin is not None:
+        k0, k1 = tp.split(lin.num_k_heads)
+        v0, v1 = tp.split(lin.num_v_heads)
+        value = ([(v0, v1 - v0)], lin.num_v_heads)
+        blocks.update(in_proj_z=value, in_proj_b=value, in_proj_a=value)
+        blocks["in_proj_qkv"] = blocks["conv1d"] = (_qkv_runs(lin, k0, k1, v0, v1), lin.conv_dim)
+    return blocks
+
+
+def _col_blocks(cfg: ModelConfig, tp: TensorParallel) -> Blocks:
+    q0, q1 = tp.split(cfg.num_heads)
+    i0, i1 = tp.split(cfg.intermediate_size)
+    blocks = {"o_proj": ([(q0, q1 - q0)], cfg.num_heads), "down_proj": ([(i0, i1 - i0)], cfg.intermediate_size)}
+    if cfg.linear_attention is not None:
+        v0, v1 = tp.split(cfg.linear_attention.num_v_heads)
+        blocks["out_proj"] = ([(v0, v1 - v0)], cfg.linear_attention.num_v_heads)
+    return blocks
+
+
+def _qkv_runs(lin, k0: int, k1: int, v0: int, v1: int) -> list[tuple[int, int]]:
+    """The rank's q, k and v rows of a Gated DeltaNet's q|k|v, in units of one row: q and k of its key heads, v of its
+    value heads."""
+    dk, dv, keys = lin.k_head_dim, lin.v_head_dim, lin.num_k_heads * lin.k_head_dim
+    return [(k0 * dk, (k1 - k0) * dk), (keys + k0 * dk, (k1 - k0) * dk), (2 * keys + v0 * dv, (v1 - v0) * dv)]
+
+
+def _take(src: torch.Tensor, runs: list[tuple[int, int]], unit: int, dim: int) -> torch.Tensor:
+    """The runs (first unit, units) of src along dim, each unit `unit` rows or columns wide, concatenated."""
+    return torch.cat([src.narrow(dim, first * unit, count * unit) for first, count in runs], dim=dim)
 
 
 def _padded_rows(table: torch.Tensor, start: int, stop: int) -> torch.Tensor:

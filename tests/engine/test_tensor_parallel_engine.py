@@ -21,9 +21,12 @@ NEW_TOKENS = [12, 5, 20, 9, 16, 3]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
+    from helpers.hybrid_fixtures import with_mtp_weights
+
     llama6 = make_tiny_model(str(root / "llama6"), "llama", seed=2, num_hidden_layers=6)
+    hybrid = with_mtp_weights(make_tiny_model(str(root / "qwen3_5"), "qwen3_5", seed=3), str(root / "qwen3_5_mtp"))
     return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0),
-            "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1), "llama6": llama6,
+            "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1), "llama6": llama6, "qwen3_5": hybrid,
             "eagle3": write_random_eagle_checkpoint(str(root / "e3"), llama6, kind="eagle3", draft_vocab_size=200),
             "eagle": write_random_eagle_checkpoint(str(root / "e1"), llama6, kind="eagle")}
 
@@ -65,8 +68,11 @@ def _check_pools_free(states, tp_size):
     ("llama6", 4, dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3")),
     ("llama6", 4, dict(speculative_algorithm="EAGLE", speculative_draft_model="eagle", speculative_num_steps=3,
                        speculative_eagle_topk=2, speculative_num_draft_tokens=6)),
+    ("qwen3_5", 4, {}),
+    ("qwen3_5", 1, dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=2,
+                        speculative_num_draft_tokens=5)),
 ], ids=["plain-qwen3-page4", "ngram", "standalone-tree", "eagle3-chain",
-        "eagle3-tree", "eagle-tree"])
+        "eagle3-tree", "eagle-tree", "hybrid-qwen3.5", "hybrid-mtp-tree"])
 def test_tp2_greedy_equals_tp1(models, kind, page_size, extra):
     """Llama's one K/V head is replicated on both ranks; Qwen3's two are split. Page sizes 1 and 4, chains and trees
     (each case starts a process: a few seconds)."""
@@ -110,10 +116,24 @@ def test_bad_tensor_parallel_settings_are_clear_errors(models, args, match):
         LLM(models["llama"], device="cpu", **args)
 
 
-def test_a_hybrid_model_is_refused_before_any_process_starts(tmp_path):
-    hybrid = make_tiny_model(str(tmp_path / "h"), "qwen3_5", seed=1)
+def test_a_moe_model_is_refused_before_any_process_starts(tmp_path):
+    moe = make_tiny_model(str(tmp_path / "n"), "qwen3_next", seed=1)
     with pytest.raises(ValueError, match="tp_size=2: .* cannot be split yet"):
-        LLM(hybrid, device="cpu", tp_size=2)
+        LLM(moe, device="cpu", tp_size=2)
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_an_engine_that_fails_to_build_ends_its_followers(models, tmp_path):
+    """The draft path is checked after the follower started: rank 0 ends it and leaves the group, so this process
+    can build another tensor-parallel engine."""
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError):
+        LLM(models["llama"], device="cpu", tp_size=2, speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=str(tmp_path / "missing"))
+    assert not dist.is_initialized()
+    got, _ = _outputs(models["llama"], [[1, 2, 3]], [greedy(4)], tp_size=2)
+    want, _ = _outputs(models["llama"], [[1, 2, 3]], [greedy(4)])
+    assert got == want

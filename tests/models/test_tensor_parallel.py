@@ -45,8 +45,13 @@ def test_a_model_that_cannot_split_is_refused(tmp_path):
         rank_config(cfg, TensorParallel(0, 3))
     part = rank_config(cfg, TensorParallel(1, 4))
     assert (part.num_heads, part.num_kv_heads, part.intermediate_size) == (2, 1, cfg.intermediate_size // 4)
-    hybrid = load_model_config(make_tiny_model(str(tmp_path / "h"), "qwen3_5", seed=1))
+    moe = load_model_config(make_tiny_model(str(tmp_path / "n"), "qwen3_next", seed=1))
     with pytest.raises(ValueError, match="tp_size=2: .* cannot be split yet"):
-        rank_config(hybrid, TensorParallel(0, 2))
+        rank_config(moe, TensorParallel(0, 2))
+    hybrid = load_model_config(make_tiny_model(str(tmp_path / "h"), "qwen3_5", seed=1))  # 2 key heads, 4 value heads
+    lin = rank_config(hybrid, TensorParallel(1, 2)).linear_attention
+    assert (lin.num_k_heads, lin.num_v_heads) == (1, 2)
+    with pytest.raises(ValueError, match="tp_size=4 must divide the model's linear_num_key_heads=2"):
+        rank_config(hybrid, TensorParallel(0, 4))
     with pytest.raises(ValueError, match="rank 2 must lie in"):
         TensorParallel(2, 2)
