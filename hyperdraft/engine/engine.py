@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import random
 
@@ -407,7 +408,6 @@ def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tp_size))
     tp = init_group(args, rank, address)
     engine = Engine(args, options, tp)
-    try:
-        engine.replay_until_stopped()
-    finally:
-        engine.close()
+    engine.replay_until_stopped()
+    engine.close()
+    os._exit(0)  # without the group's teardown (Lockstep.close says why)

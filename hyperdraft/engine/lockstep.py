@@ -101,11 +101,17 @@ class Lockstep:
         dist.gather_object(state, None, dst=0)
 
     def close(self) -> None:
-        """Rank 0: stop the followers and leave the group; a follower: leave it."""
+        """Rank 0: stop the followers, wait for them to exit, and leave the group. A follower (told to stop): meet
+        rank 0 at a barrier; its process then exits without tearing the group down (engine.follow), because gloo's
+        threads can abort a process whose peers are already gone."""
         if self.tp.size == 1:
             return
-        if self.leads and all(p.is_alive() for p in self.followers):
+        if not self.leads:
+            dist.barrier()
+            return
+        if all(p.is_alive() for p in self.followers):
             dist.broadcast_object_list([[Command("stop")]], src=0)
+            dist.barrier()
         for p in self.followers:
             p.join(timeout=30)
         dist.destroy_process_group()

@@ -55,5 +55,9 @@ def _rank_main(rank: int, size: int, model_paths: list[str], prompts, rendezvous
         logits = [prompt_logits(load_model(path, "float32", torch.device("cpu"), tp=tp), prompts) for path in model_paths]
         if rank == 0:
             torch.save(logits, out_path)
-    finally:
+        dist.barrier()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    os._exit(0)  # every rank is done: exit without the group's teardown, whose gloo threads can abort a process
+    # whose peers have already gone (seen once in CI: "terminate called without an active exception")
