@@ -356,9 +356,10 @@ class Engine:
             self.step()
 
     def pool_state(self) -> dict:
-        return {"kv_free_tokens": self.kv_free_slots, "kv_capacity_tokens": self.kv_capacity_slots,
-                "kv_cached_tokens": self.kv_cached_slots, "num_running_reqs": len(self.scheduler.running),
-                "num_waiting_reqs": len(self.scheduler.waiting)}
+        """The pools and queues: internal_state's part that every rank of a tensor-parallel group has of its own."""
+        return {"kv_capacity_tokens": self.kv_capacity_slots, "kv_free_tokens": self.kv_free_slots,
+                "num_running_reqs": len(self.scheduler.running), "num_waiting_reqs": len(self.scheduler.waiting),
+                **self.cache_state()}
 
     def rank_states(self) -> list[dict]:
         """pool_state() of every rank of the tensor-parallel group (this engine's alone without one)."""
@@ -393,14 +394,7 @@ class Engine:
                 spec["speculative_simulate_accept_rate"] = self.spec.simulate_accept_rate  # outputs are NOT lossless
             if self.worker.timer.enabled:
                 spec["spec_phase_seconds"] = dict(self.worker.timer.seconds)
-        return {
-            **spec,
-            "kv_capacity_tokens": self.kv_capacity_slots,
-            "kv_free_tokens": self.kv_free_slots,
-            "num_running_reqs": len(self.scheduler.running),
-            "num_waiting_reqs": len(self.scheduler.waiting),
-            **self.cache_state(),
-        }
+        return {**spec, **self.pool_state()}
 
 
 def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -> None:

@@ -8,6 +8,10 @@ try:
     import triton.language as tl
 except ImportError:
     triton = tl = None
+try:
+    from triton.language.extra import libdevice  # the CUDA math library: expf, cosf, ... as torch's kernels compute them
+except ImportError:
+    libdevice = None
 
 
 def jit(fn):

@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from hyperdraft.kernels._triton import jit, tl, triton
+from hyperdraft.kernels._triton import jit, libdevice, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 from hyperdraft.options import triton_interpreted
-
-try:
-    from triton.language.extra import libdevice
-except ImportError:  # no triton (CPU)
-    libdevice = None
 
 BLOCK = 1024
 

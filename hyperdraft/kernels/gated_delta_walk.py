@@ -25,14 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.kernels._triton import jit, tl, triton
+from hyperdraft.kernels._triton import jit, libdevice, tl, triton
 from hyperdraft.kernels.gated_delta import GdnGates, causal_conv_step, delta_step, prepare_qkv
 from hyperdraft.options import triton_interpreted
 
-try:
-    from triton.language.extra import libdevice
-except ImportError:
-    libdevice = None
 
 
 @dataclass(frozen=True)

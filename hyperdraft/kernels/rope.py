@@ -15,12 +15,8 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.kernels import use_fused_kernels
-from hyperdraft.kernels._triton import jit, tl, triton
+from hyperdraft.kernels._triton import jit, libdevice, tl, triton
 
-try:
-    from triton.language.extra import libdevice
-except ImportError:  # no triton (CPU)
-    libdevice = None
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 from hyperdraft.options import triton_interpreted
 
