@@ -21,6 +21,9 @@ passes options instead of patching modules.
   HYPERDRAFT_RECORD_STEP_TIME=1         record_step_time=True      per-phase wall time of speculative steps (syncs)
   HYPERDRAFT_SIMULATE_ACCEPT_RATE=a     simulate_accept_rate=a     BENCHMARK ONLY, lossy (speculative/verify/simulated.py)
 
+`deterministic` has no variable: it is EngineArgs' enable_deterministic_inference (batch-invariant kernels only,
+docs/numerics.md).
+
 Not switches, but environment too, and read here alone: HYPERDRAFT_CACHE (`cache_dir`), TRITON_INTERPRET
 (`triton_interpreted`) and CUDA_HOME / CUDA_PATH (`cuda_home`).
 """
@@ -68,6 +71,7 @@ class RuntimeOptions:
     emulate_cuda_graphs: bool = False
     record_step_time: bool = False
     simulate_accept_rate: float | None = None
+    deterministic: bool = False
 
     def __post_init__(self):
         rate = self.simulate_accept_rate
@@ -87,9 +91,9 @@ class RuntimeOptions:
 
     @classmethod
     def from_args(cls, args, environ: Mapping[str, str] | None = None) -> "RuntimeOptions":
-        """An engine's options: EngineArgs' own fields first (speculative_simulate_accept_rate), the environment for
-        the rest."""
-        env = cls.from_env(environ)
+        """An engine's options: EngineArgs' own fields first (speculative_simulate_accept_rate,
+        enable_deterministic_inference), the environment for the rest."""
+        env = cls.from_env(environ, deterministic=args.enable_deterministic_inference)
         if args.speculative_simulate_accept_rate is None:
             return env
         return dataclasses.replace(env, simulate_accept_rate=args.speculative_simulate_accept_rate)

@@ -12,6 +12,8 @@ only the accept decision is replaced (outputs are NOT the model's; this is a sys
                    and the ideal E / (1 + k*c + v) from the measured draft cost ratio c and verify overhead v
   4. transformers  generate() with a static cache at batch 1 and 16, same shapes
   5. CUDA graphs   capture time and memory per engine
+  6. deterministic --enable-deterministic-inference against the default: plain and chain 5 at alpha 0.8, batch 1
+                   and 8, each pair in this run (also alone: --only-deterministic, a few minutes)
 A/B rows: engines built with one RuntimeOptions switch flipped (fused_kernels, gemv, pdl, graph_segments,
 decode_ahead; draft_loop_graphs and draft_ahead for the speculative settings), timed in the same run.
 
@@ -35,7 +37,7 @@ import time
 import torch
 
 from benchmarks.common import RESULTS_DIR, require_cuda, tag_of
-from benchmarks.e2e.engines import (ALPHAS, LLAMA_8B, SETTINGS, SPEC_REPEATS, TINY, SharedWeights, decode_run,
+from benchmarks.e2e.engines import (ALPHAS, LLAMA_8B, REPEATS, SETTINGS, SPEC_REPEATS, TINY, SharedWeights, decode_run,
                                     eagle3_spec, free, make_engine, median_run, sync, write_configs)
 from benchmarks.e2e.gpu_bench_report import render, report
 from hyperdraft.sampling_params import SamplingParams
@@ -171,6 +173,40 @@ def save(result: dict, out: str, stem: str) -> str:
     return path
 
 
+# ---- 6. deterministic mode against the default ---------------------------------------------------------------------
+DETERMINISTIC_ROWS = (("plain", None), ("chain5", "chain5"))
+
+
+def deterministic_ab(target: str, head: str, device: str, capacity: int, a) -> list[dict]:
+    """Rows (setting, batch, default tok/s, deterministic tok/s, slowdown): each setting's two engines run back to
+    back, so the ratio is taken under the same conditions."""
+    rows = []
+    for name, setting in DETERMINISTIC_ROWS:
+        spec = eagle3_spec(head, *SETTINGS[setting], alpha=0.8) if setting else None
+        runs = {}
+        for mode, flag in (("default", False), ("deterministic", True)):
+            engine, _ = make_engine(target, device, 8, spec, capacity, deterministic=flag)
+            decode_run(engine, 1, 32, 8, seed=0)
+            runs[mode] = [median_run(engine, bs, a.input_len, a.output_len, seed=bs,
+                                     repeats=SPEC_REPEATS if spec else REPEATS) for bs in (1, 8)]
+            free(engine)
+        for base, det in zip(runs["default"], runs["deterministic"]):
+            rows.append({"setting": name, "batch": base["batch"], "default_tok_s": base["tok_per_s"],
+                         "deterministic_tok_s": det["tok_per_s"], "slowdown": base["tok_per_s"] / det["tok_per_s"],
+                         "default_accept": base.get("accept_length"), "deterministic_accept": det.get("accept_length")})
+            print("deterministic", rows[-1], flush=True)
+    return rows
+
+
+def deterministic_md(result: dict) -> str:
+    lines = [f"# Deterministic mode against the default ({result['device']})", "",
+             "| setting | batch | default tok/s | deterministic tok/s | slowdown (default / deterministic) |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['setting']} | {r['batch']} | {r['default_tok_s']:.1f} | {r['deterministic_tok_s']:.1f} | "
+              f"{r['slowdown']:.3f}x |" for r in result["deterministic_ab"]]
+    return "\n".join(lines) + "\n"
+
+
 # ---- the run --------------------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.gpu_bench", description=__doc__,
@@ -190,6 +226,7 @@ def main() -> None:
                     help="only section 4 (its own JSON; merge with --merge when rendering)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="speculative settings to run (comma-separated)")
     ap.add_argument("--spec-batches", default="1,8,32")
+    ap.add_argument("--only-deterministic", action="store_true", help="only section 6 (deterministic against default)")
     ap.add_argument("--skip-ab", action="store_true",
                     help="skip the plain A/B rows " + ", ".join(k for k, _ in PLAIN_AB)
                     + " (plain_no_decode_ahead still runs)")
@@ -221,6 +258,12 @@ def main() -> None:
         result["ceilings"] = ceilings()
         print("ceilings", result["ceilings"], flush=True)
     capacity = 64 * (a.input_len + a.output_len + 64)
+    if a.only_deterministic:
+        result["deterministic_ab"] = deterministic_ab(target, head, device, capacity, a)
+        print("wrote", save(result, a.out, stem))
+        with open(os.path.join(a.out, f"{stem}_deterministic.md"), "w") as f:
+            f.write(deterministic_md(result))
+        return
 
     engine, info = make_engine(target, device, 64, None, capacity)
     model = engine.runner.model
@@ -285,6 +328,9 @@ def main() -> None:
             print(name, key, 0.8, 1, round(run["tok_per_s"], 1), flush=True)
             save(result, a.out, stem)
             free(engine)
+
+    result["deterministic_ab"] = deterministic_ab(target, head, device, capacity, a)
+    save(result, a.out, stem)
 
     if not a.skip_transformers:
         shared.models.clear()  # free our 16 GB before transformers builds its own copy

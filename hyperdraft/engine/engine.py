@@ -14,6 +14,7 @@ from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.engine.lockstep import Command, Lockstep, init_group
 from hyperdraft.engine.model_worker import ModelWorker
+from hyperdraft.engine.numerics import check_deterministic, numerics_mode
 from hyperdraft.engine.scheduler import Scheduler
 from hyperdraft.engine.stop import StopChecker
 from hyperdraft.kvcache.kv_pool import KVPool
@@ -143,6 +144,7 @@ class Engine:
         args = self.args
         model = load_model(args.model_path, args.dtype, self.device, args.load_format, self.lockstep.tp)
         self.model_config = model.config
+        self.numerics = numerics_mode(self.device, next(model.parameters()).dtype, self.options)  # docs/numerics.md
         self.tokenizer = load_tokenizer(args)
         self.context_len = args.context_length or self.model_config.max_position_embeddings
         self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
@@ -151,6 +153,7 @@ class Engine:
         tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
         self.max_rows, self.page_table = self._page_table(model, draft, tree)
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        check_deterministic(self.model_config, self.device, backend, self.options)
         graphs = self._graph_settings(backend)
         self.runner = ModelRunner(model, self.page_table, backend, graphs, self._verify_width())
         self.worker = self._make_worker(proposer_cls, draft, backend, graphs)
@@ -394,7 +397,7 @@ class Engine:
                 spec["speculative_simulate_accept_rate"] = self.spec.simulate_accept_rate  # outputs are NOT lossless
             if self.worker.timer.enabled:
                 spec["spec_phase_seconds"] = dict(self.worker.timer.seconds)
-        return {**spec, **self.pool_state()}
+        return {**spec, **self.pool_state(), "numerics": self.numerics}
 
 
 def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -> None:

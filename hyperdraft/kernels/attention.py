@@ -17,6 +17,15 @@ them). So one kernel serves all modes; what differs is only the tiling:
 
 Rows with no visible key (graph-padding entries with seq_len 0) get zeros, never NaN. Every row of every
 request is written, so an output poisoned with NaN comes back clean.
+
+Batch invariance (deterministic mode, `invariant_tiles`): a row's output is the same bits whatever else is launched
+with it when the tiles do not depend on the batch (one row-tile height and key block per model), there is one key
+split, and every row walks its keys in blocks fixed in absolute key positions from key 0. Keys a row cannot see add
+exact zeros, so sharing a tile with later queries changes nothing. A tree's tail breaks the last condition: a node's
+ancestors sit at scattered tail offsets, interleaved with masked siblings, so a block would hold its keys at other
+lanes than the same tokens' keys in a chain. With `path` ([B, Q, W]: each query's visible tail offsets, ascending) a
+program serves one query and reads the key at sequence index prefix + j from tail offset path[j]: the keys land
+where a plain decode of that branch has them, so the sums run in the same order.
 """
 
 from __future__ import annotations
@@ -35,17 +44,25 @@ MAX_SPLITS = 32  # measured: 64 splits of 128 keys ran slower than 33 of 256 at 
 
 @jit
 def _attend_keys(
-    acc, l_i, m_i, q, K, V, Table, Tail, row, kvh, b, lo, hi, qi, prefix, row_ok, d, d_ok, seq_len,
+    acc, l_i, m_i, q, K, V, Table, Tail, PathRow, row, kvh, b, lo, hi, qi, prefix, row_ok, d, d_ok, seq_len,
     stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq, stride_tw, tail_q, tail_w, scale_log2,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_TAIL: tl.constexpr, IEEE: tl.constexpr,
+    PATH: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi) of one page-table row. MASKED applies the causal or tail mask per element;
-    otherwise only the range end is masked."""
+    otherwise only the range end is masked. PATH: key index n >= seq_len - tail_w is read from the tail offset
+    PathRow[n - (seq_len - tail_w)] (one query's branch, see the module doc)."""
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        page = tl.load(Table + row * stride_row + n // PAGE_SIZE, mask=n_ok, other=0)
-        slot = page * PAGE_SIZE + n % PAGE_SIZE
+        if PATH:
+            j = n - (seq_len - tail_w)
+            step = tl.load(PathRow + j, mask=n_ok & (j >= 0), other=0)
+            src = tl.where(j >= 0, seq_len - tail_w + step, n)
+        else:
+            src = n
+        page = tl.load(Table + row * stride_row + src // PAGE_SIZE, mask=n_ok, other=0)
+        slot = page * PAGE_SIZE + src % PAGE_SIZE
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
                     other=0.0)  # [N, D]: each key's head row is contiguous, so the loads are 16 bytes wide
         if IEEE:
@@ -82,11 +99,12 @@ def _attend_keys(
 
 @jit
 def _attn_stage1(
-    Q, K, V, Out, PartO, PartLse, Table, ReqRows, SeqLens, ExtStarts, ExtLens, Tail,
+    Q, K, V, Out, PartO, PartLse, Table, ReqRows, SeqLens, ExtStarts, ExtLens, Tail, Path, PathLen,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_row,
     stride_tb, stride_tq, stride_tw, tail_q, tail_w, num_heads, head_dim, num_splits, scale_log2,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAIL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAIL: tl.constexpr, IEEE: tl.constexpr, PATH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Kept whole: one GPU program. The key loops already live in _attend_keys; what is left (the tile's queries, the
     # split bounds, the mask start, the store) is read by both loops and the store, and a further @jit helper would
@@ -98,23 +116,37 @@ def _attn_stage1(
     split = tl.program_id(2) % num_splits
     seq_len = tl.load(SeqLens + b)
     ext = tl.load(ExtLens + b)
-    if tile * BLOCK_M >= ext * GROUP:
-        return
+    if PATH:  # one query per program, its group's heads as rows
+        if tile >= ext:
+            return
+        r = tl.arange(0, BLOCK_M)
+        qi = tl.zeros([BLOCK_M], tl.int32) + tile
+        head = kvh * GROUP + r
+        row_ok = r < GROUP
+        # the query sits where a plain decode of its branch has it: after the tail's start and its visible offsets
+        seen = tl.load(PathLen + b * tail_q + tile, mask=tile < tail_q, other=0)
+        prefix = seq_len - tail_w + seen - 1
+        path_row = Path + (b * tail_q + tile).to(tl.int64) * tail_w
+    else:
+        if tile * BLOCK_M >= ext * GROUP:
+            return
+        r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        qi = r // GROUP  # query index within the request
+        head = kvh * GROUP + r % GROUP
+        row_ok = qi < ext
+        prefix = seq_len - ext
+        path_row = Path
     start = tl.load(ExtStarts + b)
     row = tl.load(ReqRows + b)
-    prefix = seq_len - ext
-
-    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    qi = r // GROUP  # query index within the request
-    head = kvh * GROUP + r % GROUP
-    row_ok = qi < ext
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     tok = (start + qi).to(tl.int64)
     q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    if HAS_TAIL:  # a tail mask may open any key of the sequence
+    if PATH:  # causal over the branch: prefix is the query's own index (its qi is 0)
+        kv_end = prefix + 1
+    elif HAS_TAIL:  # a tail mask may open any key of the sequence
         kv_end = seq_len
     else:  # causal: nothing past this tile's last query
         last_q = (tl.minimum(tile * BLOCK_M + BLOCK_M, ext * GROUP) - 1) // GROUP
@@ -129,7 +161,9 @@ def _attn_stage1(
     # down to a block of this split: the block that straddles mask_start runs masked once, instead of as two
     # partial blocks back to back (a small verify's split holds one block, and each block is a chain of dependent
     # loads: two cost ~2 us more per layer than one).
-    if HAS_TAIL:
+    if PATH:
+        mask_start = prefix + 1
+    elif HAS_TAIL:
         mask_start = seq_len - tail_w
     else:
         mask_start = prefix + (tile * BLOCK_M) // GROUP + 1
@@ -138,13 +172,14 @@ def _attn_stage1(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, K, V, Table, Tail, row, kvh, b, lo, tl.minimum(hi, mask_start), qi, prefix, row_ok, d, d_ok,
-        seq_len, stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq, stride_tw, tail_q, tail_w,
-        scale_log2, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASKED=False, HAS_TAIL=HAS_TAIL, IEEE=IEEE)
+        acc, l_i, m_i, q, K, V, Table, Tail, path_row, row, kvh, b, lo, tl.minimum(hi, mask_start), qi, prefix, row_ok,
+        d, d_ok, seq_len, stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq, stride_tw, tail_q,
+        tail_w, scale_log2, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASKED=False, HAS_TAIL=HAS_TAIL, IEEE=IEEE, PATH=PATH)
     acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, K, V, Table, Tail, row, kvh, b, tl.maximum(lo, mask_start), hi, qi, prefix, row_ok, d, d_ok,
-        seq_len, stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq, stride_tw, tail_q, tail_w,
-        scale_log2, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASKED=True, HAS_TAIL=HAS_TAIL, IEEE=IEEE)
+        acc, l_i, m_i, q, K, V, Table, Tail, path_row, row, kvh, b, tl.maximum(lo, mask_start), hi, qi - qi * PATH,
+        prefix, row_ok, d, d_ok, seq_len, stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq,
+        stride_tw, tail_q, tail_w, scale_log2, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASKED=True, HAS_TAIL=HAS_TAIL,
+        IEEE=IEEE, PATH=PATH)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
@@ -218,6 +253,26 @@ def tile_config(group: int, max_extend_len: int, head_dim: int, dtype: torch.dty
 SHORT_SPLIT_KEYS = 512
 
 
+def invariant_tiles(group: int, head_dim: int, dtype: torch.dtype) -> Tiles:
+    """Deterministic mode's tiles: one shape per model (nothing from the batch or the bounds), rows enough for one
+    query's group (a tree's path programs hold one query), keys as tile_config's."""
+    block_d = max(16, _next_pow2(head_dim))
+    keys = 2048 if dtype == torch.float32 else 8192
+    return Tiles(max(16, _next_pow2(group)), max(16, min(64, keys // block_d)), block_d, 4, 2)
+
+
+def tail_paths(tail_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tail_mask [B, Q, W] -> (path [B, Q, W] int32: each query's visible tail offsets, ascending, then zeros;
+    seen [B, Q] int32: how many). Tensor ops only (CUDA-graph safe). A tree lists a node after its ancestors, so the
+    ascending offsets are its branch in order."""
+    b, q, w = tail_mask.shape
+    rank = tail_mask.cumsum(-1, dtype=torch.int32) - 1
+    dest = torch.where(tail_mask, rank, w).long()  # invisible offsets all land in a spare column
+    offsets = torch.arange(w, dtype=torch.int32, device=tail_mask.device).expand(b, q, w)
+    path = torch.zeros(b, q, w + 1, dtype=torch.int32, device=tail_mask.device).scatter_(-1, dest, offsets)
+    return path[..., :w].contiguous(), (rank[..., -1] + 1).contiguous()
+
+
 def split_tiles(tiles: Tiles, max_seq_len: int, num_splits: int) -> Tiles:
     """tiles with the pipeline depth for splits of max_seq_len / num_splits keys (static bounds only)."""
     if tiles.stages > 2 and -(-max_seq_len // num_splits) <= SHORT_SPLIT_KEYS:
@@ -248,11 +303,12 @@ def attention_workspace(num_tokens: int, num_heads: int, head_dim: int, num_spli
 
 def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_starts, extend_lens, *,
                     page_size: int, max_extend_len: int, tail_mask=None, num_splits: int = 1, out=None, workspace=None,
-                    tiles: Tiles | None = None):
+                    tiles: Tiles | None = None, path: tuple[torch.Tensor, torch.Tensor] | None = None):
     """q: [T, Hq, D]; k_cache/v_cache: [slots, Hkv, D]; page_table: [rows, pages] int64; req_rows: [B] int64;
     seq_lens/extend_starts/extend_lens: [B] int32; tail_mask: optional [B, Q, W] bool -> out [T, Hq, D].
     Launch sizes come from tensor shapes, max_extend_len and num_splits only (CUDA-graph safe). tiles overrides
-    tile_config (benchmarks)."""
+    tile_config (benchmarks). path: tail_paths(tail_mask), for batch-invariant trees (one query per program, one
+    split; see the module doc)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -262,19 +318,25 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
         return out
     cfg = tiles or tile_config(group, max_extend_len, head_dim, q.dtype)
     row_tiles = num_row_tiles(group, max_extend_len, cfg.m)
+    if path is not None:
+        assert tail_mask is not None and num_splits == 1 and cfg.m >= group
+        row_tiles = max_extend_len
     if num_splits > 1 and workspace is None:
         workspace = attention_workspace(num_tokens, num_heads, head_dim, num_splits, q.device)
     part_o, part_lse = workspace if num_splits > 1 else (out, out)  # unused when there is one split
     tail = tail_mask.view(torch.uint8) if tail_mask is not None else seq_lens  # any pointer; HAS_TAIL=False
     tail_strides = tail.stride() if tail_mask is not None else (0, 0, 0)
     tail_q, tail_w = (tail_mask.shape[1], tail_mask.shape[2]) if tail_mask is not None else (0, 0)
+    path_offsets, path_seen = path if path is not None else (seq_lens, seq_lens)  # any pointer; PATH=False
     _attn_stage1[(batch, num_kv_heads, row_tiles * num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, page_table, req_rows, seq_lens, extend_starts, extend_lens, tail,
+        path_offsets, path_seen,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), *tail_strides, tail_q, tail_w, num_heads, head_dim,
         num_splits, head_dim ** -0.5 * math.log2(math.e),
         GROUP=group, PAGE_SIZE=page_size, SPLIT=num_splits > 1, BLOCK_M=cfg.m, BLOCK_N=cfg.n, BLOCK_D=cfg.d,
-        HAS_TAIL=tail_mask is not None, IEEE=q.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages,
+        HAS_TAIL=tail_mask is not None and path is None, IEEE=q.dtype == torch.float32, PATH=path is not None,
+        num_warps=cfg.warps, num_stages=cfg.stages,
         **pdl_args(q.device),
     )
     if num_splits > 1:

@@ -15,6 +15,11 @@ Batch invariance within each kernel: a row's result depends only on that row (th
 own weight row and x row; the dot kernel always pads to 16 rows, so its accumulation order is fixed), and which
 kernel runs depends on the weight, not the row count, so a token gets bit-identical projections in any verify of
 2..16 rows. The reference is F.linear (another summation order: equal up to rounding).
+
+Across row counts the kernels differ (one row sums on CUDA cores, more rows on tensor cores, past 16 rows cuBLAS
+picks its own tiles and split-K from M). Deterministic mode (`invariant_linear`, RuntimeOptions.deterministic)
+therefore runs every product, one row to a whole prefill chunk, as the dot kernel over 16-row tiles: one kernel and
+one tile shape per weight, so a row's K products are summed in the same order whatever M is.
 """
 
 from __future__ import annotations
@@ -116,9 +121,10 @@ def _gemv_dot(X, W, Bias, Res, Out, M, N, K, stride_xm, stride_rm, stride_om, HA
               BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """Out tile [16, BLOCK_N] = X [16, K] @ W tile^T, rows padded to 16; SWAP computes its transpose, W tile @ X^T
     ([BLOCK_N, 16]: the weight is then the MMA's wide operand), the same products in another tile order."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Row tiles vary fastest: the programs of one column tile run together and share its weights through L2.
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     _weights_first(W, cols, N, K, BLOCK_K, LINE, PDL)
-    rows = tl.arange(0, 16)  # padded: a row's result never depends on how many others there are
+    rows = tl.program_id(0) * 16 + tl.arange(0, 16)  # padded: a row's result never depends on how many others there are
     w_rows = W + cols[:, None].to(tl.int64) * K
     if SWAP:
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
@@ -183,27 +189,60 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert m <= MAX_ROWS and rows.stride(-1) == 1
     assert residual is None or out_dtype in (None, x.dtype)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    b = bias if bias is not None else weight
     res = residual.reshape(m, n) if residual is not None else out  # a placeholder pointer when there is none
     assert residual is None or (res.stride(-1) == 1 and res.dtype == x.dtype)
-    line = 128 // x.element_size()
     if m == 1:
         _launch_vec(rows, None, weight, bias, res if residual is not None else None, out)
     elif mma_fits(rows, weight, bias):
         _launch_mma(rows, weight, bias, residual is not None, res, out)
     else:
-        sms = _num_sms(x.device)
-        wide = sms < triton.cdiv(n, DOT_BLOCK_N) < 2 * sms  # a function of the weight only: batch invariance holds
-        block_n, block_k, stages = (WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES) if wide else (
-            DOT_BLOCK_N, DOT_BLOCK_K, DOT_STAGES)
-        # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps the stages in 228 KB
-        block_k = min(block_k // x.element_size() * 2, max(16, triton.next_power_of_2(k)))
-        _gemv_dot[(triton.cdiv(n, block_n),)](
-            rows, weight, b, res, out, m, n, k, rows.stride(0), res.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, SWAP=wide,
-            EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, line),
-            num_warps=DOT_WARPS, num_stages=stages, **pdl_args(x.device))
+        _launch_dot(rows, weight, bias, residual is not None, res, out)
     return out.view(*x.shape[:-1], n)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gemv's product for any row count, batch-invariant: every row goes through the dot kernel's 16-row tiles, so
+    a row's result is bit for bit the same alone, in a verify or in a prefill chunk (deterministic mode)."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    assert residual is None or out_dtype in (None, x.dtype)
+    res = residual.reshape(m, n) if residual is not None else out
+    assert residual is None or (res.stride(-1) == 1 and res.dtype == x.dtype)
+    if m > 0:
+        _launch_dot(rows, weight, bias, residual is not None, res, out)
+    return out.view(*x.shape[:-1], n)
+
+
+def invariant_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether invariant_linear serves this product: gemv_fits without its row bound."""
+    width = weight.shape[-1]
+    return (kernels.use_fused_kernels(x) and x.shape[-1] == width and weight.dim() == 2 and weight.is_contiguous()
+            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))
+
+
+def _launch_dot(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, has_res: bool,
+                res: torch.Tensor, out: torch.Tensor) -> None:
+    """The dot kernel over ceil(m / 16) row tiles; its tiles depend on the weight (and the GPU) only."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    line = 128 // rows.element_size()
+    sms = _num_sms(rows.device)
+    wide = sms < triton.cdiv(n, DOT_BLOCK_N) < 2 * sms  # a function of the weight only: batch invariance holds
+    block_n, block_k, stages = (WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES) if wide else (
+        DOT_BLOCK_N, DOT_BLOCK_K, DOT_STAGES)
+    # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps the stages in 228 KB
+    block_k = min(block_k // rows.element_size() * 2, max(16, triton.next_power_of_2(k)))
+    _gemv_dot[(triton.cdiv(m, 16), triton.cdiv(n, block_n))](
+        rows, weight, bias if bias is not None else weight, res, out, m, n, k, rows.stride(0), res.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, HAS_RES=has_res, IEEE=rows.dtype == torch.float32, SWAP=wide,
+        EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, line),
+        num_warps=DOT_WARPS, num_stages=stages, **pdl_args(rows.device))
 
 
 def _launch_vec(x: torch.Tensor, up: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -220,8 +259,9 @@ def _launch_vec(x: torch.Tensor, up: torch.Tensor | None, weight: torch.Tensor, 
 
 
 def silu_mul_gemv_fits(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether silu_mul_gemv serves down(SiLU(gate) * up): one row (a batch-1 decode), as gemv_fits otherwise."""
-    return (gate.dim() == 2 and gate.shape[0] == 1 and up.shape == gate.shape and up.dtype == gate.dtype
+    """Whether silu_mul_gemv serves down(SiLU(gate) * up): one row (a batch-1 decode), as gemv_fits otherwise; never
+    in deterministic mode (one row would then be summed unlike the same row among others)."""
+    return (not options.current().deterministic and gate.dim() == 2 and gate.shape[0] == 1 and up.shape == gate.shape and up.dtype == gate.dtype
             and up.stride(-1) == 1 and gemv_fits(gate, weight))
 
 
@@ -261,7 +301,10 @@ def _launch_mma(rows, weight, bias, has_res: bool, res, out) -> None:
 
 def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The CUDA product (+ residual, as out_dtype): gemv for a few rows, cuBLAS (F.linear) otherwise."""
+    """The CUDA product (+ residual, as out_dtype): gemv for a few rows, cuBLAS (F.linear) otherwise; in deterministic
+    mode the batch-invariant product for every row count."""
+    if options.current().deterministic and invariant_fits(x, weight) and (residual is None or residual.dtype == x.dtype):
+        return invariant_linear(x, weight, bias, residual, out_dtype)
     if gemv_fits(x, weight) and (residual is None or residual.dtype == x.dtype):
         return gemv(x, weight, bias, residual, out_dtype)
     return gemv_reference(x, weight, bias, residual, out_dtype)

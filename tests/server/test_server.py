@@ -404,3 +404,5 @@ def test_metrics_parse_and_count_a_request(server, client, chat_model):
     info = httpx.get(server.url + "/server_info", headers=AUTH).json()
     assert info["model_path"] == served_name(chat_model) and info["lossy_benchmark_mode"] is False
     assert info["max_running_requests"] == MAX_RUNNING
+    assert info["enable_deterministic_inference"] is False  # the mode: docs/numerics.md
+    assert info["internal_states"][0]["numerics"] == "float32"

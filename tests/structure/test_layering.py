@@ -36,9 +36,9 @@ LAYERS: list[set[str]] = [
     {"speculative.proposer"},
     {"speculative.proposers", "speculative.verify"},
     {"speculative.worker"},
-    {"engine", "detokenizer", "testing"},
+    {"engine", "detokenizer"},
     {"llm"},
-    {"demo", "server", "training"},
+    {"demo", "server", "training", "testing"},
     {"cli"},
     {"__main__", "__init__"},
 ]

@@ -1,0 +1,153 @@
+"""Deterministic mode's kernels are batch-invariant: a row computed alone equals, bit for bit, the same row inside
+batches of 2 to 64 rows, wherever it sits; attention gives a query the same bits in a decode, a chain verify, a
+prefill chunk and a tree verify (through its branch's path). Run on a GPU machine:
+`python3 -m pytest tests/gpu/test_deterministic_kernels.py -q`. Not part of CI. CUDA only: Triton's CPU
+interpreter runs dots through numpy, whose BLAS sums a row differently by its position in the tile (measured: row 63
+alone differs from row 63 of 64), so only the tensor cores' row independence can be tested.
+
+Each product is also checked against its plain-torch reference (to rounding), so a kernel that is invariant but
+wrong fails too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hyperdraft.kernels.attention import invariant_tiles, paged_attention, paged_attention_reference, tail_paths
+from hyperdraft.kernels.gemv import invariant_linear
+
+DEVICE = "cuda"
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs a CUDA device (see the module doc)")
+DTYPE = torch.bfloat16
+REL_TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
+ROW_COUNTS = [1, 2, 3, 7, 16, 17, 33, 64]
+# (N, K): SmolLM2's fused q|k|v; an 8B-like o_proj; a width whose column tiles make 1-2 waves (the swapped tiles)
+SHAPES = [(960, 576), (1024, 2048), (6144, 512)]
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)
+    assert err < REL_TOL[out.dtype if out.dtype != torch.float32 else DTYPE], err
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("epilogue", ["plain", "bias_residual", "fp32_out"])
+def test_invariant_linear_rows_alone_equal_rows_in_batches(n, k, epilogue):
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(64, k, generator=g).to(DTYPE).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DTYPE).to(DEVICE)
+    bias = torch.randn(n, generator=g).to(DTYPE).to(DEVICE) if epilogue == "bias_residual" else None
+    res = torch.randn(64, n, generator=g).to(DTYPE).to(DEVICE) if epilogue == "bias_residual" else None
+    out_dtype = torch.float32 if epilogue == "fp32_out" else None
+
+    def run(rows: slice):
+        return invariant_linear(x[rows], w, bias, None if res is None else res[rows], out_dtype)
+
+    full = run(slice(0, 64))
+    ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    _close(full, ref if res is None else ref + res.float())
+    for m in ROW_COUNTS:
+        assert torch.equal(run(slice(0, m)), full[:m]), f"the first {m} rows differ from the same rows among 64"
+        start = 64 - m  # the same rows at other positions of their tiles
+        assert torch.equal(run(slice(start, 64)), full[start:]), f"rows {start}.. differ"
+    for i in (0, 5, 31, 63):
+        assert torch.equal(run(slice(i, i + 1)), full[i:i + 1]), f"row {i} alone differs"
+
+
+# ---- attention -------------------------------------------------------------------------------------------------
+HKV, GROUP, HEAD_DIM, PAGE = 2, 3, 64, 4
+
+
+def _pool(lengths: list[int], seed: int):
+    """A paged pool holding one sequence per row, pages shuffled, unused slots NaN; returns (k, v, table)."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per_row = max(-(-n // PAGE) for n in lengths) + 1
+    num_pages = sum(-(-n // PAGE) for n in lengths) + 4
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.zeros(len(lengths), pages_per_row, dtype=torch.int64)
+    for r, n in enumerate(lengths):
+        table[r, : -(-n // PAGE)] = torch.tensor([perm.pop() for _ in range(-(-n // PAGE))])
+    shape = (num_pages * PAGE, HKV, HEAD_DIM)
+    k = torch.full(shape, float("nan"), dtype=DTYPE)
+    v = torch.full(shape, float("nan"), dtype=DTYPE)
+    return k, v, table, g
+
+
+def _slots(table, row: int, n: int) -> torch.Tensor:
+    idx = torch.arange(n)
+    return table[row, idx // PAGE] * PAGE + idx % PAGE
+
+
+def _attend(q, k, v, table, rows, seq_lens, ext_lens, tail_mask=None, deterministic_tree=False):
+    starts = torch.tensor([0] + ext_lens[:-1]).cumsum(0)
+    args = [t.to(DEVICE) for t in (q, k, v, table)]
+    meta = dict(req_rows=torch.tensor(rows, device=DEVICE), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                extend_starts=starts.to(torch.int32).to(DEVICE),
+                extend_lens=torch.tensor(ext_lens, dtype=torch.int32, device=DEVICE))
+    mask = None if tail_mask is None else tail_mask.to(DEVICE)
+    out = paged_attention(*args, **meta, page_size=PAGE, max_extend_len=max(ext_lens), tail_mask=mask,
+                          tiles=invariant_tiles(GROUP, HEAD_DIM, DTYPE),
+                          path=tail_paths(mask) if deterministic_tree else None)
+    ref = paged_attention_reference(*args, **meta, page_size=PAGE, tail_mask=mask)
+    _close(out, ref)
+    return out.cpu()
+
+
+def test_attention_decode_equals_chain_verify_prefill_and_batched():
+    """One sequence of 150 keys: query i decoded alone (seq_len i + 1) equals query i inside a 6-query verify, a
+    whole prefill, and a batch beside other requests of other lengths."""
+    length = 150
+    k, v, table, g = _pool([length, 97, 211], seed=0)
+    for r, n in enumerate([length, 97, 211]):
+        s = _slots(table, r, n)
+        k[s] = torch.randn(n, HKV, HEAD_DIM, generator=g).to(DTYPE)
+        v[s] = torch.randn(n, HKV, HEAD_DIM, generator=g).to(DTYPE)
+    q = torch.randn(length, HKV * GROUP, HEAD_DIM, generator=g).to(DTYPE)
+    decoded = {i: _attend(q[i:i + 1], k, v, table, [0], [i + 1], [1]) for i in (0, 63, 64, 100, 143, 149)}
+    prefill = _attend(q, k, v, table, [0], [length], [length])
+    verify = _attend(q[144:150], k, v, table, [0], [length], [6])
+    other = torch.randn(5, HKV * GROUP, HEAD_DIM, generator=g).to(DTYPE)
+    batched = _attend(torch.cat([other[:2], q[144:150], other[2:]]), k, v, table, [1, 0, 2], [97, length, 211], [2, 6, 3])
+    for i, out in decoded.items():
+        assert torch.equal(prefill[i], out[0]), f"query {i}: prefill differs from decode"
+    for j in range(6):
+        assert torch.equal(verify[j], prefill[144 + j]), f"verify row {j} differs from prefill"
+        assert torch.equal(batched[2 + j], verify[j]), f"verify row {j} differs when batched"
+
+
+def test_attention_tree_branch_equals_its_chain():
+    """A 7-node tree over a 90-key prefix (root, two children, grandchildren): each node's output through its path
+    equals the same query decoded over a sequence holding just its branch, contiguous."""
+    prefix = 90
+    parents = [-1, 0, 0, 1, 1, 2, 5]  # node -> parent (a node after its ancestors)
+    branches = []
+    for node in range(len(parents)):
+        path, p = [], node
+        while p >= 0:
+            path.insert(0, p)
+            p = parents[p]
+        branches.append(path)
+    w = len(parents)
+    lengths = [prefix + w] + [prefix + len(b) for b in branches]
+    k, v, table, g = _pool(lengths, seed=1)
+    ctx_k = torch.randn(prefix, HKV, HEAD_DIM, generator=g).to(DTYPE)
+    ctx_v = torch.randn(prefix, HKV, HEAD_DIM, generator=g).to(DTYPE)
+    node_k = torch.randn(w, HKV, HEAD_DIM, generator=g).to(DTYPE)
+    node_v = torch.randn(w, HKV, HEAD_DIM, generator=g).to(DTYPE)
+    q = torch.randn(w, HKV * GROUP, HEAD_DIM, generator=g).to(DTYPE)
+    s = _slots(table, 0, prefix + w)
+    k[s], v[s] = torch.cat([ctx_k, node_k]), torch.cat([ctx_v, node_v])
+    mask = torch.zeros(1, w, w, dtype=torch.bool)
+    for node, branch in enumerate(branches):
+        mask[0, node, branch] = True
+        s = _slots(table, 1 + node, prefix + len(branch))
+        k[s], v[s] = torch.cat([ctx_k, node_k[branch]]), torch.cat([ctx_v, node_v[branch]])
+    tree = _attend(q, k, v, table, [0], [prefix + w], [w], tail_mask=mask, deterministic_tree=True)
+    for node, branch in enumerate(branches):
+        chain = _attend(q[node:node + 1], k, v, table, [1 + node], [prefix + len(branch)], [1])
+        assert torch.equal(tree[node], chain[0]), f"tree node {node} differs from its branch decoded as a chain"
