@@ -87,9 +87,9 @@ class SharedWeights:
         self.heads: dict = {}
         load_target, load_head = engine_module.load_model, eagle_module.load_eagle_head
 
-        def load_model(path, dtype, device, load_format="auto"):
+        def load_model(path, dtype, device, load_format="auto", *rest):
             if path not in self.models:
-                self.models[path] = load_target(path, dtype, device, load_format)
+                self.models[path] = load_target(path, dtype, device, load_format, *rest)
             return self.models[path]
 
         def load_eagle_head(path, target, **kw):
