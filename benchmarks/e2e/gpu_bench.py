@@ -28,6 +28,7 @@ CPU smoke test of this script: python -m benchmarks.e2e.gpu_bench --tiny --skip-
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
@@ -36,7 +37,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, require_cuda, tag_of
+from benchmarks.common import RESULTS_DIR, command_line, git_commit, require_cuda, tag_of
 from benchmarks.e2e.engines import (ALPHAS, LLAMA_8B, REPEATS, SETTINGS, SPEC_REPEATS, TINY, SharedWeights, decode_run,
                                     eagle3_spec, free, make_engine, median_run, sync, write_configs)
 from benchmarks.e2e.gpu_bench_report import render, report
@@ -200,6 +201,9 @@ def deterministic_ab(target: str, head: str, device: str, capacity: int, a) -> l
 
 def deterministic_md(result: dict) -> str:
     lines = [f"# Deterministic mode against the default ({result['device']})", "",
+             f"- date: {datetime.date.today()}; commit: {git_commit()}; command: `{command_line()}`",
+             f"- Llama-3.1-8B shape, dummy bf16 weights, input {result['input_len']}, output {result['output_len']}; "
+             "chain 5 = EAGLE-3 chain 5 at simulated acceptance 0.8; each pair's engines back to back in one run", "",
              "| setting | batch | default tok/s | deterministic tok/s | slowdown (default / deterministic) |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['setting']} | {r['batch']} | {r['default_tok_s']:.1f} | {r['deterministic_tok_s']:.1f} | "
