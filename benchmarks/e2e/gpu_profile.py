@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help="EAGLE-3 chain 5 at simulated alpha 0.8 instead of plain decode")
     ap.add_argument("--hybrid", action="store_true", help="the Qwen3.5-9B-shaped hybrid (MTP chain 5 with --spec)")
     ap.add_argument("--token-map", action="store_true", help="with --hybrid --spec: the MTP head drafts from a 32k-token map")
+    ap.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference's kernels")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default: $OUT or .)")
     a = ap.parse_args()
@@ -99,7 +100,8 @@ def main() -> None:
     else:
         target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
         spec = eagle3_spec(head, steps=5, topk=1, num_draft_tokens=6, alpha=0.8) if a.spec else None
-    engine, _ = make_engine(target, "cuda", 8, spec, None if a.hybrid else 8 * 2048)  # hybrid: states by memory fraction
+    engine, _ = make_engine(target, "cuda", 8, spec, None if a.hybrid else 8 * 2048,  # hybrid: states by memory fraction
+                            deterministic=a.deterministic)
     params = SamplingParams(temperature=0.0, max_new_tokens=(2 * a.steps + 20) * 8 + 16, ignore_eos=True)
     req = engine.add_request(input_ids=torch.randint(10, 120000, (512,)).tolist(), params=params)
     for _ in range(20):  # warm-up: Triton specialisations compile on first use of each shape class
