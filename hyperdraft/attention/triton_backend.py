@@ -15,8 +15,9 @@ import torch
 from hyperdraft.attention.base import AttentionBackend
 from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft import options
-from hyperdraft.kernels.attention import (Tiles, attention_workspace, invariant_tiles, num_kv_splits, num_row_tiles,
-                                          paged_attention, split_tiles, tail_paths, tile_config)
+from hyperdraft.kernels.attention import (Tiles, attention_workspace, invariant_num_splits, invariant_tiles,
+                                          num_kv_splits, num_row_tiles, paged_attention, split_tiles, tail_paths,
+                                          tile_config)
 from hyperdraft.kernels.kv_store import kv_store
 
 
@@ -29,6 +30,7 @@ class TritonAttentionMeta:
     tail_mask: torch.Tensor | None  # [B, Q, W] bool, or None = causal
     max_extend_len: int  # static bound: sizes the row tiles
     max_seq_len: int  # static bound: sizes the key splits
+    invariant: bool  # deterministic mode: batch-invariant tiles and splits (kernels/attention.py)
     path: tuple[torch.Tensor, torch.Tensor] | None  # deterministic trees: tail_paths(tail_mask)
     # Filled by the first layer (the query head count is known only there) and reused by every later one.
     num_splits: int = 0
@@ -49,7 +51,8 @@ class TritonAttentionBackend(AttentionBackend):
         deterministic = options.current().deterministic
         path = tail_paths(fb.tail_mask) if deterministic and fb.tail_mask is not None else None
         return TritonAttentionMeta(fb.req_rows.contiguous(), fb.seq_lens_t.contiguous(), fb.extend_starts_t.contiguous(),
-                                   fb.extend_lens_t.contiguous(), fb.tail_mask, fb.max_extend_len, fb.max_seq_len, path)
+                                   fb.extend_lens_t.contiguous(), fb.tail_mask, fb.max_extend_len, fb.max_seq_len,
+                                   deterministic, path)
 
     def forward(self, layer_id, q, k, v, fb, meta: TritonAttentionMeta):
         k_cache, v_cache = self.pool.layer(layer_id)
@@ -60,15 +63,17 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, self.page_table.table, meta.req_rows, meta.seq_lens, meta.extend_starts,
             meta.extend_lens, page_size=self.page_table.page_size, max_extend_len=meta.max_extend_len,
             tail_mask=meta.tail_mask, num_splits=meta.num_splits, workspace=meta.workspace, tiles=meta.tiles,
-            path=meta.path,
+            path=meta.path, invariant=meta.invariant,
         )
 
     def _size_splits(self, meta: TritonAttentionMeta, q: torch.Tensor) -> None:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = self.pool.k.shape[2]
         group = num_heads // num_kv_heads
-        if options.current().deterministic:  # batch-invariant: fixed tiles, one split (kernels/attention.py)
-            meta.num_splits, meta.tiles = 1, invariant_tiles(group, head_dim, q.dtype)
+        if meta.invariant:  # batch-invariant: fixed tiles, one split (kernels/attention.py)
+            meta.num_splits = invariant_num_splits(meta.max_extend_len, meta.max_seq_len)
+            meta.tiles = invariant_tiles(group, head_dim, q.dtype)
+            meta.workspace = attention_workspace(num_tokens, num_heads, head_dim, meta.num_splits, q.device)
             return
         tiles = tile_config(group, meta.max_extend_len, head_dim, q.dtype)
         row_tiles = num_row_tiles(group, meta.max_extend_len, tiles.m)

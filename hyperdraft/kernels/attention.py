@@ -40,6 +40,10 @@ from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) outweighs its keys
 MAX_SPLITS = 32  # measured: 64 splits of 128 keys ran slower than 33 of 256 at batch 1 x 8k
+# Deterministic mode cuts the keys every INVARIANT_SPLIT_KEYS positions, whatever the launch: a decode or verify runs
+# the splits as parallel programs, a prefill walks them inside one program; both merge them in order, bit for bit alike.
+INVARIANT_SPLIT_KEYS = 128
+INVARIANT_PARALLEL_ROWS = 16  # launches with at most this many queries per request run their splits in parallel
 
 
 @jit
@@ -104,7 +108,7 @@ def _attn_stage1(
     stride_tb, stride_tq, stride_tw, tail_q, tail_w, num_heads, head_dim, num_splits, scale_log2,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAIL: tl.constexpr, IEEE: tl.constexpr, PATH: tl.constexpr,
-    PDL: tl.constexpr,
+    FIXED: tl.constexpr, INLINE: tl.constexpr, SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Kept whole: one GPU program. The key loops already live in _attend_keys; what is left (the tile's queries, the
     # split bounds, the mask start, the store) is read by both loops and the store, and a further @jit helper would
@@ -152,22 +156,63 @@ def _attn_stage1(
         last_q = (tl.minimum(tile * BLOCK_M + BLOCK_M, ext * GROUP) - 1) // GROUP
         kv_end = tl.minimum(seq_len, prefix + last_q + 1)
     kv_end = tl.maximum(kv_end, 0)
-    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_end)
-
-    # Keys before mask_start are visible to every row of this tile (causal: up to the tile's first query; tail
-    # mask: everything before the tail), so whole blocks before it skip the per-element mask. The cut is rounded
-    # down to a block of this split: the block that straddles mask_start runs masked once, instead of as two
-    # partial blocks back to back (a small verify's split holds one block, and each block is a chain of dependent
-    # loads: two cost ~2 us more per layer than one).
+    # Keys before first_visible are visible to every row of this tile (causal: up to the tile's first query; tail
+    # mask: everything before the tail), so whole blocks before it skip the per-element mask (see _attend_split).
     if PATH:
-        mask_start = prefix + 1
+        first_visible = prefix + 1
     elif HAS_TAIL:
-        mask_start = seq_len - tail_w
+        first_visible = seq_len - tail_w
     else:
-        mask_start = prefix + (tile * BLOCK_M) // GROUP + 1
-    mask_start = lo + tl.maximum(mask_start - lo, 0) // BLOCK_N * BLOCK_N
+        first_visible = prefix + (tile * BLOCK_M) // GROUP + 1
+    mask = row_ok[:, None] & d_ok[None, :]
+    if INLINE:  # fixed splits walked in order by this program, merged as _attn_merge merges them (module doc)
+        big_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        big_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        den = tl.zeros([BLOCK_M], tl.float32)
+        for lo in range(0, kv_end, SPLIT_KEYS):
+            o, lse = _attend_split(
+                q, K, V, Table, Tail, path_row, row, kvh, b, lo, tl.minimum(lo + SPLIT_KEYS, kv_end), first_visible,
+                qi, prefix, row_ok, d, d_ok, seq_len, stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb,
+                stride_tq, stride_tw, tail_q, tail_w, scale_log2, PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_TAIL=HAS_TAIL, IEEE=IEEE, PATH=PATH)
+            big_m, keep, w = _merge_weights(big_m, lse)
+            big_acc = big_acc * keep[:, None] + o * w[:, None]
+            den = den * keep + w
+        o = big_acc / tl.where(den == 0.0, 1.0, den)[:, None]
+        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
+                 mask=mask)
+        return
+    if FIXED:  # splits at fixed key positions: the same cut whatever the batch (the merge then sums them in order)
+        split_len = SPLIT_KEYS
+    else:
+        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    o, lse = _attend_split(
+        q, K, V, Table, Tail, path_row, row, kvh, b, lo, tl.minimum(lo + split_len, kv_end), first_visible, qi, prefix,
+        row_ok, d, d_ok, seq_len, stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq,
+        stride_tw, tail_q, tail_w, scale_log2, PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=BLOCK_D, HAS_TAIL=HAS_TAIL, IEEE=IEEE, PATH=PATH)
+    if not SPLIT:
+        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
+                 mask=mask)
+    else:
+        part = (tok * num_heads + head) * num_splits + split
+        tl.store(PartO + part[:, None] * head_dim + d[None, :], o, mask=mask)
+        tl.store(PartLse + part, lse, mask=row_ok)
+
+
+@jit
+def _attend_split(
+    q, K, V, Table, Tail, path_row, row, kvh, b, lo, hi, first_visible, qi, prefix, row_ok, d, d_ok, seq_len,
+    stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq, stride_tw, tail_q, tail_w, scale_log2,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_TAIL: tl.constexpr, IEEE: tl.constexpr, PATH: tl.constexpr,
+):
+    """Keys [lo, hi) from a fresh softmax -> (normalised output [M, D], log2-sum-exp [M]; -inf for a row that saw
+    nothing). Blocks before first_visible skip the per-element mask; the cut is rounded down to a block of this split,
+    so the block that straddles it runs masked once instead of as two partial blocks back to back (a small verify's
+    split holds one block, and each block is a chain of dependent loads: two cost ~2 us more per layer than one)."""
+    mask_start = lo + tl.maximum(first_visible - lo, 0) // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -180,25 +225,27 @@ def _attn_stage1(
         prefix, row_ok, d, d_ok, seq_len, stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq,
         stride_tw, tail_q, tail_w, scale_log2, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, MASKED=True, HAS_TAIL=HAS_TAIL,
         IEEE=IEEE, PATH=PATH)
-
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    mask = row_ok[:, None] & d_ok[None, :]
-    if not SPLIT:
-        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
-                 mask=mask)
-    else:
-        part = (tok * num_heads + head) * num_splits + split
-        tl.store(PartO + part[:, None] * head_dim + d[None, :], o, mask=mask)
-        tl.store(PartLse + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
+    return o, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i))
+
+
+@jit
+def _merge_weights(m, lse):
+    """One split into a running merge: -> (new max, the running sums' factor, the split's weight). A split that saw
+    nothing (lse -inf) gets weight 0 and factor 1, so it changes nothing, bit for bit."""
+    m_new = tl.maximum(m, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, tl.exp2(m - m_safe), tl.exp2(lse - m_safe)
 
 
 @jit
 def _attn_merge(
     Out, PartO, PartLse, ExtStarts, ExtLens, stride_ot, stride_oh, num_heads, head_dim, num_splits,
-    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, IN_ORDER: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query i, q head h, request b): one output row from its splits' partial outputs, all loaded at once
-    (a loop over splits would wait on one load after another)."""
+    (a loop over splits would wait on one load after another). IN_ORDER: a running merge, split after split, the
+    same arithmetic as _attn_stage1's INLINE walk (deterministic mode: the sum's order never depends on the launch)."""
     pdl_wait(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -211,6 +258,19 @@ def _attn_merge(
     s_ok = s < num_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
+    if IN_ORDER:
+        m = tl.full([], float("-inf"), tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        den = tl.zeros([], tl.float32)
+        for split in range(0, num_splits):
+            lse_s = tl.load(PartLse + base + split)
+            o_s = tl.load(PartO + (base + split) * head_dim + d, mask=d_ok, other=0.0)
+            m, keep, w = _merge_weights(m, lse_s)
+            acc = acc * keep + o_s * w
+            den = den * keep + w
+        o = acc / tl.where(den == 0.0, 1.0, den)
+        tl.store(Out + tok * stride_ot + h * stride_oh + d, o.to(Out.dtype.element_ty), mask=d_ok)
+        return
     lse = tl.load(PartLse + base + s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key: every weight is 0 and the row is 0
@@ -261,6 +321,14 @@ def invariant_tiles(group: int, head_dim: int, dtype: torch.dtype) -> Tiles:
     return Tiles(max(16, _next_pow2(group)), max(16, min(64, keys // block_d)), block_d, 4, 2)
 
 
+def invariant_num_splits(max_extend_len: int, max_seq_len: int) -> int:
+    """Deterministic mode's split count, from static bounds: every fixed split as a program of its own for a decode or
+    a verify (few programs otherwise), else 1 (one program walks them; a prefill has programs enough)."""
+    if max_extend_len > INVARIANT_PARALLEL_ROWS:
+        return 1
+    return max(1, -(-max_seq_len // INVARIANT_SPLIT_KEYS))
+
+
 def tail_paths(tail_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """tail_mask [B, Q, W] -> (path [B, Q, W] int32: each query's visible tail offsets, ascending, then zeros;
     seen [B, Q] int32: how many). Tensor ops only (CUDA-graph safe). A tree lists a node after its ancestors, so the
@@ -303,12 +371,14 @@ def attention_workspace(num_tokens: int, num_heads: int, head_dim: int, num_spli
 
 def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_starts, extend_lens, *,
                     page_size: int, max_extend_len: int, tail_mask=None, num_splits: int = 1, out=None, workspace=None,
-                    tiles: Tiles | None = None, path: tuple[torch.Tensor, torch.Tensor] | None = None):
+                    tiles: Tiles | None = None, path: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    invariant: bool = False):
     """q: [T, Hq, D]; k_cache/v_cache: [slots, Hkv, D]; page_table: [rows, pages] int64; req_rows: [B] int64;
     seq_lens/extend_starts/extend_lens: [B] int32; tail_mask: optional [B, Q, W] bool -> out [T, Hq, D].
     Launch sizes come from tensor shapes, max_extend_len and num_splits only (CUDA-graph safe). tiles overrides
-    tile_config (benchmarks). path: tail_paths(tail_mask), for batch-invariant trees (one query per program, one
-    split; see the module doc)."""
+    tile_config (benchmarks). invariant: deterministic mode (module doc): splits of INVARIANT_SPLIT_KEYS keys, run
+    as num_splits parallel programs (num_splits = invariant_num_splits) or, with num_splits 1, walked in order by
+    one program; path: tail_paths(tail_mask), for batch-invariant trees (one query per program)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -319,7 +389,7 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
     cfg = tiles or tile_config(group, max_extend_len, head_dim, q.dtype)
     row_tiles = num_row_tiles(group, max_extend_len, cfg.m)
     if path is not None:
-        assert tail_mask is not None and num_splits == 1 and cfg.m >= group
+        assert tail_mask is not None and invariant and cfg.m >= group
         row_tiles = max_extend_len
     if num_splits > 1 and workspace is None:
         workspace = attention_workspace(num_tokens, num_heads, head_dim, num_splits, q.device)
@@ -336,13 +406,15 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
         num_splits, head_dim ** -0.5 * math.log2(math.e),
         GROUP=group, PAGE_SIZE=page_size, SPLIT=num_splits > 1, BLOCK_M=cfg.m, BLOCK_N=cfg.n, BLOCK_D=cfg.d,
         HAS_TAIL=tail_mask is not None and path is None, IEEE=q.dtype == torch.float32, PATH=path is not None,
+        FIXED=invariant, INLINE=invariant and num_splits == 1, SPLIT_KEYS=INVARIANT_SPLIT_KEYS,
         num_warps=cfg.warps, num_stages=cfg.stages,
         **pdl_args(q.device),
     )
     if num_splits > 1:
         _attn_merge[(max_extend_len, num_heads, batch)](
             out, part_o, part_lse, extend_starts, extend_lens, out.stride(0), out.stride(1), num_heads, head_dim,
-            num_splits, SPLITS=_next_pow2(num_splits), BLOCK_D=cfg.d, num_warps=4, **pdl_args(q.device),
+            num_splits, SPLITS=_next_pow2(num_splits), BLOCK_D=cfg.d, IN_ORDER=invariant, num_warps=4,
+            **pdl_args(q.device),
         )
     return out
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hyperdraft.kernels.attention import invariant_tiles, paged_attention, paged_attention_reference, tail_paths
+from hyperdraft.kernels.attention import (invariant_num_splits, invariant_tiles, paged_attention,
+                                          paged_attention_reference, tail_paths)
 from hyperdraft.kernels.gemv import invariant_linear
 
 DEVICE = "cuda"
@@ -83,47 +84,56 @@ def _slots(table, row: int, n: int) -> torch.Tensor:
     return table[row, idx // PAGE] * PAGE + idx % PAGE
 
 
-def _attend(q, k, v, table, rows, seq_lens, ext_lens, tail_mask=None, deterministic_tree=False):
+def _attend(q, k, v, table, rows, seq_lens, ext_lens, tail_mask=None, deterministic_tree=False, bound=None):
+    """Deterministic-mode attention; bound: the static key bound a CUDA graph would be captured with (it sets the
+    number of parallel splits of a decode or verify; surplus ones find no keys)."""
     starts = torch.tensor([0] + ext_lens[:-1]).cumsum(0)
     args = [t.to(DEVICE) for t in (q, k, v, table)]
     meta = dict(req_rows=torch.tensor(rows, device=DEVICE), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
                 extend_starts=starts.to(torch.int32).to(DEVICE),
                 extend_lens=torch.tensor(ext_lens, dtype=torch.int32, device=DEVICE))
     mask = None if tail_mask is None else tail_mask.to(DEVICE)
+    splits = invariant_num_splits(max(ext_lens), bound or max(seq_lens))
     out = paged_attention(*args, **meta, page_size=PAGE, max_extend_len=max(ext_lens), tail_mask=mask,
-                          tiles=invariant_tiles(GROUP, HEAD_DIM, DTYPE),
-                          path=tail_paths(mask) if deterministic_tree else None)
+                          tiles=invariant_tiles(GROUP, HEAD_DIM, DTYPE), num_splits=splits,
+                          path=tail_paths(mask) if deterministic_tree else None, invariant=True)
     ref = paged_attention_reference(*args, **meta, page_size=PAGE, tail_mask=mask)
     _close(out, ref)
     return out.cpu()
 
 
 def test_attention_decode_equals_chain_verify_prefill_and_batched():
-    """One sequence of 150 keys: query i decoded alone (seq_len i + 1) equals query i inside a 6-query verify, a
-    whole prefill, and a batch beside other requests of other lengths."""
-    length = 150
+    """One sequence of 300 keys (three fixed splits): query i decoded alone (seq_len i + 1) equals query i inside a
+    6-query verify, a whole prefill (its splits walked by one program), under a larger graph bound, and in a batch
+    beside other requests of other lengths."""
+    length = 300
     k, v, table, g = _pool([length, 97, 211], seed=0)
     for r, n in enumerate([length, 97, 211]):
         s = _slots(table, r, n)
         k[s] = torch.randn(n, HKV, HEAD_DIM, generator=g).to(DTYPE)
         v[s] = torch.randn(n, HKV, HEAD_DIM, generator=g).to(DTYPE)
     q = torch.randn(length, HKV * GROUP, HEAD_DIM, generator=g).to(DTYPE)
-    decoded = {i: _attend(q[i:i + 1], k, v, table, [0], [i + 1], [1]) for i in (0, 63, 64, 100, 143, 149)}
+    decoded = {i: _attend(q[i:i + 1], k, v, table, [0], [i + 1], [1]) for i in (0, 63, 64, 127, 128, 200, 299)}
     prefill = _attend(q, k, v, table, [0], [length], [length])
-    verify = _attend(q[144:150], k, v, table, [0], [length], [6])
+    chunked = _attend(q[100:], k, v, table, [0], [length], [length - 100])  # a later chunk over a cached prefix
+    verify = _attend(q[294:300], k, v, table, [0], [length], [6])
+    bounded = _attend(q[294:300], k, v, table, [0], [length], [6], bound=1024)
     other = torch.randn(5, HKV * GROUP, HEAD_DIM, generator=g).to(DTYPE)
-    batched = _attend(torch.cat([other[:2], q[144:150], other[2:]]), k, v, table, [1, 0, 2], [97, length, 211], [2, 6, 3])
+    batched = _attend(torch.cat([other[:2], q[294:300], other[2:]]), k, v, table, [1, 0, 2], [97, length, 211], [2, 6, 3])
     for i, out in decoded.items():
         assert torch.equal(prefill[i], out[0]), f"query {i}: prefill differs from decode"
+        if i >= 100:
+            assert torch.equal(chunked[i - 100], out[0]), f"query {i}: a prefill chunk differs from decode"
     for j in range(6):
-        assert torch.equal(verify[j], prefill[144 + j]), f"verify row {j} differs from prefill"
+        assert torch.equal(verify[j], prefill[294 + j]), f"verify row {j} differs from prefill"
+        assert torch.equal(bounded[j], verify[j]), f"verify row {j} differs under a larger graph bound"
         assert torch.equal(batched[2 + j], verify[j]), f"verify row {j} differs when batched"
 
 
 def test_attention_tree_branch_equals_its_chain():
     """A 7-node tree over a 90-key prefix (root, two children, grandchildren): each node's output through its path
     equals the same query decoded over a sequence holding just its branch, contiguous."""
-    prefix = 90
+    prefix = 250  # the tree's keys straddle the split at 256
     parents = [-1, 0, 0, 1, 1, 2, 5]  # node -> parent (a node after its ancestors)
     branches = []
     for node in range(len(parents)):
