@@ -120,6 +120,9 @@ def _attn_stage1(
     split = tl.program_id(2) % num_splits
     seq_len = tl.load(SeqLens + b)
     ext = tl.load(ExtLens + b)
+    if FIXED and not INLINE:  # a split past the request's keys (the graph's bound is longer): never merged
+        if split * SPLIT_KEYS >= seq_len:
+            return
     if PATH:  # one query per program, its group's heads as rows
         if tile >= ext:
             return
@@ -240,12 +243,13 @@ def _merge_weights(m, lse):
 
 @jit
 def _attn_merge(
-    Out, PartO, PartLse, ExtStarts, ExtLens, stride_ot, stride_oh, num_heads, head_dim, num_splits,
-    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, IN_ORDER: tl.constexpr, PDL: tl.constexpr,
+    Out, PartO, PartLse, SeqLens, ExtStarts, ExtLens, stride_ot, stride_oh, num_heads, head_dim, num_splits,
+    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, IN_ORDER: tl.constexpr, SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query i, q head h, request b): one output row from its splits' partial outputs, all loaded at once
     (a loop over splits would wait on one load after another). IN_ORDER: a running merge, split after split, the
-    same arithmetic as _attn_stage1's INLINE walk (deterministic mode: the sum's order never depends on the launch)."""
+    same arithmetic as _attn_stage1's INLINE walk (deterministic mode: the sum's order never depends on the launch),
+    over the splits that hold the request's keys only (later ones would add exact zeros)."""
     pdl_wait(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -262,7 +266,7 @@ def _attn_merge(
         m = tl.full([], float("-inf"), tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
         den = tl.zeros([], tl.float32)
-        for split in range(0, num_splits):
+        for split in range(0, tl.minimum(num_splits, tl.cdiv(tl.load(SeqLens + b), SPLIT_KEYS))):
             lse_s = tl.load(PartLse + base + split)
             o_s = tl.load(PartO + (base + split) * head_dim + d, mask=d_ok, other=0.0)
             m, keep, w = _merge_weights(m, lse_s)
@@ -412,9 +416,9 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
     )
     if num_splits > 1:
         _attn_merge[(max_extend_len, num_heads, batch)](
-            out, part_o, part_lse, extend_starts, extend_lens, out.stride(0), out.stride(1), num_heads, head_dim,
-            num_splits, SPLITS=_next_pow2(num_splits), BLOCK_D=cfg.d, IN_ORDER=invariant, num_warps=4,
-            **pdl_args(q.device),
+            out, part_o, part_lse, seq_lens, extend_starts, extend_lens, out.stride(0), out.stride(1), num_heads,
+            head_dim, num_splits, SPLITS=_next_pow2(num_splits), BLOCK_D=cfg.d, IN_ORDER=invariant,
+            SPLIT_KEYS=INVARIANT_SPLIT_KEYS, num_warps=4, **pdl_args(q.device),
         )
     return out
 
