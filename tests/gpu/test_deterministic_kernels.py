@@ -161,3 +161,45 @@ def test_attention_tree_branch_equals_its_chain():
     for node, branch in enumerate(branches):
         chain = _attend(q[node:node + 1], k, v, table, [1 + node], [prefix + len(branch)], [1])
         assert torch.equal(tree[node], chain[0]), f"tree node {node} differs from its branch decoded as a chain"
+
+
+# ---- the per-row kernels ------------------------------------------------------------------------------------------
+def _rows_alone_equal_rows_in_batches(fn, *tensors):
+    """fn over all 64 rows, over the first m and the last m (m = 2..64, so rows move within their tiles), and
+    over single rows: each row's result the same bits. fn takes row-sliced tensors and returns a tensor or a tuple."""
+    def as_tuple(out):
+        return out if isinstance(out, tuple) else (out,)
+
+    full = as_tuple(fn(*tensors))
+    for rows in [slice(0, m) for m in ROW_COUNTS[1:]] + [slice(64 - m, 64) for m in ROW_COUNTS[1:]] + \
+            [slice(i, i + 1) for i in (0, 17, 63)]:
+        part = as_tuple(fn(*(t[rows] for t in tensors)))
+        for p, f in zip(part, full):
+            assert torch.equal(p, f[rows]), f"rows {rows} differ from the same rows among 64"
+
+
+def test_norm_rope_activation_logprob_argmax_are_row_invariant():
+    from hyperdraft.kernels.activation import silu_mul
+    from hyperdraft.kernels.argmax import argmax_kernel
+    from hyperdraft.kernels.logprob import token_logprobs_kernel
+    from hyperdraft.kernels.norm import rms_norm
+    from hyperdraft.kernels.rope import apply_rope, rope_cos_sin
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 576, generator=g).to(DTYPE).to(DEVICE)
+    res = torch.randn(64, 576, generator=g).to(DTYPE).to(DEVICE)
+    w = torch.randn(576, generator=g).to(DTYPE).to(DEVICE)
+    _rows_alone_equal_rows_in_batches(lambda a, r: rms_norm(a, w, 1e-5, r), x, res)
+    _rows_alone_equal_rows_in_batches(lambda a: rms_norm(a, w, 1e-5)[0], x)
+    _rows_alone_equal_rows_in_batches(silu_mul, x, res)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(DEVICE)
+    positions = torch.randint(0, 4000, (64,), generator=g).to(DEVICE)
+    q = torch.randn(64, 9, 64, generator=g).to(DTYPE).to(DEVICE)
+    k = torch.randn(64, 3, 64, generator=g).to(DTYPE).to(DEVICE)
+    _rows_alone_equal_rows_in_batches(lambda p: rope_cos_sin(p, inv_freq, DTYPE), positions)
+    cos, sin = rope_cos_sin(positions, inv_freq, DTYPE)
+    _rows_alone_equal_rows_in_batches(lambda a, b, c, s: apply_rope(a.clone(), b.clone(), c, s), q, k, cos, sin)
+    logits = torch.randn(64, 49152, generator=g).to(DEVICE) * 4
+    tokens = torch.randint(0, 49152, (64,), generator=g).to(DEVICE)
+    _rows_alone_equal_rows_in_batches(token_logprobs_kernel, logits, tokens)
+    _rows_alone_equal_rows_in_batches(argmax_kernel, logits)
