@@ -203,3 +203,77 @@ def test_norm_rope_activation_logprob_argmax_are_row_invariant():
     tokens = torch.randint(0, 49152, (64,), generator=g).to(DEVICE)
     _rows_alone_equal_rows_in_batches(token_logprobs_kernel, logits, tokens)
     _rows_alone_equal_rows_in_batches(argmax_kernel, logits)
+
+
+# ---- the Gated DeltaNet walk (hybrid models) ----------------------------------------------------------------------
+HK, HV, DK, DV, CONV_K, SLOTS, WIDTH = 2, 4, 128, 128, 4, 8, 6
+
+
+def _gdn_inputs(tokens: int, seed: int):
+    from hyperdraft.kernels.gated_delta import GdnGates
+
+    g = torch.Generator().manual_seed(seed)
+    channels = 2 * HK * DK + HV * DV
+
+    def rand(*shape, scale=1.0, dt=DTYPE):
+        return (torch.randn(*shape, generator=g) * scale).to(dt).to(DEVICE)
+
+    mixed, ab = rand(tokens, channels), rand(tokens, 2 * HV, scale=3.0)
+    weight, a_log, dt_bias = rand(channels, CONV_K, scale=0.5), rand(HV, scale=0.5), rand(HV)
+    pools = [rand(SLOTS, channels, CONV_K - 1), rand(SLOTS, WIDTH, channels, CONV_K - 1),
+             rand(SLOTS, HV, DK, DV, scale=0.3, dt=torch.float32),
+             rand(SLOTS, WIDTH, HV, DK, DV, scale=0.3, dt=torch.float32)]
+    return mixed, ab, weight, a_log, dt_bias, pools, lambda rows: GdnGates(ab[rows, :HV], ab[rows, HV:], a_log, dt_bias)
+
+
+def _walk_requests(requests, mixed, weight, gates_of, pools):
+    """requests: (slot, fresh, parents, targets, token rows) -> (output [T, HV, DV], pools after the walk)."""
+    from hyperdraft.kernels.gated_delta_walk import Walk, conv_walk, delta_walk
+
+    rows = torch.tensor([t for r in requests for t in r[4]])
+    lens = [len(r[2]) for r in requests]
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    walk = Walk(len(requests), torch.tensor([sum(lens[:i]) for i in range(len(lens))], **i32),
+                torch.tensor(lens, **i32), torch.tensor([r[0] for r in requests], device=DEVICE),
+                torch.tensor([r[1] for r in requests], **i32), torch.tensor([p for r in requests for p in r[2]], **i32),
+                torch.tensor([t for r in requests for t in r[3]], **i32))
+    mine = [p.clone() for p in pools]
+    qkv = conv_walk(mixed[rows].contiguous(), weight, mine[0], mine[1], walk)
+    return delta_walk(qkv, gates_of(rows.to(DEVICE)), mine[2], mine[3], walk, HK * DK, DTYPE), mine
+
+
+def test_gdn_walk_requests_alone_equal_requests_in_a_packed_batch():
+    """Each request of a packed batch (chain verify, tree verify, fresh prefill, continued chunk, decode) walked
+    alone gives the same bits: its outputs and its slot's states and scratch."""
+    specs = [(4, 0, [-1, 0, 1, 2], [0, 1, 2, 3]), (5, 0, [-1, 0, 0, 1, 2, 2], [0, 1, 2, 3, 4, 5]),
+             (1, 1, [-1] + [-2] * 8, [-1] * 9), (2, 0, [-1, -2, -2], [-1] * 3), (3, 0, [-1], [-1])]
+    requests, start = [], 0
+    for slot, fresh, parents, targets in specs:
+        requests.append((slot, fresh, parents, targets, list(range(start, start + len(parents)))))
+        start += len(parents)
+    mixed, _, weight, _, _, pools, gates_of = _gdn_inputs(start, seed=3)
+    packed_out, packed_pools = _walk_requests(requests, mixed, weight, gates_of, pools)
+    for req in requests:
+        out, alone = _walk_requests([req], mixed, weight, gates_of, pools)
+        assert torch.equal(out, packed_out[req[4]]), f"slot {req[0]}: outputs differ alone"
+        for name, a, b in zip(("conv", "conv_scratch", "recurrent", "recurrent_scratch"), alone, packed_pools):
+            assert torch.equal(a[req[0]], b[req[0]]), f"slot {req[0]}: {name} differs alone"
+
+
+def test_gdn_walk_prefill_equals_chunks_and_decodes():
+    """Twelve tokens into slot 1: one fresh prefill, a 5-token chunk then a 7-token one, and twelve decodes give the
+    same outputs and the same committed state, bit for bit."""
+    mixed, _, weight, _, _, pools, gates_of = _gdn_inputs(12, seed=4)
+    whole, whole_pools = _walk_requests([(1, 1, [-1] + [-2] * 11, [-1] * 12, list(range(12)))], mixed, weight,
+                                        gates_of, pools)
+    first, mid = _walk_requests([(1, 1, [-1] + [-2] * 4, [-1] * 5, list(range(5)))], mixed, weight, gates_of, pools)
+    second, chunked = _walk_requests([(1, 0, [-1] + [-2] * 6, [-1] * 7, list(range(5, 12)))], mixed, weight, gates_of,
+                                     mid)
+    assert torch.equal(torch.cat([first, second]), whole), "chunked prefill differs from one chunk"
+    state, decoded = pools, []
+    for t in range(12):
+        out, state = _walk_requests([(1, int(t == 0), [-1], [-1], [t])], mixed, weight, gates_of, state)
+        decoded.append(out)
+    assert torch.equal(torch.cat(decoded), whole), "decodes differ from the prefill"
+    for a, b, c in zip(whole_pools, chunked, state):
+        assert torch.equal(a[1], b[1]) and torch.equal(a[1], c[1]), "the committed state differs"
