@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.common import require_cuda, tag_of
+from benchmarks.common import command_line, require_cuda, tag_of
 from benchmarks.e2e.engines import SharedWeights, decode_run, make_engine, median_run
 
 INPUT_LEN, OUTPUT_LEN = 256, 64
@@ -97,6 +97,7 @@ def run(out_dir: str, chains: tuple[int, ...] = CHAINS, alphas: tuple[float, ...
     capacity = None  # the K/V and the states share mem_fraction_static of the device
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "command": command_line(),
               "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "bandwidth_GBs": bandwidth() / 1e9}
     path = os.path.join(out_dir, f"hybrid_bench_{tag_of(result['device'])}{tag}.json")
 
@@ -142,7 +143,7 @@ def run(out_dir: str, chains: tuple[int, ...] = CHAINS, alphas: tuple[float, ...
 def render(r: dict) -> str:
     lines = [f"# Hybrid (Qwen3.5 9B shape, dummy bf16 weights) on {r['device']}", "",
              f"Date {r['date']}, commit {r['commit']}, input {r['input_len']}, output {r['output_len']}. Command: "
-             "`python -m benchmarks.e2e.hybrid_bench --out $OUT`. CUDA graphs (decode, verify, MTP draft), Triton "
+             f"`{r.get('command', 'python -m benchmarks.e2e.hybrid_bench --out $OUT')}`. CUDA graphs (decode, verify, MTP draft), Triton "
              "state backend. MTP rows use simulated acceptance (lossy: a speed benchmark).", "",
              f"Measured bandwidth {r['bandwidth_GBs']:.0f} GB/s. A batch-1 step moves "
              f"{r['bytes_per_step']['total'] / 1e9:.2f} GB (weights {r['bytes_per_step']['weights'] / 1e9:.2f}, "
