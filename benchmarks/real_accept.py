@@ -2,7 +2,8 @@
 against NGRAM and an EAGLE-3 head trained by `hyperdraft train-draft`, as chains, trees and adaptive tiers.
 
 For each row: tok/s (and the ratio to plain decoding, measured in the same run), accept length, acceptance per
-draft position, and how many outputs equal plain decoding's (greedy; bitwise in fp32 on CPU).
+draft position, and how many outputs equal plain decoding's (greedy; token for token in fp32 on CPU, and on a GPU
+in bf16 with --deterministic, the default there: --enable-deterministic-inference, docs/numerics.md).
 
   hyperdraft train-draft --out /tmp/smol-eagle3 --prompts sharegpt.jsonl --draft-vocab-size 8192
   python -m benchmarks.real_accept --head /tmp/smol-eagle3 --device cpu --turns 10 --batch 1
@@ -33,8 +34,10 @@ def rows(head: str | None) -> dict[str, dict]:
     return out
 
 
-def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, device: str, dtype: str, spec: dict):
-    llm = LLM(model, device=device, dtype=dtype, max_running_requests=batch, **spec)
+def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, device: str, dtype: str, spec: dict,
+        deterministic: bool = False):
+    llm = LLM(model, device=device, dtype=dtype, max_running_requests=batch, enable_deterministic_inference=deterministic,
+              **spec)
     return timed_generate(llm, prompts, SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True),
                           warm_up=batch)
 
@@ -48,9 +51,13 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=80)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="max running requests (each a row set)")
+    ap.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                    help="batch-invariant kernels, so bf16 speculative outputs equal plain ones bitwise (default: on "
+                         "for CUDA)")
     ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: "
                                   "benchmarks/results/)")
     args = ap.parse_args()
+    deterministic = args.deterministic if args.deterministic is not None else args.device.startswith("cuda")
     model = ensure_default_model()
     chat = LLM(model, device="cpu", dtype="float32")
     prompts = [chat.apply_chat_template([{"role": "user", "content": q}]) for q in mt_bench_first_turns()[:args.turns]]
@@ -58,13 +65,15 @@ def main() -> None:
     tag = device_tag(args.device)
     lines = [f"# Real acceptance: SmolLM2-135M-Instruct, {args.turns} MT-bench first turns ({tag.upper()}, {args.dtype})",
              "", f"- date: {datetime.date.today()}; commit: {git_commit()}; command: `{command_line()}`",
-             f"- greedy, {args.new_tokens} new tokens (ignore_eos); head: `{os.path.basename(str(args.head))}`", ""]
+             f"- greedy, {args.new_tokens} new tokens (ignore_eos); head: `{os.path.basename(str(args.head))}`; "
+             f"deterministic mode: {'on' if deterministic else 'off'}", ""]
     for batch in args.batch:
         lines += [f"## batch {batch}", "", "| row | tok/s | vs plain | accept length | acceptance by position | "
                   "outputs equal to plain |", "|---|---|---|---|---|---|"]
         plain_ids, plain_rate = None, None
         for name, spec in rows(args.head).items():
-            ids, rate, _, state = run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec)
+            ids, rate, _, state = run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec,
+                                      deterministic)
             if plain_ids is None:
                 plain_ids, plain_rate = ids, rate
             same = sum(a == b for a, b in zip(ids, plain_ids))
