@@ -77,7 +77,7 @@ class EngineArgs:
     disable_cuda_graph: bool = _opt(False, "run every forward eagerly (no CUDA graphs)")
     disable_radix_cache: bool = _opt(False, "turn prefix caching off: every prompt is computed from scratch (the radix cache shares whole K/V pages of common prefixes between requests; always off for hybrid models)")
     enable_deterministic_inference: bool = _opt(False, "CUDA: batch-invariant kernels, so a request's tokens never depend on what else runs with it, the verify width, graphs or the prefill split; greedy speculative output is then bit for bit plain decoding's in bf16 (dense attention models; costs some speed, see docs/numerics.md)")
-    cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default 64, capped by max_running_requests)")
+    cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default: up to 256 as free GPU memory allows, capped by max_running_requests)")
     # ---- tensor parallelism (SGLang names) ----
     tp_size: int = _opt(1, "tensor-parallel ranks, one process each, the model split over them (alias: --tensor-parallel-size); CPU (gloo), dense and Qwen3.5 models so far")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")

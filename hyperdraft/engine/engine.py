@@ -27,7 +27,7 @@ from hyperdraft.models.loader import load_model
 from hyperdraft.models.tensor_parallel import rank_config
 from hyperdraft.options import RuntimeOptions, activated
 from hyperdraft.request import Request, first_invalid_token
-from hyperdraft.runner.graph_runner import GraphSettings, default_batch_sizes
+from hyperdraft.runner.graph_runner import GraphSettings, default_batch_sizes, default_graph_max_bs
 from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.speculative.adaptive.controller import make_tier_source
@@ -40,7 +40,6 @@ from hyperdraft.speculative.worker import SpecWorker
 logger = logging.getLogger("hyperdraft")
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
-DEFAULT_GRAPH_MAX_BS = 64
 
 
 def resolve_device(name: str) -> torch.device:
@@ -154,7 +153,7 @@ class Engine:
         self.max_rows, self.page_table = self._page_table(model, draft, tree)
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         check_deterministic(self.model_config, self.device, backend, self.options)
-        graphs = self._graph_settings(backend)
+        graphs = self._graph_settings(backend, next(model.parameters()).dtype)
         self.runner = ModelRunner(model, self.page_table, backend, graphs, self._verify_width())
         self.worker = self._make_worker(proposer_cls, draft, backend, graphs)
         if graphs is not None:
@@ -235,7 +234,7 @@ class Engine:
         tiers = make_tier_source(self.spec.tier, self.spec.adaptive, list(graphs.batch_sizes) if graphs else None)
         return SpecWorker(self.runner, proposer_cls.build(ctx, draft), self.spec, tiers, timer)
 
-    def _graph_settings(self, backend: str) -> GraphSettings | None:
+    def _graph_settings(self, backend: str, dtype: torch.dtype) -> GraphSettings | None:
         """The batch sizes to capture CUDA graphs for, or None when every forward runs eagerly."""
         emulate = self.device.type == "cpu" and self.options.emulate_cuda_graphs
         if self.args.disable_cuda_graph or not (emulate or self.device.type == "cuda"):
@@ -250,7 +249,9 @@ class Engine:
             logger.warning("CUDA graphs of a hybrid (linear-attention) model need the Triton state backend (CUDA, "
                            "fused kernels on); running eagerly")
             return None
-        sizes = default_batch_sizes(min(self.args.cuda_graph_max_bs or DEFAULT_GRAPH_MAX_BS, self.max_rows))
+        max_bs = self.args.cuda_graph_max_bs or default_graph_max_bs(self.device, self.model_config, dtype,
+                                                                     self._verify_width(), emulate)
+        sizes = default_batch_sizes(min(max_bs, self.max_rows))
         return GraphSettings(tuple(sizes), emulate=emulate, segments=self.options.graph_segments)
 
     def _make_scheduler(self) -> Scheduler:

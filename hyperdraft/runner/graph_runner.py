@@ -68,10 +68,39 @@ class GraphShape:
     one_logit: bool = False
 
 
+MAX_GRAPH_BS = 256  # SGLang's default bound on an 80 GB GPU
+EMULATED_GRAPH_MAX_BS = 64
+GRAPH_MEMORY_SHARE = 0.5  # of the memory left after weights and pools, what the largest graph's activations may use
+
+
 def default_batch_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8 up to max_bs (and max_bs itself)."""
-    sizes = [s for s in (1, 2, 4) if s <= max_bs] + list(range(8, max_bs + 1, 8))
+    """1, 2, 4, then every multiple of 8 up to 128 and of 16 beyond, up to max_bs (and max_bs itself)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_bs] + list(range(8, min(max_bs, 128) + 1, 8))
+    sizes += list(range(144, max_bs + 1, 16))
     return sorted(set(sizes + [max_bs]))
+
+
+def graph_max_bs(free_bytes: int, row_bytes: int, rows_per_request: int) -> int:
+    """The largest batch to capture when the user set none: MAX_GRAPH_BS, or fewer when the largest graph's
+    activations (row_bytes per token row, rows_per_request rows a request) would take more than GRAPH_MEMORY_SHARE of
+    the free memory. Batches past it run eagerly."""
+    fits = int(free_bytes * GRAPH_MEMORY_SHARE) // max(1, row_bytes * rows_per_request)
+    return max(1, min(MAX_GRAPH_BS, fits))
+
+
+def default_graph_max_bs(device: torch.device, cfg, dtype: torch.dtype, rows_per_request: int, emulate: bool) -> int:
+    """Without --cuda-graph-max-bs: on a GPU, up to MAX_GRAPH_BS as the memory left after weights and pools allows;
+    the CPU's emulated graphs (tests) keep EMULATED_GRAPH_MAX_BS."""
+    if emulate:
+        return EMULATED_GRAPH_MAX_BS
+    row = activation_row_bytes(cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, dtype.itemsize)
+    return graph_max_bs(torch.cuda.mem_get_info(device)[0], row, rows_per_request)
+
+
+def activation_row_bytes(hidden: int, intermediate: int, vocab: int, dtype_bytes: int) -> int:
+    """A generous bound on the activation bytes one token row holds at once in a forward: a few hidden-size
+    buffers, the MLP's gate/up and activation, and the logits in the model's dtype and in fp32."""
+    return dtype_bytes * (8 * hidden + 3 * intermediate + vocab) + 4 * vocab
 
 
 class _StaticInputs:

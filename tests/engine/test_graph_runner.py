@@ -149,6 +149,7 @@ def test_batches_that_do_not_fit_run_eagerly(models, llm_factory, emulated_graph
         assert graphs.match(decode3, ()) is None  # above the largest captured size
         assert graphs.match(ragged, ()) is None  # a prefill chunk beside a decode
         assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+        assert default_batch_sizes(256)[-6:] == [176, 192, 208, 224, 240, 256] and 128 in default_batch_sizes(256)
     finally:
         for r in rows:
             engine.page_table.release_row(r)
@@ -216,3 +217,16 @@ def test_decode_ahead_changes_nothing(models, llm_factory, emulated_graphs, monk
     assert (retractions > 0) == (max_total_tokens is not None)
     assert run("0")[1] == outs
     assert run("1", graphs=False)[1] == outs
+
+
+def test_graph_bound_follows_free_memory():
+    """Without --cuda-graph-max-bs a GPU captures up to 256 rows, fewer when the largest graph's activations would
+    take more than half the free memory; a verify's rows per request count."""
+    from hyperdraft.runner.graph_runner import MAX_GRAPH_BS, activation_row_bytes, graph_max_bs
+
+    row = activation_row_bytes(576, 1536, 49152, 2)  # SmolLM2 in bf16: about 0.3 MB a row, the logits mostly
+    assert 250_000 < row < 400_000
+    assert graph_max_bs(8 << 30, row, 1) == MAX_GRAPH_BS
+    assert graph_max_bs(8 << 30, row, 8) == MAX_GRAPH_BS
+    assert graph_max_bs(256 << 20, row, 8) == (128 << 20) // (8 * row) < 64
+    assert graph_max_bs(0, row, 1) == 1

@@ -1,0 +1,76 @@
+"""Tokens/s against batch size, 1 to 256, on the default model (SmolLM2-135M-Instruct, bf16, GPU): plain decoding
+with the graph bound derived from free memory (up to 256) against the old fixed bound of 64, and NGRAM under
+adaptive tiers. A batch of B is B MT-bench first turns (repeated past 80) submitted at once, greedy, --new-tokens
+each, on one engine per row (room for 256 requests); tok/s = output tokens / wall time of the generate call, after
+an unmeasured short run of the same batch size.
+
+  python -m benchmarks.e2e.batch_curve --out $OUT       # GPU -> $OUT/batch_curve_<device>.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+
+from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, require_cuda
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.models.default_model import ensure_default_model
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
+ROWS = {  # name -> engine arguments over the common ones
+    "plain, graphs to 64 (the old default)": dict(cuda_graph_max_bs=64),
+    "plain, graphs as memory allows": {},
+    "NGRAM, adaptive": dict(speculative_algorithm="NGRAM", speculative_adaptive=True),
+}
+
+
+def curve(model: str, prompts: list[list[int]], new_tokens: int, engine: dict) -> list[float]:
+    """One engine (room for 256 requests); each batch size B runs once unmeasured, then timed."""
+    llm = LLM(model, max_running_requests=max(BATCHES), **engine)
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    rates = []
+    for batch in BATCHES:
+        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+        llm.generate(input_ids=batch_prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=8),
+                     use_tqdm=False)
+        start = time.perf_counter()
+        outs = llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
+        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+        print(batch, round(rates[-1], 1), flush=True)
+    llm.shutdown()
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.batch_curve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    require_cuda()
+    model = ensure_default_model()
+    chat = LLM(model, device="cpu", dtype="float32", max_total_tokens=256)
+    prompts = [chat.apply_chat_template([{"role": "user", "content": q}]) for q in mt_bench_first_turns()]
+    chat.shutdown()
+    common = dict(device="cuda", dtype="bfloat16", max_total_tokens=256 * (args.new_tokens + 512))
+    tag = device_tag("cuda")
+    lines = [f"# Tokens/s against batch size (SmolLM2-135M-Instruct, bf16, {tag.upper()})", "",
+             f"- date: {datetime.date.today()}; commit: {git_commit()}; command: `{command_line()}`",
+             f"- B MT-bench first turns at once (chat template), greedy, {args.new_tokens} new tokens each; "
+             "tok/s = output tokens / wall time of the generate call", "",
+             "| row | " + " | ".join(f"B={b}" for b in BATCHES) + " |", "|---|" + "---|" * len(BATCHES)]
+    for name, extra in ROWS.items():
+        rates = curve(model, prompts, args.new_tokens, {**common, **extra})
+        lines.append(f"| {name} | " + " | ".join(f"{r:.0f}" for r in rates) + " |")
+        print(lines[-1], flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"batch_curve_{tag}.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
