@@ -1,8 +1,8 @@
 """Tokens/s against batch size, 1 to 256, on the default model (SmolLM2-135M-Instruct, bf16, GPU): plain decoding
 with the graph bound derived from free memory (up to 256) against the old fixed bound of 64, and NGRAM under
 adaptive tiers. A batch of B is B MT-bench first turns (repeated past 80) submitted at once, greedy, --new-tokens
-each, on one engine per row (room for 256 requests); tok/s = output tokens / wall time of the generate call, after
-an unmeasured run of the same batch.
+each, on one engine per row (room for 256 requests); tok/s = output tokens / wall time of the generate call, the median of
+three, after an unmeasured run of the same batch.
 
   python -m benchmarks.e2e.batch_curve --out $OUT       # GPU -> $OUT/batch_curve_<device>.md
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import time
 
 from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, require_cuda
@@ -19,6 +20,7 @@ from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
+REPEATS = 3  # timed runs per batch size; the median is reported (a batch-1 run is a few tenths of a second)
 ROWS = {  # name -> engine arguments over the common ones
     "plain, graphs to 64 (the old default)": dict(cuda_graph_max_bs=64),
     "plain, graphs as memory allows": {},
@@ -36,9 +38,12 @@ def curve(model: str, prompts: list[list[int]], new_tokens: int, engine: dict) -
     for batch in BATCHES:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
-        start = time.perf_counter()
-        outs = llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
-        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+        runs = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            outs = llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
+            runs.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+        rates.append(statistics.median(runs))
         print(batch, round(rates[-1], 1), flush=True)
     llm.shutdown()
     return rates
@@ -48,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.batch_curve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
     args = ap.parse_args()
     require_cuda()
     model = ensure_default_model()
@@ -60,7 +65,7 @@ def main() -> None:
     lines = [f"# Tokens/s against batch size (SmolLM2-135M-Instruct, bf16, {tag.upper()})", "",
              f"- date: {datetime.date.today()}; commit: {git_commit()}; command: `{command_line()}`",
              f"- B MT-bench first turns at once (chat template), greedy, {args.new_tokens} new tokens each; "
-             "tok/s = output tokens / wall time of the generate call", "",
+             "tok/s = output tokens / wall time of the generate call, median of 3 after an unmeasured run", "",
              "| row | " + " | ".join(f"B={b}" for b in BATCHES) + " |", "|---|" + "---|" * len(BATCHES)]
     for name, extra in ROWS.items():
         rates = curve(model, prompts, args.new_tokens, {**common, **extra})
