@@ -32,6 +32,9 @@ from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.sample.sampler import SampledTokens, Sampler
 
+EXTEND_GRAPH_WIDTHS = (16, 32, 64, 128)  # captured prompt tails (one logit each), padded up to the next
+EXTEND_GRAPH_MAX_BS = 4  # prompts in one captured tail batch
+
 
 @dataclass
 class AheadDecode:
@@ -69,7 +72,8 @@ class ModelWorker:
         else:
             self.ahead_discarded += ahead is not None
             mode = ForwardMode.DECODE if decoding else ForwardMode.EXTEND
-            fb = build_forward_batch(mode, [it.forward_input() for it in items], self.runner.page_table,
+            inputs = [it.forward_input() for it in items]
+            fb = build_forward_batch(mode, inputs if decoding else self._padded_to_graph(inputs), self.runner.page_table,
                                      self.runner.device, **self._state_walk(items))
             out = self.runner.forward(fb)
             self._moved_states(reqs, [-1] * len(reqs))
@@ -87,8 +91,27 @@ class ModelWorker:
                 for it in items]
 
     def capture_graphs(self, sizes: list[int]) -> None:
-        """One-token decodes at every captured batch size."""
-        self.runner.graphs.capture({GraphShape(1, 0): sizes}, ForwardMode.DECODE)
+        """One-token decodes at every captured batch size; for a dense model also the last chunks of a few prompts,
+        one logit each, padded to EXTEND_GRAPH_WIDTHS tokens (a chat turn after a cached history: an eager forward
+        of a small model is mostly host time)."""
+        graphs = self.runner.graphs
+        graphs.capture({GraphShape(1, 0): sizes}, ForwardMode.DECODE)
+        if not self.recurrent:  # a hybrid's prefill walks its states in place, which the captured extends do not
+            few = [s for s in sizes if s <= EXTEND_GRAPH_MAX_BS]
+            graphs.capture({GraphShape(q, 0, one_logit=True): few for q in EXTEND_GRAPH_WIDTHS}, ForwardMode.EXTEND)
+
+    def _padded_to_graph(self, inputs: list[ForwardInput]) -> list[ForwardInput]:
+        """Prompt tails that each want one logit, padded to the narrowest captured extend width that holds them, so
+        a graph runs them; otherwise as they are. The padding tokens sit past each prompt, where nothing reads them
+        before a decode overwrites them (or in the padding page, past the row's pages)."""
+        graphs = self.runner.graphs
+        if graphs is None or self.recurrent or any(inp.num_logits != 1 or inp.mask is not None for inp in inputs):
+            return inputs
+        width = graphs.extend_width(len(inputs), max(len(inp.token_ids) for inp in inputs))
+        if width is None:
+            return inputs
+        return [replace(inp, token_ids=inp.token_ids + [0] * (width - len(inp.token_ids)),
+                        padding=width - len(inp.token_ids)) for inp in inputs]
 
     def _decode_ahead(self, reqs: list[Request], sb: SamplingBatch, tokens: torch.Tensor) -> None:
         """Queue the decode of every request's next token (tokens [B], just sampled) when a graph runs it. Called

@@ -230,3 +230,23 @@ def test_graph_bound_follows_free_memory():
     assert graph_max_bs(8 << 30, row, 8) == MAX_GRAPH_BS
     assert graph_max_bs(256 << 20, row, 8) == (128 << 20) // (8 * row) < 64
     assert graph_max_bs(0, row, 1) == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prompt_tails_replay_captured_extends(models, llm_factory, emulated_graphs, page_size):
+    """Prompts that arrive a few at a time, then second turns over their cached first turns: each prompt's last
+    chunk (one logit) runs a captured extend, padded to its width with tokens past the prompt. Greedy outputs equal
+    an engine without graphs or cache, token for token, and the pool ends free (llm_factory checks)."""
+    first = mixed_prompts(5, seed=8, min_len=3, max_len=90)
+    llm = llm_factory(models["target"], page_size=page_size, cuda_graph_max_bs=4)
+    ref = LLM(models["target"], device="cpu", dtype="float32", page_size=page_size, disable_radix_cache=True)
+    outs = [gen(llm, [p], [greedy(9)])[0].token_ids for p in first[:3]] + [
+        o.token_ids for o in gen(llm, first[3:], [greedy(9)] * 2)]
+    assert outs == [o.token_ids for o in gen(ref, first, [greedy(9)] * 5)]
+    second = [p + o + [7, 11, 13][: 1 + i % 3] for i, (p, o) in enumerate(zip(first, outs))]  # turn 2 over turn 1
+    params = [greedy(n) for n in (6, 10, 4, 8, 12)]
+    assert [o.token_ids for o in gen(llm, second, params)] == [o.token_ids for o in gen(ref, second, params)]
+    graphs = llm.engine.runner.graphs
+    tails = {key: n for key, n in graphs.replays.items() if key[0].one_logit}
+    assert sum(tails.values()) >= 3, f"no prompt tail replayed a captured extend: {dict(graphs.replays)}"
+    assert {key[0].tokens_per_req for key in tails} >= {16}, tails
