@@ -20,7 +20,8 @@ from benchmarks.kernels.attention_case import D, DTYPE, HKV, HQ, PAGE, attention
 from benchmarks.kernels.timing import eager_us, graph_call_us
 from hyperdraft.attention.torch_backend import TorchAttentionBackend
 from hyperdraft.attention.triton_backend import TritonAttentionBackend
-from hyperdraft.kernels.attention import Tiles, num_kv_splits, num_row_tiles, paged_attention, tile_config
+from hyperdraft.kernels.attention import paged_attention
+from hyperdraft.kernels.attention_tiles import Tiles, num_kv_splits, num_row_tiles, tile_config
 from hyperdraft.kernels.kv_move import kv_move, kv_move_reference
 from hyperdraft.kernels.kv_store import kv_store, kv_store_reference
 

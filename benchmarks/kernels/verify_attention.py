@@ -18,7 +18,8 @@ import torch
 from benchmarks.common import require_cuda
 from benchmarks.kernels.attention_case import D, HKV, HQ, PAGE, attention_case
 from benchmarks.kernels.timing import graph_call_us
-from hyperdraft.kernels.attention import MIN_KEYS_PER_SPLIT, num_kv_splits, num_row_tiles, paged_attention, tile_config
+from hyperdraft.kernels.attention import paged_attention
+from hyperdraft.kernels.attention_tiles import MIN_KEYS_PER_SPLIT, num_kv_splits, num_row_tiles, tile_config
 
 GRAPH_BOUND = 4096
 GRAPH_REPS = 20  # calls per captured graph, as in attention_kernels.py

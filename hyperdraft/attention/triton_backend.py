@@ -15,9 +15,9 @@ import torch
 from hyperdraft.attention.base import AttentionBackend
 from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft import options
-from hyperdraft.kernels.attention import (Tiles, attention_workspace, invariant_num_splits, invariant_tiles,
-                                          num_kv_splits, num_row_tiles, paged_attention, split_tiles, tail_paths,
-                                          tile_config)
+from hyperdraft.kernels.attention import paged_attention
+from hyperdraft.kernels.attention_tiles import (Tiles, attention_workspace, invariant_num_splits, invariant_tiles,
+                                                num_kv_splits, num_row_tiles, split_tiles, tail_paths, tile_config)
 from hyperdraft.kernels.kv_store import kv_store
 
 

@@ -4,7 +4,8 @@ Nothing here imports triton at module load: CPU machines (CI included) have no t
 must work there. Each kernel module takes it from _triton.py, which leaves it None there; the references need
 only torch.
 
-- attention.py: paged attention (decode, extend over a cached prefix, tree-masked verify), split-K + merge
+- attention.py: paged attention (decode, extend over a cached prefix, tree-masked verify), split-K + merge;
+  attention_tiles.py: its tiles and split counts (static sizes only), deterministic mode's fixed ones
 - kv_store.py: new K/V into the paged pool (one launch for K and V)
 - kv_move.py: the accepted-path compaction copy, every layer, gather-then-scatter
 - norm.py, activation.py, rope.py: RMSNorm (+ residual add), SiLU(gate) * up and the gated attention's

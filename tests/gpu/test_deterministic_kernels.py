@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hyperdraft.kernels.attention import (invariant_num_splits, invariant_tiles, paged_attention,
-                                          paged_attention_reference, tail_paths)
+from hyperdraft.kernels.attention import paged_attention, paged_attention_reference
+from hyperdraft.kernels.attention_tiles import invariant_num_splits, invariant_tiles, tail_paths
 from hyperdraft.kernels.gemv import invariant_linear
 
 DEVICE = "cuda"

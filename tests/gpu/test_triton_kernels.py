@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from hyperdraft.kernels.attention import (attention_workspace, num_kv_splits, num_row_tiles, paged_attention,
-                                          paged_attention_reference, tile_config)
+from hyperdraft.kernels.attention import paged_attention, paged_attention_reference
+from hyperdraft.kernels.attention_tiles import attention_workspace, num_kv_splits, num_row_tiles, tile_config
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

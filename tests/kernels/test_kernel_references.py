@@ -13,7 +13,8 @@ import torch
 
 from hyperdraft.attention.torch_backend import TorchAttentionBackend
 from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
-from hyperdraft.kernels.attention import num_kv_splits, paged_attention_reference, split_tiles, tile_config
+from hyperdraft.kernels.attention import paged_attention_reference
+from hyperdraft.kernels.attention_tiles import num_kv_splits, split_tiles, tile_config
 from hyperdraft.kernels.kv_move import kv_move_reference
 from hyperdraft.kernels.kv_store import kv_store_reference
 from hyperdraft.kvcache.kv_pool import KVPool
