@@ -102,13 +102,16 @@ class ModelWorker:
 
     def _padded_to_graph(self, inputs: list[ForwardInput]) -> list[ForwardInput]:
         """Prompt tails that each want one logit, padded to the narrowest captured extend width that holds them, so
-        a graph runs them; otherwise as they are. The padding tokens sit past each prompt, where nothing reads them
-        before a decode overwrites them (or in the padding page, past the row's pages)."""
+        a graph runs them; otherwise as they are (also when the padding would pass the end of a row's page-table
+        entries, near the context length). The padding tokens sit past each prompt, where nothing reads them before a
+        decode overwrites them (or in the padding page, past the row's pages)."""
         graphs = self.runner.graphs
         if graphs is None or self.recurrent or any(inp.num_logits != 1 or inp.mask is not None for inp in inputs):
             return inputs
         width = graphs.extend_width(len(inputs), max(len(inp.token_ids) for inp in inputs))
-        if width is None:
+        table = self.runner.page_table
+        room = table.max_pages_per_row * table.page_size  # padding past a row's entries would read the next row's
+        if width is None or any(inp.prefix_len + width > room for inp in inputs):
             return inputs
         return [replace(inp, token_ids=inp.token_ids + [0] * (width - len(inp.token_ids)),
                         padding=width - len(inp.token_ids)) for inp in inputs]

@@ -250,3 +250,15 @@ def test_prompt_tails_replay_captured_extends(models, llm_factory, emulated_grap
     tails = {key: n for key, n in graphs.replays.items() if key[0].one_logit}
     assert sum(tails.values()) >= 3, f"no prompt tail replayed a captured extend: {dict(graphs.replays)}"
     assert {key[0].tokens_per_req for key in tails} >= {16}, tails
+
+
+def test_prompt_tails_near_the_context_end_run_eagerly(models, llm_factory, emulated_graphs):
+    """A prompt whose padded tail would pass the end of its row's page-table entries is not padded: it runs eagerly,
+    and its output still equals an engine without graphs."""
+    prompt = mixed_prompts(1, seed=2, min_len=36, max_len=36)
+    llm = llm_factory(models["target"], cuda_graph_max_bs=4, context_length=48)
+    room = llm.engine.page_table.max_pages_per_row * llm.engine.page_table.page_size
+    assert room < 64  # the 36-token prompt would be padded to 64
+    ref = LLM(models["target"], device="cpu", dtype="float32", context_length=48, disable_cuda_graph=True)
+    assert [o.token_ids for o in gen(llm, prompt, [greedy(8)])] == [o.token_ids for o in gen(ref, prompt, [greedy(8)])]
+    assert not any(key[0].one_logit for key in llm.engine.runner.graphs.replays)
