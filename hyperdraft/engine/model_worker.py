@@ -1,13 +1,13 @@
 """ModelWorker: one plain (non-speculative) step: forward the batch, sample one token per sampling request.
 
 Decode-ahead: with CUDA graphs, a step whose batch is all decodes queues the NEXT step's decode (its input tokens are
-this step's sampled tokens, still on the device; positions one further) before waiting for this step's results copy.
+this step's sampled tokens, still on the device; positions one further, penalty counts with those tokens added on
+the device) before waiting for this step's results copy.
 The GPU then decodes while the host commits and schedules. The next step takes the queued tokens when its batch is
 the same requests (nothing finished, joined, was aborted or retracted) and throws them away otherwise: harmless, as
 the queued forward wrote only the K/V of each request's next token (what the real step would write, or into a
 finished request's released slots before their next owner writes them: one stream), and its row's slot for that
-token was reserved when it was queued. Penalised batches (their counts are updated from host outputs) decode when
-scheduled. RuntimeOptions.decode_ahead (HYPERDRAFT_DECODE_AHEAD=0) turns it off.
+token was reserved when it was queued. RuntimeOptions.decode_ahead (HYPERDRAFT_DECODE_AHEAD=0) turns it off.
 
 A hybrid model's recurrent state advances in place, so a thrown-away decode would not be harmless there: a queued
 decode instead writes its requests' new states to the other of two locations (the slot, or scratch entry 0), and
@@ -120,8 +120,7 @@ class ModelWorker:
         """Queue the decode of every request's next token (tokens [B], just sampled) when a graph runs it. Called
         before the scheduler commits this step: req.num_computed is still n, so the next step feeds index n + 1."""
         graphs, page_table = self.runner.graphs, self.runner.page_table
-        if (not self.decode_ahead or graphs is None or not graphs.fits(GraphShape(1, 0), len(reqs))
-                or sb.penalties is not None):
+        if not self.decode_ahead or graphs is None or not graphs.fits(GraphShape(1, 0), len(reqs)):
             return
         if not page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + 2 for r in reqs]):
             return  # the pool is dry: the next schedule decides who keeps running
@@ -131,7 +130,7 @@ class ModelWorker:
         walk = self._walk_tensors(parents, targets) if self.recurrent else {}
         out = self.runner.forward(build_forward_batch(ForwardMode.DECODE, inputs, page_table, self.runner.device,
                                                       input_ids=tokens, **walk))
-        next_sb = replace(sb, positions=sb.positions + 1)
+        next_sb = sb.at_offset(tokens[:, None])  # one position on; penalties count the token just sampled
         self.ahead = AheadDecode(list(reqs), next_sb, self.sampler.sample(out.logits, next_sb), targets)
 
     def _state_walk(self, items) -> dict:

@@ -185,14 +185,15 @@ def test_segment_cuts_and_after_layer_hook(tmp_path):
 def test_decode_ahead_changes_nothing(models, llm_factory, emulated_graphs, monkeypatch, max_total_tokens):
     """Decode-ahead (engine/model_worker.py): an all-decode step queues the next step's decode before it waits for
     its results. Requests finishing early (EOS or a stop token: not known ahead), sampled ones (seeded: positions
-    must advance), prefill chunks joining, an abort between two steps and, with a small pool, retractions all make
-    the next batch differ from the queued one. Tokens equal those of decode-ahead off and of no graphs at all, and
+    must advance), penalised ones (the queued step's counts include the token just sampled), prefill chunks joining,
+    an abort between two steps and, with a small pool, retractions all make the next batch differ from the queued one. Tokens equal those of decode-ahead off and of no graphs at all, and
     the pool ends empty (llm_factory checks)."""
     from hyperdraft import SamplingParams
 
     prompts = mixed_prompts(8, seed=5, max_len=40)
+    penalties = {2: dict(frequency_penalty=0.7), 5: dict(presence_penalty=0.5, repetition_penalty=1.3)}
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_new_tokens=30, ignore_eos=i < 2,
-                             stop_token_ids=[7, 11] if i == 3 else None) for i in range(8)]
+                             stop_token_ids=[7, 11] if i == 3 else None, **penalties.get(i, {})) for i in range(8)]
 
     def run(ahead: str, graphs: bool = True):
         monkeypatch.setenv("HYPERDRAFT_DECODE_AHEAD", ahead)
