@@ -97,6 +97,7 @@ class EngineArgs:
     speculative_adaptive_config: str | None = _opt(None, "JSON file in SGLang's adaptive format (slots keyed by batch size); default: SGLang's")
     speculative_token_map: str | None = _opt(None, "EAGLE, NEXTN, MTP (heads scoring the whole vocabulary): hot token ids, a torch file of a list or 1-D tensor (SGLang's .pt) or a .json list; the head's lm_head keeps only those rows (FR-Spec), so a draft step over a large vocabulary reads far fewer bytes; verification is unchanged, outputs stay lossless")
     speculative_simulate_accept_rate: float | None = _opt(None, "BENCHMARK ONLY, LOSSY: accept each draft token with this probability instead of verifying it (every kernel still runs); env HYPERDRAFT_SIMULATE_ACCEPT_RATE")
+    speculative_simulate_sibling_rate: float | None = _opt(None, "BENCHMARK ONLY, with speculative_simulate_accept_rate, trees: the probability that a node's next-ranked child matches when the children ranked before it did not (rank 0 matches with the accept rate); unset: only the first child can match, so a tree accepts like a chain")
     load_format: str = _opt("auto", "auto: read the checkpoint's weights; dummy: random weights of the checkpoint's shapes (benchmarks)", choices=LOAD_FORMATS)
     speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix that may match")
     speculative_ngram_max_match_window_size: int = _opt(12, "NGRAM: longest suffix tried first")
@@ -132,6 +133,11 @@ class EngineArgs:
             bad("speculative_simulate_accept_rate", "a probability in [0, 1]")
         if self.speculative_simulate_accept_rate is not None and self.speculative_algorithm is None:
             raise ValueError("speculative_simulate_accept_rate needs speculative_algorithm (it replaces verification)")
+        if self.speculative_simulate_sibling_rate is not None and not 0 <= self.speculative_simulate_sibling_rate <= 1:
+            bad("speculative_simulate_sibling_rate", "a probability in [0, 1]")
+        if self.speculative_simulate_sibling_rate is not None and self.speculative_simulate_accept_rate is None:
+            raise ValueError("speculative_simulate_sibling_rate needs speculative_simulate_accept_rate (it shapes the "
+                             "simulated acceptance of tree siblings)")
         if self.load_format not in LOAD_FORMATS:
             bad("load_format", f"one of {LOAD_FORMATS}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:

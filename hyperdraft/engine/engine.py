@@ -396,6 +396,7 @@ class Engine:
                 spec["speculative_adaptive_slots"] = self.worker.tiers.state()
             if self.spec.simulate_accept_rate is not None:
                 spec["speculative_simulate_accept_rate"] = self.spec.simulate_accept_rate  # outputs are NOT lossless
+                spec["speculative_simulate_sibling_rate"] = self.spec.simulate_sibling_rate
             if self.worker.timer.enabled:
                 spec["spec_phase_seconds"] = dict(self.worker.timer.seconds)
         return {**spec, **self.pool_state(), "numerics": self.numerics}

@@ -32,6 +32,7 @@ class SpecConfig:
     ngram_max_window: int
     adaptive: AdaptiveConfig | None = None  # set when speculative_adaptive: the tier ladder per batch-size slot
     simulate_accept_rate: float | None = None  # benchmark-only LOSSY accept decision (verify/simulated.py)
+    simulate_sibling_rate: float | None = None  # with it, trees: a lower-ranked child's chance (verify/simulated.py)
     token_map: str | None = None  # hot token ids for a full-vocabulary head's draft lm_head (models/hot_vocab.py)
 
     @property
@@ -113,7 +114,9 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
                       args.speculative_use_rejection_sampling if SPECULATIVE_ALGORITHMS[algo].draft_model else False,
                       _sampling_mode(args),
                       args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
-                      adaptive, alpha, args.speculative_token_map)
+                      adaptive, simulate_accept_rate=alpha,
+                      simulate_sibling_rate=args.speculative_simulate_sibling_rate if alpha is not None else None,
+                      token_map=args.speculative_token_map)
 
 
 def _sampling_mode(args: EngineArgs) -> str:

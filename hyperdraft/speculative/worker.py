@@ -48,7 +48,8 @@ class SpecWorker:
                  timer: PhaseTimer):
         self.runner, self.proposer, self.spec, self.tiers, self.timer = target, proposer, spec, tiers, timer
         self.capabilities = proposer.capabilities
-        self.round_context = RoundContext(target, proposer, spec.simulate_accept_rate, spec.sampling == "coupled")
+        self.round_context = RoundContext(target, proposer, spec.simulate_accept_rate, spec.sampling == "coupled",
+                                          spec.simulate_sibling_rate)
         self.decode_reserve = spec.max_verify_tokens  # the scheduler reserves the widest round, never less
         self.metrics = SpecMetrics(spec.max_steps)
         self.last_tier = tiers.tier_for(1)

@@ -10,6 +10,7 @@ import torch
 
 from hyperdraft import SamplingParams
 from hyperdraft.sample.logits_ops import SamplingBatch, probs_from_logits
+from hyperdraft.sample.rng import DOMAIN_ACCEPT, uniform
 from hyperdraft.speculative.verify.rejection import verify_chain, verify_greedy_chain
 from hyperdraft.speculative.verify.simulated import simulate_chain, simulate_tree
 from hyperdraft.speculative.verify.tree_buffers import build_tree
@@ -72,3 +73,25 @@ def test_all_greedy_probs_equal_general_path():
     assert sb.all_greedy
     general = probs_from_logits(logits, SamplingBatch(**{**sb.__dict__, "all_greedy": False}))
     assert torch.equal(probs_from_logits(logits, sb), general)
+
+
+def test_simulated_tree_siblings_follow_their_rank_rates():
+    """A root with 4 children: the walk's first step lands on the child of rank r with probability
+    (1 - alpha)(1 - s)^(r - 1) s for r >= 1 and alpha for r = 0; none with (1 - alpha)(1 - s)^3. Without a sibling rate only
+    rank 0 is ever taken (the chain-like model, bit for bit the old walk). 20000 rows, each count within 5.5 binomial
+    standard deviations: a false failure has probability below 1e-6 (5 counts, each 3.8e-8 two-sided)."""
+    rows, alpha, s = 20000, 0.6, 0.3
+    parents = torch.tensor([[-1, 0, 0, 0, 0]]).repeat(rows, 1)
+    tree = build_tree(torch.zeros(rows, 5, dtype=torch.int64), parents, validate=True)
+    argmax = torch.zeros(rows, 5, dtype=torch.int64)
+    seeds, positions = torch.arange(rows) * 7919 + 11, torch.full((rows,), 40)
+    _, path, _ = simulate_tree(None, tree, alpha, seeds, positions, max_depth=1, greedy_target=argmax,
+                               sibling_rate=s, max_children=4)
+    want = [alpha] + [(1 - alpha) * (1 - s) ** (r - 1) * s for r in range(1, 4)] + [(1 - alpha) * (1 - s) ** 3]
+    got = [(path[:, 1] == node).sum().item() for node in (1, 2, 3, 4, -1)]
+    for count, prob in zip(got, want):
+        assert abs(count - rows * prob) <= 5.5 * (rows * prob * (1 - prob)) ** 0.5, (got, [rows * w for w in want])
+    plain = simulate_tree(None, tree, alpha, seeds, positions, max_depth=1, greedy_target=argmax, max_children=4)
+    assert set(plain[1][:, 1].tolist()) == {1, -1}
+    old_rule = torch.where(uniform(seeds, positions, DOMAIN_ACCEPT)[:, 0] < alpha, 1, -1)
+    assert torch.equal(plain[1][:, 1], old_rule)

@@ -61,6 +61,17 @@ def test_alpha_one_tree_follows_first_children(spec_models, llm_factory):
         assert accepted >= verify and accepted > 1.5 * verify, (verify, accepted)
 
 
+def test_sibling_rate_lets_trees_accept_more(spec_models, llm_factory):
+    """speculative_simulate_sibling_rate = 1: at every node the second child matches whenever the first does not, so
+    each round of a 2-wide tree accepts at least one draft even at alpha 0; the engine reports the rate."""
+    llm = llm_factory(spec_models["target"], **_args(spec_models, TREE, 0.0), speculative_simulate_sibling_rate=1.0)
+    outs = gen(llm, mixed_prompts(3, seed=8, min_len=5), greedy(24))
+    for out in outs:
+        verify, accepted = out.meta_info["spec_verify_ct"], out.meta_info["spec_accepted_tokens"]
+        assert accepted >= verify, (verify, accepted)
+    assert spec_state(llm)["speculative_simulate_sibling_rate"] == 1.0
+
+
 def test_first_draft_acceptance_is_binomial():
     # n rows, 4 one-hot drafts each; draft 0 passes with probability alpha. Under H0 the count is Binomial(n, alpha);
     # |z| > 5.0 happens with probability < 6e-7 (normal tail; n*alpha*(1-alpha) = 4800 makes the approximation tight).
@@ -81,6 +92,10 @@ def test_bad_simulate_values(spec_models, monkeypatch):
         LLM(spec_models["target"], device="cpu", **_args(spec_models, CHAIN, 1.5))
     with pytest.raises(ValueError, match="speculative_simulate_accept_rate needs speculative_algorithm"):
         LLM(spec_models["target"], device="cpu", speculative_simulate_accept_rate=0.5)
+    with pytest.raises(ValueError, match="speculative_simulate_sibling_rate must be a probability"):
+        LLM(spec_models["target"], device="cpu", **_args(spec_models, TREE, 0.5), speculative_simulate_sibling_rate=2.0)
+    with pytest.raises(ValueError, match="speculative_simulate_sibling_rate needs speculative_simulate_accept_rate"):
+        LLM(spec_models["target"], device="cpu", speculative_algorithm="NGRAM", speculative_simulate_sibling_rate=0.2)
     monkeypatch.setenv("HYPERDRAFT_SIMULATE_ACCEPT_RATE", "often")
     with pytest.raises(ValueError, match="HYPERDRAFT_SIMULATE_ACCEPT_RATE"):
         LLM(spec_models["target"], device="cpu", speculative_algorithm="NGRAM")

@@ -23,6 +23,7 @@ class RoundContext:
     proposer: Proposer
     simulate_accept_rate: float | None  # benchmark-only, lossy (simulated.py); None = verify
     coupled: bool  # sampled rows verified against the target's keyed sample (coupled.py), else by rejection
+    simulate_sibling_rate: float | None = None  # simulated trees: a lower-ranked child's chance (simulated.py)
 
 
 class RoundOutcome(NamedTuple):

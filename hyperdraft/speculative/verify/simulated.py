@@ -7,8 +7,11 @@ every draft and verify kernel still runs exactly as usual; only the decision cha
   chain  draft j is accepted iff coin_j < alpha and drafts 0 .. j-1 were accepted (so E[accepted] follows the
          geometric law of a per-token acceptance alpha), then one token is drawn from the target's p at the first
          unaccepted row, exactly like a bonus token
-  tree   the walk follows the FIRST child of each node with probability alpha per level (a tree then costs what
-         a tree costs, but accepts like a chain at alpha)
+  tree   one coin u per level; the walk moves to the node's child of rank r (children in the order verification
+         tries them) for the smallest r with u < 1 - (1 - alpha) * (1 - s)^r, and stops when no child has: rank 0
+         matches with probability alpha, and each later sibling with probability s when those before it did not
+         (the sibling rate s, speculative_simulate_sibling_rate). s unset (0): only the first child can match, and
+         a tree accepts like a chain at alpha, whatever its width
 
 Accepted drafts are NOT checked against the target, so outputs differ from the target model's. The engine
 therefore refuses this mode unless asked for explicitly, and marks every output produced under it.
@@ -60,6 +63,8 @@ def simulate_tree(
     seq_lens: torch.Tensor,  # [B] int64
     max_depth: int,
     greedy_target: torch.Tensor | None = None,  # [B, N] argmax of every node's row, when every p is one-hot
+    sibling_rate: float | None = None,
+    max_children: int = 1,  # siblings tried per node (the tier's topk)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as verify_tree: -> (num_accepted [B], path [B, D+1], tokens [B, D+1])."""
     bsz, device = tree.tokens.shape[0], tree.tokens.device
@@ -70,10 +75,11 @@ def simulate_tree(
     path = torch.full((bsz, max_depth + 1), -1, dtype=torch.int64, device=device)
     path[:, 0] = 0
     out = torch.full_like(path, -1)
+    miss = (1.0 - alpha) * (1.0 - (sibling_rate or 0.0)) ** torch.arange(max_children, device=device)
     for d in range(max_depth):
-        child = tree.first_child[rows, cur]
         coin = uniform(seeds, seq_lens + d, DOMAIN_ACCEPT)[:, 0]
-        going &= (child >= 0) & (coin < alpha)
+        child, found = _matching_child(tree, rows, cur, coin, miss)
+        going &= found
         child = child.clamp_min(0)
         num_accepted += going.long()
         path[:, d + 1] = torch.where(going, child, -1)
@@ -84,3 +90,16 @@ def simulate_tree(
     else:
         out[rows, num_accepted] = sample_from_probs(p[rows, cur].float(), seeds, seq_lens + num_accepted, DOMAIN_SAMPLE)
     return num_accepted, path, out
+
+
+def _matching_child(tree: DraftTree, rows: torch.Tensor, cur: torch.Tensor, coin: torch.Tensor,
+                    miss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The child of each row's current node whose rank r is the smallest with coin < 1 - miss[r] (miss[r]: the
+    chance that ranks 0..r all miss) -> (child [B], found [B] bool)."""
+    child = tree.first_child[rows, cur]
+    picked = torch.full_like(child, -1)
+    for r in range(miss.shape[0]):
+        hit = (picked < 0) & (child >= 0) & (coin < 1.0 - miss[r])
+        picked = torch.where(hit, child, picked)
+        child = torch.where(child >= 0, tree.next_sibling[rows, child.clamp_min(0)], child)
+    return picked, picked >= 0

@@ -81,7 +81,9 @@ class TreeRound:
         alpha = self.ctx.simulate_accept_rate
         if alpha is not None:  # benchmark-only, lossy (see verify/simulated.py)
             num_accepted, path, tokens = simulate_tree(p, self.tree, alpha, sb.seeds, sb.positions,
-                                                       max_depth=tier.steps, greedy_target=target)
+                                                       max_depth=tier.steps, greedy_target=target,
+                                                       sibling_rate=self.ctx.simulate_sibling_rate,
+                                                       max_children=tier.topk)
         elif greedy:
             num_accepted, path, tokens = verify_greedy_tree(target, self.tree, max_depth=tier.steps)
         elif self.ctx.coupled:  # the keyed sample of each node plays the argmax's part (coupled.py)
