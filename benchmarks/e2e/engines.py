@@ -63,12 +63,15 @@ def write_configs(root: str, target_cfg: dict, draft_vocab: int) -> tuple[str, s
     return target, head
 
 
-def eagle3_spec(head: str, steps: int, topk: int, num_draft_tokens: int, alpha: float = 0.8) -> dict:
+def eagle3_spec(head: str, steps: int, topk: int, num_draft_tokens: int, alpha: float = 0.8,
+                sibling_rate: float | None = None) -> dict:
     """EngineArgs of EAGLE-3 speculation with the head at `head`, at simulated acceptance alpha (random weights
-    accept nothing; every draft and verify kernel still runs, only the accept decision is replaced: LOSSY)."""
+    accept nothing; every draft and verify kernel still runs, only the accept decision is replaced: LOSSY). Trees:
+    sibling_rate lets lower-ranked children match too (verify/simulated.py); None, only first children can."""
     return dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=steps,
                 speculative_eagle_topk=topk, speculative_num_draft_tokens=num_draft_tokens,
-                speculative_simulate_accept_rate=alpha)
+                speculative_simulate_accept_rate=alpha,
+                speculative_simulate_sibling_rate=sibling_rate if topk > 1 else None)
 
 
 class SharedWeights:

@@ -231,6 +231,9 @@ def main() -> None:
     ap.add_argument("--settings", default=",".join(SETTINGS), help="speculative settings to run (comma-separated)")
     ap.add_argument("--spec-batches", default="1,8,32")
     ap.add_argument("--only-deterministic", action="store_true", help="only section 6 (deterministic against default)")
+    ap.add_argument("--tree-sibling-rate", type=float, default=None,
+                    help="simulated trees: a lower-ranked child's chance to match (speculative_simulate_sibling_rate); "
+                         "default: only first children match, so trees accept like chains")
     ap.add_argument("--skip-ab", action="store_true",
                     help="skip the plain A/B rows " + ", ".join(k for k, _ in PLAIN_AB)
                     + " (plain_no_decode_ahead still runs)")
@@ -246,7 +249,8 @@ def main() -> None:
     target, head = write_configs(root, target_cfg, draft_vocab=64 if a.tiny else 32000)
     shared = SharedWeights()
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (tiny smoke test)",
-              "torch": torch.__version__, "input_len": a.input_len, "output_len": a.output_len, "engines": {}}
+              "torch": torch.__version__, "input_len": a.input_len, "output_len": a.output_len, "engines": {},
+              "tree_sibling_rate": a.tree_sibling_rate}
     stem = f"{a.name}_{tag_of(result['device'])}"
     if a.only_transformers:
         result["transformers"] = transformers_baseline(target_cfg, device, (1, 16), a.input_len, a.output_len)
@@ -298,7 +302,7 @@ def main() -> None:
     spec_batches = [int(b) for b in a.spec_batches.split(",")]
     for name in a.settings.split(","):
         steps, topk, n = SETTINGS[name]
-        spec = eagle3_spec(head, steps, topk, n, alpha=0.8)
+        spec = eagle3_spec(head, steps, topk, n, alpha=0.8, sibling_rate=a.tree_sibling_rate)
         engine, info = make_engine(target, device, 32, spec, capacity)
         result["engines"][name] = info
         # Requests take their seeds from the engine in arrival order: this warm-up, then every alpha and batch size
