@@ -70,7 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = self.pool.k.shape[2]
         group = num_heads // num_kv_heads
-        if meta.invariant:  # batch-invariant: fixed tiles, one split (kernels/attention.py)
+        if meta.invariant:  # batch-invariant: fixed tiles, splits at fixed key positions (kernels/attention.py)
             meta.num_splits = invariant_num_splits(meta.max_extend_len, meta.max_seq_len)
             meta.tiles = invariant_tiles(group, head_dim, q.dtype)
             meta.workspace = attention_workspace(num_tokens, num_heads, head_dim, meta.num_splits, q.device)

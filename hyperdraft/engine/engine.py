@@ -143,7 +143,8 @@ class Engine:
         args = self.args
         model = load_model(args.model_path, args.dtype, self.device, args.load_format, self.lockstep.tp)
         self.model_config = model.config
-        self.numerics = numerics_mode(self.device, next(model.parameters()).dtype, self.options)  # docs/numerics.md
+        dtype = next(model.parameters()).dtype
+        self.numerics = numerics_mode(self.device, dtype, self.options)  # docs/numerics.md
         self.tokenizer = load_tokenizer(args)
         self.context_len = args.context_length or self.model_config.max_position_embeddings
         self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
@@ -153,7 +154,7 @@ class Engine:
         self.max_rows, self.page_table = self._page_table(model, draft, tree)
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         check_deterministic(self.model_config, self.device, backend, self.options)
-        graphs = self._graph_settings(backend, next(model.parameters()).dtype)
+        graphs = self._graph_settings(backend, dtype)
         self.runner = ModelRunner(model, self.page_table, backend, graphs, self._verify_width())
         self.worker = self._make_worker(proposer_cls, draft, backend, graphs)
         if graphs is not None:

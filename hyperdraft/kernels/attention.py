@@ -18,10 +18,13 @@ them). So one kernel serves all modes; what differs is only the tiling:
 Rows with no visible key (graph-padding entries with seq_len 0) get zeros, never NaN. Every row of every
 request is written, so an output poisoned with NaN comes back clean.
 
-Batch invariance (deterministic mode, `invariant_tiles`): a row's output is the same bits whatever else is launched
-with it when the tiles do not depend on the batch (one row-tile height and key block per model), there is one key
-split, and every row walks its keys in blocks fixed in absolute key positions from key 0. Keys a row cannot see add
-exact zeros, so sharing a tile with later queries changes nothing. A tree's tail breaks the last condition: a node's
+Batch invariance (deterministic mode, attention_tiles.invariant_tiles): a row's output is the same bits whatever else
+is launched with it when the tiles do not depend on the batch (one row-tile height and key block per model), the keys
+are cut into splits at fixed positions (every INVARIANT_SPLIT_KEYS from key 0) merged in split order, and every row
+walks a split's keys in blocks fixed in absolute key positions. Keys a row cannot see, and splits past its keys, add
+exact zeros, so sharing a tile with later queries or a graph's longer bound changes nothing. A decode or verify runs
+the splits as parallel programs (then _attn_merge IN_ORDER); a prefill walks them in one program (INLINE) with the
+same merge arithmetic (_merge_weights). A tree's tail breaks the last condition: a node's
 ancestors sit at scattered tail offsets, interleaved with masked siblings, so a block would hold its keys at other
 lanes than the same tokens' keys in a chain. With `path` ([B, Q, W]: each query's visible tail offsets, ascending) a
 program serves one query and reads the key at sequence index prefix + j from tail offset path[j]: the keys land

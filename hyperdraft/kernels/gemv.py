@@ -170,12 +170,9 @@ def _num_sms(device: torch.device) -> int:
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether gemv serves this product: CUDA, <= MAX_ROWS rows, row-major weight, no autograd."""
-    width = weight.shape[-1]
     # RuntimeOptions.gemv off keeps cuBLAS for every product (A/B measurements); so does fused_kernels off.
-    return (kernels.use_fused_kernels(x) and options.current().gemv and 0 < x.numel() <= MAX_ROWS * width
-            and x.shape[-1] == width and weight.dim() == 2 and weight.is_contiguous() and x.stride(-1) == 1
-            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))
+    return (invariant_fits(x, weight) and options.current().gemv and 0 < x.numel() <= MAX_ROWS * weight.shape[-1]
+            and x.stride(-1) == 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -219,7 +216,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def invariant_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether invariant_linear serves this product: gemv_fits without its row bound."""
+    """Whether invariant_linear serves this product (and, with a row bound, gemv): CUDA with the fused kernels, a
+    row-major weight of x's width and dtype, no autograd."""
     width = weight.shape[-1]
     return (kernels.use_fused_kernels(x) and x.shape[-1] == width and weight.dim() == 2 and weight.is_contiguous()
             and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -261,8 +259,8 @@ def _launch_vec(x: torch.Tensor, up: torch.Tensor | None, weight: torch.Tensor, 
 def silu_mul_gemv_fits(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether silu_mul_gemv serves down(SiLU(gate) * up): one row (a batch-1 decode), as gemv_fits otherwise; never
     in deterministic mode (one row would then be summed unlike the same row among others)."""
-    return (not options.current().deterministic and gate.dim() == 2 and gate.shape[0] == 1 and up.shape == gate.shape and up.dtype == gate.dtype
-            and up.stride(-1) == 1 and gemv_fits(gate, weight))
+    return (not options.current().deterministic and gate.dim() == 2 and gate.shape[0] == 1 and up.shape == gate.shape
+            and up.dtype == gate.dtype and up.stride(-1) == 1 and gemv_fits(gate, weight))
 
 
 def silu_mul_gemv(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

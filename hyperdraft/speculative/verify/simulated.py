@@ -75,7 +75,8 @@ def simulate_tree(
     path = torch.full((bsz, max_depth + 1), -1, dtype=torch.int64, device=device)
     path[:, 0] = 0
     out = torch.full_like(path, -1)
-    miss = (1.0 - alpha) * (1.0 - (sibling_rate or 0.0)) ** torch.arange(max_children, device=device)
+    ranks = max_children if sibling_rate else 1  # without a sibling rate only first children can match
+    miss = [(1.0 - alpha) * (1.0 - (sibling_rate or 0.0)) ** r for r in range(ranks)]
     for d in range(max_depth):
         coin = uniform(seeds, seq_lens + d, DOMAIN_ACCEPT)[:, 0]
         child, found = _matching_child(tree, rows, cur, coin, miss)
@@ -93,13 +94,13 @@ def simulate_tree(
 
 
 def _matching_child(tree: DraftTree, rows: torch.Tensor, cur: torch.Tensor, coin: torch.Tensor,
-                    miss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    miss: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """The child of each row's current node whose rank r is the smallest with coin < 1 - miss[r] (miss[r]: the
     chance that ranks 0..r all miss) -> (child [B], found [B] bool)."""
     child = tree.first_child[rows, cur]
     picked = torch.full_like(child, -1)
-    for r in range(miss.shape[0]):
-        hit = (picked < 0) & (child >= 0) & (coin < 1.0 - miss[r])
+    for r, missed in enumerate(miss):
+        hit = (picked < 0) & (child >= 0) & (coin < 1.0 - missed)
         picked = torch.where(hit, child, picked)
         child = torch.where(child >= 0, tree.next_sibling[rows, child.clamp_min(0)], child)
     return picked, picked >= 0
