@@ -7,6 +7,10 @@ A model split over `size` ranks (Megatron's layout, as SGLang and vLLM split it)
   vocab-parallel    the embedding and the lm_head keep 1/size of the vocabulary rows; a token's embedding row lives
                     on one rank (the others contribute zeros to a sum), the logits are gathered along the vocabulary
 With size 1 every collective is the identity, so one code path serves split and whole models.
+
+Two groups over the same ranks: `group` carries the model's tensors (NCCL on CUDA, gloo on the CPU), `control` the
+host-side agreements (gloo: rank 0's step commands, the pool sizes every rank must share, rank 0's step time), so a
+control message never waits behind, or occupies, the GPU's collectives.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch.distributed as dist
 class TensorParallel:
     rank: int = 0
     size: int = 1
-    group: Any = None  # the torch.distributed process group (None: the default group, or no group at size 1)
+    group: Any = None  # the model's tensor collectives (None: the default group, or no group at size 1)
+    control: Any = None  # host values and objects (None: the default group, which is gloo on the CPU)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
@@ -56,6 +61,24 @@ class TensorParallel:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's value. Sizes measured from each GPU's free memory (the K/V budget, the largest
+        captured batch) must agree, or the ranks' schedulers would diverge."""
+        if self.size == 1:
+            return value
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.control)
+        return int(box.item())
+
+    def first_rank_value(self, value: float) -> float:
+        """Rank 0's value on every rank: a measurement (a step's wall time) that steers a decision every rank must
+        make alike."""
+        if self.size == 1:
+            return value
+        box = torch.tensor([value], dtype=torch.float64)
+        dist.broadcast(box, src=0, group=self.control)
+        return float(box.item())
 
 
 SINGLE = TensorParallel()  # an unsplit model

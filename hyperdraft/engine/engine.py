@@ -12,7 +12,7 @@ import torch
 from hyperdraft.config import EngineArgs
 from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
-from hyperdraft.engine.lockstep import Command, Lockstep, init_group
+from hyperdraft.engine.lockstep import Command, Lockstep, init_group, rank_device
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.numerics import check_deterministic, numerics_mode
 from hyperdraft.engine.scheduler import Scheduler
@@ -125,7 +125,7 @@ class Engine:
         self.args = args
         self.options = options if options is not None else RuntimeOptions.from_args(args)
         with activated(self.options):
-            self.device = resolve_device(args.device)
+            self.device = rank_device(resolve_device(args.device), 0 if tp is None else tp.rank)
             self.lockstep = self._lockstep(tp)
             try:
                 tree = self._build()
@@ -164,11 +164,8 @@ class Engine:
     def _lockstep(self, tp: TensorParallel | None) -> Lockstep:
         if tp is not None or self.args.tp_size == 1:
             return Lockstep(tp or SINGLE)
-        if self.device.type != "cpu":
-            raise ValueError(f"tp_size={self.args.tp_size} runs on the CPU (gloo) so far; device {self.device} is not "
-                             "supported yet with tensor parallelism")
         rank_config(load_model_config(self.args.model_path), TensorParallel(0, self.args.tp_size))  # before any process
-        return Lockstep.lead(self.args, follow, self.options)
+        return Lockstep.lead(self.args, follow, self.options, self.device)
 
     def _prefix_cache(self, tree: RadixTree | None) -> PrefixCache | None:
         """On unless turned off (--disable-radix-cache) or a model keeps recurrent state, which K/V pages cannot
@@ -189,7 +186,7 @@ class Engine:
         args = self.args
         models = [m for m in (model, draft) if m is not None]
         bytes_per_slot = sum(_kv_bytes_per_slot(m) for m in models)
-        budget = memory_budget_bytes(args, bytes_per_slot, self.device)
+        budget = self.lockstep.tp.agree_min(memory_budget_bytes(args, bytes_per_slot, self.device))
         state_per_row = sum(_state_bytes_per_row(m, self._verify_width()) for m in models)
         rows = self._fitting_rows(budget, state_per_row)
         capacity = kv_capacity_tokens(args, bytes_per_slot, budget, (rows + 1) * state_per_row, rows, self.device)
@@ -233,7 +230,7 @@ class Engine:
         timer = PhaseTimer(self.device, self.options.record_step_time)
         ctx = ProposerContext(self.spec, self.runner, backend, graphs, self.options, timer, self.max_rows)
         tiers = make_tier_source(self.spec.tier, self.spec.adaptive, list(graphs.batch_sizes) if graphs else None)
-        return SpecWorker(self.runner, proposer_cls.build(ctx, draft), self.spec, tiers, timer)
+        return SpecWorker(self.runner, proposer_cls.build(ctx, draft), self.spec, tiers, timer, self.lockstep.tp)
 
     def _graph_settings(self, backend: str, dtype: torch.dtype) -> GraphSettings | None:
         """The batch sizes to capture CUDA graphs for, or None when every forward runs eagerly."""
@@ -250,8 +247,8 @@ class Engine:
             logger.warning("CUDA graphs of a hybrid (linear-attention) model need the Triton state backend (CUDA, "
                            "fused kernels on); running eagerly")
             return None
-        max_bs = self.args.cuda_graph_max_bs or default_graph_max_bs(self.device, self.model_config, dtype,
-                                                                     self._verify_width(), emulate)
+        max_bs = self.args.cuda_graph_max_bs or self.lockstep.tp.agree_min(default_graph_max_bs(
+            self.device, self.model_config, dtype, self._verify_width(), emulate))
         sizes = default_batch_sizes(min(max_bs, self.max_rows))
         return GraphSettings(tuple(sizes), emulate=emulate, segments=self.options.graph_segments)
 
@@ -361,10 +358,12 @@ class Engine:
             self.step()
 
     def pool_state(self) -> dict:
-        """The pools and queues: internal_state's part that every rank of a tensor-parallel group has of its own."""
+        """The pools, queues and adaptive tiers: internal_state's part that every rank of a tensor-parallel group has
+        of its own (and must agree on)."""
+        tiers = {"speculative_adaptive_slots": self.worker.tiers.state()} if self.spec and self.spec.adaptive else {}
         return {"kv_capacity_tokens": self.kv_capacity_slots, "kv_free_tokens": self.kv_free_slots,
                 "num_running_reqs": len(self.scheduler.running), "num_waiting_reqs": len(self.scheduler.waiting),
-                **self.cache_state()}
+                **self.cache_state(), **tiers}
 
     def rank_states(self) -> list[dict]:
         """pool_state() of every rank of the tensor-parallel group (this engine's alone without one)."""
@@ -394,7 +393,6 @@ class Engine:
                     **self.worker.metrics.summary()}
             if self.spec.adaptive is not None:
                 spec["speculative_adaptive_strategy"] = self.spec.adaptive.strategy
-                spec["speculative_adaptive_slots"] = self.worker.tiers.state()
             if self.spec.simulate_accept_rate is not None:
                 spec["speculative_simulate_accept_rate"] = self.spec.simulate_accept_rate  # outputs are NOT lossless
                 spec["speculative_simulate_sibling_rate"] = self.spec.simulate_sibling_rate
@@ -406,7 +404,7 @@ class Engine:
 def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -> None:
     """A follower rank's process (engine/lockstep.py): its engine replays rank 0's calls until told to stop."""
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tp_size))
-    tp = init_group(args, rank, address)
+    tp = init_group(args, rank, address, rank_device(resolve_device(args.device), rank))
     engine = Engine(args, options, tp)
     engine.replay_until_stopped()
     engine.close()

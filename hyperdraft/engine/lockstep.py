@@ -6,6 +6,9 @@ the step itself. Each follower replays it on an engine built from the same argum
 retracts and commits exactly as rank 0's does (SGLang's tensor-parallel schedulers work the same way), sampling
 draws the same numbers from the same seeds, and the forward's collectives meet. Rank 0 alone returns outputs.
 
+On CUDA rank r runs on the r-th GPU from the engine's device (cuda:N + r); the model's collectives go over NCCL
+and these commands over a gloo group beside it (TensorParallel.control).
+
 A rank that dies stops the engine with an error instead of a hang: rank 0 checks its followers before every
 broadcast, and every collective gives up after dist_timeout seconds.
 """
@@ -17,6 +20,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -32,10 +36,33 @@ class Command:
     payload: Any = None
 
 
-def init_group(args: EngineArgs, rank: int, address: str) -> TensorParallel:
-    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
-                            timeout=datetime.timedelta(seconds=args.dist_timeout))
-    return TensorParallel(rank, args.tp_size)
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of `rank` when rank 0 runs on `device`: the next GPUs in order; the CPU for every rank."""
+    if rank == 0 or device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def check_devices(args: EngineArgs, device: torch.device) -> None:
+    """Rank 0, before any process starts: one GPU per rank."""
+    if device.type == "cuda" and (device.index or 0) + args.tp_size > torch.cuda.device_count():
+        raise ValueError(f"tp_size={args.tp_size} needs one GPU per rank from {device}: this machine has "
+                         f"{torch.cuda.device_count()} (lower tp_size or pick another device)")
+
+
+def init_group(args: EngineArgs, rank: int, address: str, device: torch.device) -> TensorParallel:
+    """Join the group: NCCL for the model's tensors on CUDA (bound to this rank's GPU), gloo on the CPU; on CUDA a
+    gloo group beside it for the control messages."""
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    if device.type != "cuda":
+        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
+                                timeout=timeout)
+        return TensorParallel(rank, args.tp_size)
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
+                            timeout=timeout, device_id=device)
+    return TensorParallel(rank, args.tp_size, control=dist.new_group(backend="gloo", timeout=timeout))
 
 
 def free_address() -> str:
@@ -51,8 +78,9 @@ class Lockstep:
         self.pending: list[Command] = []
 
     @classmethod
-    def lead(cls, args: EngineArgs, follow: Callable, options) -> "Lockstep":
+    def lead(cls, args: EngineArgs, follow: Callable, options, device: torch.device) -> "Lockstep":
         """Rank 0: start ranks 1.. as processes running follow(rank, args, options, address), then join the group."""
+        check_devices(args, device)
         if dist.is_initialized():
             raise ValueError(f"tp_size={args.tp_size}: this process already belongs to a tensor-parallel group (another "
                              "engine with tp_size > 1 runs here); shut it down first (LLM.shutdown())")
@@ -62,7 +90,7 @@ class Lockstep:
                      for rank in range(1, args.tp_size)]
         for p in followers:
             p.start()
-        return cls(init_group(args, 0, address), followers)
+        return cls(init_group(args, 0, address, device), followers)
 
     @property
     def leads(self) -> bool:
@@ -78,12 +106,12 @@ class Lockstep:
             return
         self._check_followers()
         commands, self.pending = self.pending + [Command("step")], []
-        dist.broadcast_object_list([commands], src=0)
+        dist.broadcast_object_list([commands], src=0, group=self.tp.control)
 
     def receive(self) -> list[Command]:
         """A follower: the next batch of calls to replay."""
         box: list = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.tp.control)
         return box[0]
 
     def gather(self, state: dict) -> list[dict]:
@@ -91,14 +119,14 @@ class Lockstep:
         if not self.leads:
             return [state]
         self._check_followers()
-        dist.broadcast_object_list([[Command("report")]], src=0)
+        dist.broadcast_object_list([[Command("report")]], src=0, group=self.tp.control)
         states: list = [None] * self.tp.size
-        dist.gather_object(state, states, dst=0)
+        dist.gather_object(state, states, dst=0, group=self.tp.control)
         return states
 
     def report(self, state: dict) -> None:
         """A follower's half of gather()."""
-        dist.gather_object(state, None, dst=0)
+        dist.gather_object(state, None, dst=0, group=self.tp.control)
 
     def close(self) -> None:
         """Rank 0: stop the followers, wait for them to exit, and leave the group. A follower (told to stop): meet
@@ -107,11 +135,11 @@ class Lockstep:
         if self.tp.size == 1:
             return
         if not self.leads:
-            dist.barrier()
+            dist.barrier(group=self.tp.control)
             return
         if all(p.is_alive() for p in self.followers):
-            dist.broadcast_object_list([[Command("stop")]], src=0)
-            dist.barrier()
+            dist.broadcast_object_list([[Command("stop")]], src=0, group=self.tp.control)
+            dist.barrier(group=self.tp.control)
         for p in self.followers:
             p.join(timeout=30)
         dist.destroy_process_group()

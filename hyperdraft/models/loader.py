@@ -94,14 +94,17 @@ def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
 
 def load_model(model_path: str, dtype: str, device: torch.device, load_format: str = "auto",
                tp: TensorParallel = SINGLE) -> DecoderLM | HybridLM:
-    """The model at model_path; under tensor parallelism (tp.size > 1) this rank's part of it."""
-    if tp.size > 1:
-        rank_config(load_model_config(model_path), tp)  # refuse a model that cannot split before loading it
-        return split_model(load_model(model_path, dtype, device, load_format), tp)
+    """The model at model_path; under tensor parallelism (tp.size > 1) this rank's part of it. Random weights
+    (load_format "dummy") are drawn for the part alone, so a model too big for one device can be benchmarked split."""
     cfg = load_model_config(model_path)
+    part_cfg = rank_config(cfg, tp)  # refuses a model that cannot split before anything loads
+    if tp.size > 1 and load_format != "dummy":
+        return split_model(load_model(model_path, dtype, device, load_format), tp)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
-        model = HybridLM(cfg) if cfg.is_hybrid else DecoderLM(cfg)
+        model = HybridLM(part_cfg, tp) if cfg.is_hybrid else DecoderLM(part_cfg, tp=tp)
+    if load_format == "dummy":  # allocated in the final dtype: a 70B part in float32 would not fit an 80 GB GPU
+        model = model.to(torch_dtype)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -22,6 +22,7 @@ import torch
 
 from hyperdraft.core.host_copy import HostCopy, results_stream
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch, ScheduledRequest
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.sampler import SampledTokens, Sampler
@@ -45,8 +46,11 @@ class StepPieces(NamedTuple):
 
 class SpecWorker:
     def __init__(self, target: ModelRunner, proposer: Proposer, spec: SpecConfig, tiers: TierSource,
-                 timer: PhaseTimer):
+                 timer: PhaseTimer, tp: TensorParallel = SINGLE):
+        """tp: the engine's tensor-parallel group. Under adaptive speculation every rank's tier source learns rank 0's
+        step times, so the ranks pick the same tier (goodput decides from step times; each GPU's clock differs)."""
         self.runner, self.proposer, self.spec, self.tiers, self.timer = target, proposer, spec, tiers, timer
+        self.tp = tp if spec.adaptive is not None else SINGLE
         self.capabilities = proposer.capabilities
         self.round_context = RoundContext(target, proposer, spec.simulate_accept_rate, spec.sampling == "coupled",
                                           spec.simulate_sibling_rate)
@@ -96,7 +100,7 @@ class SpecWorker:
         if round_.tier.steps > 0:
             self.proposer.commit(round_.reqs, outcome.draft_kv_valid)
         self.metrics.observe(outcome.depth, outcome.num_accepted, proposed=outcome.num_drafted)
-        seconds = None if start is None else time.perf_counter() - start
+        seconds = None if start is None else self.tp.first_rank_value(time.perf_counter() - start)
         self.tiers.observe(len(round_.reqs), outcome.num_accepted, drafted=outcome.num_drafted, step_seconds=seconds)
         return outcome.results
 

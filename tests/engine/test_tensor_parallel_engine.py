@@ -6,6 +6,8 @@ pool ends free; a rank that dies stops the engine with an error instead of a han
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -83,6 +85,24 @@ def test_tp2_greedy_equals_tp1(models, kind, page_size, extra):
     got, states = _outputs(models[kind], prompts, params, page_size=page_size, tp_size=2, **extra)
     assert got == want
     _check_pools_free(states, 2)
+
+
+def test_adaptive_goodput_tiers_agree_on_every_rank(models, tmp_path):
+    """The goodput strategy picks tiers from measured step times, and each rank's clock differs: every rank feeds
+    rank 0's times, so their tier states (cost fits included) stay equal, and so do their verify shapes."""
+    cfg = tmp_path / "goodput.json"
+    cfg.write_text(json.dumps({"strategy": "goodput", "goodput": {"warmup": 2, "decide_every": 2, "explore_every": 4},
+                               "1": [1, 3, 5], "4": [0, 1, 3]}))
+    prompts = [[5, 6, 7] * 6, [9, 8] * 8, [1, 2, 3, 4] * 4, [20, 21] * 9]
+    params = [greedy(24) for _ in prompts]
+    spec = dict(speculative_algorithm="NGRAM", speculative_adaptive=True, speculative_adaptive_config=str(cfg))
+    want, _ = _outputs(models["llama"], prompts, params, **spec)
+    got, states = _outputs(models["llama"], prompts, params, tp_size=2, **spec)
+    assert got == want
+    _check_pools_free(states, 2)
+    slots = [s["speculative_adaptive_slots"] for s in states]
+    assert slots[0]["4"]["cost_fit"] and slots[0]["4"]["decisions"] > 0
+    assert slots[0] == slots[1]
 
 
 def test_tp2_seeded_sampling_equals_tp1(models):

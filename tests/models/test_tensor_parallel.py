@@ -12,6 +12,7 @@ import torch
 
 from hyperdraft.distributed.tensor_parallel import TensorParallel
 from hyperdraft.models.config import load_model_config
+from hyperdraft.models.loader import load_model, split_model
 from hyperdraft.models.tensor_parallel import rank_config
 from hyperdraft.testing.tensor_parallel import split_logits, whole_logits
 from hyperdraft.testing.tiny import make_tiny_model
@@ -55,3 +56,15 @@ def test_a_model_that_cannot_split_is_refused(tmp_path):
         rank_config(hybrid, TensorParallel(0, 4))
     with pytest.raises(ValueError, match="rank 2 must lie in"):
         TensorParallel(2, 2)
+
+
+def test_random_weights_are_drawn_for_the_ranks_part_alone(tmp_path):
+    """load_format "dummy" builds the rank's part directly (a model too big for one device can be benchmarked split):
+    its weights have the split shapes, and nothing of the whole model is allocated."""
+    path = make_tiny_model(str(tmp_path / "q3"), "qwen3", seed=1)  # 8 heads, 2 K/V heads
+    whole = load_model(path, "float32", torch.device("cpu"), load_format="dummy")
+    part = load_model(path, "float32", torch.device("cpu"), load_format="dummy", tp=TensorParallel(1, 2))
+    assert part.config == rank_config(whole.config, TensorParallel(1, 2))
+    want = {name: p.shape for name, p in split_model(whole, TensorParallel(1, 2)).named_parameters()}
+    assert {name: p.shape for name, p in part.named_parameters()} == want
+    assert want["model.embed_tokens.weight"][0] < whole.config.vocab_size

@@ -1,0 +1,143 @@
+"""Tensor parallelism on two GPUs: per-token latency and throughput of TP 2 against TP 1 in the same run, on random
+bf16 weights of a Llama-3.1-8B shape (load_format="dummy"), plain decoding and EAGLE-3 chain 5 at simulated
+acceptance 0.8 (its head replicated on both ranks), CUDA graphs with NCCL's all-reduces inside (and one eager row);
+then a target that does not fit one GPU (a Llama-3.1-70B shape, 141 GB in bf16) on two.
+
+Each row: input 512 random tokens, output 256, the median step time of several decode runs (engines.median_run).
+Ideal TP 2 speed-up at batch 1 is 2x (each GPU reads half the weights); the all-reduces (two per layer) and the
+unsplit parts (norms, the replicated head) take from it.
+
+  python -m benchmarks.e2e.tp_bench --out $OUT            # two GPUs -> $OUT/tp_bench_<device>.md and .json
+  python -m benchmarks.e2e.tp_bench --tiny                # CPU smoke test (gloo, tiny shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import tempfile
+
+import torch
+
+from benchmarks.common import command_line, cpu_name, device_tag, git_commit, require_cuda
+from benchmarks.e2e.engines import LLAMA_8B, TINY, eagle3_spec, make_engine, median_run, write_configs
+
+LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8)
+INPUT_LEN, OUTPUT_LEN, MAX_BS = 512, 256, 8
+CHAIN5 = (5, 1, 6)
+
+
+def run_rows(target: str, head: str, device: str, rows: list[tuple], capacity: int, repeats: int) -> list[dict]:
+    """rows: (tp_size, speculation name or None, batch sizes, extra engine args). One engine per row, dropped (and its
+    followers stopped) before the next is built: the 70B part needs the whole GPU."""
+    results = []
+    for tp, spec_name, batches, extra in rows:
+        results += measure_row(target, head, device, tp, spec_name, batches, extra, capacity, repeats)
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def measure_row(target, head, device, tp, spec_name, batches, extra, capacity, repeats) -> list[dict]:
+    spec = eagle3_spec(head, *CHAIN5, alpha=0.8) if spec_name else {}
+    name = spec_name or "plain"
+    try:
+        engine, info = make_engine(target, device, MAX_BS, {**spec, "tp_size": tp, **extra}, capacity)
+    except torch.cuda.OutOfMemoryError as e:
+        print(f"tp {tp} {name}: out of memory", flush=True)
+        return [dict(tp=tp, spec=name, error=f"out of memory at build: {str(e)[:160]}")]
+    results = []
+    try:
+        weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+        for bs in batches:
+            row = median_run(engine, bs, INPUT_LEN, OUTPUT_LEN, seed=bs, repeats=repeats * (2 if spec_name else 1))
+            row.update(info, tp=tp, spec=name, graphs=not extra.get("disable_cuda_graph", False),
+                       rank_weight_GB=weights / 1e9, captured_graphs=info["graphs"])
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        engine.close()
+        engine.runner.graphs = None
+    return results
+
+
+def ratio_rows(results: list[dict]) -> list[str]:
+    """TP 2 against TP 1 for each (speculation, batch) measured both ways with graphs."""
+    key = {(r["spec"], r["batch"], r["tp"]): r for r in results if "error" not in r and r["graphs"]}
+    lines = []
+    for (spec, bs, tp), r2 in key.items():
+        r1 = key.get((spec, bs, 1))
+        if tp == 2 and r1 is not None:
+            lines.append(f"| {spec} | {bs} | {r1['step_ms']:.2f} | {r2['step_ms']:.2f} | "
+                         f"{r1['step_ms'] / r2['step_ms']:.2f}x | {r2['tok_per_s'] / r1['tok_per_s']:.2f}x |")
+    return lines
+
+
+def report(results: list[dict], shape_rows: dict[str, list[dict]], device: str) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if device == "cuda" else cpu_name()
+    out = [f"# Tensor parallelism: TP 2 against TP 1 ({device_tag(device)})", "",
+           f"- **Date:** {now}. **Device:** {gpu}, torch {torch.__version__}. **Commit:** {git_commit()}.",
+           f"- **Command:** `{command_line()}`",
+           f"- **What runs:** random bf16 weights, input {INPUT_LEN}, output {OUTPUT_LEN}, CUDA graphs up to batch "
+           f"{MAX_BS} (NCCL all-reduces captured inside); EAGLE-3 chain 5 at simulated acceptance 0.8 (LOSSY: "
+           "speed only), its head whole on every rank. Step time = median over the runs.", "",
+           "## Llama-3.1-8B shape", "",
+           "| row | batch | TP 1 step ms | TP 2 step ms | latency TP1/TP2 | tok/s TP2/TP1 |", "|---|---|---|---|---|---|",
+           *ratio_rows(results), ""]
+    for title, rows in shape_rows.items():
+        out += [f"## {title}", "", "| TP | row | graphs | batch | step ms | tok/s | accept length | weights per rank GB |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "error" in r:
+                out.append(f"| {r['tp']} | {r['spec']} | | | {r['error']} | | | |")
+                continue
+            accept = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
+            out.append(f"| {r['tp']} | {r['spec']} | {'yes' if r['graphs'] else 'no'} | {r['batch']} | "
+                       f"{r['step_ms']:.2f} | {r['tok_per_s']:.1f} | {accept} | {r['rank_weight_GB']:.1f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.tp_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, gloo")
+    ap.add_argument("--no-big", action="store_true", help="skip the 70B shape")
+    ap.add_argument("--repeats", type=int, default=4, help="batch-1 decode runs per plain row (chain rows: twice)")
+    args = ap.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    if not args.tiny:
+        require_cuda()
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("tp_bench needs two GPUs")
+    root = tempfile.mkdtemp()
+    target, head = write_configs(os.path.join(root, "8b"), TINY if args.tiny else LLAMA_8B, 512 if args.tiny else 32000)
+    capacity = 4096 if args.tiny else 16384
+    rows = [(1, None, (1, 8), {}), (2, None, (1, 8), {}), (2, None, (1,), dict(disable_cuda_graph=True)),
+            (1, "chain5", (1, 8), {}), (2, "chain5", (1, 8), {})]
+    results = run_rows(target, head, device, rows, capacity, 1 if args.tiny else args.repeats)
+    shapes = {"Llama-3.1-8B shape, every row": results}
+    if not args.no_big:
+        big_cfg = dict(TINY, num_hidden_layers=16) if args.tiny else LLAMA_70B
+        big, big_head = write_configs(os.path.join(root, "70b"), big_cfg, 512 if args.tiny else 32000)
+        shapes["Llama-3.1-70B shape (141 GB of bf16 weights: does not fit one GPU), TP 2"] = run_rows(
+            big, big_head, device, [(2, None, (1, 8), {}), (2, "chain5", (1,), {})], 4096, 1 if args.tiny else args.repeats)
+    text = report(results, shapes, device)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"tp_bench_{device_tag(device)}")
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump(shapes, f, indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""--tp-size 2 on two GPUs: NCCL for the model's collectives, captured inside the CUDA graphs, a gloo group beside it
+for the lockstep commands. fp32 tiny models: greedy output of TP 2 equals TP 1 for plain decoding (graphs and
+eager), NGRAM, STANDALONE, EAGLE and EAGLE-3 (chains and trees) and adaptive goodput speculation; seeded sampling
+equals too; every rank's pool ends free, and the ranks agree on their pool sizes and tiers.
+
+Run on a machine with two GPUs: `python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q`. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+from hyperdraft.testing.tiny import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                reason="needs two CUDA devices")
+
+NEW_TOKENS = [24, 7, 31, 12, 40, 5]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_gpu")
+    llama6 = make_tiny_model(str(root / "llama6"), "llama", seed=2, num_hidden_layers=6)
+    goodput = root / "goodput.json"
+    goodput.write_text(json.dumps({"strategy": "goodput", "goodput": {"warmup": 2, "decide_every": 2,
+                                                                      "explore_every": 4}, "1": [1, 3, 5], "8": [0, 1, 3]}))
+    return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0),
+            "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1), "llama6": llama6,
+            "eagle3": write_random_eagle_checkpoint(str(root / "e3"), llama6, kind="eagle3", draft_vocab_size=200),
+            "eagle": write_random_eagle_checkpoint(str(root / "e1"), llama6, kind="eagle"), "goodput": str(goodput)}
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 80, (n,), generator=g).tolist()
+    return [torch.randint(5, 380, (k,), generator=g).tolist() for k in lengths]
+
+
+def _outputs(path, prompts, params, **engine_args):
+    llm = LLM(path, device="cuda", dtype="float32", max_running_requests=8, chunked_prefill_size=32, dist_timeout=120,
+              max_total_tokens=4096, **engine_args)
+    try:
+        outs = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        states = llm.engine.rank_states()
+    finally:
+        llm.shutdown()
+    return outs, states
+
+
+CASES = {
+    "plain-graphs": ("qwen3", {}),
+    "plain-eager": ("qwen3", dict(disable_cuda_graph=True)),
+    "plain-replicated-kv": ("llama", dict(page_size=4)),
+    "ngram": ("llama", dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)),
+    "standalone-tree": ("qwen3", dict(speculative_algorithm="STANDALONE", speculative_draft_model="llama",
+                                      speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)),
+    "eagle3-chain": ("llama6", dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3",
+                                    speculative_num_steps=3, speculative_eagle_topk=1)),
+    "eagle3-tree": ("llama6", dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3", page_size=4)),
+    "eagle3-chain-eager": ("llama6", dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3",
+                                          speculative_num_steps=3, speculative_eagle_topk=1, disable_cuda_graph=True)),
+    "eagle-tree": ("llama6", dict(speculative_algorithm="EAGLE", speculative_draft_model="eagle",
+                                  speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)),
+    "ngram-goodput": ("llama", dict(speculative_algorithm="NGRAM", speculative_adaptive=True,
+                                    speculative_adaptive_config="goodput")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_greedy_equals_tp1(models, case):
+    kind, extra = CASES[case]
+    extra = {k: (models[v] if k in ("speculative_draft_model", "speculative_adaptive_config") else v)
+             for k, v in extra.items()}
+    prompts = _prompts(len(NEW_TOKENS), seed=len(case))
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
+    want, _ = _outputs(models[kind], prompts, params, **extra)
+    got, states = _outputs(models[kind], prompts, params, tp_size=2, **extra)
+    assert got == want
+    assert len(states) == 2
+    for s in states:
+        assert s["num_running_reqs"] == s["num_waiting_reqs"] == 0, s
+        assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
+    assert states[0]["kv_capacity_tokens"] == states[1]["kv_capacity_tokens"]
+    assert states[0].get("speculative_adaptive_slots") == states[1].get("speculative_adaptive_slots")
+
+
+def test_tp2_seeded_sampling_equals_tp1(models):
+    prompts = _prompts(6, seed=11)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, ignore_eos=True, seed=i) for i in range(6)]
+    want, _ = _outputs(models["llama"], prompts, params)
+    got, _ = _outputs(models["llama"], prompts, params, tp_size=2)
+    assert got == want
+
+
+def test_a_dead_rank_stops_the_engine_with_an_error(models):
+    llm = LLM(models["llama"], device="cuda", dtype="float32", tp_size=2, dist_timeout=30, max_total_tokens=4096)
+    try:
+        llm.generate(input_ids=[[1, 2, 3]], sampling_params=SamplingParams(temperature=0.0, max_new_tokens=2),
+                     use_tqdm=False)
+        follower = llm.engine.lockstep.followers[0]
+        follower.kill()
+        follower.join(timeout=10)
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            llm.generate(input_ids=[[4, 5, 6]], sampling_params=SamplingParams(temperature=0.0, max_new_tokens=2),
+                         use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(models):
+    last = torch.cuda.device_count() - 1
+    with pytest.raises(ValueError, match=f"tp_size=2 needs one GPU per rank from cuda:{last}"):
+        LLM(models["llama"], device=f"cuda:{last}", dtype="float32", tp_size=2)
