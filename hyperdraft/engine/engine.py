@@ -370,7 +370,11 @@ class Engine:
         return self.lockstep.gather(self.pool_state())
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel group (rank 0) and leave it."""
+        """Destroy the CUDA graphs (their memory goes back; graphs holding NCCL collectives must go before the group),
+        then stop the other ranks of a tensor-parallel group (rank 0) and leave it. Later steps would run eagerly."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.worker.release_graphs()
         self.lockstep.close()
 
     def cache_state(self) -> dict:

@@ -60,6 +60,10 @@ class ModelWorker:
         self.recurrent = runner.state_pool is not None
         self.state_at: dict[int, int] = {}  # hybrid models: row -> scratch entry holding its state (absent: the slot)
 
+    def release_graphs(self) -> None:
+        self.ahead = None
+        self.runner.release_graphs()
+
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
         items = batch.items
         reqs = [it.req for it in items]

@@ -266,6 +266,14 @@ class GraphRunner:
         return capture_segments(self.memory_pool(), self.runner.device, run)
 
     # ---- replay -------------------------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Destroy every graph; later forwards run eagerly. A graph that captured NCCL collectives must go before its
+        process group: on an H100 pair, destroying the group while such graphs lived hung for good."""
+        reset_graphs(self.graphs)
+        self.outputs.clear()
+        self.sizes.clear()
+        self.inputs.clear()
+
     def match(self, fb: ForwardBatch, capture_layers: tuple[int, ...]) -> tuple[GraphShape, int] | None:
         """The (shape, padded batch size) that can run fb, or None (run it eagerly)."""
         if not self.sizes or capture_layers != self.capture_layers or fb.batch_size == 0:
@@ -348,6 +356,14 @@ class GraphRunner:
         return dataclasses.replace(out, logits=out.logits[:rows], hidden=out.hidden[:n],
                                    captured=[c[:n] for c in out.captured],
                                    logits_hidden=None if out.logits_hidden is None else out.logits_hidden[:rows])
+
+
+def reset_graphs(graphs: dict) -> None:
+    """Destroy the captured segments held in `graphs` (key -> list of CUDA graphs) and empty it."""
+    for segments in graphs.values():
+        for graph in segments:
+            graph.reset()
+    graphs.clear()
 
 
 def capture_segments(pool, device, run) -> tuple[list, object]:

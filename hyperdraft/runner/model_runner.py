@@ -82,6 +82,10 @@ class GraphedRunner:
         """Layer counts after which a captured forward starts a new graph segment (none: one graph)."""
         return ()
 
+    def release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+
 
 class ModelRunner(GraphedRunner):
     def __init__(self, model: DecoderLM | HybridLM, page_table: PageTable, attention_backend: str,

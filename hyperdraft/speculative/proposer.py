@@ -115,3 +115,6 @@ class Proposer(Protocol):
 
     def capture_graphs(self, plan: CapturePlan) -> None:
         """Capture the draft shapes `plan` can run (capabilities.runs_as_graph)."""
+
+    def release_graphs(self) -> None:
+        """Destroy the captured graphs (the engine closes; runner/graph_runner.GraphRunner.release says why)."""

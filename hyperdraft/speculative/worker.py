@@ -116,6 +116,10 @@ class SpecWorker:
             self.runner.graphs.capture(shapes, mode, self.capabilities.capture_layers)
         self.proposer.capture_graphs(plan)
 
+    def release_graphs(self) -> None:
+        self.proposer.release_graphs()
+        self.runner.release_graphs()
+
     def set_simulated_accept_rate(self, alpha: float) -> None:
         """Benchmarks only: sweep the simulated acceptance of an engine that started in that (lossy) mode, without
         rebuilding it."""

@@ -263,3 +263,21 @@ def test_prompt_tails_near_the_context_end_run_eagerly(models, llm_factory, emul
     ref = LLM(models["target"], device="cpu", dtype="float32", context_length=48, disable_cuda_graph=True)
     assert [o.token_ids for o in gen(llm, prompt, [greedy(8)])] == [o.token_ids for o in gen(ref, prompt, [greedy(8)])]
     assert not any(key[0].one_logit for key in llm.engine.runner.graphs.replays)
+
+
+def test_closing_an_engine_destroys_its_graphs(models, llm_factory, emulated_graphs):
+    """Engine.close() releases the target's graphs and the drafter's step and round graphs (graphs that captured NCCL
+    collectives must go before their process group); anything run after it is eager and unchanged."""
+    prompts, params = mixed_prompts(3, seed=8, max_len=30), [greedy(10) for _ in range(3)]
+    llm = llm_factory(models["target6"], cuda_graph_max_bs=4, **_engine_args(models, CASES["eagle3-chain"]))
+    before = gen(llm, prompts, params)
+    engine = llm.engine
+    proposer = engine.worker.proposer
+    replays = (engine.runner.graphs.num_replays, proposer.runner.graphs.num_replays, proposer.draft_loop.num_replays)
+    assert replays[0] and replays[2], replays  # greedy rounds run as whole-round graphs, not per-step ones
+    engine.close()
+    for graphs in (engine.runner.graphs, proposer.runner.graphs, proposer.draft_loop):
+        assert not graphs.outputs and not graphs.graphs
+    assert [o.token_ids for o in gen(llm, prompts, params)] == [o.token_ids for o in before]
+    assert (engine.runner.graphs.num_replays, proposer.runner.graphs.num_replays,
+            proposer.draft_loop.num_replays) == replays

@@ -24,7 +24,7 @@ from collections import Counter
 import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch
-from hyperdraft.runner.graph_runner import capture_segments
+from hyperdraft.runner.graph_runner import capture_segments, reset_graphs
 from hyperdraft.speculative.drafting.chain import choose_argmax, draft_chain
 from hyperdraft.speculative.drafting.anchor import PACKED_FIELDS, CatchUpRows, unpack_round
 from hyperdraft.speculative.adaptive.tier import Tier
@@ -58,6 +58,12 @@ class DraftLoopGraphs:
     @property
     def num_replays(self) -> int:
         return sum(self.replays.values())
+
+    def release(self) -> None:
+        """Destroy every round graph (GraphRunner.release says why); later rounds run step by step."""
+        reset_graphs(self.graphs)
+        self.outputs.clear()
+        self.widths.clear()
 
     def capture(self, plan: dict[Tier, dict[int, int]]) -> None:
         """plan: tier -> {batch size: widest catch-up}."""

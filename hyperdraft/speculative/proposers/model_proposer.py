@@ -163,6 +163,12 @@ class ModelProposer(Proposer):
         if self.draft_loop is not None and loops:
             self.draft_loop.capture(loops)
 
+    def release_graphs(self) -> None:
+        self.ahead = None
+        if self.draft_loop is not None:
+            self.draft_loop.release()
+        self.runner.release_graphs()
+
     def _take_ahead(self, reqs: list[Request], tier: Tier, sampled: bool, sampling: SamplingBatch):
         """The outputs of the draft queued for exactly this round, or None (a queued draft for another batch or tier
         is thrown away)."""
