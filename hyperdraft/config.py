@@ -82,8 +82,8 @@ class EngineArgs:
     tp_size: int = _opt(1, "tensor-parallel ranks, one process each, the model split over them (alias: --tensor-parallel-size); on GPUs one GPU per rank (NCCL), on the CPU gloo; dense and Qwen3.5 models")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")
     dist_timeout: float = _opt(600.0, "seconds a rank waits in a collective before the engine stops with an error")
-    nnodes: int = _opt(1, "machines the ranks run on (1 so far)")
-    node_rank: int = _opt(0, "this machine's index among nnodes")
+    nnodes: int = _opt(1, "machines the tensor-parallel ranks run on, tp_size / nnodes on each (with --dist-init-addr)")
+    node_rank: int = _opt(0, "this machine's index among nnodes: node 0 runs rank 0 (the engine that serves); another node only hosts its ranks (`hyperdraft serve --node-rank K` blocks until rank 0 stops)")
     # ---- speculative decoding (SGLang names) ----
     speculative_algorithm: str | None = _opt(None, _algorithm_help())
     speculative_draft_model_path: str | None = _opt(None, _draft_path_help())
@@ -122,9 +122,12 @@ class EngineArgs:
             bad("context_length", "an integer >= 2")
         if self.tp_size < 1:
             bad("tp_size", "an integer >= 1")
-        if self.nnodes != 1 or self.node_rank != 0:
-            raise ValueError(f"nnodes={self.nnodes}, node_rank={self.node_rank}: the ranks of a tensor-parallel group "
-                             "run on one machine so far (nnodes 1, node_rank 0)")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            bad("nnodes", f"an integer >= 1 dividing tp_size={self.tp_size}")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"an integer in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            bad("dist_init_addr", "node 0's HOST:PORT, the same on every node (required with nnodes > 1)")
         if self.dist_timeout <= 0:
             bad("dist_timeout", "a number of seconds > 0")
         if self.dtype not in DTYPE_CHOICES:

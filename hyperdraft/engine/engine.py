@@ -12,7 +12,8 @@ import torch
 from hyperdraft.config import EngineArgs
 from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
-from hyperdraft.engine.lockstep import Command, Lockstep, init_group, rank_device
+from hyperdraft.engine.lockstep import (Command, Lockstep, check_devices, init_group, local_rank, node_ranks,
+                                        rank_device, start_followers)
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.numerics import check_deterministic, numerics_mode
 from hyperdraft.engine.scheduler import Scheduler
@@ -121,11 +122,14 @@ class Engine:
         tensor-parallel group (engine/lockstep.py); None builds rank 0, which starts the others when tp_size > 1."""
         if args.model_path is None:
             raise ValueError("model_path is required (pass model=PATH)")
+        if tp is None and args.node_rank > 0:
+            raise ValueError(f"node_rank={args.node_rank}: this machine only hosts tensor-parallel ranks; node 0 runs "
+                             "the engine (run `hyperdraft serve --node-rank K ...` here, which blocks until it stops)")
         _configure_logging(args.log_level)
         self.args = args
         self.options = options if options is not None else RuntimeOptions.from_args(args)
         with activated(self.options):
-            self.device = rank_device(resolve_device(args.device), 0 if tp is None else tp.rank)
+            self.device = rank_device(resolve_device(args.device), 0 if tp is None else local_rank(args, tp.rank))
             self.lockstep = self._lockstep(tp)
             try:
                 tree = self._build()
@@ -408,8 +412,21 @@ class Engine:
 def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -> None:
     """A follower rank's process (engine/lockstep.py): its engine replays rank 0's calls until told to stop."""
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tp_size))
-    tp = init_group(args, rank, address, rank_device(resolve_device(args.device), rank))
+    tp = init_group(args, rank, address, rank_device(resolve_device(args.device), local_rank(args, rank)))
     engine = Engine(args, options, tp)
     engine.replay_until_stopped()
     engine.close()
     os._exit(0)  # without the group's teardown (Lockstep.close says why)
+
+
+def host_ranks(args: EngineArgs, options: RuntimeOptions | None = None) -> None:
+    """A node other than 0 (node_rank > 0): run this node's ranks until rank 0 stops the group; raises if one fails."""
+    check_devices(args, resolve_device(args.device))
+    options = options if options is not None else RuntimeOptions.from_args(args)
+    ranks = node_ranks(args)
+    followers = start_followers(args, follow, options, ranks, args.dist_init_addr)
+    for p in followers:
+        p.join()
+    failed = [(rank, p.exitcode) for rank, p in zip(ranks, followers) if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"tensor-parallel rank {failed[0][0]} exited with code {failed[0][1]}")

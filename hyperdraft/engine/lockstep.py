@@ -6,8 +6,11 @@ the step itself. Each follower replays it on an engine built from the same argum
 retracts and commits exactly as rank 0's does (SGLang's tensor-parallel schedulers work the same way), sampling
 draws the same numbers from the same seeds, and the forward's collectives meet. Rank 0 alone returns outputs.
 
-On CUDA rank r runs on the r-th GPU from the engine's device (cuda:N + r); the model's collectives go over NCCL
-and these commands over a gloo group beside it (TensorParallel.control).
+On CUDA rank r runs on its node's r-th GPU from the engine's device (cuda:N + local rank); the model's collectives
+go over NCCL and these commands over a gloo group beside it (TensorParallel.control). Over several machines
+(nnodes, SGLang's flags) node k hosts ranks k*L .. k*L + L-1 (L = tp_size / nnodes): node 0 runs rank 0's engine and
+starts its other local ranks; every other node only starts its ranks (host_ranks), which reach rank 0 at
+dist_init_addr.
 
 A rank that dies stops the engine with an error instead of a hang: rank 0 checks its followers before every
 broadcast, and every collective gives up after dist_timeout seconds.
@@ -43,11 +46,32 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
+def local_rank(args: EngineArgs, rank: int) -> int:
+    """A rank's index among its node's ranks (its GPU from the node's first)."""
+    return rank % (args.tp_size // args.nnodes)
+
+
+def node_ranks(args: EngineArgs) -> range:
+    """The ranks this node hosts."""
+    per_node = args.tp_size // args.nnodes
+    return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+
+
 def check_devices(args: EngineArgs, device: torch.device) -> None:
-    """Rank 0, before any process starts: one GPU per rank."""
-    if device.type == "cuda" and (device.index or 0) + args.tp_size > torch.cuda.device_count():
-        raise ValueError(f"tp_size={args.tp_size} needs one GPU per rank from {device}: this machine has "
-                         f"{torch.cuda.device_count()} (lower tp_size or pick another device)")
+    """Before any process starts: one GPU per local rank."""
+    per_node = args.tp_size // args.nnodes
+    if device.type == "cuda" and (device.index or 0) + per_node > torch.cuda.device_count():
+        raise ValueError(f"tp_size={args.tp_size} over nnodes={args.nnodes} needs one GPU per rank from {device}: "
+                         f"this machine has {torch.cuda.device_count()} (lower tp_size or pick another device)")
+
+
+def start_followers(args: EngineArgs, follow: Callable, options, ranks, address: str) -> list:
+    """Start a process running follow(rank, args, options, address) for each rank."""
+    ctx = mp.get_context("spawn")
+    followers = [ctx.Process(target=follow, args=(rank, args, options, address), daemon=True) for rank in ranks]
+    for p in followers:
+        p.start()
+    return followers
 
 
 def init_group(args: EngineArgs, rank: int, address: str, device: torch.device) -> TensorParallel:
@@ -79,17 +103,14 @@ class Lockstep:
 
     @classmethod
     def lead(cls, args: EngineArgs, follow: Callable, options, device: torch.device) -> "Lockstep":
-        """Rank 0: start ranks 1.. as processes running follow(rank, args, options, address), then join the group."""
+        """Rank 0: start this node's other ranks as processes running follow(rank, args, options, address), then join
+        the group."""
         check_devices(args, device)
         if dist.is_initialized():
             raise ValueError(f"tp_size={args.tp_size}: this process already belongs to a tensor-parallel group (another "
                              "engine with tp_size > 1 runs here); shut it down first (LLM.shutdown())")
         address = args.dist_init_addr or free_address()
-        ctx = mp.get_context("spawn")
-        followers = [ctx.Process(target=follow, args=(rank, args, options, address), daemon=True)
-                     for rank in range(1, args.tp_size)]
-        for p in followers:
-            p.start()
+        followers = start_followers(args, follow, options, node_ranks(args)[1:], address)
         return cls(init_group(args, 0, address, device), followers)
 
     @property
@@ -156,6 +177,7 @@ class Lockstep:
         self.tp = SINGLE
 
     def _check_followers(self) -> None:
+        """This node's followers; a rank on another node that dies fails rank 0's next collective instead."""
         dead = [(rank, p.exitcode) for rank, p in enumerate(self.followers, 1) if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel rank {dead[0][0]} exited (code {dead[0][1]}): the engine cannot go on")

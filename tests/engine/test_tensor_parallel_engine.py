@@ -7,11 +7,14 @@ pool ends free; a rank that dies stops the engine with an error instead of a han
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.engine.lockstep import free_address
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from helpers.spec_fixtures import greedy, mixed_prompts
@@ -105,6 +108,26 @@ def test_adaptive_goodput_tiers_agree_on_every_rank(models, tmp_path):
     assert slots[0] == slots[1]
 
 
+def test_two_nodes_give_one_nodes_output(models):
+    """nnodes 2, one rank each, on this machine: "node 1" is `hyperdraft serve --node-rank 1` in its own process
+    (it hosts rank 1 and serves nothing), node 0 the LLM; it equals TP 1, and node 1 exits cleanly when node 0 stops."""
+    prompts = mixed_prompts(4, seed=6, max_len=40)
+    params = [greedy(n) for n in NEW_TOKENS[:4]]
+    want, _ = _outputs(models["qwen3"], prompts, params)
+    address = free_address()
+    node1 = subprocess.Popen([sys.executable, "-m", "hyperdraft", "serve", "--model", models["qwen3"], "--device", "cpu",
+                              "--dtype", "float32", "--max-running-requests", "4", "--chunked-prefill-size", "24",
+                              "--dist-timeout", "120", "--tp-size", "2", "--nnodes", "2", "--node-rank", "1",
+                              "--dist-init-addr", address])
+    try:
+        got, states = _outputs(models["qwen3"], prompts, params, tp_size=2, nnodes=2, dist_init_addr=address)
+        assert node1.wait(timeout=60) == 0
+    finally:
+        node1.kill()
+    assert got == want
+    _check_pools_free(states, 2)
+
+
 def test_tp2_seeded_sampling_equals_tp1(models):
     prompts = mixed_prompts(6, seed=5, max_len=30)
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10, ignore_eos=True, seed=i) for i in range(6)]
@@ -128,7 +151,10 @@ def test_a_dead_rank_stops_the_engine_with_an_error(models):
 
 @pytest.mark.parametrize("args,match", [
     (dict(tp_size=0), "tp_size must be an integer >= 1"),
-    (dict(tp_size=2, nnodes=2), "run on one machine so far"),
+    (dict(tp_size=2, nnodes=2), "dist_init_addr must be node 0's HOST:PORT"),
+    (dict(tp_size=2, nnodes=3, dist_init_addr="127.0.0.1:1"), "nnodes must be an integer >= 1 dividing tp_size=2"),
+    (dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:1"), r"node_rank must be an integer in \[0, nnodes=2\)"),
+    (dict(tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1"), "node_rank=1: this machine only hosts"),
     (dict(tp_size=3), "tp_size=3 must divide the model's num_attention_heads=4"),
 ])
 def test_bad_tensor_parallel_settings_are_clear_errors(models, args, match):
