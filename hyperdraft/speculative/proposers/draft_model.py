@@ -18,7 +18,9 @@ import torch
 
 from hyperdraft.config import EngineArgs
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.core.host_copy import to_device
 from hyperdraft.core.schedule import ScheduledRequest
+from hyperdraft.kernels.draft_plan import PACKED_FIELDS, pack_catch_up
 from hyperdraft.models.decoder import DecoderLM
 from hyperdraft.models.hybrid import HybridLM
 from hyperdraft.models.loader import load_model
@@ -48,8 +50,9 @@ class DraftModelProposer(ModelProposer):
         recurrent = draft.config.is_hybrid
         runner = ModelRunner(draft, ctx.target.page_table, ctx.attention_backend, None if recurrent else ctx.graphs,
                              verify_width=ctx.spec.max_verify_tokens)
-        # after a tree verify its own K/V of the accepted nodes moves like the target's
-        super().__init__(ctx, runner, ProposerCapabilities(compacts_draft_pool=True, recurrent_state=recurrent))
+        # after a tree verify its own K/V of the accepted nodes moves like the target's; greedy chains draft ahead
+        super().__init__(ctx, runner, ProposerCapabilities(compacts_draft_pool=True, recurrent_state=recurrent,
+                                                           drafts_ahead=not recurrent))
         self.pool = runner.pool
 
     def accept_draft_state(self, rows: torch.Tensor, last_fed: torch.Tensor) -> None:
@@ -95,6 +98,24 @@ class DraftModelProposer(ModelProposer):
         """Tokens the catch-up after a round of `tier` can feed: a chain leaves at most 2 (the last draft and the
         bonus token, after a fully accepted round); a tree the root plus the accepted nodes the draft never fed."""
         return tier.steps + 1 if tier.is_tree else 2
+
+    def ahead_room(self, tier: Tier) -> tuple[int, int] | None:
+        """Chains only. After a round at n accepting a of K drafts (n' = n + a + 1 committed), the queued catch-up feeds
+        up to index n' (padded to 2) and its steps write n'+1 .. n'+K-1 <= n + 2K: K/V the next round keeps for the
+        drafts it accepts, so the K tokens from n' are held (the next schedule reserves K + 1 past n')."""
+        return None if tier.is_tree else (2 * tier.steps + 1, tier.steps)
+
+    def ahead_catch_up(self, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """The next chain round's packed catch-up, on the device: after a round at n of K drafts accepting a, the
+        draft's K/V is right up to index n + f, f = min(a, K - 1) (commit), so it feeds indices n+1+f .. n+a+1 with
+        tokens[:, f .. a]: the bonus token, after the last accepted draft too when all K were accepted."""
+        steps = tokens.shape[1] - 1
+        first = num_accepted.clamp(max=steps - 1)
+        rows_starts = to_device([[r.row, r.num_computed + 1] for r in reqs], torch.int64, self.runner.device)
+        rows_starts[:, 1] += first
+        columns = (first[:, None] + torch.arange(out.shape[1] - PACKED_FIELDS, device=tokens.device)).clamp(max=steps)
+        pack_catch_up(rows_starts, num_accepted - first, tokens.gather(1, columns), out)
 
     def commit(self, reqs: list[Request], draft_kv_valid: list[int]) -> None:
         """The draft pool is right for the root plus the leading accepted nodes the draft itself had fed: a chain of

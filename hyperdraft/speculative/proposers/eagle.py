@@ -39,6 +39,7 @@ from hyperdraft.models.mtp import MtpHead, load_mtp_head, load_model_config_if_m
 from hyperdraft.request import Request
 from hyperdraft.runner.graph_runner import GraphSettings
 from hyperdraft.runner.model_runner import ForwardOutput, GraphedRunner
+from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.config import SpecConfig
 from hyperdraft.speculative.proposer import ProposerCapabilities, ProposerContext
 from hyperdraft.speculative.proposers.model_proposer import ModelProposer
@@ -186,6 +187,12 @@ class EagleProposer(ModelProposer):
     def catch_up_width(self, tier) -> int:
         """Positions the catch-up after a round of `tier` can feed: the root and every accepted draft."""
         return tier.steps + 1
+
+    def ahead_room(self, tier: Tier) -> tuple[int, int]:
+        """The queued round writes catch-up positions from n (padded to its width) and steps up to
+        width + (steps-1)*topk - 1 past n. Nothing to hold: the catch-up's real positions end below the committed
+        tokens, and the steps' K/V past them is speculative (the round after rewrites it)."""
+        return self.catch_up_width(tier) + (tier.steps - 1) * tier.topk, 0
 
     # ---- after verify -------------------------------------------------------------------------------------------
     def store_accepted_hidden(self, rows: torch.Tensor, accepted_hidden: torch.Tensor) -> None:

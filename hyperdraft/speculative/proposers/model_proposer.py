@@ -13,9 +13,10 @@ requests under the same tier (nothing finished, joined or was retracted) and dis
 harmless: the queued graph wrote only draft K/V that the next catch-up rewrites (catch-up positions, with the same
 values) or that no one reads before a draft step overwrites it, in slots reserved for it when it was queued, or since
 released and written by their new owner after it (one stream). The drafts equal those propose() would make.
-RuntimeOptions.draft_ahead turns it off. EAGLE heads draft ahead; a STANDALONE draft model does not: its K/V of
-accepted drafts is kept across rounds (draft_num_computed reaches past the committed tokens), and the commit that
-follows the queuing releases those slots before the next schedule reserves them again, possibly as other pages.
+RuntimeOptions.draft_ahead turns it off. EAGLE heads draft ahead, chains and trees; a STANDALONE draft model drafts
+chains ahead. Its K/V of accepted drafts is kept across rounds (draft_num_computed reaches past the committed tokens),
+so the room the queued draft writes is held through the commit that follows (PageTable.reserve_ahead's hold): the
+next round finds that K/V in the row's own pages.
 
 A subclass gives:
   catch_up_tokens(req)                  the tokens its catch-up feeds, from index req.draft_num_computed on (>= 1);
@@ -26,6 +27,9 @@ A subclass gives:
   catch_up_width(tier)                  the widest catch-up a round of tier can leave for the next one
   ahead_catch_up(reqs, a, tokens, out)  (drafting ahead only) the next round's packed catch-up from this round's
                                         results, written into out (padding rows too)
+  ahead_room(tier)                      (drafting ahead only) (tokens of room past n the queued round writes, tokens
+                                        of it past the committed ones the next round reads), or None where the
+                                        subclass does not draft this tier ahead
 """
 
 from __future__ import annotations
@@ -139,15 +143,15 @@ class ModelProposer(Proposer):
         self.ahead = None
         if not self.capabilities.drafts_ahead or draws_from_q(self.sample_drafts, sampling) or sampling.penalties is not None:
             return
-        width = self.catch_up_width(tier)
+        width, room = self.catch_up_width(tier), self.ahead_room(tier)
         fit = self.draft_loop.padded(tier, len(reqs), width)
-        if fit is None or fit[1] != width or tokens.shape[1] < width:
+        if room is None or fit is None or fit[1] != width or tokens.shape[1] < width:
             return
-        # The next round writes catch-up positions from n (padded to width) and its steps up to
-        # width + (steps-1)*topk - 1 past n: reserve them now, as the next schedule would have (it keeps them, or they
-        # are released at commit).
-        reach = width + (tier.steps - 1) * tier.topk
-        if not self.runner.page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + reach for r in reqs]):
+        # Reserve the room the queued round writes now, as the next schedule would have; the part the next round
+        # reads is held through this round's commit.
+        reach, hold = room
+        if not self.runner.page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + reach for r in reqs],
+                                                    hold=hold):
             return
         self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit))
         self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(tier, *fit, len(reqs)))
@@ -220,4 +224,7 @@ class ModelProposer(Proposer):
 
     def ahead_catch_up(self, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
                        out: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
+
+    def ahead_room(self, tier: Tier) -> tuple[int, int] | None:
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
