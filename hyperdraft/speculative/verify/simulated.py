@@ -77,9 +77,11 @@ def simulate_tree(
     out = torch.full_like(path, -1)
     ranks = max_children if sibling_rate else 1  # without a sibling rate only first children can match
     miss = [(1.0 - alpha) * (1.0 - (sibling_rate or 0.0)) ** r for r in range(ranks)]
+    # every level's coin in one draw (the bits of a draw per level: a row's uniform depends on its seed and position)
+    positions = (seq_lens[:, None] + torch.arange(max_depth, device=device)).flatten()
+    coins = uniform(seeds.repeat_interleave(max_depth), positions, DOMAIN_ACCEPT)[:, 0].view(bsz, max_depth)
     for d in range(max_depth):
-        coin = uniform(seeds, seq_lens + d, DOMAIN_ACCEPT)[:, 0]
-        child, found = _matching_child(tree, rows, cur, coin, miss)
+        child, found = _matching_child(tree, rows, cur, coins[:, d], miss)
         going &= found
         child = child.clamp_min(0)
         num_accepted += going.long()
