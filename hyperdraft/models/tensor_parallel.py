@@ -7,7 +7,8 @@ row-parallel and vocab-parallel modules, and its slice of the whole model's weig
                     bias and any residual, once
   VocabParallelEmbedding  the rank's vocabulary rows; other ids contribute zero rows to the group's sum
   shard_state       each parameter of the rank's model from the whole model's: which dim, which rows
-Only dense decoders split so far (Llama, Mistral, Qwen2, Qwen3); hybrid and MoE models refuse a group of 2 or more.
+Dense decoders (Llama, Mistral, Qwen2, Qwen3) and Qwen3.5 hybrids split (a Gated DeltaNet by key-head groups); MoE models
+refuse a group of 2 or more.
 """
 
 from __future__ import annotations
