@@ -28,27 +28,50 @@ from benchmarks.e2e.engines import LLAMA_8B, TINY, eagle3_spec, make_engine, med
 LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                  num_key_value_heads=8)
 INPUT_LEN, OUTPUT_LEN, MAX_BS = 512, 256, 8
+LLAMA_1B = dict(LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)  # Llama-3.2-1B: a STANDALONE draft
 BIG_CAPACITY = 4096  # K/V tokens beside a 70.6 GB part on an 80 GB GPU: batch 4 of 512 + 256 fits, batch 8 would queue
 CHAIN5 = (5, 1, 6)
 
 
-def run_rows(target: str, head: str, device: str, rows: list[tuple], capacity: int, repeats: int) -> list[dict]:
-    """rows: (tp_size, speculation name or None, batch sizes, extra engine args). One engine per row, dropped (and its
-    followers stopped) before the next is built: the 70B part needs the whole GPU."""
+def write_config(path: str, cfg: dict) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def spec_args(name: str | None, drafts: dict[str, str]) -> dict:
+    """EngineArgs of a row's speculation: chain5 = EAGLE-3 chain 5, standalone5 = a Llama-1B-shaped draft model's
+    chain 5; both at simulated acceptance 0.8 (LOSSY: speed only)."""
+    if name == "chain5":
+        return eagle3_spec(drafts["head"], *CHAIN5, alpha=0.8)
+    if name == "standalone5":
+        return dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=drafts["draft"],
+                    speculative_num_steps=5, speculative_eagle_topk=1, speculative_num_draft_tokens=6,
+                    speculative_simulate_accept_rate=0.8)
+    return {}
+
+
+def run_rows(target: str, drafts: dict[str, str], device: str, rows: list[tuple], capacity: int,
+             repeats: int) -> list[dict]:
+    """rows: (tp_size, speculation name or None, batch sizes, extra engine args[, RuntimeOptions switches]). One engine
+    per row, dropped (and its followers stopped) before the next is built: the 70B part needs the whole GPU."""
     results = []
-    for tp, spec_name, batches, extra in rows:
-        results += measure_row(target, head, device, tp, spec_name, batches, extra, capacity, repeats)
+    for tp, spec_name, batches, extra, *switches in rows:
+        results += measure_row(target, drafts, device, tp, spec_name, batches, extra, capacity, repeats,
+                               switches[0] if switches else {})
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     return results
 
 
-def measure_row(target, head, device, tp, spec_name, batches, extra, capacity, repeats) -> list[dict]:
-    spec = eagle3_spec(head, *CHAIN5, alpha=0.8) if spec_name else {}
-    name = spec_name or "plain"
+def measure_row(target, drafts, device, tp, spec_name, batches, extra, capacity, repeats, switches) -> list[dict]:
+    spec = spec_args(spec_name, drafts)
+    name = (spec_name or "plain") + (" (draft split over the ranks)" if switches.get("split_draft_model") else "")
     try:
-        engine, info = make_engine(target, device, MAX_BS, {**spec, "tp_size": tp, **extra}, capacity)
+        engine, info = make_engine(target, device, MAX_BS, {**spec, "tp_size": tp, **extra}, capacity, **switches)
     except torch.cuda.OutOfMemoryError as e:
         print(f"tp {tp} {name}: out of memory", flush=True)
         return [dict(tp=tp, spec=name, error=f"out of memory at build: {str(e)[:160]}")]
@@ -72,7 +95,7 @@ def ratio_rows(results: list[dict]) -> list[str]:
     key = {(r["spec"], r["batch"], r["tp"]): r for r in results if "error" not in r and r["graphs"]}
     lines = []
     for (spec, bs, tp), r2 in key.items():
-        r1 = key.get((spec, bs, 1))
+        r1 = key.get((spec.split(" (")[0], bs, 1))  # a split-draft row against the TP 1 row of its drafter
         if tp == 2 and r1 is not None:
             lines.append(f"| {spec} | {bs} | {r1['step_ms']:.2f} | {r2['step_ms']:.2f} | "
                          f"{r1['step_ms'] / r2['step_ms']:.2f}x | {r2['tok_per_s'] / r1['tok_per_s']:.2f}x |")
@@ -112,6 +135,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, gloo")
     ap.add_argument("--no-big", action="store_true", help="skip the 70B shape")
     ap.add_argument("--only-big", action="store_true", help="only the 70B shape")
+    ap.add_argument("--draft-rows", action="store_true",
+                    help="only the STANDALONE rows: a Llama-1B-shaped draft model for the 8B shape, chain 5, TP 1, "
+                         "TP 2 with the draft whole on each rank, TP 2 with it split")
     ap.add_argument("--repeats", type=int, default=4, help="batch-1 decode runs per plain row (chain rows: twice)")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -121,17 +147,23 @@ def main() -> None:
             raise SystemExit("tp_bench needs two GPUs")
     root = tempfile.mkdtemp()
     target, head = write_configs(os.path.join(root, "8b"), TINY if args.tiny else LLAMA_8B, 512 if args.tiny else 32000)
+    drafts = {"head": head, "draft": write_config(os.path.join(root, "draft"), dict(TINY, num_hidden_layers=2)
+                                                  if args.tiny else LLAMA_1B)}
     capacity = 4096 if args.tiny else 16384
     rows = [(1, None, (1, 8), {}), (2, None, (1, 8), {}), (2, None, (1,), dict(disable_cuda_graph=True)),
             (1, "chain5", (1, 8), {}), (2, "chain5", (1, 8), {})]
-    results = [] if args.only_big else run_rows(target, head, device, rows, capacity, 1 if args.tiny else args.repeats)
+    if args.draft_rows:
+        rows = [(1, "standalone5", (1, 8), {}), (2, "standalone5", (1, 8), {}),
+                (2, "standalone5", (1, 8), {}, dict(split_draft_model=True))]
+        args.no_big = True
+    repeats = 1 if args.tiny else args.repeats
+    results = [] if args.only_big else run_rows(target, drafts, device, rows, capacity, repeats)
     shapes = {} if args.only_big else {"Llama-3.1-8B shape, every row": results}
     if not args.no_big:
         big_cfg = dict(TINY, num_hidden_layers=16) if args.tiny else LLAMA_70B
         big, big_head = write_configs(os.path.join(root, "70b"), big_cfg, 512 if args.tiny else 32000)
         shapes["Llama-3.1-70B shape (141 GB of bf16 weights: does not fit one GPU), TP 2"] = run_rows(
-            big, big_head, device, [(2, None, (1, 4), {}), (2, "chain5", (1,), {})], BIG_CAPACITY,
-            1 if args.tiny else args.repeats)
+            big, {"head": big_head}, device, [(2, None, (1, 4), {}), (2, "chain5", (1,), {})], BIG_CAPACITY, repeats)
     text = report(results, shapes, device)
     if args.only_big:
         text = text.replace("## Llama-3.1-8B shape\n", "## Llama-3.1-8B shape (not run: --only-big)\n")

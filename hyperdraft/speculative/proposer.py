@@ -30,6 +30,7 @@ import torch
 
 from hyperdraft.config import EngineArgs
 from hyperdraft.core.schedule import ScheduledRequest
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.request import Request
@@ -76,9 +77,10 @@ class Proposer(Protocol):
     pool: KVPool | None  # the drafter's own K/V pool, under the target's page table; None when it keeps none
 
     @classmethod
-    def load_draft(cls, spec: SpecConfig, target: torch.nn.Module, args: EngineArgs,
-                   device: torch.device) -> torch.nn.Module | None:
-        """The draft model this algorithm runs (None: it needs none), loaded and checked against the target."""
+    def load_draft(cls, spec: SpecConfig, target: torch.nn.Module, args: EngineArgs, device: torch.device,
+                   tp: TensorParallel = SINGLE) -> torch.nn.Module | None:
+        """The draft model this algorithm runs (None: it needs none), loaded and checked against the target. tp: the
+        group a draft that can split is split over (SINGLE: whole on every rank)."""
         return None
 
     @classmethod

@@ -15,6 +15,8 @@ import torch
 
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.engine.lockstep import free_address
+from hyperdraft.models.config import load_model_config
+from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from helpers.spec_fixtures import greedy, mixed_prompts
@@ -124,6 +126,29 @@ def test_two_nodes_give_one_nodes_output(models):
         assert node1.wait(timeout=60) == 0
     finally:
         node1.kill()
+    assert got == want
+    _check_pools_free(states, 2)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_split_standalone_draft_gives_tp1s_output(models, tree):
+    """RuntimeOptions.split_draft_model: the STANDALONE draft is split over the ranks like the target (its heads and
+    MLP columns, its own all-reduces and K/V pool per rank) instead of whole on each."""
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model=models["llama"], speculative_num_steps=3,
+                speculative_eagle_topk=2 if tree else 1, speculative_num_draft_tokens=6 if tree else 4)
+    prompts = mixed_prompts(len(NEW_TOKENS), seed=7, max_len=60)
+    params = [greedy(n) for n in NEW_TOKENS]
+    want, _ = _outputs(models["qwen3"], prompts, params, page_size=4, **spec)
+    llm = LLM(models["qwen3"], device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=24,
+              dist_timeout=120, page_size=4, tp_size=2, runtime_options=RuntimeOptions(split_draft_model=True), **spec)
+    try:
+        got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        draft_cfg = llm.engine.worker.proposer.runner.model.config
+        states = llm.engine.rank_states()
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+    assert draft_cfg.num_heads * 2 == load_model_config(models["llama"]).num_heads  # split, not whole
     assert got == want
     _check_pools_free(states, 2)
 

@@ -20,6 +20,7 @@ from hyperdraft.config import EngineArgs
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.core.host_copy import to_device
 from hyperdraft.core.schedule import ScheduledRequest
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.kernels.draft_plan import PACKED_FIELDS, pack_catch_up
 from hyperdraft.models.decoder import DecoderLM
 from hyperdraft.models.hybrid import HybridLM
@@ -36,8 +37,9 @@ from hyperdraft.speculative.proposers.model_proposer import ModelProposer
 
 class DraftModelProposer(ModelProposer):
     @classmethod
-    def load_draft(cls, spec: SpecConfig, target: DecoderLM, args: EngineArgs, device: torch.device) -> DecoderLM:
-        draft = load_model(spec.draft_model_path, args.dtype, device, args.load_format)
+    def load_draft(cls, spec: SpecConfig, target: DecoderLM, args: EngineArgs, device: torch.device,
+                   tp: TensorParallel = SINGLE) -> DecoderLM:
+        draft = load_model(spec.draft_model_path, args.dtype, device, args.load_format, tp)
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"speculative_draft_model_path: the draft vocabulary has {draft.config.vocab_size} tokens, the target's "

@@ -28,6 +28,7 @@ from hyperdraft.config import EngineArgs
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.core.host_copy import to_device
 from hyperdraft.core.schedule import ScheduledRequest
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.kernels.draft_plan import pack_catch_up
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
@@ -71,10 +72,11 @@ class HeadRunner(GraphedRunner):
 
 class EagleProposer(ModelProposer):
     @classmethod
-    def load_draft(cls, spec: SpecConfig, target: DecoderLM | HybridLM, args: EngineArgs,
-                   device: torch.device) -> EagleHead | Eagle3Head | MtpHead:
+    def load_draft(cls, spec: SpecConfig, target: DecoderLM | HybridLM, args: EngineArgs, device: torch.device,
+                   tp: TensorParallel = SINGLE) -> EagleHead | Eagle3Head | MtpHead:
         """An EAGLE / EAGLE-3 head from speculative_draft_model_path, or the MTP module of a hybrid checkpoint: the
-        target's own when no path is given (NEXTN, MTP), or the checkpoint the path names."""
+        target's own when no path is given (NEXTN, MTP), or the checkpoint the path names. Whole on every rank under
+        tensor parallelism (tp is not used)."""
         path = spec.draft_model_path or args.model_path
         hot_ids = None if spec.token_map is None else load_token_map(spec.token_map, target.config.vocab_size)
         if spec.algorithm == "EAGLE" and load_model_config_if_model(path) is not None:
