@@ -14,15 +14,14 @@ from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.engine.lockstep import (Command, Lockstep, check_devices, init_group, local_rank, node_ranks,
                                         rank_device, start_followers)
+from hyperdraft.engine.memory import kv_bytes_per_slot, kv_capacity_tokens, memory_budget_bytes, state_bytes_per_row
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.numerics import check_deterministic, numerics_mode
 from hyperdraft.engine.scheduler import Scheduler
 from hyperdraft.engine.stop import StopChecker
-from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.kvcache.prefix_cache import PrefixCache
 from hyperdraft.kvcache.radix_tree import RadixTree
-from hyperdraft.kvcache.state_pool import StatePool
 from hyperdraft.models.config import load_model_config
 from hyperdraft.models.loader import load_model
 from hyperdraft.models.tensor_parallel import rank_config
@@ -39,9 +38,6 @@ from hyperdraft.speculative.proposers import proposer_class
 from hyperdraft.speculative.worker import SpecWorker
 
 logger = logging.getLogger("hyperdraft")
-
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -76,43 +72,6 @@ def _configure_logging(level: str) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[hyperdraft %(levelname)s] %(message)s"))
         log.addHandler(handler)
-
-
-def _kv_bytes_per_slot(model) -> int:
-    """Per-token K/V bytes of one model, from its OWN dimensions (a draft's are not the target's)."""
-    cfg = model.config
-    return KVPool.bytes_per_slot(cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)
-
-
-def _state_bytes_per_row(model, verify_width: int) -> int:
-    """A hybrid model's recurrent state per page-table row (its slot and scratch); 0 for a dense model."""
-    cfg = model.config
-    if not cfg.is_hybrid:
-        return 0
-    dtype = next(model.parameters()).dtype
-    return StatePool.bytes_per_slot(cfg.linear_attention, cfg.num_linear_layers, dtype, verify_width)
-
-
-def memory_budget_bytes(args: EngineArgs, kv_bytes_per_token: int, device: torch.device) -> int:
-    """Bytes for the K/V and the recurrent-state pools together: max_total_tokens (CPU default 65536) K/V tokens'
-    worth; on CUDA, mem_fraction_static of the device less what is already resident (the weights)."""
-    if args.max_total_tokens is not None or device.type != "cuda":
-        return (args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS) * kv_bytes_per_token
-    free, total = torch.cuda.mem_get_info(device)
-    return int(free - total * (1 - args.mem_fraction_static))
-
-
-def kv_capacity_tokens(args: EngineArgs, kv_bytes_per_token: int, budget: int, state_bytes: int, rows: int,
-                       device: torch.device) -> int:
-    """The K/V tokens the budget holds after the state pools."""
-    tokens = (budget - state_bytes) // kv_bytes_per_token
-    if tokens >= max(args.page_size * 2, 2):
-        return tokens
-    field = "max_total_tokens" if args.max_total_tokens is not None or device.type != "cuda" else "mem_fraction_static"
-    raise ValueError(f"{field} leaves no room for the K/V cache"
-                     + (f" after the recurrent state of max_running_requests={rows} requests "
-                        f"({state_bytes / 2**20:.1f} MiB): raise {field} or lower max_running_requests"
-                        if state_bytes else ""))
 
 
 class Engine:
@@ -190,9 +149,9 @@ class Engine:
         models), the rest to K/V pages, split by the target's and the draft's bytes per token."""
         args = self.args
         models = [m for m in (model, draft) if m is not None]
-        bytes_per_slot = sum(_kv_bytes_per_slot(m) for m in models)
+        bytes_per_slot = sum(kv_bytes_per_slot(m) for m in models)
         budget = self.lockstep.tp.agree_min(memory_budget_bytes(args, bytes_per_slot, self.device))
-        state_per_row = sum(_state_bytes_per_row(m, self._verify_width()) for m in models)
+        state_per_row = sum(state_bytes_per_row(m, self._verify_width()) for m in models)
         rows = self._fitting_rows(budget, state_per_row)
         capacity = kv_capacity_tokens(args, bytes_per_slot, budget, (rows + 1) * state_per_row, rows, self.device)
         if capacity < args.page_size:

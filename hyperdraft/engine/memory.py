@@ -1,0 +1,49 @@
+"""How much K/V and recurrent state an engine's pools hold: per-token and per-row bytes of each model, from its own
+dimensions, and the budget they share."""
+
+from __future__ import annotations
+
+import torch
+
+from hyperdraft.config import EngineArgs
+from hyperdraft.kvcache.kv_pool import KVPool
+from hyperdraft.kvcache.state_pool import StatePool
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+
+
+def kv_bytes_per_slot(model) -> int:
+    """Per-token K/V bytes of one model, from its OWN dimensions (a draft's are not the target's)."""
+    cfg = model.config
+    return KVPool.bytes_per_slot(cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype)
+
+
+def state_bytes_per_row(model, verify_width: int) -> int:
+    """A hybrid model's recurrent state per page-table row (its slot and scratch); 0 for a dense model."""
+    cfg = model.config
+    if not cfg.is_hybrid:
+        return 0
+    dtype = next(model.parameters()).dtype
+    return StatePool.bytes_per_slot(cfg.linear_attention, cfg.num_linear_layers, dtype, verify_width)
+
+
+def memory_budget_bytes(args: EngineArgs, kv_bytes_per_token: int, device: torch.device) -> int:
+    """Bytes for the K/V and the recurrent-state pools together: max_total_tokens (CPU default 65536) K/V tokens'
+    worth; on CUDA, mem_fraction_static of the device less what is already resident (the weights)."""
+    if args.max_total_tokens is not None or device.type != "cuda":
+        return (args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS) * kv_bytes_per_token
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free - total * (1 - args.mem_fraction_static))
+
+
+def kv_capacity_tokens(args: EngineArgs, kv_bytes_per_token: int, budget: int, state_bytes: int, rows: int,
+                       device: torch.device) -> int:
+    """The K/V tokens the budget holds after the state pools."""
+    tokens = (budget - state_bytes) // kv_bytes_per_token
+    if tokens >= max(args.page_size * 2, 2):
+        return tokens
+    field = "max_total_tokens" if args.max_total_tokens is not None or device.type != "cuda" else "mem_fraction_static"
+    raise ValueError(f"{field} leaves no room for the K/V cache"
+                     + (f" after the recurrent state of max_running_requests={rows} requests "
+                        f"({state_bytes / 2**20:.1f} MiB): raise {field} or lower max_running_requests"
+                        if state_bytes else ""))
