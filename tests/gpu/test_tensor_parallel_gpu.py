@@ -1,6 +1,7 @@
 """--tp-size 2 on two GPUs: NCCL for the model's collectives, captured inside the CUDA graphs, a gloo group beside it
 for the lockstep commands. fp32 tiny models: greedy output of TP 2 equals TP 1 for plain decoding (graphs and
-eager), NGRAM, STANDALONE, EAGLE and EAGLE-3 (chains and trees) and adaptive goodput speculation; seeded sampling
+eager), NGRAM, STANDALONE, EAGLE and EAGLE-3 (chains and trees), adaptive goodput speculation, and a Qwen3.5 hybrid
+(its Gated DeltaNet split by key-head groups) plain and with its MTP head; seeded sampling
 equals too; every rank's pool ends free, and the ranks agree on their pool sizes and tiers.
 
 Run on a machine with two GPUs: `python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q`. Not part of CI.
@@ -30,7 +31,10 @@ def models(tmp_path_factory):
     goodput = root / "goodput.json"
     goodput.write_text(json.dumps({"strategy": "goodput", "goodput": {"warmup": 2, "decide_every": 2,
                                                                       "explore_every": 4}, "1": [1, 3, 5], "8": [0, 1, 3]}))
-    return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0),
+    from helpers.hybrid_fixtures import with_mtp_weights
+
+    hybrid = with_mtp_weights(make_tiny_model(str(root / "qwen3_5"), "qwen3_5", seed=3), str(root / "qwen3_5_mtp"))
+    return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0), "qwen3_5": hybrid,
             "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1), "llama6": llama6,
             "eagle3": write_random_eagle_checkpoint(str(root / "e3"), llama6, kind="eagle3", draft_vocab_size=200),
             "eagle": write_random_eagle_checkpoint(str(root / "e1"), llama6, kind="eagle"), "goodput": str(goodput)}
@@ -69,6 +73,11 @@ CASES = {
                                   speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)),
     "ngram-goodput": ("llama", dict(speculative_algorithm="NGRAM", speculative_adaptive=True,
                                     speculative_adaptive_config="goodput")),
+    "hybrid-plain": ("qwen3_5", {}),
+    "hybrid-mtp-chain": ("qwen3_5", dict(speculative_algorithm="NEXTN", speculative_num_steps=3,
+                                         speculative_eagle_topk=1)),
+    "hybrid-mtp-tree": ("qwen3_5", dict(speculative_algorithm="NEXTN", speculative_num_steps=3,
+                                        speculative_eagle_topk=2, speculative_num_draft_tokens=5)),
 }
 
 
