@@ -92,9 +92,9 @@ class Engine:
             self.lockstep = self._lockstep(tp)
             try:
                 tree = self._build()
-            except BaseException:
+            except BaseException as error:
                 if self.lockstep.leads:  # followers may be anywhere in their own build: end them
-                    self.lockstep.abandon()
+                    self._abandon_group(error)
                 raise
         self.prefix_cache = self._prefix_cache(tree)
         self.scheduler = self._make_scheduler()
@@ -124,6 +124,17 @@ class Engine:
         if graphs is not None:
             self.worker.capture_graphs(list(graphs.batch_sizes))
         return tree
+
+    def _abandon_group(self, error: BaseException) -> None:
+        """Rank 0's build failed: end the followers and leave the group. When a follower's exit is what failed it
+        (rank 0 only sees its collective break), say which rank."""
+        broken = isinstance(error, Exception) and not isinstance(error, ValueError)  # ValueError: rank 0's own verdict
+        dead = self.lockstep.exited(wait=2.0) if broken else []
+        self.lockstep.abandon()
+        if dead:
+            rank, code = dead[0]
+            raise RuntimeError(f"tensor-parallel rank {rank} exited (code {code}) while building its engine; its own "
+                               "error is in its output") from error
 
     def _lockstep(self, tp: TensorParallel | None) -> Lockstep:
         if tp is not None or self.args.tp_size == 1:

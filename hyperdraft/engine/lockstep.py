@@ -176,8 +176,14 @@ class Lockstep:
             dist.destroy_process_group()
         self.tp = SINGLE
 
+    def exited(self, wait: float = 0.0) -> list[tuple[int, int]]:
+        """(rank, exit code) of this node's followers that have exited, each given up to `wait` seconds to."""
+        for p in self.followers:
+            p.join(timeout=wait)
+        return [(rank, p.exitcode) for rank, p in enumerate(self.followers, 1) if p.exitcode is not None]
+
     def _check_followers(self) -> None:
         """This node's followers; a rank on another node that dies fails rank 0's next collective instead."""
-        dead = [(rank, p.exitcode) for rank, p in enumerate(self.followers, 1) if not p.is_alive()]
+        dead = self.exited()
         if dead:
             raise RuntimeError(f"tensor-parallel rank {dead[0][0]} exited (code {dead[0][1]}): the engine cannot go on")

@@ -196,6 +196,20 @@ def test_a_moe_model_is_refused_before_any_process_starts(tmp_path):
     assert not dist.is_initialized()
 
 
+def test_a_follower_that_dies_while_building_is_named(models, monkeypatch):
+    """Rank 0 only sees its collective break (gloo: connection closed); the error names the rank that exited and its
+    code, and the group is left so another engine can start."""
+    import torch.distributed as dist
+
+    import hyperdraft.engine.engine as engine_module
+    from helpers.tp_faults import follow_then_exit
+
+    monkeypatch.setattr(engine_module, "follow", follow_then_exit)
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 exited \(code 3\) while building its engine"):
+        LLM(models["llama"], device="cpu", tp_size=2, dist_timeout=60)
+    assert not dist.is_initialized()
+
+
 def test_an_engine_that_fails_to_build_ends_its_followers(models, tmp_path):
     """The draft path is checked after the follower started: rank 0 ends it and leaves the group, so this process
     can build another tensor-parallel engine."""
