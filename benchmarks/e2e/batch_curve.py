@@ -1,6 +1,6 @@
 """Tokens/s against batch size, 1 to 256, on the default model (SmolLM2-135M-Instruct, bf16, GPU): plain decoding
-with the graph bound derived from free memory (up to 256) against the old fixed bound of 64, and NGRAM under
-adaptive tiers. A batch of B is B MT-bench first turns (repeated past 80) submitted at once, greedy, --new-tokens
+with the graph bound derived from free memory (up to 256) against the old fixed bound of 64, and NGRAM and a
+STANDALONE self-draft under adaptive tiers (`--rows NAME ...` runs a subset). A batch of B is B MT-bench first turns (repeated past 80) submitted at once, greedy, --new-tokens
 each, on one engine per row (room for 256 requests); tok/s = output tokens / wall time of the generate call, the median of
 three, after an unmeasured run of the same batch.
 
@@ -20,11 +20,16 @@ from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
+SELF = "<the model>"  # a row's draft path that stands for the model itself
 REPEATS = 3  # timed runs per batch size; the median is reported (a batch-1 run is a few tenths of a second)
 ROWS = {  # name -> engine arguments over the common ones
     "plain, graphs to 64 (the old default)": dict(cuda_graph_max_bs=64),
     "plain, graphs as memory allows": {},
     "NGRAM, adaptive": dict(speculative_algorithm="NGRAM", speculative_adaptive=True),
+    # A model drafter under adaptive tiers (no smaller SmolLM2 exists: the model drafts for itself, so every draft is
+    # accepted and the curve shows what the tiers cost, not what a draft gains).
+    "STANDALONE self-draft, adaptive": dict(speculative_algorithm="STANDALONE", speculative_adaptive=True,
+                                            speculative_draft_model_path=SELF),
 }
 
 
@@ -54,6 +59,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--rows", nargs="*", default=None, help="run only the rows whose names contain one of these")
     args = ap.parse_args()
     require_cuda()
     model = ensure_default_model()
@@ -68,6 +74,9 @@ def main() -> None:
              "tok/s = output tokens / wall time of the generate call, median of 3 after an unmeasured run", "",
              "| row | " + " | ".join(f"B={b}" for b in BATCHES) + " |", "|---|" + "---|" * len(BATCHES)]
     for name, extra in ROWS.items():
+        if args.rows is not None and not any(r in name for r in args.rows):
+            continue
+        extra = {k: (model if v == SELF else v) for k, v in extra.items()}
         rates = curve(model, prompts, args.new_tokens, {**common, **extra})
         lines.append(f"| {name} | " + " | ".join(f"{r:.0f}" for r in rates) + " |")
         print(lines[-1], flush=True)
