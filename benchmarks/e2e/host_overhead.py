@@ -172,9 +172,24 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
     for _ in range(warmup):
         engine.step()
     assert len(engine.scheduler.running) == bs and not engine.scheduler.waiting
-    walls, forwards, tokens = [], [], 0
+    # Instrumentation: the scheduler's two calls per step are timed too (schedule; commit, which runs the stop checks)
+    phase_time = {"schedule": 0.0, "commit": 0.0}
+
+    def timed_phase(name, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                phase_time[name] += time.perf_counter() - start
+        return timed
+
+    engine.scheduler.schedule = timed_phase("schedule", engine.scheduler.schedule)
+    engine.scheduler.commit = timed_phase("commit", engine.scheduler.commit)
+    walls, forwards, tokens, phases = [], [], 0, {"schedule": [], "commit": []}
     for _ in range(steps):
         inside[0] = 0.0
+        phase_time.update(schedule=0.0, commit=0.0)
         if prof:
             profiling[0] = True
             prof.enable()
@@ -186,6 +201,8 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
             profiling[0] = False
         walls.append(wall)
         forwards.append(inside[0])
+        for name, seconds in phase_time.items():
+            phases[name].append(seconds)
         tokens += sum(len(o.new_token_ids) for o in outs)
         assert len(outs) == bs and not any(o.finished for o in outs), "a request finished inside the measured steps"
     import hyperdraft.sample.rng as rng
@@ -201,6 +218,8 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
     result = {"case": case, "bs": bs, "steps": steps, "host_ms": 1e3 * statistics.median(host),
               "host_ms_mean": 1e3 * statistics.fmean(host), "wall_ms": 1e3 * statistics.median(walls),
               "forward_ms": 1e3 * statistics.median(forwards), "tokens_per_step": tokens / steps,
+              "schedule_ms": 1e3 * statistics.median(phases["schedule"]),
+              "commit_ms": 1e3 * statistics.median(phases["commit"]),
               "torch_calls_per_step": counter.total / COUNTED_STEPS,
               "top_calls": {k: v / COUNTED_STEPS for k, v in counter.by_name.most_common(40)}}
     if prof:
@@ -300,8 +319,9 @@ def main() -> None:
 
 def table(best: dict, a, trees) -> list[str]:
     with_old = len(trees) > 1
-    head = "| case | batch | host ms/step | torch calls/step | forward ms/step | tokens/step |"
-    sep = "|---|---:|---:|---:|---:|---:|"
+    head = ("| case | batch | host ms/step | schedule ms | commit ms (stop checks included) | worker host ms | "
+            "torch calls/step | forward ms/step | tokens/step |")
+    sep = "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     if with_old:
         head = ("| case | batch | host ms/step (old) | host ms/step (new) | new / old | torch calls/step (old) | "
                 "torch calls/step (new) | forward ms/step (new) | tokens/step | same outputs |")
@@ -317,7 +337,9 @@ def table(best: dict, a, trees) -> list[str]:
                              f"{new['torch_calls_per_step']:.0f} | {new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} | "
                              f"{'yes' if old['outputs_hash'] == new['outputs_hash'] else 'NO'} |")
             else:
-                lines.append(f"| {case} | {bs} | {new['host_ms']:.3f} | {new['torch_calls_per_step']:.0f} | "
+                worker = new["host_ms"] - new["schedule_ms"] - new["commit_ms"]  # medians: an approximate split
+                lines.append(f"| {case} | {bs} | {new['host_ms']:.3f} | {new['schedule_ms']:.3f} | "
+                             f"{new['commit_ms']:.3f} | {worker:.3f} | {new['torch_calls_per_step']:.0f} | "
                              f"{new['forward_ms']:.3f} | {new['tokens_per_step']:.2f} |")
     return lines
 
