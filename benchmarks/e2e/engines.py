@@ -175,8 +175,8 @@ def median_run(engine, bs: int, input_len: int, output_len: int, seed: int, repe
 
 
 def free(engine) -> None:
-    """Drop an engine and its CUDA graphs (the shared weights stay)."""
-    engine.runner.graphs = None
+    """Drop an engine and its CUDA graphs, the drafter's too (Engine.close; the shared weights stay)."""
+    engine.close()
     del engine
     gc.collect()
     if torch.cuda.is_available():

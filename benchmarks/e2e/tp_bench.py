@@ -85,8 +85,7 @@ def measure_row(target, drafts, device, tp, spec_name, batches, extra, capacity,
             results.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        engine.close()
-        engine.runner.graphs = None
+        engine.close()  # destroys its graphs before the group goes
     return results
 
 

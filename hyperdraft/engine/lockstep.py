@@ -46,21 +46,24 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
+def ranks_per_node(args: EngineArgs) -> int:
+    return args.tp_size // args.nnodes
+
+
 def local_rank(args: EngineArgs, rank: int) -> int:
     """A rank's index among its node's ranks (its GPU from the node's first)."""
-    return rank % (args.tp_size // args.nnodes)
+    return rank % ranks_per_node(args)
 
 
 def node_ranks(args: EngineArgs) -> range:
     """The ranks this node hosts."""
-    per_node = args.tp_size // args.nnodes
+    per_node = ranks_per_node(args)
     return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
 
 
 def check_devices(args: EngineArgs, device: torch.device) -> None:
     """Before any process starts: one GPU per local rank."""
-    per_node = args.tp_size // args.nnodes
-    if device.type == "cuda" and (device.index or 0) + per_node > torch.cuda.device_count():
+    if device.type == "cuda" and (device.index or 0) + ranks_per_node(args) > torch.cuda.device_count():
         raise ValueError(f"tp_size={args.tp_size} over nnodes={args.nnodes} needs one GPU per rank from {device}: "
                          f"this machine has {torch.cuda.device_count()} (lower tp_size or pick another device)")
 

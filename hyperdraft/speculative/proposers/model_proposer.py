@@ -15,8 +15,8 @@ values) or that no one reads before a draft step overwrites it, in slots reserve
 released and written by their new owner after it (one stream). The drafts equal those propose() would make.
 RuntimeOptions.draft_ahead turns it off. EAGLE heads draft ahead, chains and trees; a STANDALONE draft model drafts
 chains ahead. Its K/V of accepted drafts is kept across rounds (draft_num_computed reaches past the committed tokens),
-so the room the queued draft writes is held through the commit that follows (PageTable.reserve_ahead's hold): the
-next round finds that K/V in the row's own pages.
+so the part of the queued draft's room that the next round reads is held through the commit that follows
+(PageTable.reserve_ahead's hold): the next round finds that K/V in the row's own pages.
 
 A subclass gives:
   catch_up_tokens(req)                  the tokens its catch-up feeds, from index req.draft_num_computed on (>= 1);
