@@ -77,7 +77,7 @@ def assert_kv_accounted(engine) -> None:
         f"{table.num_private_slots} != {engine.kv_capacity_slots}")
     cache = table.cache
     if cache is not None:
-        nodes = cache._nodes()
+        nodes = cache.nodes()
         assert sum(len(n.pages) for n in nodes) == cache.num_pages
         assert sum(len(n.pages) for n in nodes if n.refs == 0) == cache.evictable_pages
         locks = [r.cache_node for r in engine.scheduler.running if r.cache_node is not None]

@@ -39,7 +39,7 @@ class Reference:
 
 def check(tree: RadixTree, ref: Reference, locks: list[tuple]) -> None:
     assert tree.num_pages == len(ref.pages)
-    pages = [p for n in tree._nodes() for p in n.pages]
+    pages = [p for n in tree.nodes() for p in n.pages]
     assert sorted(pages) == sorted(ref.pages.values()) and len(set(pages)) == len(pages)
     assert tree.evictable_pages == len(ref.pages) - len(ref.locked(locks))
 
@@ -84,7 +84,12 @@ def test_random_operations_match_the_reference(page_size, seed):
 
 
 def _evict_and_check(tree: RadixTree, ref: Reference, locks: list[tuple], want: int) -> None:
-    leaves = [n for n in tree._nodes() if not n.children and n.refs == 0]
+    leaves = [n for n in tree.nodes() if not n.children and n.refs == 0]
+    # the candidate heap's invariant: every unreferenced leaf waits in it under a time no later than its last use
+    queued = {}
+    for pushed_use, _, node in tree._candidates:
+        queued[id(node)] = min(pushed_use, queued.get(id(node), pushed_use))
+    assert all(id(n) in queued and queued[id(n)] <= n.last_use for n in leaves)
     oldest = min(leaves, key=lambda n: n.last_use).pages if leaves else []
     evictable = tree.evictable_pages
     freed = tree.evict(want)
