@@ -154,12 +154,18 @@ def _add_train_draft(sub) -> None:
     train.add_argument("--num-samples", type=int, default=2000, help="training prompts (default: 2000)")
     train.add_argument("--max-len", type=int, default=512, help="tokens per sample, prompt + answer (default: 512)")
     train.add_argument("--epochs", type=int, default=3, help="passes over the samples (default: 3)")
-    train.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: 1e-4)")
+    train.add_argument("--lr", type=float, default=1e-4,
+                       help="peak AdamW learning rate: warmup, then a cosine down to 0.1 x (default: 1e-4)")
     train.add_argument("--batch-size", type=int, default=16, help="samples per optimizer step (default: 16)")
     train.add_argument("--draft-vocab-size", type=int,
                        help="target ids the head scores, the most frequent in the answers (default: all)")
     train.add_argument("--ttt-steps", type=int, default=5, help="unrolled draft steps per position (default: 5)")
-    train.add_argument("--temperature", type=float, default=0.0, help="of the target's answers (default: 0, greedy)")
+    train.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                       help="of the target's answers; several: each prompt is answered once per temperature "
+                            "(default: 0, greedy)")
+    train.add_argument("--validation-fraction", type=float, default=0.02,
+                       help="prompts held out, in [0, 0.5); the head is published only when it beats earlier "
+                            "epochs on them (default: 0.02; 0: publish every epoch)")
     train.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     train.add_argument("--device", default="cuda" if _cuda() else "cpu", help="default: cuda when available")
     train.add_argument("--dtype", default="auto", help="the target's dtype (default: auto)")
@@ -255,8 +261,8 @@ def _train_draft(ns: argparse.Namespace) -> None:
         ns.subparser.error("--out is required")
     cfg = TrainConfig(_model_path(ns), ns.out, prompts=ns.prompts, num_samples=ns.num_samples, max_len=ns.max_len,
                       epochs=ns.epochs, lr=ns.lr, draft_vocab_size=ns.draft_vocab_size, ttt_steps=ns.ttt_steps,
-                      temperature=ns.temperature, resume=ns.resume, device=ns.device, dtype=ns.dtype, seed=ns.seed,
-                      batch_size=ns.batch_size)
+                      temperatures=tuple(ns.temperature), resume=ns.resume, device=ns.device, dtype=ns.dtype,
+                      seed=ns.seed, batch_size=ns.batch_size, validation_fraction=ns.validation_fraction)
     print(json.dumps(train_draft(cfg)))
     print(f"head written to {ns.out}: use it with --speculative-algorithm EAGLE3 --speculative-draft-model-path {ns.out}")
 

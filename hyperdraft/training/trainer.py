@@ -13,14 +13,25 @@ Loss: cross-entropy against the soft label, step s weighted STEP_DECAY^s, averag
 and then over the batch. Accuracy at step s: the head's argmax
 (as a target id) equals the target's argmax, i.e. greedy acceptance of the s-th draft given the earlier ones.
 
-The head is the inference module itself (models/eagle.Eagle3Head), trained in fp32 with the torch reference paths
-(RuntimeOptions without fused kernels: Triton launches have no backward), so what is trained is what runs.
+Each prompt is answered once per temperature (cfg.temperatures). validation_fraction of the prompts, with all their
+answers, are held out (plan.split_samples: a seeded shuffle, the same after --resume): never trained on, not counted
+in the draft vocabulary. After each epoch the head is scored on them, and the published head (config.json,
+model.safetensors) is rewritten only when its estimated accept length beats every earlier epoch's, so a head that
+has begun to memorise its training answers does not replace a better one; the checkpoint (for --resume) always holds
+the last epoch's head. With nothing held out every epoch's head is published.
+The lr warms up linearly over the first 2% of the optimizer steps, then decays along a cosine to 0.1 x lr at the
+last step (plan.lr_schedule).
+
+The head is the inference module itself (models/eagle.Eagle3Head), run through the torch reference paths
+(RuntimeOptions without fused kernels: Triton launches have no backward), so what is trained is what runs. Its
+parameters and AdamW stay fp32; with a bf16 target its forward and logits run under bf16 autocast, the loss in fp32.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -33,6 +44,7 @@ from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, eagle_con
 from hyperdraft.models.loader import load_model
 from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
 from hyperdraft.training.head_io import head_config, load_checkpoint, save_checkpoint, save_head
+from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_samples
 from hyperdraft.training.samples import (Sample, SampleStore, answer, load_prompts, refuse_evaluation_prompts,
                                          self_written_prompts)
 from hyperdraft.training.unroll_attention import UnrollAttention
@@ -41,6 +53,7 @@ STEP_DECAY = 0.8  # EAGLE-3's weighting of later unrolled steps
 GRAD_CLIP = 0.5
 LOG = "train_log.jsonl"
 SAMPLES = "samples.jsonl"  # the target's answers, appended as they are made (a stopped run resumes them)
+SAMPLES_COPY = "samples_{}.jsonl"  # the answers at the c-th temperature, c >= 1
 SELF_PROMPTS = "self_prompts.jsonl"
 LOG_EVERY = 25  # samples per logged point
 
@@ -53,16 +66,17 @@ class TrainConfig:
     num_samples: int = 2000
     max_len: int = 512
     epochs: int = 3
-    lr: float = 1e-4
+    lr: float = 1e-4  # the peak of the schedule
     draft_vocab_size: int | None = None  # None: the target's whole vocabulary
     ttt_steps: int = 5
-    temperature: float = 0.0  # of the target's answers
+    temperatures: tuple[float, ...] = (0.0,)  # of the target's answers: each prompt answered once per temperature
     resume: bool = False
     device: str = "cpu"
     dtype: str = "auto"  # the target's (and the written head's) dtype
     seed: int = 0
     progress: bool = True
     batch_size: int = 16  # samples per optimizer step
+    validation_fraction: float = 0.02  # of the prompts, held out to choose the published epoch
 
 
 def train_draft(cfg: TrainConfig) -> dict:
@@ -70,34 +84,42 @@ def train_draft(cfg: TrainConfig) -> dict:
     _check(cfg)
     os.makedirs(cfg.out, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    state = load_checkpoint(cfg.out) if cfg.resume else None
+    state = _resume_state(cfg) if cfg.resume else None
     samples = [Sample(*s) for s in state["samples"]] if state else _make_samples(cfg)
+    train, held_out = split_samples(samples, cfg.validation_fraction, cfg.seed)
     device = torch.device(cfg.device)
     target = load_model(cfg.model, cfg.dtype, device)
     vocab = DraftVocab(state["vocab"]) if state else frequent_tokens(
-        [s.token_ids[s.answer_start:] for s in samples], target.config.vocab_size,
+        [s.token_ids[s.answer_start:] for s in train], target.config.vocab_size,
         cfg.draft_vocab_size or target.config.vocab_size)
     aux_ids = default_aux_layer_ids(target.config.num_layers)
     config = head_config(target.config, int(vocab.target_ids.numel()), aux_ids)
     head = _new_head(config, target, vocab, aux_ids, device)
+    draft_ids = vocab.target_ids.to(device)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr)
-    first_epoch = 0
+    # The batch count of an epoch depends only on the training samples and batch_size, not on the shuffle.
+    scheduler = lr_schedule(optimizer, cfg.epochs * len(_batches(train, cfg.batch_size, random.Random(0))))
+    first_epoch, best = 0, -math.inf
     if state:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
-        first_epoch = state["epoch"] + 1
+        scheduler.load_state_dict(state["scheduler"])
+        first_epoch, best = state["epoch"] + 1, state["best"]
     metrics: dict = {}
     training_options = dataclasses.replace(options.current(), fused_kernels=False, gemv=False, cuda_kernels=False)
     with options.activated(training_options):
         for epoch in range(first_epoch, cfg.epochs):
-            metrics = _epoch(cfg, epoch, samples, target, head, vocab, optimizer)
-            save_checkpoint(cfg.out, {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+            metrics = _epoch(cfg, epoch, train, target, head, draft_ids, optimizer, scheduler)
+            metrics, best = _validate_and_publish(cfg, epoch, metrics, held_out, target, head, draft_ids, config, best)
+            save_checkpoint(cfg.out, {"head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                                      "scheduler": scheduler.state_dict(), "epoch": epoch, "best": best,
+                                      "validation_fraction": cfg.validation_fraction, "seed": cfg.seed,
                                       "samples": [dataclasses.astuple(s) for s in samples],
                                       "vocab": vocab.target_ids, "metrics": metrics})
-            # the published head after every epoch: a run stopped by a time limit leaves a usable head behind
-            save_head(cfg.out, config, head, next(target.parameters()).dtype)
             plot_log(cfg.out)
-    if first_epoch >= cfg.epochs:  # a resume with nothing left to train: still write the layout
+    # A resume with nothing left to train still writes the layout; with a held-out set the best head was written
+    # before the checkpoint that counts its epoch, and the checkpoint's (last) head must not replace it.
+    if first_epoch >= cfg.epochs and not held_out:
         save_head(cfg.out, config, head, next(target.parameters()).dtype)
     return metrics
 
@@ -110,6 +132,25 @@ def _check(cfg: TrainConfig) -> None:
         raise ValueError(f"lr must be > 0, got {cfg.lr}")
     if cfg.max_len < 16:
         raise ValueError(f"max_len must be >= 16, got {cfg.max_len}")
+    if not 0 <= cfg.validation_fraction < 0.5:
+        raise ValueError(f"validation_fraction must be in [0, 0.5), got {cfg.validation_fraction}")
+    if not cfg.temperatures:
+        raise ValueError("temperature: give at least one")
+    for temperature in cfg.temperatures:
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+
+def _resume_state(cfg: TrainConfig) -> dict:
+    state = load_checkpoint(cfg.out)
+    if "scheduler" not in state:
+        raise ValueError(f"--resume: {cfg.out}'s checkpoint predates the lr schedule and the held-out split: train "
+                         "again without --resume (the stored answers, samples*.jsonl, are reused)")
+    for name in ("validation_fraction", "seed"):  # either would move prompts between the held-out and trained sides
+        if state[name] != getattr(cfg, name):
+            raise ValueError(f"--resume: {name} {getattr(cfg, name)} differs from the checkpoint's {state[name]} (the "
+                             "held-out prompts would change)")
+    return state
 
 
 def _make_samples(cfg: TrainConfig) -> list[Sample]:
@@ -122,8 +163,10 @@ def _make_samples(cfg: TrainConfig) -> list[Sample]:
         else:
             prompts = self_written_prompts(llm, cfg.num_samples, cfg.seed, os.path.join(cfg.out, SELF_PROMPTS))
         refuse_evaluation_prompts(prompts)
-        samples = answer(llm, prompts, cfg.max_len, cfg.temperature, cfg.seed,
-                         SampleStore(os.path.join(cfg.out, SAMPLES)))
+        samples: list[Sample] = []
+        for c, temperature in enumerate(cfg.temperatures):  # copy c's seeds follow copy c - 1's: no answer shares one
+            store = SampleStore(os.path.join(cfg.out, SAMPLES if c == 0 else SAMPLES_COPY.format(c)))
+            samples += answer(llm, prompts, cfg.max_len, temperature, cfg.seed + c * len(prompts), store)
     finally:
         llm.shutdown()
     if not samples:
@@ -143,11 +186,10 @@ def _new_head(config: dict, target, vocab: DraftVocab, aux_ids, device) -> Eagle
     return head.float().train()
 
 
-def _epoch(cfg: TrainConfig, epoch: int, samples: list[Sample], target, head: Eagle3Head, vocab: DraftVocab,
-           optimizer) -> dict:
+def _epoch(cfg: TrainConfig, epoch: int, samples: list[Sample], target, head: Eagle3Head, draft_ids: torch.Tensor,
+           optimizer, scheduler) -> dict:
     from tqdm import tqdm
 
-    draft_ids = vocab.target_ids.to(head.d2t.device)
     whole, window = _Totals(cfg.ttt_steps), _Totals(cfg.ttt_steps)
     bar = tqdm(total=len(samples), desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress)
     done = 0
@@ -157,26 +199,58 @@ def _epoch(cfg: TrainConfig, epoch: int, samples: list[Sample], target, head: Ea
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
         optimizer.step()
+        lr = scheduler.get_last_lr()[0]  # the lr this step ran at
+        scheduler.step()
         for totals in (whole, window):
             totals.add(float(loss.detach()), correct, counted)
         done += len(batch)
         bar.update(len(batch))
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         if window.samples * cfg.batch_size >= LOG_EVERY or done == len(samples):  # the curves' points: window means
-            _log(cfg.out, {"kind": "window", "step": epoch * len(samples) + done, **window.means()})
+            _log(cfg.out, {"kind": "window", "step": epoch * len(samples) + done, **window.means(), "lr": lr})
             window = _Totals(cfg.ttt_steps)
-    metrics = {"epoch": epoch + 1, **whole.means()}
+    return {"epoch": epoch + 1, "step": (epoch + 1) * len(samples), **whole.means()}
+
+
+def _validate_and_publish(cfg: TrainConfig, epoch: int, metrics: dict, held_out: list[Sample], target,
+                          head: Eagle3Head, draft_ids: torch.Tensor, config: dict, best: float) -> tuple[dict, float]:
+    """Score the epoch's head on the held-out samples; publish it when it beats every earlier epoch's (with nothing
+    held out, always: a run stopped by a time limit leaves a usable head behind); log the epoch.
+    -> (the epoch's metrics, the best score so far)."""
+    published = True
+    if held_out:
+        validation = _validate(cfg, held_out, target, head, draft_ids)
+        _log(cfg.out, {"kind": "validation", "epoch": epoch + 1, "step": metrics["step"],
+                       **validation})
+        published = validation["accept_length_estimate"] > best
+        best = max(best, validation["accept_length_estimate"])
+        metrics = {**metrics, "validation": validation}
+    metrics = {**metrics, "published": published}
+    if published:
+        save_head(cfg.out, config, head, next(target.parameters()).dtype)
     _log(cfg.out, {"kind": "epoch", **metrics})
-    return metrics
+    return metrics, best
+
+
+def _validate(cfg: TrainConfig, held_out: list[Sample], target, head: Eagle3Head, draft_ids: torch.Tensor) -> dict:
+    totals = _Totals(cfg.ttt_steps)
+    ordered = sorted(held_out, key=lambda s: len(s.token_ids))  # less padding; a sample's loss ignores its batch
+    with torch.no_grad():
+        for start in range(0, len(ordered), cfg.batch_size):
+            batch = ordered[start:start + cfg.batch_size]
+            loss, correct, counted = _batch_loss(batch, target, head, draft_ids, cfg.ttt_steps)
+            totals.add(float(loss), correct, counted, weight=len(batch))  # the mean over samples, not batches
+    means = totals.means()
+    return {**means, "accept_length_estimate": accept_length_estimate(means["accuracy_by_step"])}
 
 
 class _Totals:
     def __init__(self, steps: int):
-        self.loss, self.samples = 0.0, 0
+        self.loss, self.samples = 0.0, 0  # samples: the weights' sum (batches, while training)
         self.correct, self.counted = [0.0] * steps, [0.0] * steps
 
-    def add(self, loss: float, correct: list[float], counted: list[float]) -> None:
-        self.loss, self.samples = self.loss + loss, self.samples + 1
+    def add(self, loss: float, correct: list[float], counted: list[float], weight: int = 1) -> None:
+        self.loss, self.samples = self.loss + loss * weight, self.samples + weight
         self.correct = [a + b for a, b in zip(self.correct, correct)]
         self.counted = [a + b for a, b in zip(self.counted, counted)]
 
@@ -221,20 +295,24 @@ def _batch_loss(batch: list[Sample], target, head: Eagle3Head, draft_ids: torch.
     answer_start = torch.tensor([s.answer_start for s in batch], device=device)[:, None]
     in_answer = (rows + 2 >= answer_start) & (rows + 2 < lens)  # [B, n]: answer tokens, not padding
     tokens, positions = ids[:, 1:length - 1].flatten(), rows.repeat(b)
-    hidden = head.project_target_hidden(torch.cat(captured, -1).view(b, length, -1)[:, :n].flatten(0, 1).float())
-    attention = UnrollAttention(b)
-    loss = torch.zeros((), device=device)
-    correct, counted = [], []
-    for s in range(steps):
-        out = head(tokens, positions, hidden, attention)  # [B * n, H]
-        log_q = F.log_softmax(head.compute_draft_logits(out).float(), dim=-1).view(b, n, -1)
-        valid = in_answer & (rows >= s)
-        weight = valid.float() / valid.sum(1, keepdim=True).clamp_min(1)  # each sample's positions average to 1
-        loss = loss + STEP_DECAY ** s * (-(soft * log_q).sum(-1) * weight).sum() / b
-        correct.append(((draft_ids[log_q.argmax(-1)] == target_top) & valid).sum())
-        counted.append(valid.sum())
-        out = out.view(b, n, -1)  # step s + 1 at i is fed step s at i - 1
-        hidden = torch.cat([out.new_zeros(b, 1, out.shape[-1]), out[:, :-1]], dim=1).flatten(0, 1)
+    # The head's fp32 matmuls, which get no tensor cores, dominated GPU training time; under a bf16 target they run
+    # in bf16 (parameters and AdamW stay fp32). Not for fp16: its gradients would need a GradScaler against
+    # underflow. Not for fp32: that path stays exact.
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=next(target.parameters()).dtype == torch.bfloat16):
+        hidden = head.project_target_hidden(torch.cat(captured, -1).view(b, length, -1)[:, :n].flatten(0, 1).float())
+        attention = UnrollAttention(b)
+        loss = torch.zeros((), device=device)
+        correct, counted = [], []
+        for s in range(steps):
+            out = head(tokens, positions, hidden, attention)  # [B * n, H]
+            log_q = F.log_softmax(head.compute_draft_logits(out).float(), dim=-1).view(b, n, -1)
+            valid = in_answer & (rows >= s)
+            weight = valid.float() / valid.sum(1, keepdim=True).clamp_min(1)  # each sample's positions average to 1
+            loss = loss + STEP_DECAY ** s * (-(soft * log_q).sum(-1) * weight).sum() / b
+            correct.append(((draft_ids[log_q.argmax(-1)] == target_top) & valid).sum())
+            counted.append(valid.sum())
+            out = out.view(b, n, -1)  # step s + 1 at i is fed step s at i - 1
+            hidden = torch.cat([out.new_zeros(b, 1, out.shape[-1]), out[:, :-1]], dim=1).flatten(0, 1)
     return loss, torch.stack(correct).tolist(), torch.stack(counted).tolist()
 
 
@@ -250,8 +328,9 @@ def _causal_within(batch: int):
 
 
 def plot_log(out_dir: str) -> str | None:
-    """training.png (loss, and accuracy per unrolled step, against samples seen) from train_log.jsonl; None without
-    matplotlib (the log stays; `hyperdraft train-draft --plot DIR` draws it on a machine that has it)."""
+    """training.png (loss, and accuracy per unrolled step, against samples seen; the held-out points, when there are
+    any, as circles) from train_log.jsonl; None without matplotlib (the log stays; `hyperdraft train-draft --plot
+    DIR` draws it on a machine that has it)."""
     try:
         import matplotlib
 
@@ -261,14 +340,23 @@ def plot_log(out_dir: str) -> str | None:
         print("train-draft: matplotlib is not installed; train_log.jsonl holds the curves")
         return None
     with open(os.path.join(out_dir, LOG)) as f:
-        rows = [row for row in map(json.loads, filter(str.strip, f)) if row.get("kind") == "window"]
+        rows = list(map(json.loads, filter(str.strip, f)))
+    held = [r for r in rows if r.get("kind") == "validation" and "step" in r]
+    rows = [r for r in rows if r.get("kind") == "window"]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [r["step"] for r in rows]
     ax_loss.plot(steps, [r["loss"] for r in rows], marker=".")
+    if held:
+        ax_loss.plot([r["step"] for r in held], [r["loss"] for r in held], marker="o", ls="--", label="held out")
+        ax_loss.legend()
     ax_loss.set(xlabel="samples seen", ylabel="loss", title="training loss")
     for s in range(len(rows[0]["accuracy_by_step"])):
-        ax_acc.plot(steps, [r["accuracy_by_step"][s] for r in rows], marker=".", label=f"draft {s + 1}")
-    ax_acc.set(xlabel="samples seen", ylabel="accuracy", title="argmax agreement per draft position", ylim=(0, 1))
+        line, = ax_acc.plot(steps, [r["accuracy_by_step"][s] for r in rows], marker=".", label=f"draft {s + 1}")
+        if held:
+            ax_acc.plot([r["step"] for r in held], [r["accuracy_by_step"][s] for r in held], marker="o", ls="--",
+                        color=line.get_color())
+    ax_acc.set(xlabel="samples seen", ylabel="accuracy", title="argmax agreement per draft position (o: held out)",
+               ylim=(0, 1))
     ax_acc.legend()
     path = os.path.join(out_dir, "training.png")
     fig.tight_layout()

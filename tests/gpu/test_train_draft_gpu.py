@@ -1,6 +1,7 @@
-"""train-draft on CUDA: the target in bf16, the head in fp32 through the torch reference paths (autograd cannot go
-through the Triton kernels, which RuntimeOptions turns off while training). The loss falls, and the written head
-drafts losslessly with CUDA graphs on, in bf16 and in fp32."""
+"""train-draft on CUDA: the target in bf16, the head's parameters in fp32 with its products under bf16 autocast,
+through the torch reference paths (autograd cannot go through the Triton kernels, which RuntimeOptions turns off
+while training); 2 of the 6 prompts held out. The loss falls, every epoch is scored on the held-out prompts, and the
+published head drafts losslessly with CUDA graphs on, in bf16 and in fp32."""
 
 from __future__ import annotations
 
@@ -32,14 +33,17 @@ def target_and_head(tmp_path_factory):
     head = str(root / "head")
     train_draft(TrainConfig(target, head, str(prompts), num_samples=6, max_len=96, epochs=6, lr=5e-3,
                             draft_vocab_size=200, ttt_steps=3, device="cuda", dtype="bfloat16", progress=False,
-                            batch_size=2))
+                            batch_size=2, validation_fraction=0.34))
     return target, head
 
 
 def test_loss_falls_on_cuda(target_and_head):
     with open(os.path.join(target_and_head[1], "train_log.jsonl")) as f:
-        log = [row for row in map(json.loads, f) if row["kind"] == "epoch"]
+        rows = [json.loads(line) for line in f]
+    log = [row for row in rows if row["kind"] == "epoch"]
     assert log[-1]["loss"] < log[0]["loss"] and log[-1]["accuracy_by_step"][0] > log[0]["accuracy_by_step"][0], log
+    assert [row["epoch"] for row in rows if row["kind"] == "validation"] == [row["epoch"] for row in log]
+    assert log[0]["published"] and all(row["validation"]["accept_length_estimate"] >= 1 for row in log)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,10 +1,14 @@
 """`hyperdraft train-draft` on a tiny model, on CPU: the loss falls, the written head loads through EAGLE3 and keeps
 speculation lossless, it accepts more drafts than an untrained head, resuming reproduces an uninterrupted run, and
-the training-time-test unroll computes exactly what sequential drafting at inference computes."""
+the training-time-test unroll computes exactly what sequential drafting at inference computes. Held-out prompts are
+never trained on and choose the published epoch; the lr warms up and decays; several temperatures answer each
+prompt several times; a bf16 target trains the head under autocast."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -19,8 +23,10 @@ from hyperdraft.models.eagle import Eagle3Head, eagle_config_from_dict, target_c
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import CORPUS, make_tiny_model
+import hyperdraft.training.trainer as trainer
 from hyperdraft.training.draft_vocab import frequent_tokens
-from hyperdraft.training.samples import refuse_evaluation_prompts
+from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_samples
+from hyperdraft.training.samples import Sample, SampleStore, answer, refuse_evaluation_prompts
 from hyperdraft.training.trainer import TrainConfig, _batch_loss, _causal_within, train_draft
 from hyperdraft.training.unroll_attention import UnrollAttention
 
@@ -28,6 +34,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% en
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPTS = CORPUS[:6]
 EPOCHS = 8
+HELD_OUT = 0.34  # int(6 * 0.34) = 2 of the 6 prompts
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +56,7 @@ def prompts_file(tmp_path_factory) -> str:
 
 def _config(target, out, prompts_file, **kw) -> TrainConfig:
     base = dict(num_samples=len(PROMPTS), max_len=96, epochs=3, lr=3e-3, draft_vocab_size=200, ttt_steps=3,
-                progress=False, batch_size=2)
+                progress=False, batch_size=2, validation_fraction=0.0)
     return TrainConfig(target, str(out), prompts_file, **{**base, **kw})
 
 
@@ -101,17 +108,250 @@ def test_trained_head_is_lossless_and_accepts_more_than_an_untrained_one(trained
     assert rates["trained"] > rates["untrained"] + 0.05, rates
 
 
-def test_resume_continues_exactly_where_it_stopped(target, prompts_file, tmp_path):
-    straight = _config(target, tmp_path / "straight", prompts_file, epochs=2)
-    train_draft(straight)
-    first = _config(target, tmp_path / "resumed", prompts_file, epochs=1)
-    train_draft(first)
-    resumed = train_draft(_config(target, tmp_path / "resumed", prompts_file, epochs=2, resume=True))
+class _Stop(Exception):
+    """A run's time limit, as train_draft sees it: the process ends right after some epoch's checkpoint."""
+
+
+def _after_checkpoint(mp: pytest.MonkeyPatch, hook) -> None:
+    """hook(out_dir, state) runs after each checkpoint train_draft writes."""
+    real = trainer.save_checkpoint
+
+    def save(out_dir, state):
+        real(out_dir, state)
+        hook(out_dir, state)
+
+    mp.setattr(trainer, "save_checkpoint", save)
+
+
+def _stop_after(epoch: int):
+    def hook(out_dir, state):
+        if state["epoch"] + 1 == epoch:
+            raise _Stop
+
+    return hook
+
+
+def _rows(out_dir, kind: str) -> list[dict]:
+    with open(os.path.join(str(out_dir), "train_log.jsonl")) as f:
+        return [row for row in map(json.loads, f) if row["kind"] == kind]
+
+
+@pytest.mark.parametrize("fraction", [0.0, HELD_OUT])
+def test_resume_continues_exactly_where_it_stopped(target, prompts_file, tmp_path, monkeypatch, fraction):
+    """A run stopped after its first epoch (a time limit) and resumed writes what an uninterrupted run writes: the
+    head bit for bit (the lr schedule's place included) and, with prompts held out, the same scores and published
+    flags (the best score so far included)."""
+    straight = train_draft(_config(target, tmp_path / "straight", prompts_file, validation_fraction=fraction))
+    cfg = _config(target, tmp_path / "resumed", prompts_file, validation_fraction=fraction)
+    with monkeypatch.context() as mp:
+        _after_checkpoint(mp, _stop_after(1))
+        with pytest.raises(_Stop):
+            train_draft(cfg)
+    resumed = train_draft(dataclasses.replace(cfg, resume=True))
     a, b = (load_file(os.path.join(str(tmp_path / d), "model.safetensors")) for d in ("straight", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert resumed["epoch"] == 2
-    with open(os.path.join(str(tmp_path / "resumed"), "train_log.jsonl")) as f:
-        assert [row["epoch"] for row in map(json.loads, f) if row["kind"] == "epoch"] == [1, 2]
+    assert resumed == straight and resumed["epoch"] == 3
+    assert _rows(tmp_path / "resumed", "epoch") == _rows(tmp_path / "straight", "epoch")
+    assert [row["epoch"] for row in _rows(tmp_path / "resumed", "epoch")] == [1, 2, 3]
+    assert [row["lr"] for row in _rows(tmp_path / "resumed", "window")] == \
+        [row["lr"] for row in _rows(tmp_path / "straight", "window")]
+    if fraction:
+        assert all(row["accept_length_estimate"] == accept_length_estimate(row["accuracy_by_step"])
+                   for row in _rows(tmp_path / "resumed", "validation"))
+
+
+def test_resume_refuses_another_split_or_an_older_checkpoint(target, prompts_file, tmp_path):
+    train_draft(_config(target, tmp_path, prompts_file, epochs=1))
+    with pytest.raises(ValueError, match="validation_fraction"):
+        train_draft(_config(target, tmp_path, prompts_file, epochs=2, resume=True, validation_fraction=HELD_OUT))
+    with pytest.raises(ValueError, match="seed"):
+        train_draft(_config(target, tmp_path, prompts_file, epochs=2, resume=True, seed=1))
+    path = str(tmp_path / "checkpoint.pt")
+    state = torch.load(path, weights_only=False)
+    torch.save({k: v for k, v in state.items() if k not in ("scheduler", "best", "validation_fraction")}, path)
+    with pytest.raises(ValueError, match="predates the lr schedule"):
+        train_draft(_config(target, tmp_path, prompts_file, epochs=2, resume=True))
+
+
+SCORES = [2.0, 1.5, 1.8, 2.5, 2.5, 1.0]  # epoch 3 loses to epoch 1 (a resumed run that forgot it would publish it)
+
+
+@pytest.fixture(scope="module")
+def validated(target, prompts_file, tmp_path_factory):
+    """A run holding out 2 prompts, stopped after epoch 2 and resumed, its heads scored by SCORES in turn. -> (out
+    dir, per epoch (the checkpoint's head, the published model.safetensors), every batch _batch_loss saw as
+    (grad enabled, its samples' tokens), the final checkpoint)."""
+    out = tmp_path_factory.mktemp("validated")
+    snapshots, batches, scores = [], [], iter(SCORES)
+    real_loss = trainer._batch_loss
+
+    def seen(batch, *args):
+        batches.append((torch.is_grad_enabled(), [tuple(s.token_ids) for s in batch]))
+        return real_loss(batch, *args)
+
+    def snapshot(out_dir, state):
+        snapshots.append(({k: v.clone() for k, v in state["head"].items()},
+                          load_file(os.path.join(out_dir, "model.safetensors"))))
+        _stop_after(2)(out_dir, state)
+
+    cfg = _config(target, out, prompts_file, epochs=len(SCORES), validation_fraction=HELD_OUT)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "_batch_loss", seen)
+        mp.setattr(trainer, "accept_length_estimate", lambda accuracy: next(scores))
+        _after_checkpoint(mp, snapshot)
+        with pytest.raises(_Stop):
+            train_draft(cfg)
+        train_draft(dataclasses.replace(cfg, resume=True))
+    return str(out), snapshots, batches, torch.load(os.path.join(str(out), "checkpoint.pt"), weights_only=False)
+
+
+def test_the_published_head_is_the_best_epochs(validated):
+    out, snapshots, _, state = validated
+    validation, epochs = _rows(out, "validation"), _rows(out, "epoch")
+    assert [row["epoch"] for row in validation] == [row["epoch"] for row in epochs] == list(range(1, len(SCORES) + 1))
+    assert [row["accept_length_estimate"] for row in validation] == SCORES
+    assert all(row["validation"] == {k: v for k, v in v_row.items() if k not in ("kind", "epoch", "step")}
+               for row, v_row in zip(epochs, validation))
+    assert [row["published"] for row in epochs] == [True, False, False, True, False, False]
+    assert [row["published"] for row in epochs] == [s > max(SCORES[:e], default=-math.inf)
+                                                    for e, s in enumerate(SCORES)]
+    assert state["best"] == 2.5 and state["epoch"] == len(SCORES) - 1
+    last_published = None
+    for (head, published), row in zip(snapshots, epochs):
+        last_published = head if row["published"] else last_published
+        assert published.keys() <= head.keys()
+        assert all(torch.equal(published[k], last_published[k]) for k in published)
+        assert row["published"] or not all(torch.equal(published[k], head[k]) for k in published)
+
+
+def test_held_out_prompts_are_never_trained_on(validated, target):
+    """The split is whole prompts, made from the checkpoint's samples alone (so a resume makes it again); training
+    batches never hold a held-out sample, every validation holds all of them, and the draft vocabulary counts only
+    the training answers."""
+    _, _, batches, state = validated
+    samples = [Sample(*s) for s in state["samples"]]
+    train, held = split_samples(samples, HELD_OUT, 0)
+    assert len(samples) == len(PROMPTS) and len(held) == 2 and len(train) == 4
+    tokens = lambda group: {tuple(s.token_ids) for s in group}  # noqa: E731
+    trained = {t for grad, batch in batches if grad for t in batch}
+    scored = [t for grad, batch in batches if not grad for t in batch]
+    assert trained == tokens(train) and not trained & tokens(held)
+    assert sorted(scored) == sorted(list(tokens(held)) * len(SCORES))
+    prompts = lambda group: {tuple(s.token_ids[:s.answer_start]) for s in group}  # noqa: E731
+    assert len(prompts(held)) == 2 and not prompts(held) & prompts(train)
+    with open(os.path.join(target, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    vocab = lambda group: frequent_tokens([s.token_ids[s.answer_start:] for s in group], vocab_size, 200)  # noqa: E731
+    assert torch.equal(state["vocab"], vocab(train).target_ids)
+    assert not torch.equal(state["vocab"], vocab(samples).target_ids)  # so the check above can tell
+
+
+def test_split_holds_out_whole_prompts():
+    """Several answers of one prompt (several temperatures) go to the same side; one answer per prompt: a seeded
+    shuffle of the samples."""
+    samples = [Sample([p, 100 + p, 200 + c], 2) for c in range(3) for p in range(10)]
+    train, held = split_samples(samples, 0.3, seed=5)
+    assert len(held) == 9 and len(train) == 21
+    assert not {s.token_ids[0] for s in held} & {s.token_ids[0] for s in train}
+    assert split_samples(samples, 0.3, seed=5) == (train, held) and split_samples(samples, 0.3, seed=6) != (train, held)
+    assert split_samples(samples, 0.0, seed=5) == (samples, [])
+    single = samples[:10]
+    assert len(split_samples(single, 0.25, seed=1)[1]) == 2
+
+
+def test_accept_length_estimate():
+    assert accept_length_estimate([0.5, 0.5, 0.0]) == 1 + 0.5 + 0.25
+    assert accept_length_estimate([1.0, 1.0]) == 3.0 and accept_length_estimate([0.0, 1.0]) == 1.0
+
+
+def test_lr_warms_up_then_decays_to_a_tenth(target, prompts_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "LOG_EVERY", 1)  # a window row per optimizer step
+    train_draft(_config(target, tmp_path, prompts_file, epochs=4, lr=2e-3))
+    lrs = [row["lr"] for row in _rows(tmp_path, "window")]
+    assert len(lrs) == 4 * 3  # 6 samples, 2 per batch
+    peak = lrs.index(max(lrs))
+    assert lrs[0] < lrs[peak] == pytest.approx(2e-3) and peak == 1  # warmup: max(1, 12 // 50) step
+    assert all(a > b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    assert lrs[-1] == pytest.approx(2e-4)
+
+
+def test_lr_schedule_shape():
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = lr_schedule(optimizer, 200)
+    lrs = []
+    for _ in range(200):
+        lrs.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])  # 200 // 50 = 4 warmup steps
+    assert lrs[4 + 97] == pytest.approx(0.55, abs=0.01) and lrs[-1] == pytest.approx(0.1)
+
+
+def test_two_temperatures_answer_each_prompt_twice(target, prompts_file, tmp_path):
+    """Copy c is answered into its own store at seed + c * prompts: the greedy copy is samples.jsonl as before, the
+    sampled one samples_1.jsonl, and the checkpoint holds both in copy order."""
+    train_draft(_config(target, tmp_path, prompts_file, epochs=1, temperatures=(0.0, 1.0)))
+    stores = [SampleStore(str(tmp_path / name)) for name in ("samples.jsonl", "samples_1.jsonl")]
+    greedy, sampled = ([store.done[i][1] for i in range(len(PROMPTS))] for store in stores)
+    state = torch.load(str(tmp_path / "checkpoint.pt"), weights_only=False)
+    kept = [s for s in greedy + sampled if s is not None]
+    assert [Sample(*s) for s in state["samples"]] == kept and len(kept) > len(PROMPTS)
+    assert any(g != s for g, s in zip(greedy, sampled) if g is not None and s is not None)
+    llm = LLM(target, device="cpu", dtype="float32")
+    assert answer(llm, list(PROMPTS), 96, 1.0, seed=len(PROMPTS)) == [s for s in sampled if s is not None]
+    assert answer(llm, list(PROMPTS), 96, 0.0, seed=0) == [s for s in greedy if s is not None]
+    llm.shutdown()
+
+
+def test_bf16_target_trains_the_head_under_autocast(target, prompts_file, tmp_path, monkeypatch):
+    """On CPU too: the head's products run in bf16 (seen in the logits' dtype), its parameters stay fp32, and the
+    loss falls."""
+    dtypes = set()
+    real = trainer.Eagle3Head.compute_draft_logits
+
+    def logits(self, hidden):
+        out = real(self, hidden)
+        dtypes.add(out.dtype)
+        return out
+
+    monkeypatch.setattr(trainer.Eagle3Head, "compute_draft_logits", logits)
+    train_draft(_config(target, tmp_path, prompts_file, epochs=5, dtype="bfloat16"))
+    log = _rows(tmp_path, "epoch")
+    assert log[-1]["loss"] < log[0]["loss"] and log[-1]["accuracy_by_step"][0] > log[0]["accuracy_by_step"][0], log
+    assert dtypes == {torch.bfloat16}
+    state = torch.load(str(tmp_path / "checkpoint.pt"), weights_only=False)
+    assert all(t.dtype == torch.float32 for t in state["head"].values() if t.is_floating_point())
+    assert all(t.dtype == torch.bfloat16 for t in load_file(str(tmp_path / "model.safetensors")).values()
+               if t.is_floating_point())
+
+
+def test_fp32_target_trains_without_autocast(trained, target):
+    model, head = _target_and_head(target, trained)
+    seen = []
+    real = head.compute_draft_logits
+    head.compute_draft_logits = lambda hidden: seen.append(real(hidden).dtype) or real(hidden)
+    with torch.no_grad():
+        _batch_loss([Sample(list(range(5, 30)), 10)], model, head, head.draft_to_target, 2)
+    assert seen == [torch.float32] * 2
+
+
+@pytest.mark.parametrize("field, value, match", [("validation_fraction", 0.7, "validation_fraction"),
+                                                 ("validation_fraction", -0.1, "validation_fraction"),
+                                                 ("temperatures", (0.0, -1.0), "temperature"),
+                                                 ("temperatures", (), "temperature")])
+def test_bad_values_are_refused(target, prompts_file, tmp_path, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        train_draft(_config(target, tmp_path, prompts_file, **{field: value}))
+    assert not os.listdir(tmp_path)  # refused before anything was answered or written
+
+
+def test_cli_passes_temperatures_and_validation_fraction(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(trainer, "train_draft", lambda cfg: seen.append(cfg) or {})
+    assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path), "--temperature", "0", "0.7",
+                     "--validation-fraction", "0.1"]) == 0
+    assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path)]) == 0
+    assert [(c.temperatures, c.validation_fraction) for c in seen] == [((0.0, 0.7), 0.1), ((0.0,), 0.02)]
 
 
 def _target_and_head(target: str, head_dir: str):
