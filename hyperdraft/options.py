@@ -19,9 +19,9 @@ passes options instead of patching modules.
   HYPERDRAFT_DRAFT_LOOP_GRAPH=0         draft_loop_graphs=False    per-step draft graphs only, no whole-round graphs
   HYPERDRAFT_EMULATE_CUDA_GRAPH=1       emulate_cuda_graphs=True   on CPU: graph bookkeeping with eager forwards
   HYPERDRAFT_RECORD_STEP_TIME=1         record_step_time=True      per-phase wall time of speculative steps (syncs)
-  HYPERDRAFT_SPLIT_DRAFT_MODEL=1        split_draft_model=True     under tensor parallelism a STANDALONE draft model is
-                                                                   split over the ranks like the target (default:
-                                                                   whole on every rank)
+  HYPERDRAFT_SPLIT_DRAFT_MODEL=0        split_draft_model=False    under tensor parallelism a STANDALONE draft model is
+                                                                   whole on every rank (default: split over the ranks
+                                                                   like the target, when its heads divide)
   HYPERDRAFT_SIMULATE_ACCEPT_RATE=a     simulate_accept_rate=a     BENCHMARK ONLY, lossy (speculative/verify/simulated.py)
 
 `deterministic` has no variable: it is EngineArgs' enable_deterministic_inference (batch-invariant kernels only,
@@ -57,7 +57,7 @@ _SWITCHES = {
     "draft_loop_graphs": ("HYPERDRAFT_DRAFT_LOOP_GRAPH", "0"),
     "emulate_cuda_graphs": ("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1"),
     "record_step_time": ("HYPERDRAFT_RECORD_STEP_TIME", "1"),
-    "split_draft_model": ("HYPERDRAFT_SPLIT_DRAFT_MODEL", "1"),
+    "split_draft_model": ("HYPERDRAFT_SPLIT_DRAFT_MODEL", "0"),
 }
 
 
@@ -74,7 +74,7 @@ class RuntimeOptions:
     draft_loop_graphs: bool = True
     emulate_cuda_graphs: bool = False
     record_step_time: bool = False
-    split_draft_model: bool = False
+    split_draft_model: bool = True  # measured faster on two H100s: tp_bench_h100.md
     simulate_accept_rate: float | None = None
     deterministic: bool = False
 

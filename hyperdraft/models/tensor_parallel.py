@@ -1,6 +1,7 @@
 """A dense decoder split over a tensor-parallel group (distributed/tensor_parallel.py): the rank's config, its
 row-parallel and vocab-parallel modules, and its slice of the whole model's weights.
 
+  split_problem     why a model cannot be split over the group (None when it can)
   rank_config       the rank's own frozen ModelConfig: num_heads, num_kv_heads and intermediate_size are its share;
                     with fewer K/V heads than ranks, each rank keeps the one K/V head its query heads read (replicated)
   RowParallelLinear o_proj / down_proj: the product of the rank's input columns, summed over the group, then the
@@ -24,22 +25,33 @@ from hyperdraft.models.config import ModelConfig
 from hyperdraft.models.cpu_linear import Linear, skinny_linear
 
 
-def rank_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
-    """The rank's share of the heads and MLP columns; everything else (hidden size, vocabulary) as the model's."""
+def split_problem(cfg: ModelConfig, tp: TensorParallel) -> str | None:
+    """Why cfg's model cannot be split over tp's ranks, or None when it can."""
     if tp.size == 1:
-        return cfg
+        return None
     if cfg.moe is not None:
-        raise ValueError(f"tp_size={tp.size}: {cfg.architecture} cannot be split yet (MoE; dense decoders and Qwen3.5 "
-                         "split)")
+        return f"tp_size={tp.size}: {cfg.architecture} cannot be split yet (MoE; dense decoders and Qwen3.5 split)"
     lin = cfg.linear_attention
     counts = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)]
     counts += [("linear_num_key_heads", lin.num_k_heads)] if lin is not None else []
     for field, n in counts:
         if n % tp.size:
-            raise ValueError(f"tp_size={tp.size} must divide the model's {field}={n}")
+            return f"tp_size={tp.size} must divide the model's {field}={n}"
     kv = cfg.num_kv_heads
     if kv % tp.size and tp.size % kv:
-        raise ValueError(f"tp_size={tp.size} and num_key_value_heads={kv}: one must divide the other")
+        return f"tp_size={tp.size} and num_key_value_heads={kv}: one must divide the other"
+    return None
+
+
+def rank_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
+    """The rank's share of the heads and MLP columns; everything else (hidden size, vocabulary) as the model's."""
+    problem = split_problem(cfg, tp)
+    if problem is not None:
+        raise ValueError(problem)
+    if tp.size == 1:
+        return cfg
+    lin = cfg.linear_attention
+    kv = cfg.num_kv_heads
     if lin is not None:  # a rank keeps whole groups: its key heads and the value heads that read them
         lin = dataclasses.replace(lin, num_k_heads=lin.num_k_heads // tp.size, num_v_heads=lin.num_v_heads // tp.size)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp.size, num_kv_heads=max(1, kv // tp.size),

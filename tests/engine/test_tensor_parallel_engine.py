@@ -16,7 +16,6 @@ import torch
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.engine.lockstep import free_address
 from hyperdraft.models.config import load_model_config
-from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from helpers.spec_fixtures import greedy, mixed_prompts
@@ -32,7 +31,9 @@ def models(tmp_path_factory):
 
     llama6 = make_tiny_model(str(root / "llama6"), "llama", seed=2, num_hidden_layers=6)
     hybrid = with_mtp_weights(make_tiny_model(str(root / "qwen3_5"), "qwen3_5", seed=3), str(root / "qwen3_5_mtp"))
-    return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0),
+    three_heads = make_tiny_model(str(root / "llama3h"), "llama", seed=4, hidden_size=96, num_attention_heads=3,
+                                  num_key_value_heads=1)  # its heads do not divide over two ranks
+    return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0), "llama3h": three_heads,
             "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1), "llama6": llama6, "qwen3_5": hybrid,
             "eagle3": write_random_eagle_checkpoint(str(root / "e3"), llama6, kind="eagle3", draft_vocab_size=200),
             "eagle": write_random_eagle_checkpoint(str(root / "e1"), llama6, kind="eagle")}
@@ -130,17 +131,19 @@ def test_two_nodes_give_one_nodes_output(models):
     _check_pools_free(states, 2)
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_a_split_standalone_draft_gives_tp1s_output(models, tree):
-    """RuntimeOptions.split_draft_model: the STANDALONE draft is split over the ranks like the target (its heads and
-    MLP columns, its own all-reduces and K/V pool per rank) instead of whole on each."""
-    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model=models["llama"], speculative_num_steps=3,
+@pytest.mark.parametrize("draft,tree,split", [("llama", False, True), ("llama", True, True), ("llama3h", False, False)],
+                         ids=["split-chain", "split-tree", "indivisible-whole"])
+def test_a_standalone_draft_split_or_whole_gives_tp1s_output(models, draft, tree, split):
+    """By default (RuntimeOptions.split_draft_model) the STANDALONE draft is split over the ranks like the target
+    (its heads and MLP columns, its own all-reduces and K/V pool per rank); a draft whose heads do not divide over
+    them stays whole on each, as it does with the option off."""
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model=models[draft], speculative_num_steps=3,
                 speculative_eagle_topk=2 if tree else 1, speculative_num_draft_tokens=6 if tree else 4)
     prompts = mixed_prompts(len(NEW_TOKENS), seed=7, max_len=60)
     params = [greedy(n) for n in NEW_TOKENS]
     want, _ = _outputs(models["qwen3"], prompts, params, page_size=4, **spec)
     llm = LLM(models["qwen3"], device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=24,
-              dist_timeout=120, page_size=4, tp_size=2, runtime_options=RuntimeOptions(split_draft_model=True), **spec)
+              dist_timeout=120, page_size=4, tp_size=2, **spec)
     try:
         got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
         draft_cfg = llm.engine.worker.proposer.runner.model.config
@@ -148,7 +151,7 @@ def test_a_split_standalone_draft_gives_tp1s_output(models, tree):
         assert_engine_clean(llm)
     finally:
         llm.shutdown()
-    assert draft_cfg.num_heads * 2 == load_model_config(models["llama"]).num_heads  # split, not whole
+    assert draft_cfg.num_heads * (2 if split else 1) == load_model_config(models[draft]).num_heads
     assert got == want
     _check_pools_free(states, 2)
 

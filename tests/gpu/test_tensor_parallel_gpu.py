@@ -62,6 +62,8 @@ CASES = {
     "plain-eager": ("qwen3", dict(disable_cuda_graph=True)),
     "plain-replicated-kv": ("llama", dict(page_size=4)),
     "ngram": ("llama", dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)),
+    "standalone-chain": ("qwen3", dict(speculative_algorithm="STANDALONE", speculative_draft_model="llama",
+                                       speculative_num_steps=3, speculative_eagle_topk=1)),  # draft-ahead
     "standalone-tree": ("qwen3", dict(speculative_algorithm="STANDALONE", speculative_draft_model="llama",
                                       speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)),
     "eagle3-chain": ("llama6", dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3",
