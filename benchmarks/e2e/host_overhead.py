@@ -79,7 +79,7 @@ def TorchCallCounter(one_launch=None):
     class _Counter(TorchFunctionMode):
         def __init__(self):
             super().__init__()
-            self.active, self.total, self.by_name = True, 0, Counter()
+            self.active, self.total, self.by_name, self.by_caller = True, 0, Counter(), Counter()
             self.last_launch = None  # the frame of the one_launch call counted last
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -96,7 +96,18 @@ def TorchCallCounter(one_launch=None):
                     isinstance(out, torch.Tensor) or any(isinstance(o, torch.Tensor) for o in out)):
                 self.total += 1
                 self.by_name[getattr(func, "__name__", str(func))] += 1
+                self.by_caller[self._caller()] += 1
             return out
+
+        @staticmethod
+        def _caller() -> str:
+            """The innermost hyperdraft function on the stack, as module:function."""
+            frame = sys._getframe(2)
+            while frame is not None and f"{os.sep}hyperdraft{os.sep}" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is None:
+                return "?"
+            return f"{os.path.basename(frame.f_code.co_filename)[:-3]}:{frame.f_code.co_name}"
 
         @staticmethod
         def _inside_one_launch():
@@ -127,7 +138,7 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
     draft = spec.pop("draft", None)
     if draft:
         spec["speculative_draft_model_path"] = models[draft]
-    if spec:
+    if spec and alpha >= 0:  # alpha < 0: real verification (a random model accepts little, but the host path is real)
         spec["speculative_simulate_accept_rate"] = alpha
     total = warmup + steps
     ctx = PROMPT_LEN + 8 * (total + 4) + 64
@@ -221,7 +232,8 @@ def run_case(models: dict[str, str], case: str, bs: int, steps: int, warmup: int
               "schedule_ms": 1e3 * statistics.median(phases["schedule"]),
               "commit_ms": 1e3 * statistics.median(phases["commit"]),
               "torch_calls_per_step": counter.total / COUNTED_STEPS,
-              "top_calls": {k: v / COUNTED_STEPS for k, v in counter.by_name.most_common(40)}}
+              "top_calls": {k: v / COUNTED_STEPS for k, v in counter.by_name.most_common(40)},
+              "top_callers": {k: v / COUNTED_STEPS for k, v in counter.by_caller.most_common(25)}}
     if prof:
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out)
@@ -271,7 +283,8 @@ def main() -> None:
     ap.add_argument("--bs", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--steps", type=int, default=60, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--alpha", type=float, default=0.8, help="simulated accept rate of the speculative cases")
+    ap.add_argument("--alpha", type=float, default=0.8,
+                    help="simulated accept rate of the speculative cases; negative: real verification")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (top_p 0.9, seeded)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per (tree, case, batch); the minimum median is reported")
     ap.add_argument("--compare", metavar="OLD_TREE", help="also run an older source tree, interleaved with this one")
@@ -311,6 +324,7 @@ def main() -> None:
                           f"{r['tokens_per_step']:.2f} tok/step", flush=True)
                     if a.verbose:
                         print("   top calls/step:", r["top_calls"])
+                        print("   top callers/step:", r["top_callers"])
     lines = table(best, a, trees)
     print("\n".join(lines))
     if a.write:

@@ -6,7 +6,9 @@ By default it starts the server itself, once per configuration (no speculation, 
 workload against each, checks the outputs are identical (greedy; speculation is lossless), and writes a table:
 
   python -m benchmarks.e2e.serving              # SmolLM2 default model, CPU -> benchmarks/results/serving_cpu.md
-  python -m benchmarks.e2e.serving --num-prompts 64 --request-rate 4 --max-tokens 128
+  python -m benchmarks.e2e.serving --num-prompts 64 --request-rate 4 16 inf --max-tokens 128
+  python -m benchmarks.e2e.serving --device cuda --dtype bfloat16 --deterministic --draft-model-path HEAD \
+      --configs none,ngram,eagle3,eagle3-adaptive --request-rate 4 16     # a GPU, with a trained EAGLE-3 head
   python -m benchmarks.e2e.serving --base-url http://127.0.0.1:30000   # a server you started; prints one row
   (--device cuda writes serving_<gpu>.md, e.g. serving_h100.md)
 
@@ -40,6 +42,12 @@ from benchmarks.common import (REPO_ROOT, command_line, cpu_name, device_tag, gi
 CONFIGS = {
     "none": [],
     "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", "8"],
+    "ngram-adaptive": ["--speculative-algorithm", "NGRAM", "--speculative-adaptive"],
+}
+# These draft with an EAGLE-3 head (--draft-model-path, e.g. one `hyperdraft train-draft` wrote).
+HEAD_CONFIGS = {
+    "eagle3": ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5", "--speculative-eagle-topk", "1"],
+    "eagle3-adaptive": ["--speculative-algorithm", "EAGLE3", "--speculative-adaptive"],
 }
 
 
@@ -140,11 +148,11 @@ def summarize(results: list[RequestResult], seconds: float, accept: float | None
     }
 
 
-def benchmark(url: str, args) -> tuple[dict, list[str]]:
+def benchmark(url: str, args, rate: float) -> tuple[dict, list[str]]:
     model = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
     questions = load_questions(args.num_prompts)
     v0, e0 = spec_counters(url)
-    results, seconds = asyncio.run(run_load(url, model, questions, args.request_rate, args.max_tokens, args.seed))
+    results, seconds = asyncio.run(run_load(url, model, questions, rate, args.max_tokens, args.seed))
     v1, e1 = spec_counters(url)
     accept = (e1 - e0) / (v1 - v0) if v1 > v0 else None
     return summarize(results, seconds, accept), [r.text for r in results]
@@ -153,7 +161,7 @@ def benchmark(url: str, args) -> tuple[dict, list[str]]:
 class LaunchedServer:
     """`hyperdraft serve` on a free loopback port, stopped with SIGTERM."""
 
-    def __init__(self, model: str, flags: list[str], device: str):
+    def __init__(self, model: str, flags: list[str], device: str, dtype: str = "float32"):
         import socket
 
         with socket.socket() as s:
@@ -162,7 +170,7 @@ class LaunchedServer:
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile("w+")
         cmd = [sys.executable, "-m", "hyperdraft", "serve", "--model", model, "--port", str(port), "--device", device,
-               "--dtype", "float32", *flags]
+               "--dtype", dtype, *flags]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -203,39 +211,73 @@ HEADER = ("| config | ok | output tokens | seconds | req/s | output tok/s | vs n
           "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def config_flags(args) -> dict[str, list[str]]:
+    """The launched configurations' server flags, by name (the head ones only with --draft-model-path)."""
+    extra = ["--enable-deterministic-inference"] if args.deterministic else []
+    known = {name: flags + extra for name, flags in CONFIGS.items()}
+    if args.draft_model_path:
+        known.update({name: flags + ["--speculative-draft-model-path", args.draft_model_path] + extra
+                      for name, flags in HEAD_CONFIGS.items()})
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; allowed: {sorted(known)} (eagle3 ones need "
+                         "--draft-model-path)")
+    return {n: known[n] for n in names}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.serving", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", help="benchmark this running server instead of launching one per configuration")
     ap.add_argument("--model", help="model for launched servers (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--configs", default="none,ngram", help=f"launched configurations, from {sorted(CONFIGS)}")
+    ap.add_argument("--configs", default="none,ngram",
+                    help=f"launched configurations, from {sorted(CONFIGS)} and, with --draft-model-path, "
+                         f"{sorted(HEAD_CONFIGS)}")
+    ap.add_argument("--draft-model-path", help="EAGLE-3 head for the eagle3 configurations")
     ap.add_argument("--num-prompts", type=int, default=24)
-    ap.add_argument("--request-rate", type=float, default=1.0, help="requests/s, Poisson arrivals; inf = all at once")
+    ap.add_argument("--request-rate", type=float, nargs="+", default=[1.0],
+                    help="requests/s, Poisson arrivals; inf = all at once; several values: one table each, every "
+                         "server measured at each rate in turn")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", help="the launched servers' dtype")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="launch servers with --enable-deterministic-inference (bitwise equal outputs in bf16)")
     ap.add_argument("--out", help="report path (default: benchmarks/results/serving_<device>.md)")
     args = ap.parse_args()
 
     if args.base_url:
-        summary, _ = benchmark(args.base_url.rstrip("/"), args)
         print(HEADER)
-        print(row(args.base_url, summary, None))
+        for rate in args.request_rate:
+            summary, _ = benchmark(args.base_url.rstrip("/"), args, rate)
+            print(row(f"{args.base_url} at {rate} req/s", summary, None))
         return
+    write_report(args, *run_configs(args))
 
+
+def run_configs(args) -> tuple[str, dict, dict, dict]:
+    """Each configuration's server, measured at every rate -> (model, flags, summaries and texts by (rate, name))."""
     from hyperdraft.models.default_model import ensure_default_model
 
     model = args.model or ensure_default_model()
+    flags = config_flags(args)
     summaries, texts = {}, {}
-    for name in args.configs.split(","):
-        server = LaunchedServer(model, CONFIGS[name], args.device)
+    for name, config in flags.items():
+        server = LaunchedServer(model, config, args.device, args.dtype)
         try:
-            summaries[name], texts[name] = benchmark(server.url, args)
+            for rate in args.request_rate:
+                summaries[rate, name], texts[rate, name] = benchmark(server.url, args, rate)
+                print(f"{rate} req/s", row(name, summaries[rate, name], summaries.get((rate, "none"))), flush=True)
         finally:
             server.stop()
-        print(row(name, summaries[name], summaries.get("none")), flush=True)
-    names = list(summaries)
-    same = all(texts[n] == texts[names[0]] for n in names)
+    return model, flags, summaries, texts
+
+
+def write_report(args, model: str, flags: dict, summaries: dict, texts: dict) -> None:
+    names = list(flags)
+    same = all(texts[key] == texts[args.request_rate[0], names[0]] for key in texts)
     tag = device_tag(args.device)
     if tag == "cpu":
         where, device = "CPU", f"{cpu_name()}, {os.cpu_count()} cores (shared)"
@@ -246,17 +288,19 @@ def main() -> None:
     lines = [
         f"# Online serving on {where}: {os.path.basename(model)}, MT-bench chat, Poisson arrivals",
         "",
-        f"- device: {device}; server: fp32, `hyperdraft serve` on 127.0.0.1",
+        f"- device: {device}; server: {args.dtype}, `hyperdraft serve` on 127.0.0.1",
         f"- date: {datetime.date.today().isoformat()}",
         f"- commit: {git_commit()}",
         f"- command: `{command_line()}`",
-        f"- workload: {args.num_prompts} MT-bench first turns via /v1/chat/completions (streamed), "
-        f"{args.request_rate} req/s Poisson (seed {args.seed}), temperature 0, max_tokens {args.max_tokens}",
-        "- configs: " + "; ".join(f"{n}: `{' '.join(CONFIGS[n]) or 'no speculation'}`" for n in names),
-        f"- outputs identical across configs: {'yes' if same else 'NO'}",
-        "",
-        HEADER,
-        *(row(n, summaries[n], summaries.get("none")) for n in names),
+        f"- workload: {args.num_prompts} MT-bench first turns via /v1/chat/completions (streamed), Poisson arrivals "
+        f"(seed {args.seed}), temperature 0, max_tokens {args.max_tokens}",
+        "- configs: " + "; ".join(f"{n}: `{' '.join(flags[n]) or 'no speculation'}`" for n in names),
+        f"- outputs identical across configs and rates: {'yes' if same else 'NO'}",
+    ]
+    for rate in args.request_rate:
+        lines += ["", f"## {rate} requests/s", "", HEADER,
+                  *(row(n, summaries[rate, n], summaries.get((rate, "none"))) for n in names)]
+    lines += [
         "",
         "TTFT: request sent to first content chunk. ITL: gap between content chunks (one chunk per engine step; a "
         "speculative step can carry several tokens). TPOT: (E2E - TTFT) / (tokens - 1). Accept length: tokens "

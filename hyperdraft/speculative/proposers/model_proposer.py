@@ -124,6 +124,8 @@ class ModelProposer(Proposer):
         offsets 1 + (d-1)*topk + f past the root."""
 
         def distribution(logits: torch.Tensor, k: int) -> torch.Tensor:
+            if not sampled and sampling.penalties is None:  # greedy rows read no parameter: no per-sibling copies
+                return torch.log_softmax(logits, -1)
             siblings = sampling if k == 1 else sampling.repeat_rows(k)
             if sampled:
                 return draft_q(logits, siblings, tier.topk)

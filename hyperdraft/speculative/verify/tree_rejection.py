@@ -142,7 +142,6 @@ def verify_greedy_tree(target: torch.Tensor, tree: DraftTree, max_depth: int) ->
     whose token is a, and the last token is a at the last accepted node: no coins, no vocabulary-wide work."""
     bsz, n = tree.tokens.shape
     device = tree.tokens.device
-    rows = torch.arange(bsz, device=device)
     # match_child[b, v]: the smallest child of v whose token is target[b, v]; n when none (parentless: dummy column n)
     has_parent = tree.parents >= 0
     parent = tree.parents.clamp_min(0)
@@ -152,19 +151,21 @@ def verify_greedy_tree(target: torch.Tensor, tree: DraftTree, max_depth: int) ->
     match_child = torch.full((bsz, n + 1), n, dtype=torch.int64, device=device)
     match_child.scatter_reduce_(1, slot, idx, reduce="amin", include_self=True)
 
-    cur = torch.zeros(bsz, dtype=torch.int64, device=device)
-    going = torch.ones(bsz, dtype=torch.bool, device=device)
-    num_accepted = torch.zeros(bsz, dtype=torch.int64, device=device)
-    path = torch.full((bsz, max_depth + 1), -1, dtype=torch.int64, device=device)
-    path[:, 0] = 0
-    out = torch.full((bsz, max_depth + 1), -1, dtype=torch.int64, device=device)
-    for d in range(max_depth):
-        child = match_child[rows, cur]
-        going &= child < n
-        child = torch.where(going, child, cur)
-        num_accepted += going.long()
-        path[:, d + 1] = torch.where(going, child, -1)
-        out[:, d] = torch.where(going, tree.tokens[rows, child], -1)
-        cur = child
+    # The walk, without a loop over depths: a node is on the accepted path exactly when it and each of its ancestors
+    # below the root is its parent's match child. Match children are unique per parent, so those nodes form one
+    # chain from the root, one node per depth (20 ops where a depth loop took 8 per level; host_overhead
+    # --alpha -1 --cases eagle3-tree).
+    chosen = match & (match_child.gather(1, parent) == idx)
+    chosen[:, 0] = True
+    on_path = ~(tree.mask & ~chosen[:, None, :]).any(-1) & (tree.depth <= max_depth)  # [B, N]
+    num_accepted = on_path.sum(-1) - 1
+    at = torch.where(on_path, tree.depth, max_depth + 1)  # off-path nodes land in a dropped column
+    path = torch.full((bsz, max_depth + 2), -1, dtype=torch.int64, device=device)
+    path.scatter_(1, at, idx)
+    path = path[:, : max_depth + 1]
+    rows = torch.arange(bsz, device=device)
+    cur = path[rows, num_accepted]
+    out = torch.where(path[:, 1:] >= 0, tree.tokens.gather(1, path[:, 1:].clamp_min(0)), -1)
+    out = torch.cat([out, out.new_full((bsz, 1), -1)], dim=1)
     out[rows, num_accepted] = target[rows, cur]
     return num_accepted, path, out
