@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -213,7 +214,7 @@ HEADER = ("| config | ok | output tokens | seconds | req/s | output tok/s | vs n
 
 def config_flags(args) -> dict[str, list[str]]:
     """The launched configurations' server flags, by name (the head ones only with --draft-model-path)."""
-    extra = ["--enable-deterministic-inference"] if args.deterministic else []
+    extra = (["--enable-deterministic-inference"] if args.deterministic else []) + shlex.split(args.server_args)
     known = {name: flags + extra for name, flags in CONFIGS.items()}
     if args.draft_model_path:
         known.update({name: flags + ["--speculative-draft-model-path", args.draft_model_path] + extra
@@ -245,6 +246,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="the launched servers' dtype")
     ap.add_argument("--deterministic", action="store_true",
                     help="launch servers with --enable-deterministic-inference (bitwise equal outputs in bf16)")
+    ap.add_argument("--server-args", default="", help="more `hyperdraft serve` flags for every launched server")
     ap.add_argument("--out", help="report path (default: benchmarks/results/serving_<device>.md)")
     args = ap.parse_args()
 
