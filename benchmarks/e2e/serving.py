@@ -152,6 +152,8 @@ def summarize(results: list[RequestResult], seconds: float, accept: float | None
 def benchmark(url: str, args, rate: float) -> tuple[dict, list[str]]:
     model = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
     questions = load_questions(args.num_prompts)
+    if args.warmup:  # the whole workload once, all at once, unmeasured: every batch and prefill shape is compiled
+        asyncio.run(run_load(url, model, questions, math.inf, args.max_tokens, args.seed))
     v0, e0 = spec_counters(url)
     results, seconds = asyncio.run(run_load(url, model, questions, rate, args.max_tokens, args.seed))
     v1, e1 = spec_counters(url)
@@ -246,6 +248,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="the launched servers' dtype")
     ap.add_argument("--deterministic", action="store_true",
                     help="launch servers with --enable-deterministic-inference (bitwise equal outputs in bf16)")
+    ap.add_argument("--warmup", action="store_true",
+                    help="run the workload once, unmeasured, before each measurement: the first server on a fresh "
+                         "GPU machine compiles its Triton kernels for each new shape during its first requests")
     ap.add_argument("--server-args", default="", help="more `hyperdraft serve` flags for every launched server")
     ap.add_argument("--out", help="report path (default: benchmarks/results/serving_<device>.md)")
     args = ap.parse_args()
