@@ -35,11 +35,11 @@ def rows(head: str | None) -> dict[str, dict]:
 
 
 def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, device: str, dtype: str, spec: dict,
-        deterministic: bool = False):
+        deterministic: bool = False, ignore_eos: bool = True):
     llm = LLM(model, device=device, dtype=dtype, max_running_requests=batch, enable_deterministic_inference=deterministic,
               **spec)
-    return timed_generate(llm, prompts, SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True),
-                          warm_up=batch)
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=ignore_eos)
+    return timed_generate(llm, prompts, params, warm_up=batch)
 
 
 def main() -> None:
@@ -54,6 +54,9 @@ def main() -> None:
     ap.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                     help="batch-invariant kernels, so bf16 speculative outputs equal plain ones bitwise (default: on "
                          "for CUDA)")
+    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="every answer runs to --new-tokens (the default: equal work per row); --no-ignore-eos stops "
+                         "at the end of the answer, so no row drafts the text a model writes past its end")
     ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: "
                                   "benchmarks/results/)")
     args = ap.parse_args()
@@ -65,7 +68,7 @@ def main() -> None:
     tag = device_tag(args.device)
     lines = [f"# Real acceptance: SmolLM2-135M-Instruct, {args.turns} MT-bench first turns ({tag.upper()}, {args.dtype})",
              "", f"- date: {datetime.date.today()}; commit: {git_commit()}; command: `{command_line()}`",
-             f"- greedy, {args.new_tokens} new tokens (ignore_eos); head: `{os.path.basename(str(args.head))}`; "
+             f"- greedy, {args.new_tokens} new tokens{' (ignore_eos)' if args.ignore_eos else ', or fewer at EOS'}; head: `{os.path.basename(str(args.head))}`; "
              f"deterministic mode: {'on' if deterministic else 'off'}", ""]
     for batch in args.batch:
         lines += [f"## batch {batch}", "", "| row | tok/s | vs plain | accept length | acceptance by position | "
@@ -73,7 +76,7 @@ def main() -> None:
         plain_ids, plain_rate = None, None
         for name, spec in rows(args.head).items():
             ids, rate, _, state = run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec,
-                                      deterministic)
+                                      deterministic, args.ignore_eos)
             if plain_ids is None:
                 plain_ids, plain_rate = ids, rate
             same = sum(a == b for a, b in zip(ids, plain_ids))
