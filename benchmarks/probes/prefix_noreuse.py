@@ -5,10 +5,13 @@ prefixes are evicted as new prompts arrive). Runs alternate off/on; the median o
 one cache-on run counts the time inside the cache's own calls.
 
   python -m benchmarks.probes.prefix_noreuse          # CPU -> stdout (results/prefix_noreuse_cpu.md)
+  python -m benchmarks.probes.prefix_noreuse --prompts 2000 --min-len 30 --max-len 60 --new-tokens 4 \
+      --pool 60000 --runs 1 --no-profile     # a tree of ~1000 cached sequences, evicting on every reservation
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import random
@@ -21,18 +24,26 @@ import torch
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.tiny import make_tiny_model
 
-RUNS = 5
-
-
 def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.probes.prefix_noreuse", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--min-len", type=int, default=150)
+    ap.add_argument("--max-len", type=int, default=400)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--pool", type=int, default=8192, help="K/V pool tokens (max_total_tokens)")
+    ap.add_argument("--runs", type=int, default=5, help="alternating off/on runs; medians reported")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled cache-on run")
+    args = ap.parse_args()
     torch.set_num_threads(1)
     path = make_tiny_model(tempfile.mkdtemp(), "llama", seed=0, num_hidden_layers=16)
     rng = random.Random(0)
-    prompts = [[rng.randrange(5, 380) for _ in range(rng.randint(150, 400))] for _ in range(64)]
-    params = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+    prompts = [[rng.randrange(5, 380) for _ in range(rng.randint(args.min_len, args.max_len))]
+               for _ in range(args.prompts)]
+    params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
 
     def run(disable: bool, profile: cProfile.Profile | None = None) -> float:
-        llm = LLM(path, device="cpu", dtype="float32", max_total_tokens=8192, max_running_requests=16,
+        llm = LLM(path, device="cpu", dtype="float32", max_total_tokens=args.pool, max_running_requests=16,
                   disable_radix_cache=disable)
         llm.generate(input_ids=prompts[:4], sampling_params=params, use_tqdm=False)
         start = time.perf_counter()
@@ -46,11 +57,13 @@ def main() -> None:
         return seconds
 
     times = {True: [], False: []}
-    for _ in range(RUNS):
+    for _ in range(args.runs):
         for disable in (True, False):
             times[disable].append(run(disable))
     off, on = statistics.median(times[True]), statistics.median(times[False])
-    print(f"cache off {off:.3f} s, cache on {on:.3f} s (medians of {RUNS}): on/off throughput {off / on:.3f}x")
+    print(f"cache off {off:.3f} s, cache on {on:.3f} s (medians of {args.runs}): on/off throughput {off / on:.3f}x")
+    if args.no_profile:
+        return
     profile = cProfile.Profile()
     total = run(False, profile)
     stats = pstats.Stats(profile).stats
