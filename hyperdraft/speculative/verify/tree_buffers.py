@@ -21,6 +21,7 @@ Terms, for one request b of a batch of B, with N node slots:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -30,8 +31,6 @@ class DraftTree:
     tokens: torch.Tensor  # [B, N] int64; node 0 is the root = the request's last committed token
     parents: torch.Tensor  # [B, N] int64; parents[:, 0] = -1; parents[b, i] < i for real nodes
     depth: torch.Tensor  # [B, N] int64; root 0
-    first_child: torch.Tensor  # [B, N] int64; -1 when none
-    next_sibling: torch.Tensor  # [B, N] int64; -1 when none; siblings linked in increasing node index
     mask: torch.Tensor  # [B, N, N] bool; mask[b, i, j] = node j is node i or an ancestor of node i
     q: torch.Tensor | None = None  # [B, N, V] distribution the children of node i were drawn from; None = one-hot
     num_nodes: torch.Tensor | None = None  # [B] int64 real nodes per request (<= N); None = all N real
@@ -51,6 +50,28 @@ class DraftTree:
             return torch.ones_like(self.tokens, dtype=torch.bool)
         return idx[None, :] < self.num_nodes[:, None]
 
+    # The sibling links are derived on first use: greedy verification (verify_greedy_tree) never reads them, and
+    # building them took 21 of a greedy tree round's 374 host calls (host_overhead --alpha -1 --cases eagle3-tree).
+    @cached_property
+    def first_child(self) -> torch.Tensor:
+        """[B, N] int64: the smallest i with parents[i] == v, -1 when none (parentless nodes go to a dummy column)."""
+        bsz, n = self.tokens.shape
+        idx = torch.arange(n, device=self.tokens.device)
+        slot = torch.where(self.parents >= 0, self.parents, n)
+        first = torch.full((bsz, n + 1), n, dtype=torch.int64, device=self.tokens.device)
+        first.scatter_reduce_(1, slot, idx.expand(bsz, n), reduce="amin", include_self=True)
+        return torch.where(first[:, :n] < n, first[:, :n], -1)
+
+    @cached_property
+    def next_sibling(self) -> torch.Tensor:
+        """[B, N] int64: the smallest j > i with the same parent, -1 when none (siblings linked in index order)."""
+        n = self.num_slots
+        idx = torch.arange(n, device=self.tokens.device)
+        parents = self.parents
+        same = (parents[:, :, None] == parents[:, None, :]) & (parents >= 0)[:, :, None] & (idx[None, :] > idx[:, None])
+        later = torch.where(same, idx[None, None, :], n).amin(dim=2)
+        return torch.where(later < n, later, -1)
+
     def num_children(self) -> torch.Tensor:
         """-> [B, N] int64 children per node."""
         counts = torch.zeros(self.batch_size, self.num_slots + 1, dtype=torch.int64, device=self.tokens.device)
@@ -66,7 +87,8 @@ def build_tree(
     num_nodes: torch.Tensor | None = None,  # [B] int64 real nodes per request (1 .. N); None = all N
     validate: bool = False,  # check the parent invariants (a host sync); for tests and debugging
 ) -> DraftTree:
-    """Derive depth, sibling links and the ancestor mask from the parent pointers, for all requests at once."""
+    """Derive depth and the ancestor mask from the parent pointers, for all requests at once (the sibling links on
+    first use: DraftTree.first_child, next_sibling)."""
     bsz, n = tokens.shape
     device = tokens.device
     idx = torch.arange(n, device=device)
@@ -90,20 +112,7 @@ def build_tree(
     mask = reach > 0
     depth = mask.sum(-1) - 1
 
-    # first_child[v] = smallest i with parents[i] == v (parentless nodes scatter into a dummy column n).
-    slot = torch.where(has_parent, parents, n)  # [B, N]
-    first_child = torch.full((bsz, n + 1), n, dtype=torch.int64, device=device)
-    first_child.scatter_reduce_(1, slot, idx.expand(bsz, n), reduce="amin", include_self=True)
-    first_child = first_child[:, :n]
-    first_child = torch.where(first_child < n, first_child, -1)
-
-    # next_sibling[i] = smallest j > i with the same parent.
-    same = (parents[:, :, None] == parents[:, None, :]) & has_parent[:, :, None] & (idx[None, :] > idx[:, None])
-    later = torch.where(same, idx[None, None, :], n).amin(dim=2)  # [B, N]
-    next_sibling = torch.where(later < n, later, -1)
-
-    return DraftTree(tokens=tokens.to(torch.int64), parents=parents, depth=depth, first_child=first_child,
-                     next_sibling=next_sibling, mask=mask, q=q, num_nodes=num_nodes)
+    return DraftTree(tokens=tokens.to(torch.int64), parents=parents, depth=depth, mask=mask, q=q, num_nodes=num_nodes)
 
 
 def positions(
