@@ -137,7 +137,8 @@ class RadixTree:
             assert node.refs >= 0, "unlock without a lock"
             if node.refs == 0:
                 self.evictable_pages += len(node.pages)
-                self._push(node)
+                if not node.children:  # an inner node becomes a candidate when its last child goes (_evict)
+                    self._push(node)
             node = node.parent
 
     # ---- eviction -----------------------------------------------------------------------------------------------
@@ -170,9 +171,6 @@ class RadixTree:
                 self._push(parent)
         self.num_pages -= len(freed)
         self.evictable_pages -= len(freed)
-        if len(heap) > 4 * self.num_pages + 64:  # stale entries outnumber nodes: drop them
-            self._candidates = [e for e in heap if e[2].parent is not None and not e[2].children and not e[2].refs]
-            heapq.heapify(self._candidates)
         return freed
 
     def nodes(self) -> list[Node]:
@@ -184,5 +182,12 @@ class RadixTree:
         return nodes
 
     def _push(self, node: Node) -> None:
-        """node may now be an unreferenced leaf (checked again when popped)."""
-        heapq.heappush(self._candidates, (node.last_use, next(self._order), node))
+        """node may now be an unreferenced leaf (checked again when popped). Every lock/unlock cycle pushes, evictions
+        may be rare, so once the entries outnumber the nodes (each holds at least a page) the heap is rebuilt with
+        one entry per live candidate, under its current time."""
+        heap = self._candidates
+        if len(heap) > 2 * self.num_pages + 64:
+            live = {id(e[2]): e[2] for e in heap if e[2].parent is not None and not e[2].children and not e[2].refs}
+            heap[:] = [(n.last_use, next(self._order), n) for n in live.values()]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (node.last_use, next(self._order), node))

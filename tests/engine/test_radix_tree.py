@@ -142,3 +142,17 @@ def test_partial_pages_never_match():
     tree.insert([1, 2, 3, 4, 5, 6, 7, 8], [1, 2])
     assert tree.match([1, 2, 3, 4, 5, 6, 7])[1] == [1]  # the second page is only partly present in the query
     assert tree.match([1, 2, 3, 9, 5, 6, 7, 8])[1] == []  # a mismatch inside the first page shares nothing
+
+
+def test_lock_unlock_churn_without_evictions_keeps_the_candidate_heap_bounded():
+    """Every unlock queues a candidate, and evictions may never come (a pool that does not fill): the queue must stay
+    about the size of the tree, not grow with the number of requests served."""
+    tree = RadixTree(1)
+    node, _ = tree.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    other, _ = tree.insert([1, 2, 7], [10, 11, 14])
+    for _ in range(5000):
+        for n in (node, other):
+            tree.lock(n)
+            tree.unlock(n)
+    assert len(tree._candidates) <= 2 * tree.num_pages + 65
+    assert sorted(tree.evict(100)) == [10, 11, 12, 13, 14]  # the queue still knows every leaf
