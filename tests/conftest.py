@@ -107,6 +107,8 @@ def assert_engine_clean(llm: LLM) -> None:
     assert engine.kv_free_slots == engine.kv_capacity_slots, (
         f"KV pool leak: {engine.kv_capacity_slots - engine.kv_free_slots} of {engine.kv_capacity_slots} slots still held"
     )
+    snapshots = engine.prefix_cache.snapshots if engine.prefix_cache is not None else None
+    assert snapshots is None or snapshots.num_free == snapshots.count, "state snapshots held after a flush"
     # a hybrid model's state slots follow the rows: every row free is every state slot free
     assert engine.page_table.num_free_rows == engine.page_table.max_rows, "page-table rows (and state slots) leaked"
 

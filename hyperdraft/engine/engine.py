@@ -22,6 +22,7 @@ from hyperdraft.engine.stop import StopChecker
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.kvcache.prefix_cache import PrefixCache
 from hyperdraft.kvcache.radix_tree import RadixTree
+from hyperdraft.kvcache.state_snapshots import StateSnapshots
 from hyperdraft.models.config import load_model_config
 from hyperdraft.models.loader import load_model
 from hyperdraft.models.tensor_parallel import rank_config
@@ -143,17 +144,25 @@ class Engine:
         return Lockstep.lead(self.args, follow, self.options, self.device)
 
     def _prefix_cache(self, tree: RadixTree | None) -> PrefixCache | None:
-        """On unless turned off (--disable-radix-cache) or a model keeps recurrent state, which K/V pages cannot
-        restore (no state snapshots at page boundaries yet). An EAGLE head's K/V at a position depends on the next
-        token (lookahead 1); a drafter with a pool of its own bounds what may be cached by its draft_num_computed."""
+        """On unless turned off (--disable-radix-cache) or it cannot line up (below). An EAGLE head's K/V at a
+        position depends on the next token (lookahead 1); a drafter with a pool of its own bounds what may be cached by
+        its draft_num_computed; a hybrid target's states are snapshot at cached ends, found in their slots, or where a
+        plain decode queued ahead left them. Off: a draft model with a recurrent state of its own (only the target's is
+        snapshot), and a hybrid target with an EAGLE or MTP head, whose K/V trails the target's committed state by one
+        token, so no cached end ever has both (restoring the head's last hidden state would close that gap)."""
         if tree is None:
             return None
         proposer = self.worker.proposer if self.spec is not None else None
-        if self.model_config.is_hybrid or (proposer is not None and proposer.capabilities.recurrent_state):
-            logger.info("prefix cache off: a hybrid (linear-attention) model's recurrent state is not cached")
-            return None
         lookahead = 1 if proposer is not None and proposer.capabilities.feeds_hidden else 0
-        return PrefixCache(tree, self.page_table, lookahead, draft_kv=proposer is not None and proposer.pool is not None)
+        pool = self.runner.state_pool
+        if (proposer is not None and proposer.capabilities.recurrent_state) or (pool is not None and lookahead):
+            logger.info("prefix cache off: a hybrid (linear-attention) model's state cannot be cached with %s drafts",
+                        self.args.speculative_algorithm)
+            return None
+        locate = (lambda row: self.worker.state_at.get(row, -1)) if self.spec is None else (lambda row: -1)
+        snapshots = StateSnapshots(pool, self.max_rows, tree, locate) if pool is not None else None
+        return PrefixCache(tree, self.page_table, lookahead, draft_kv=proposer is not None and proposer.pool is not None,
+                           snapshots=snapshots)
 
     def _page_table(self, model, draft, tree: RadixTree | None) -> tuple[int, PageTable]:
         """(rows, one page table for every pool): the budget goes to the recurrent states of the rows first (hybrid
@@ -163,6 +172,8 @@ class Engine:
         bytes_per_slot = sum(kv_bytes_per_slot(m) for m in models)
         budget = self.lockstep.tp.agree_min(memory_budget_bytes(args, bytes_per_slot, self.device))
         state_per_row = sum(state_bytes_per_row(m, self._verify_width()) for m in models)
+        if tree is not None and not (draft is not None and state_bytes_per_row(draft, 0)):
+            state_per_row += state_bytes_per_row(model, 0)  # the prefix cache's state snapshots, one per row
         rows = self._fitting_rows(budget, state_per_row)
         capacity = kv_capacity_tokens(args, bytes_per_slot, budget, (rows + 1) * state_per_row, rows, self.device)
         if capacity < args.page_size:
@@ -361,7 +372,8 @@ class Engine:
         return {"radix_cache": True, "cache_tokens": tree.num_pages * ps, "cache_evictable_tokens": tree.evictable_pages * ps,
                 "cache_evicted_tokens": tree.evicted_pages * ps, "cache_lookup_tokens": cache.stats.lookup_tokens,
                 "cache_hit_tokens": cache.stats.hit_tokens,
-                "cache_hit_rate": cache.stats.hit_tokens / cache.stats.lookup_tokens if cache.stats.lookup_tokens else 0.0}
+                "cache_hit_rate": cache.stats.hit_tokens / cache.stats.lookup_tokens if cache.stats.lookup_tokens else 0.0,
+                **({"cache_state_snapshots": cache.snapshots.count - cache.snapshots.num_free} if cache.snapshots else {})}
 
     def internal_state(self) -> dict:
         spec = {}

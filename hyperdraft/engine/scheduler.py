@@ -7,7 +7,9 @@ Each step, in order:
   2. unfinished prefills continue, then waiting requests are admitted FCFS,
      under a prefill token budget (chunked prefill) and max_running_requests.
      With the prefix cache, an admitted request first takes the longest cached
-     prefix of its sequence (whole pages, locked) and prefills only the rest.
+     prefix of its sequence (whole pages, locked) and prefills only the rest
+     (a hybrid model: the longest with a state snapshot; its first chunk ends
+     where a deeper cached prefix lacks one, so that it gets one).
 Decodes and prefill chunks share one forward.
 
 After the forward, commit() applies the worker's results: K/V kept by
@@ -116,6 +118,8 @@ class Scheduler:
             return None
         uncomputed = req.seq_len - cached
         chunk = min(uncomputed, budget) if self.chunked_prefill else uncomputed
+        if hit is not None and hit.cut:  # a hybrid model: end the chunk where the cache wants a state snapshot
+            chunk = min(chunk, hit.cut - cached)
         # Headroom: keep one decode's worth of room per running request so admission does not force retraction.
         # With nothing running the whole pool is free and the request fits (prompt checks, retraction sizes):
         # demanding headroom then would leave a request that fits only alone waiting forever.

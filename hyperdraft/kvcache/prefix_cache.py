@@ -4,6 +4,7 @@
                      at most seq_len - 2 tokens, so the request still runs a prefill of at least two tokens and joins
                      the batch as a prefill, with every drafter's prefill path run over it
   attach(req, row, hit)   the request starts on the hit's pages: num_computed = draft_num_computed = hit length
+                     (a hybrid model's state: the hit node's snapshot is copied into the row's slot)
   save(req)          after a prefill chunk, and when a request finishes or is retracted: its computed whole pages go
                      into the tree (pages already cached swap to the tree's copies), and its lock moves down to them
   release(req)       drop the request's lock (its row is being released)
@@ -16,6 +17,13 @@ position i is computed from (target hidden h_i, token t_{i+1}): it depends on th
 which is exactly when the head's cached K/V is the one it would compute. The head's hidden-state buffer needs nothing
 from the cache: after a hit of m tokens the head has consumed positions < m, and its prefill resumes at m from the
 target states of the new chunk (speculative/proposers/eagle.py).
+
+A hybrid model also needs its recurrent state where a hit ends (state_snapshots.py). save snapshots the request's
+committed state when what it caches ends exactly there (its num_computed, page-aligned: at page size 1 always), and a
+match stops at the deepest matched node holding a snapshot. When the match went deeper, to a node without one (a
+shared system prompt that one request cached in passing, n > 1 siblings, a history saved at an unaligned length), the
+Hit carries that depth as `cut`: the scheduler ends the request's first chunk there, and its save snapshots the node,
+so every later request sharing that prefix starts from it. The cut costs that one request a second prefill step.
 """
 
 from __future__ import annotations
@@ -24,13 +32,15 @@ from dataclasses import dataclass
 
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.kvcache.radix_tree import Node, RadixTree
+from hyperdraft.kvcache.state_snapshots import StateSnapshots
 from hyperdraft.request import Request
 
 
 @dataclass(frozen=True)
 class Hit:
-    node: Node  # locked
+    node: Node  # locked (the root when nothing is restorable)
     pages: list[int]
+    cut: int = 0  # hybrid models: a deeper cached prefix without a snapshot, where the first chunk should end (0: none)
 
     @property
     def num_pages(self) -> int:
@@ -44,12 +54,15 @@ class CacheStats:
 
 
 class PrefixCache:
-    def __init__(self, tree: RadixTree, page_table: PageTable, lookahead: int, draft_kv: bool):
+    def __init__(self, tree: RadixTree, page_table: PageTable, lookahead: int, draft_kv: bool,
+                 snapshots: StateSnapshots | None = None):
         """lookahead: 1 when a drafter's K/V at a position depends on the next token (EAGLE heads), else 0;
-        draft_kv: a drafter keeps K/V of its own (its draft_num_computed bounds what may be cached)."""
+        draft_kv: a drafter keeps K/V of its own (its draft_num_computed bounds what may be cached); snapshots: a
+        hybrid target's recurrent states at cached ends (None for a dense model)."""
         self.tree, self.page_table = tree, page_table
         self.page_size = page_table.page_size
         self.lookahead, self.draft_kv = lookahead, draft_kv
+        self.snapshots = snapshots
         self.stats = CacheStats()
 
     def keys(self, req: Request, length: int) -> list:
@@ -62,10 +75,22 @@ class PrefixCache:
         if usable <= 0:
             return None
         node, pages = self.tree.match(self.keys(req, usable))
-        if not pages:
+        cut = 0
+        if self.snapshots is not None:
+            deepest = len(pages)
+            node, pages = self._restorable(node, pages)
+            cut = deepest * self.page_size if deepest > len(pages) else 0
+        if not pages and not cut:
             return None
         self.tree.lock(node)
-        return Hit(node, pages)
+        return Hit(node, pages, cut)
+
+    def _restorable(self, node: Node, pages: list[int]) -> tuple[Node, list[int]]:
+        """The deepest node at or above `node` that holds a snapshot, and its path's pages (the root and none)."""
+        while node is not self.tree.root and node.snapshot < 0:
+            pages = pages[: len(pages) - len(node.pages)]
+            node = node.parent
+        return node, pages
 
     def unlock(self, hit: Hit) -> None:
         """A hit the scheduler could not admit after all."""
@@ -78,9 +103,11 @@ class PrefixCache:
             self.stats.lookup_tokens += len(req.prompt_ids)
             self.stats.hit_tokens += min(cached, len(req.prompt_ids))
             req.cached_tokens = min(cached, len(req.prompt_ids))
-        if hit is None:
+        if hit is None or not hit.pages:
             return
         self.page_table.attach(row, hit.pages)
+        if self.snapshots is not None:
+            self.snapshots.restore(hit.node, row)
         req.cache_node = hit.node
         req.num_computed = req.draft_num_computed = cached
 
@@ -95,6 +122,8 @@ class PrefixCache:
         pages = self.page_table.row_pages(req.row)[:num_pages]
         node, tree_pages = self.tree.insert(self.keys(req, num_pages * self.page_size), pages)
         self.page_table.share(req.row, tree_pages)
+        if self.snapshots is not None and node.snapshot < 0 and num_pages * self.page_size == req.num_computed:
+            self.snapshots.take(req.row, node)  # the committed state is exactly at the node's end
         self.tree.lock(node)
         self.release(req)
         req.cache_node = node

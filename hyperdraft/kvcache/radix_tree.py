@@ -14,6 +14,10 @@ next one for drafters whose K/V at a position depends on it); the tree only comp
   evict(num_pages)     frees least-recently-used unreferenced leaves (a parent left childless and unreferenced becomes
                        one) until num_pages pages are freed or nothing unreferenced is left -> the freed pages
 
+A node may also hold a snapshot: the index of a hybrid model's recurrent state saved at the node's end
+(state_snapshots.py). The tree only carries it: a split leaves it with the lower half, whose end it is, and an evicted
+node's snapshot goes to dropped_snapshots for its store to take back.
+
 A locked node's ancestors are locked too, so every unreferenced node can be evicted once its subtree has been:
 evictable_pages counts them all, and is what the pool can win back.
 
@@ -40,6 +44,7 @@ class Node:
     children: dict[tuple, Node] = field(default_factory=dict)
     refs: int = 0  # running requests whose locked path passes through this node
     last_use: int = 0  # logical clock of the latest match or insert that walked through it
+    snapshot: int = -1  # a hybrid model's recurrent state at this node's end (state_snapshots.py); -1: none
 
 
 class RadixTree:
@@ -50,6 +55,7 @@ class RadixTree:
         self.num_pages = 0  # pages the tree owns
         self.evictable_pages = 0  # of those, in unreferenced nodes
         self.evicted_pages = 0  # pages freed by evict() so far (metrics)
+        self.dropped_snapshots: list[int] = []  # snapshots of evicted nodes, until their store takes them back
         self._clock = itertools.count(1)
         self._now = 0  # the clock value of the latest walk
         self._order = itertools.count()  # ties in last_use break by push order, never by comparing nodes
@@ -167,6 +173,8 @@ class RadixTree:
             del parent.children[self._first(leaf.key, 0)]
             leaf.parent = None
             freed += leaf.pages
+            if leaf.snapshot >= 0:
+                self.dropped_snapshots.append(leaf.snapshot)
             if parent is not self.root and not parent.children and parent.refs == 0:
                 self._push(parent)
         self.num_pages -= len(freed)

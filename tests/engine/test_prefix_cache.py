@@ -9,7 +9,6 @@ would draft differently even though verification keeps the output right."""
 from __future__ import annotations
 
 import json
-import logging
 import random
 
 import pytest
@@ -183,18 +182,10 @@ def test_flush_cache_refuses_while_requests_run(models):
     assert llm.engine.kv_free_slots == llm.engine.kv_capacity_slots
 
 
-def test_disable_flag_and_hybrid_models(models, tmp_path, caplog):
+def test_disable_flag(models):
     assert make(models["target"], disable_radix_cache=True).engine.prefix_cache is None
     assert make(models["target"]).engine.prefix_cache is not None
-    hybrid = make_tiny_model(str(tmp_path / "hybrid"), "qwen3_5", with_tokenizer=False)
-    with caplog.at_level(logging.INFO, logger="hyperdraft"):
-        llm = make(hybrid, log_level="info")
-    assert llm.engine.prefix_cache is None
-    assert [r.message for r in caplog.records if "prefix cache off" in r.message] == [
-        "prefix cache off: a hybrid (linear-attention) model's recurrent state is not cached"]
-    out = llm.generate(input_ids=[[1, 2, 3, 4]] * 2, sampling_params=SamplingParams(max_new_tokens=3), use_tqdm=False)
-    assert all(o.meta_info["cached_tokens"] == 0 for o in out)
-    assert_engine_clean(llm)
+    # (hybrid models: tests/engine/test_prefix_cache_hybrid.py)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -156,3 +156,16 @@ def test_lock_unlock_churn_without_evictions_keeps_the_candidate_heap_bounded():
             tree.unlock(n)
     assert len(tree._candidates) <= 2 * tree.num_pages + 65
     assert sorted(tree.evict(100)) == [10, 11, 12, 13, 14]  # the queue still knows every leaf
+
+
+def test_a_snapshot_stays_at_its_end_through_splits_and_returns_when_evicted():
+    """A node's snapshot marks the state at the node's end: a split above it leaves it with the lower half (whose end
+    is unchanged), and evicting the node hands its index to dropped_snapshots, once."""
+    tree = RadixTree(2)
+    node, _ = tree.insert(list(range(8)), [10, 11, 12, 13])
+    node.snapshot = 5
+    head, pages = tree.match(list(range(4)) + [99, 98])  # splits the edge after 4 keys
+    assert pages == [10, 11] and head.snapshot == -1 and head.children
+    assert [n.snapshot for n in tree.nodes() if n is not head] == [5]
+    assert sorted(tree.evict(4)) == [10, 11, 12, 13]
+    assert tree.dropped_snapshots == [5]

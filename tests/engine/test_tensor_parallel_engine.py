@@ -225,3 +225,25 @@ def test_an_engine_that_fails_to_build_ends_its_followers(models, tmp_path):
     got, _ = _outputs(models["llama"], [[1, 2, 3]], [greedy(4)], tp_size=2)
     want, _ = _outputs(models["llama"], [[1, 2, 3]], [greedy(4)])
     assert got == want
+
+
+def test_tp2_hybrid_state_snapshots_equal_tp1(models):
+    """A hybrid model's prefix cache under TP 2: every rank snapshots its own heads' states and restores them on a
+    hit (a shared 36-token prefix: the first request computes it, the second cuts its first chunk there, the rest
+    start from the snapshot); outputs equal TP 1 and the hits are the same."""
+    stem = mixed_prompts(1, seed=8, min_len=36, max_len=36)[0]
+    prompts = [stem + tail for tail in mixed_prompts(5, seed=9, min_len=3, max_len=9)]
+    params = greedy(6)
+    runs = []
+    for tp_size in (1, 2):
+        llm = LLM(models["qwen3_5"], device="cpu", dtype="float32", tp_size=tp_size, dist_timeout=120)
+        try:
+            outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
+            runs.append([(o.token_ids, o.meta_info["cached_tokens"]) for o in outs])
+            states = llm.engine.rank_states()
+            assert_engine_clean(llm)
+        finally:
+            llm.shutdown()
+    assert runs[1] == runs[0]
+    assert [cached for _, cached in runs[1]][2:] == [36] * 3
+    _check_pools_free(states, 2)

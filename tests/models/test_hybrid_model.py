@@ -44,7 +44,8 @@ def test_a_retracted_request_recomputes_its_state(hybrid_models, llm_factory):
     recomputes its state from zeros, in a slot another request used meanwhile."""
     prompts = mixed_prompts(8, seed=5, min_len=20, max_len=40)
     refs = hf_greedy(hybrid_models["target"], prompts, 16)
-    llm = llm_factory(hybrid_models["target"], max_running_requests=8, max_total_tokens=680, page_size=4)
+    llm = llm_factory(hybrid_models["target"], max_running_requests=8, max_total_tokens=680, page_size=4,
+                      disable_radix_cache=True)  # (with the cache, its state comes back from a snapshot instead)
     outs = llm.generate(input_ids=prompts, sampling_params=SamplingParams(temperature=0, max_new_tokens=16,
                                                                           ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == [list(r) for r in refs]
@@ -89,6 +90,8 @@ def test_unset_max_running_requests_fits_the_states_in_half_the_budget(hybrid_mo
     runner, rows = llm.engine.runner, llm.engine.max_rows
     state_bytes = runner.state_pool.conv.nbytes + runner.state_pool.recurrent.nbytes
     state_bytes += runner.state_pool.conv_scratch.nbytes + runner.state_pool.recurrent_scratch.nbytes
+    snapshots = llm.engine.prefix_cache.snapshots  # one per row, charged like the row's slot
+    state_bytes += (snapshots.conv.nbytes + snapshots.recurrent.nbytes) * (rows + 1) // rows
     budget = 8192 * (runner.pool.k.nbytes + runner.pool.v.nbytes) // runner.pool.num_slots
     assert 1 <= rows < 256 and state_bytes <= budget // 2 < state_bytes * (rows + 2) / (rows + 1)
     assert llm.engine.page_table.max_rows == rows and llm.engine.scheduler.max_running == rows

@@ -1,0 +1,80 @@
+"""StateSnapshots: a hybrid model's recurrent states saved at the ends of cached prefixes, for the prefix cache.
+
+A Gated DeltaNet layer's state is folded over every token before it, so the K/V pages of a cached prefix cannot restart
+a request there on their own. A radix-tree node whose end some request's committed state reached may therefore hold a
+snapshot: a copy of that state (every linear layer's conv inputs and recurrence), taken when the request's computed
+tokens are cached (after a prefill chunk, at finish, before retraction). On a hybrid model a hit ends at the deepest
+matched node that holds one; attaching the hit copies the snapshot into the request's slot, and its prefill resumes
+from there (a prefill that does not start at position 0 reads its slot: attention/linear_backend.py).
+
+  take(row, node)      copy the committed state of the request in `row` into a free snapshot, now node's
+  restore(node, row)   copy node's snapshot into the slot of `row`
+
+There are as many snapshots as page-table rows, counted in the memory budget beside the state pool. When none is free,
+the least recently used node gives its snapshot back; its pages stay cached, and a later match either stops above it
+or cuts its first chunk there and snapshots it again (prefix_cache.py). An evicted node's snapshot comes back through
+the tree's dropped_snapshots.
+
+  conv       [L, N, C, K-1]      as StatePool.conv, N snapshots instead of slots
+  recurrent  [L, N, HV, dk, dv]  as StatePool.recurrent
+Shapes come from the pool itself, so under tensor parallelism each rank keeps its own heads' states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hyperdraft.kvcache.radix_tree import Node, RadixTree
+from hyperdraft.kvcache.state_pool import StatePool
+
+
+class StateSnapshots:
+    def __init__(self, pool: StatePool, count: int, tree: RadixTree, locate: Callable[[int], int]):
+        """locate(row): where the committed state of the request in `row` is now: -1 its slot, j >= 0 scratch entry j
+        (where a decode queued ahead left it: engine/model_worker.py)."""
+        self.pool, self.tree, self.locate = pool, tree, locate
+        self.conv = pool.conv.new_zeros((pool.conv.shape[0], count, *pool.conv.shape[2:]))
+        self.recurrent = pool.recurrent.new_zeros((pool.recurrent.shape[0], count, *pool.recurrent.shape[2:]))
+        self._free = list(range(count - 1, -1, -1))
+        self._owners: dict[int, Node] = {}
+
+    @property
+    def count(self) -> int:
+        return self.conv.shape[1]
+
+    @property
+    def num_free(self) -> int:
+        self._take_back_dropped()
+        return len(self._free)
+
+    def take(self, row: int, node: Node) -> None:
+        index = self._allocate()
+        slot, entry = row + 1, self.locate(row)
+        if entry < 0:
+            self.conv[:, index] = self.pool.conv[:, slot]
+            self.recurrent[:, index] = self.pool.recurrent[:, slot]
+        else:
+            self.conv[:, index] = self.pool.conv_scratch[:, slot, entry]
+            self.recurrent[:, index] = self.pool.recurrent_scratch[:, slot, entry]
+        node.snapshot = index
+        self._owners[index] = node
+
+    def restore(self, node: Node, row: int) -> None:
+        assert node.snapshot >= 0 and self._owners.get(node.snapshot) is node, "restoring a snapshot the node lost"
+        self.pool.conv[:, row + 1] = self.conv[:, node.snapshot]
+        self.pool.recurrent[:, row + 1] = self.recurrent[:, node.snapshot]
+
+    def _allocate(self) -> int:
+        self._take_back_dropped()
+        if not self._free:  # O(rows), and only once every snapshot is in use: at most once per cached request
+            index, victim = min(self._owners.items(), key=lambda owned: owned[1].last_use)
+            victim.snapshot = -1
+            del self._owners[index]
+            self._free.append(index)
+        return self._free.pop()
+
+    def _take_back_dropped(self) -> None:
+        for index in self.tree.dropped_snapshots:
+            del self._owners[index]
+            self._free.append(index)
+        self.tree.dropped_snapshots.clear()

@@ -1,0 +1,178 @@
+"""Prefix caching on a hybrid (Gated DeltaNet + attention) model, CPU fp32: the radix tree shares K/V pages, and
+state snapshots (kvcache/state_snapshots.py) restore the recurrent state where a hit ends. Greedy outputs with the
+cache on equal those with it off, for plain decoding, NGRAM and a dense STANDALONE draft, at page sizes 1 and 4, with
+real hits: a second turn over the first turn's history, a burst sharing a system prompt, n > 1 siblings. A snapshot
+restored wrong (another request's state, a state one token off, zeros) changes the next tokens of an unsharpened
+random model, so equality here is what checks the states."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.options import RuntimeOptions
+from hyperdraft.testing.tiny import make_tiny_model
+from tests.conftest import assert_engine_clean, assert_kv_accounted
+from tests.helpers.hybrid_fixtures import with_mtp_weights
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("prefix_cache_hybrid")
+    target = make_tiny_model(str(root / "target"), "qwen3_5", seed=0, vocab_size=VOCAB, with_tokenizer=False,
+                             eos_token_id=None)
+    return {"target": target,
+            "dense_draft": make_tiny_model(str(root / "draft"), "qwen3", seed=2, vocab_size=VOCAB,
+                                           with_tokenizer=False, eos_token_id=None),
+            "with_mtp": with_mtp_weights(target, str(root / "with_mtp"))}
+
+
+def drafter_args(models, drafter: str) -> dict:
+    return {
+        "plain": {},
+        "NGRAM": dict(speculative_algorithm="NGRAM", speculative_num_steps=3),
+        "STANDALONE": dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=models["dense_draft"],
+                           speculative_num_steps=3),
+    }[drafter]
+
+
+def make(path: str, **args) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, **args)
+
+
+def run_checked(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    reqs = [engine.add_request(input_ids=p, params=params) for p in prompts]
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        assert_kv_accounted(engine)
+    assert all(r.finished for r in reqs)
+    return [dict(ids=r.output_ids, cached=r.cached_tokens) for r in reqs]
+
+
+def conversation(llm: LLM, seed: int) -> list[dict]:
+    """Turn 1; then together: turn 2 over its history, a prefix of it that diverges, two identical siblings; then a
+    burst of five requests sharing a 40-token system prompt."""
+    rng = random.Random(seed)
+    a = [rng.randrange(VOCAB) for _ in range(37)]
+    first = run_checked(llm, [a], 10)
+    more = [[rng.randrange(VOCAB) for _ in range(k)] for k in (6, 9, 5)]
+    second = run_checked(llm, [a + first[0]["ids"] + more[0], a[:30] + more[1], a + more[2], a + more[2]], 12)
+    system = [rng.randrange(VOCAB) for _ in range(40)]
+    burst = run_checked(llm, [system + [rng.randrange(VOCAB) for _ in range(5)] for _ in range(5)], 5)
+    return first + second + burst
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("drafter", ["plain", "NGRAM", "STANDALONE"])
+def test_cache_on_equals_cache_off(models, drafter, page_size, chunked):
+    args = dict(page_size=page_size, chunked_prefill_size=8 if chunked else -1, **drafter_args(models, drafter))
+    runs = {}
+    for disabled in (True, False):
+        llm = make(models["target"], disable_radix_cache=disabled, **args)
+        runs[disabled] = conversation(llm, seed=page_size)
+        if not disabled:
+            state = llm.engine.cache_state()
+        assert_engine_clean(llm)
+    off, on = runs[True], runs[False]
+    assert [r["ids"] for r in on] == [r["ids"] for r in off]
+    assert all(r["cached"] == 0 for r in off)
+    assert state["cache_state_snapshots"] > 0
+    turn2, burst = on[1], on[5:]
+    # The burst: the first computes the system prompt, the second ends its first chunk where the first one's prefix
+    # diverges (no snapshot there yet) and snapshots it, the rest start from it.
+    assert all(r["cached"] >= 40 - page_size + 1 for r in burst[2:])
+    if page_size == 1:  # turn 1 finished at an aligned length: turn 2 starts after its whole history
+        assert turn2["cached"] >= 37 + 9
+        assert on[4]["cached"] >= 37  # the second sibling, from the snapshot at the end of turn 1's prompt
+
+
+def test_snapshots_are_reclaimed_least_recently_used_first(models):
+    """Two rows, so two snapshots, and a dozen distinct conversations: taking a snapshot reclaims the least recently
+    used one (its pages stay cached), and the turn 2 whose snapshot survived still starts after its history."""
+    llm = make(models["target"], max_running_requests=2)
+    ref = make(models["target"], disable_radix_cache=True, max_running_requests=2)
+    rng = random.Random(4)
+    firsts = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(12)]
+    on = [run_checked(llm, [p], 4)[0] for p in firsts]
+    assert [r["ids"] for r in on] == [r["ids"] for r in (run_checked(ref, [p], 4)[0] for p in firsts)]
+    snapshots = llm.engine.prefix_cache.snapshots
+    assert snapshots.count == 2 and snapshots.num_free == 0
+    held = [n for n in llm.engine.prefix_cache.tree.nodes() if n.snapshot >= 0]
+    assert len(held) == 2 and llm.engine.prefix_cache.tree.num_pages >= 12 * 20
+    last = firsts[-1] + on[-1]["ids"] + [1, 2, 3]
+    stale = firsts[0] + on[0]["ids"] + [1, 2, 3]
+    got = run_checked(llm, [last], 5) + run_checked(llm, [stale], 5)
+    assert [r["ids"] for r in got] == [r["ids"] for r in run_checked(ref, [last, stale], 5)]
+    assert got[0]["cached"] == 23 and got[1]["cached"] == 0
+    assert_engine_clean(llm)
+    assert_engine_clean(ref)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_eviction_under_memory_pressure(models, page_size):
+    """A budget of 600 tokens' K/V (two rows of state and snapshots, about 300 K/V tokens) and three waves of six
+    requests sharing and diverging prefixes: evicted nodes give their snapshots back, and outputs do not change."""
+    rng = random.Random(5)
+    stem = [rng.randrange(VOCAB) for _ in range(24)]
+    waves = [[stem[: rng.randrange(12, 24)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(5, 18))]
+              for _ in range(6)] for _ in range(3)]
+    roomy = make(models["target"], disable_radix_cache=True, page_size=page_size)
+    expected = [[r["ids"] for r in run_checked(roomy, wave, 16)] for wave in waves]
+    llm = make(models["target"], max_total_tokens=600, page_size=page_size, chunked_prefill_size=16)
+    got = [run_checked(llm, wave, 16) for wave in waves]
+    assert [[r["ids"] for r in wave] for wave in got] == expected
+    state = llm.engine.cache_state()
+    assert state["cache_evicted_tokens"] > 0 and state["cache_hit_tokens"] > 0
+    assert_engine_clean(roomy)
+    assert_engine_clean(llm)
+
+
+def test_states_left_in_scratch_by_a_decode_queued_ahead_are_snapshot(models):
+    """With (emulated) CUDA graphs a plain decode is queued ahead, and a request's committed state may sit in scratch
+    entry 0 when it finishes (engine/model_worker.py): the snapshot is taken from there."""
+    options = RuntimeOptions(emulate_cuda_graphs=True)
+    llm = make(models["target"], cuda_graph_max_bs=4, runtime_options=options)
+    ref = make(models["target"], disable_radix_cache=True)
+    rng = random.Random(6)
+    firsts = [[rng.randrange(VOCAB) for _ in range(30)] for _ in range(3)]
+    turn1 = run_checked(llm, firsts, 9)
+    assert llm.engine.worker.ahead_used > 0
+    seconds = [p + r["ids"] + [5, 6, 7] for p, r in zip(firsts, turn1)]
+    got = run_checked(llm, seconds, 8)
+    assert [r["ids"] for r in turn1 + got] == [r["ids"] for r in run_checked(ref, firsts + seconds, 9)[:3]
+                                                + run_checked(ref, seconds, 8)]
+    assert all(r["cached"] == 30 + 8 for r in got)
+    assert_engine_clean(llm)
+    assert_engine_clean(ref)
+
+
+@pytest.mark.parametrize("algorithm", ["MTP", "EAGLE3"])
+def test_hybrid_with_a_head_keeps_the_cache_off(models, caplog, algorithm):
+    """An EAGLE or MTP head's K/V trails the target's committed state by one token, so no cached end has both: the
+    cache stays off, with one log line, and outputs are untouched."""
+    from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+
+    path = models["with_mtp"]
+    args = dict(speculative_algorithm="MTP", speculative_num_steps=2)
+    if algorithm == "EAGLE3":
+        head = write_random_eagle_checkpoint(models["target"] + "_e3", models["target"], kind="eagle3", seed=3)
+        path, args = models["target"], dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                                            speculative_num_steps=2)
+    with caplog.at_level(logging.INFO, logger="hyperdraft"):
+        llm = make(path, log_level="info", **args)
+    assert llm.engine.prefix_cache is None
+    assert [r.message for r in caplog.records if "prefix cache off" in r.message] == [
+        f"prefix cache off: a hybrid (linear-attention) model's state cannot be cached with {algorithm} drafts"]
+    out = run_checked(llm, [[1, 2, 3, 4] * 5] * 2, 3)
+    assert all(r["cached"] == 0 for r in out)
+    assert_engine_clean(llm)
