@@ -9,12 +9,13 @@ import random
 
 import torch
 
-from hyperdraft.config import EngineArgs
+from hyperdraft.config import SPECULATIVE_ALGORITHMS, EngineArgs
 from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.engine.lockstep import (Command, Lockstep, check_devices, init_group, local_rank, node_ranks,
                                         rank_device, start_followers)
-from hyperdraft.engine.memory import kv_bytes_per_slot, kv_capacity_tokens, memory_budget_bytes, state_bytes_per_row
+from hyperdraft.engine.memory import (fitting_rows, kv_bytes_per_slot, kv_capacity_tokens, memory_budget_bytes,
+                                      state_bytes_per_row)
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.numerics import check_deterministic, numerics_mode
 from hyperdraft.engine.scheduler import Scheduler
@@ -115,7 +116,7 @@ class Engine:
         proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
         draft_tp = self.lockstep.tp if self.options.split_draft_model else SINGLE
         draft = proposer_cls.load_draft(self.spec, model, args, self.device, draft_tp) if proposer_cls else None
-        tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
+        tree = self._radix_tree(model, draft)
         self.max_rows, self.page_table = self._page_table(model, draft, tree)
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         check_deterministic(self.model_config, self.device, backend, self.options)
@@ -143,22 +144,30 @@ class Engine:
         rank_config(load_model_config(self.args.model_path), TensorParallel(0, self.args.tp_size))  # before any process
         return Lockstep.lead(self.args, follow, self.options, self.device)
 
+    def _radix_tree(self, model, draft) -> RadixTree | None:
+        """The prefix cache's (empty) tree, or None: turned off (--disable-radix-cache), or a recurrent state that
+        cannot be cached: a hybrid draft model's (only the target's is snapshot), or a hybrid target's under an EAGLE
+        or MTP head, whose K/V trails the target's committed state by one token, so no cached end has both (restoring
+        the head's last hidden state with the snapshot would close that gap)."""
+        if self.args.disable_radix_cache:
+            return None
+        hybrid_draft = draft is not None and state_bytes_per_row(draft, 0) > 0
+        if hybrid_draft or (model.config.is_hybrid and self.spec is not None
+                            and SPECULATIVE_ALGORITHMS[self.spec.algorithm].reads_hidden):
+            logger.info("prefix cache off: a hybrid (linear-attention) model's state cannot be cached with %s drafts",
+                        self.args.speculative_algorithm)
+            return None
+        return RadixTree(self.args.page_size)
+
     def _prefix_cache(self, tree: RadixTree | None) -> PrefixCache | None:
-        """On unless turned off (--disable-radix-cache) or it cannot line up (below). An EAGLE head's K/V at a
-        position depends on the next token (lookahead 1); a drafter with a pool of its own bounds what may be cached by
-        its draft_num_computed; a hybrid target's states are snapshot at cached ends, found in their slots, or where a
-        plain decode queued ahead left them. Off: a draft model with a recurrent state of its own (only the target's is
-        snapshot), and a hybrid target with an EAGLE or MTP head, whose K/V trails the target's committed state by one
-        token, so no cached end ever has both (restoring the head's last hidden state would close that gap)."""
+        """An EAGLE head's K/V at a position depends on the next token (lookahead 1); a drafter with a pool of its
+        own bounds what may be cached by its draft_num_computed; a hybrid target's states are snapshot at cached
+        ends, read from their slots, or from where a plain decode queued ahead left them."""
         if tree is None:
             return None
         proposer = self.worker.proposer if self.spec is not None else None
         lookahead = 1 if proposer is not None and proposer.capabilities.feeds_hidden else 0
         pool = self.runner.state_pool
-        if (proposer is not None and proposer.capabilities.recurrent_state) or (pool is not None and lookahead):
-            logger.info("prefix cache off: a hybrid (linear-attention) model's state cannot be cached with %s drafts",
-                        self.args.speculative_algorithm)
-            return None
         locate = (lambda row: self.worker.state_at.get(row, -1)) if self.spec is None else (lambda row: -1)
         snapshots = StateSnapshots(pool, self.max_rows, tree, locate) if pool is not None else None
         return PrefixCache(tree, self.page_table, lookahead, draft_kv=proposer is not None and proposer.pool is not None,
@@ -172,9 +181,9 @@ class Engine:
         bytes_per_slot = sum(kv_bytes_per_slot(m) for m in models)
         budget = self.lockstep.tp.agree_min(memory_budget_bytes(args, bytes_per_slot, self.device))
         state_per_row = sum(state_bytes_per_row(m, self._verify_width()) for m in models)
-        if tree is not None and not (draft is not None and state_bytes_per_row(draft, 0)):
+        if tree is not None:
             state_per_row += state_bytes_per_row(model, 0)  # the prefix cache's state snapshots, one per row
-        rows = self._fitting_rows(budget, state_per_row)
+        rows = fitting_rows(args, budget, state_per_row)
         capacity = kv_capacity_tokens(args, bytes_per_slot, budget, (rows + 1) * state_per_row, rows, self.device)
         if capacity < args.page_size:
             raise ValueError(f"max_total_tokens={capacity} is smaller than one page (page_size={args.page_size})")
@@ -186,18 +195,6 @@ class Engine:
             device=self.device,
             cache=tree,
         )
-
-    def _fitting_rows(self, budget: int, state_per_row: int) -> int:
-        """Rows (running requests): max_running_requests, or, when the user left it unset and a hybrid model's states
-        for that many would take more than half the budget, as many as fit in half of it."""
-        rows = self.args.effective_max_running_requests
-        if self.args.max_running_requests is not None or not state_per_row:
-            return rows
-        fit = max(1, budget // 2 // state_per_row - 1)
-        if fit < rows:
-            logger.info("max_running_requests defaults to %d: the recurrent state of more would take over half of the "
-                        "memory budget", fit)
-        return min(rows, fit)
 
     def _verify_width(self) -> int:
         """The most tokens one request verifies in a forward, over every tier (a hybrid model's state scratch); without
@@ -365,15 +362,7 @@ class Engine:
 
     def cache_state(self) -> dict:
         """The prefix cache's size and counters (internal_state, /metrics)."""
-        cache = self.prefix_cache
-        if cache is None:
-            return {"radix_cache": False}
-        tree, ps = cache.tree, self.page_table.page_size
-        return {"radix_cache": True, "cache_tokens": tree.num_pages * ps, "cache_evictable_tokens": tree.evictable_pages * ps,
-                "cache_evicted_tokens": tree.evicted_pages * ps, "cache_lookup_tokens": cache.stats.lookup_tokens,
-                "cache_hit_tokens": cache.stats.hit_tokens,
-                "cache_hit_rate": cache.stats.hit_tokens / cache.stats.lookup_tokens if cache.stats.lookup_tokens else 0.0,
-                **({"cache_state_snapshots": cache.snapshots.count - cache.snapshots.num_free} if cache.snapshots else {})}
+        return self.prefix_cache.report() if self.prefix_cache is not None else {"radix_cache": False}
 
     def internal_state(self) -> dict:
         spec = {}

@@ -3,11 +3,15 @@ dimensions, and the budget they share."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hyperdraft.config import EngineArgs
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.state_pool import StatePool
+
+logger = logging.getLogger("hyperdraft")
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 
@@ -47,3 +51,16 @@ def kv_capacity_tokens(args: EngineArgs, kv_bytes_per_token: int, budget: int, s
                      + (f" after the recurrent state of max_running_requests={rows} requests "
                         f"({state_bytes / 2**20:.1f} MiB): raise {field} or lower max_running_requests"
                         if state_bytes else ""))
+
+
+def fitting_rows(args: EngineArgs, budget: int, state_per_row: int) -> int:
+    """Rows (running requests): max_running_requests, or, when the user left it unset and a hybrid model's states
+    for that many would take more than half the budget, as many as fit in half of it."""
+    rows = args.effective_max_running_requests
+    if args.max_running_requests is not None or not state_per_row:
+        return rows
+    fit = max(1, budget // 2 // state_per_row - 1)
+    if fit < rows:
+        logger.info("max_running_requests defaults to %d: the recurrent state of more would take over half of the "
+                    "memory budget", fit)
+    return min(rows, fit)

@@ -133,6 +133,15 @@ class PrefixCache:
             self.tree.unlock(req.cache_node)
             req.cache_node = None
 
+    def report(self) -> dict:
+        """Sizes in tokens and counters (the engine's internal_state, /metrics)."""
+        tree, ps, stats = self.tree, self.page_size, self.stats
+        snapshots = {"cache_state_snapshots": self.snapshots.count - self.snapshots.num_free} if self.snapshots else {}
+        return {"radix_cache": True, "cache_tokens": tree.num_pages * ps, "cache_evictable_tokens": tree.evictable_pages * ps,
+                "cache_evicted_tokens": tree.evicted_pages * ps, "cache_lookup_tokens": stats.lookup_tokens,
+                "cache_hit_tokens": stats.hit_tokens,
+                "cache_hit_rate": stats.hit_tokens / stats.lookup_tokens if stats.lookup_tokens else 0.0, **snapshots}
+
     def flush(self) -> int:
         """Free every unreferenced cached page -> how many pages."""
         return self.page_table.flush_cache()
