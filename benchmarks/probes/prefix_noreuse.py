@@ -7,6 +7,8 @@ one cache-on run counts the time inside the cache's own calls.
   python -m benchmarks.probes.prefix_noreuse          # CPU -> stdout (results/prefix_noreuse_cpu.md)
   python -m benchmarks.probes.prefix_noreuse --prompts 2000 --min-len 30 --max-len 60 --new-tokens 4 \
       --pool 60000 --runs 1 --no-profile     # a tree of ~1000 cached sequences, evicting on every reservation
+  python -m benchmarks.probes.prefix_noreuse --device cuda --shape smollm2 --dtype bfloat16 --prompts 512 \
+      --running 64 --pool 40000 --no-profile # a GPU: SmolLM2-135M's shape (random weights: speed only)
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import torch
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.tiny import make_tiny_model
 
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152)
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.probes.prefix_noreuse", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,17 +39,23 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=8192, help="K/V pool tokens (max_total_tokens)")
     ap.add_argument("--runs", type=int, default=5, help="alternating off/on runs; medians reported")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled cache-on run")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--running", type=int, default=16, help="max_running_requests")
+    ap.add_argument("--shape", choices=["tiny", "smollm2"], default="tiny",
+                    help="tiny: 16 layers of hidden 64; smollm2: SmolLM2-135M's dimensions")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    path = make_tiny_model(tempfile.mkdtemp(), "llama", seed=0, num_hidden_layers=16)
+    shape = SMOLLM2_SHAPE if args.shape == "smollm2" else dict(num_hidden_layers=16)
+    path = make_tiny_model(tempfile.mkdtemp(), "llama", seed=0, **shape)
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 380) for _ in range(rng.randint(args.min_len, args.max_len))]
                for _ in range(args.prompts)]
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
 
     def run(disable: bool, profile: cProfile.Profile | None = None) -> float:
-        llm = LLM(path, device="cpu", dtype="float32", max_total_tokens=args.pool, max_running_requests=16,
-                  disable_radix_cache=disable)
+        llm = LLM(path, device=args.device, dtype=args.dtype, max_total_tokens=args.pool,
+                  max_running_requests=args.running, disable_radix_cache=disable)
         llm.generate(input_ids=prompts[:4], sampling_params=params, use_tqdm=False)
         start = time.perf_counter()
         if profile is not None:
