@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import random
 import statistics
@@ -39,6 +40,10 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=8192, help="K/V pool tokens (max_total_tokens)")
     ap.add_argument("--runs", type=int, default=5, help="alternating off/on runs; medians reported")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled cache-on run")
+    ap.add_argument("--profile-both", type=int, default=0, metavar="N",
+                    help="also profile one run each way and print the N functions with the most own time, and the "
+                         "engine's decode-ahead and cache counters")
+    ap.add_argument("--profile-dump", metavar="DIR", help="with --profile-both: also write each profile (pstats) there")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--running", type=int, default=16, help="max_running_requests")
@@ -57,6 +62,17 @@ def main() -> None:
         llm = LLM(path, device=args.device, dtype=args.dtype, max_total_tokens=args.pool,
                   max_running_requests=args.running, disable_radix_cache=disable)
         llm.generate(input_ids=prompts[:4], sampling_params=params, use_tqdm=False)
+        steps: list[float] = []
+        step = llm.engine.step
+
+        def timed_step():
+            t0 = time.perf_counter()
+            out = step()
+            steps.append(time.perf_counter() - t0)
+            return out
+
+        llm.engine.step = timed_step
+        gc_start = gc_seconds[0]
         start = time.perf_counter()
         if profile is not None:
             profile.enable()
@@ -64,15 +80,44 @@ def main() -> None:
         if profile is not None:
             profile.disable()
         seconds = time.perf_counter() - start
+        worker = llm.engine.worker
+        counters[disable] = dict(ahead_used=worker.ahead_used, ahead_discarded=worker.ahead_discarded,
+                                 **llm.engine.cache_state())
+        slowest = sorted(steps)[-3:]
+        print(f"cache {'off' if disable else 'on '}: {seconds:.3f} s, {len(steps)} steps, median step "
+              f"{statistics.median(steps) * 1e3:.2f} ms, slowest {' '.join(f'{s * 1e3:.0f}' for s in slowest)} ms, "
+              f"gc {gc_seconds[0] - gc_start:.3f} s, steps over 10 ms {sum(s for s in steps if s > 0.01):.3f} s, "
+              f"the rest {sum(s for s in steps if s <= 0.01):.3f} s", flush=True)
         llm.shutdown()
         return seconds
 
+    counters: dict[bool, dict] = {}
+    gc_seconds = [0.0]
+    gc_began = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_began[0] = time.perf_counter()
+        else:
+            gc_seconds[0] += time.perf_counter() - gc_began[0]
+
+    gc.callbacks.append(on_gc)
+
     times = {True: [], False: []}
-    for _ in range(args.runs):
-        for disable in (True, False):
+    for i in range(args.runs):
+        for disable in (True, False) if i % 2 == 0 else (False, True):  # each goes first as often
             times[disable].append(run(disable))
     off, on = statistics.median(times[True]), statistics.median(times[False])
     print(f"cache off {off:.3f} s, cache on {on:.3f} s (medians of {args.runs}): on/off throughput {off / on:.3f}x")
+    print("runs (s): off " + " ".join(f"{t:.3f}" for t in times[True]) + "; on " + " ".join(f"{t:.3f}" for t in times[False]))
+    for disable in (True, False) if args.profile_both else ():
+        profile = cProfile.Profile()
+        total = run(disable, profile)
+        print(f"\n### cache {'off' if disable else 'on'}: profiled run {total:.3f} s; {counters[disable]}")
+        stats = pstats.Stats(profile)
+        stats.sort_stats("tottime").print_stats(args.profile_both)
+        if args.profile_dump:
+            stats.dump_stats(f"{args.profile_dump}/cache_{'off' if disable else 'on'}.prof")
     if args.no_profile:
         return
     profile = cProfile.Profile()

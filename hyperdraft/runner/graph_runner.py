@@ -10,6 +10,10 @@ up to the next captured size. Anything else runs eagerly.
 Where outputs live (the bug class of SGLang's graph/eager disagreements): ModelRunner.forward returns ONE
 ForwardOutput, taken from whichever path ran, and every consumer reads only that. Graph outputs are views of
 static buffers: they stay valid until this runner's next forward, and callers that keep them longer copy them.
+Every batch size of a shape shares one set of output buffers, the largest graph's: a smaller graph ends by copying
+its outputs into their leading rows. Kept apart, each size's outputs stayed alive in the pool, and their sum over the
+ladder is what ran an H100 out of memory: a SmolLM2 EAGLE-3 chain-5 engine's 27 verify graphs held 3.1 GB of logits
+alone (benchmarks/probes/graph_memory.py). The copy costs a smaller graph one read and write of its logits.
 
 Padding rows (batch entries past the real ones) read page-table row 0 (reads are harmless) and write their K/V to
 slot 0, the padding page; their inputs are reset on every replay, so a larger previous batch never leaves real
@@ -37,10 +41,15 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch
+from hyperdraft.runner.capture import capture_segments, into_shared, reset_graphs, shared_buffers
+
+if TYPE_CHECKING:
+    from hyperdraft.runner.model_runner import ForwardOutput
 
 logger = logging.getLogger("hyperdraft")
 
@@ -198,6 +207,7 @@ class GraphRunner:
         self.sizes: dict[GraphShape, list[int]] = {}
         self.graphs: dict[tuple[GraphShape, int], object] = {}
         self.outputs: dict[tuple[GraphShape, int], object] = {}
+        self.shared: dict[GraphShape, ForwardOutput] = {}  # per shape, the buffers every batch size's outputs view
         self.capture_layers: tuple[int, ...] = ()
         self.pool = None  # the graphs' shared memory pool, made at the first capture (memory_pool)
         self.num_replays = 0  # tests and logs: how many forwards a graph served
@@ -235,7 +245,8 @@ class GraphRunner:
         if self.emulate:
             self.outputs[key] = None
             return
-        self.graphs[key], self.outputs[key] = self._capture_segments(fb)
+        self.graphs[key], self.outputs[key] = self._capture_segments(fb, self.shared.get(shape))
+        self.shared.setdefault(shape, self.outputs[key])  # sizes are captured largest first
 
     @property
     def recurrent(self) -> bool:
@@ -254,14 +265,15 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
 
-    def _capture_segments(self, fb: ForwardBatch) -> tuple[list, object]:
+    def _capture_segments(self, fb: ForwardBatch, shared: ForwardOutput | None) -> tuple[list, object]:
         """Capture one forward as consecutive graphs cut after the layers the runner's segment_cuts names (one graph
-        when it names none or segments are off)."""
+        when it names none or segments are off); its outputs copied into `shared` when given."""
         cuts = self.runner.segment_cuts() if self.settings.segments else ()
 
         def run(cut):
             after_layer = (lambda layers_done: cut() if layers_done in cuts else None) if cuts else None
-            return self.runner.forward_eager(fb, self.capture_layers, after_layer)
+            out = self.runner.forward_eager(fb, self.capture_layers, after_layer)
+            return out if shared is None else into_shared(out, shared)
 
         return capture_segments(self.memory_pool(), self.runner.device, run)
 
@@ -271,6 +283,7 @@ class GraphRunner:
         process group: on an H100 pair, destroying the group while such graphs lived hung for good."""
         reset_graphs(self.graphs)
         self.outputs.clear()
+        self.shared.clear()
         self.sizes.clear()
         self.inputs.clear()
 
@@ -339,14 +352,10 @@ class GraphRunner:
             padded = static.batch(fb.mode, bs, q, self.max_seq_len, fb.prefix_lens + [0] * (bs - real),
                                   self._speculative(shape))
             fresh = self.runner.forward_eager(padded, self.capture_layers)
-            out = self.outputs[key]
-            if out is None:  # the first replay's tensors become this key's static outputs ...
-                out = self.outputs[key] = fresh
-            else:  # ... which later replays overwrite in place, as a graph does: a consumer keeping a view is caught
-                for dst, src in zip([out.logits, out.hidden, *out.captured], [fresh.logits, fresh.hidden, *fresh.captured]):
-                    dst.copy_(src)
-                if out.logits_hidden is not None:
-                    out.logits_hidden.copy_(fresh.logits_hidden)
+            if shape not in self.shared:  # buffers for the shape's largest size, which every replay overwrites in
+                # place, as the graphs' shared outputs: a consumer keeping a view past the next forward is caught
+                self.shared[shape] = shared_buffers(fresh, self.sizes[shape][-1] / bs)
+            out = into_shared(fresh, self.shared[shape])
         else:
             for segment in self.graphs[key]:
                 segment.replay()
@@ -356,40 +365,3 @@ class GraphRunner:
         return dataclasses.replace(out, logits=out.logits[:rows], hidden=out.hidden[:n],
                                    captured=[c[:n] for c in out.captured],
                                    logits_hidden=None if out.logits_hidden is None else out.logits_hidden[:rows])
-
-
-def reset_graphs(graphs: dict) -> None:
-    """Destroy the captured segments held in `graphs` (key -> list of CUDA graphs) and empty it."""
-    for segments in graphs.values():
-        for graph in segments:
-            graph.reset()
-    graphs.clear()
-
-
-def capture_segments(pool, device, run) -> tuple[list, object]:
-    """Capture run(cut) as consecutive CUDA graphs, starting a new one whenever run calls cut() -> (the graphs, run's
-    result). run first runs twice uncaptured on the capture stream (lazy initialisation and Triton compilation
-    happen outside the graph). Tensors made in one segment and read in a later one stay referenced while run runs,
-    and the segments share `pool`; they must be replayed in capture order with nothing in between."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run(lambda: None)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    segments: list = []
-
-    def begin() -> None:
-        segments.append(torch.cuda.CUDAGraph())
-        segments[-1].capture_begin(pool=pool)
-
-    def cut() -> None:
-        segments[-1].capture_end()
-        begin()
-
-    torch.cuda.synchronize(device)
-    with torch.cuda.stream(stream):
-        begin()
-        out = run(cut)
-        segments[-1].capture_end()
-    return segments, out

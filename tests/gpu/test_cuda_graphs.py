@@ -122,3 +122,18 @@ def test_graphs_on_equals_off(models, name, dtype):
         data = json.load(open(REPORT)) if os.path.exists(REPORT) else {}
         data[name] = {"identical_to_spec_off": same, "requests": len(graphed)}
         json.dump(data, open(REPORT, "w"), indent=1)
+
+
+def test_every_batch_size_of_a_shape_shares_one_set_of_outputs(models):
+    """The target's and the draft head's graphs of one shape write their outputs into the largest graph's buffers
+    (graph_runner.py says why): every captured size's logits start at the same address."""
+    llm = LLM(models["target6"], device="cuda", dtype="float32", max_total_tokens=8192, skip_tokenizer_init=True,
+              cuda_graph_max_bs=16, speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"],
+              speculative_num_steps=3, speculative_eagle_topk=1)
+    for graphs in (llm.engine.runner.graphs, llm.engine.worker.proposer.runner.graphs):
+        by_shape: dict = {}
+        for (shape, bs), out in graphs.outputs.items():
+            by_shape.setdefault(shape, set()).add(out.logits.data_ptr())
+        assert by_shape and all(len(ptrs) == 1 for ptrs in by_shape.values()), by_shape
+        assert any(len(graphs.sizes[shape]) > 1 for shape in by_shape)
+    llm.shutdown()

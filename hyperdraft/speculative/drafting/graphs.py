@@ -24,7 +24,7 @@ from collections import Counter
 import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch
-from hyperdraft.runner.graph_runner import capture_segments, reset_graphs
+from hyperdraft.runner.capture import capture_segments, reset_graphs
 from hyperdraft.speculative.drafting.chain import choose_argmax, draft_chain
 from hyperdraft.speculative.drafting.anchor import PACKED_FIELDS, CatchUpRows, unpack_round
 from hyperdraft.speculative.adaptive.tier import Tier

@@ -1,0 +1,70 @@
+"""Capture mechanics shared by every runner's graphs: forwards captured as segments in one memory pool, outputs kept in
+one set of buffers per shape, and graphs destroyed. (GraphRunner and the drafters' whole-round graphs use these.)"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hyperdraft.runner.model_runner import ForwardOutput
+
+
+def into_shared(fresh: ForwardOutput, shared: ForwardOutput) -> ForwardOutput:
+    """fresh's tensors copied into the leading rows of shared's -> views of those rows."""
+    def put(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return dst[: src.shape[0]].copy_(src)
+
+    return dataclasses.replace(
+        fresh, logits=put(shared.logits, fresh.logits), hidden=put(shared.hidden, fresh.hidden),
+        captured=[put(dst, src) for dst, src in zip(shared.captured, fresh.captured)],
+        logits_hidden=None if fresh.logits_hidden is None else put(shared.logits_hidden, fresh.logits_hidden))
+
+
+def shared_buffers(fresh: ForwardOutput, scale: float) -> ForwardOutput:
+    """Empty buffers shaped like fresh's tensors with scale times their rows (an emulated shape's largest size)."""
+    def grown(t: torch.Tensor) -> torch.Tensor:
+        return t.new_empty((int(t.shape[0] * scale), *t.shape[1:]))
+
+    return dataclasses.replace(fresh, logits=grown(fresh.logits), hidden=grown(fresh.hidden),
+                               captured=[grown(c) for c in fresh.captured],
+                               logits_hidden=None if fresh.logits_hidden is None else grown(fresh.logits_hidden))
+
+
+def reset_graphs(graphs: dict) -> None:
+    """Destroy the captured segments held in `graphs` (key -> list of CUDA graphs) and empty it."""
+    for segments in graphs.values():
+        for graph in segments:
+            graph.reset()
+    graphs.clear()
+
+
+def capture_segments(pool, device, run) -> tuple[list, object]:
+    """Capture run(cut) as consecutive CUDA graphs, starting a new one whenever run calls cut() -> (the graphs, run's
+    result). run first runs twice uncaptured on the capture stream (lazy initialisation and Triton compilation
+    happen outside the graph). Tensors made in one segment and read in a later one stay referenced while run runs,
+    and the segments share `pool`; they must be replayed in capture order with nothing in between."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run(lambda: None)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    segments: list = []
+
+    def begin() -> None:
+        segments.append(torch.cuda.CUDAGraph())
+        segments[-1].capture_begin(pool=pool)
+
+    def cut() -> None:
+        segments[-1].capture_end()
+        begin()
+
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(stream):
+        begin()
+        out = run(cut)
+        segments[-1].capture_end()
+    return segments, out
