@@ -11,9 +11,9 @@ Where outputs live (the bug class of SGLang's graph/eager disagreements): ModelR
 ForwardOutput, taken from whichever path ran, and every consumer reads only that. Graph outputs are views of
 static buffers: they stay valid until this runner's next forward, and callers that keep them longer copy them.
 Every batch size of a shape shares one set of output buffers, the largest graph's: a smaller graph ends by copying
-its outputs into their leading rows. Kept apart, each size's outputs stayed alive in the pool, and their sum over the
-ladder is what ran an H100 out of memory: a SmolLM2 EAGLE-3 chain-5 engine's 27 verify graphs held 3.1 GB of logits
-alone (benchmarks/probes/graph_memory.py). The copy costs a smaller graph one read and write of its logits.
+its outputs into their leading rows. Kept apart, each size's outputs stayed alive in the pool: a SmolLM2 EAGLE-3
+chain-5 engine's 27 verify graphs held 3.1 GB of logits, now 0.3 GB (benchmarks/probes/graph_memory.py). The copy
+costs a smaller graph one read and write of its logits (3 MB for a chain-5 verify at batch 1 and a 128k vocabulary).
 
 Padding rows (batch entries past the real ones) read page-table row 0 (reads are harmless) and write their K/V to
 slot 0, the padding page; their inputs are reset on every replay, so a larger previous batch never leaves real
