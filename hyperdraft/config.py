@@ -27,15 +27,14 @@ class AlgorithmTraits:
     draft_model: bool  # runs a draft model or head (speculative_draft_model_path)
     trees: bool  # can draft trees (speculative_eagle_topk > 1) and draw drafts from q (rejection sampling)
     own_mtp: bool = False  # without speculative_draft_model_path, drafts with the target's own MTP module
-    reads_hidden: bool = False  # a head fed the target's hidden states (its K/V trails the target's by one token)
 
 
 # SGLang's algorithm names. speculative/proposers/__init__.py registers one Proposer class under each.
 SPECULATIVE_ALGORITHMS = {
     "NGRAM": AlgorithmTraits(draft_model=False, trees=False),
     "STANDALONE": AlgorithmTraits(draft_model=True, trees=True),
-    "EAGLE": AlgorithmTraits(draft_model=True, trees=True, own_mtp=True, reads_hidden=True),
-    "EAGLE3": AlgorithmTraits(draft_model=True, trees=True, reads_hidden=True),
+    "EAGLE": AlgorithmTraits(draft_model=True, trees=True, own_mtp=True),
+    "EAGLE3": AlgorithmTraits(draft_model=True, trees=True),
 }
 SPECULATIVE_ALIASES = {"NEXTN": "EAGLE", "MTP": "EAGLE"}  # NEXTN / MTP: the target's own MTP module
 SPECULATIVE_NOT_YET: tuple[str, ...] = ()

@@ -38,6 +38,7 @@ class Request:
     row: int | None = None  # page-table row while running
     cache_node: object | None = None  # the prefix-cache node this request holds locked (kvcache/prefix_cache.py)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    prefill_cut: int = 0  # hybrid models: a prefill chunk ends here, where the prefix cache wants a state snapshot
     finish_reason: str | None = None
     stop_str_hit: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)

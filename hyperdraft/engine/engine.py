@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from hyperdraft.config import SPECULATIVE_ALGORITHMS, EngineArgs
+from hyperdraft.config import EngineArgs
 from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.engine.lockstep import (Command, Lockstep, check_devices, init_group, local_rank, node_ranks,
@@ -145,15 +145,11 @@ class Engine:
         return Lockstep.lead(self.args, follow, self.options, self.device)
 
     def _radix_tree(self, model, draft) -> RadixTree | None:
-        """The prefix cache's (empty) tree, or None: turned off (--disable-radix-cache), or a recurrent state that
-        cannot be cached: a hybrid draft model's (only the target's is snapshot), or a hybrid target's under an EAGLE
-        or MTP head, whose K/V trails the target's committed state by one token, so no cached end has both (restoring
-        the head's last hidden state with the snapshot would close that gap)."""
+        """The prefix cache's (empty) tree, or None: turned off (--disable-radix-cache), or a hybrid draft model,
+        whose recurrent state is not snapshot (only the target's is)."""
         if self.args.disable_radix_cache:
             return None
-        hybrid_draft = draft is not None and state_bytes_per_row(draft, 0) > 0
-        if hybrid_draft or (model.config.is_hybrid and self.spec is not None
-                            and SPECULATIVE_ALGORITHMS[self.spec.algorithm].reads_hidden):
+        if draft is not None and state_bytes_per_row(draft, 0) > 0:
             logger.info("prefix cache off: a hybrid (linear-attention) model's state cannot be cached with %s drafts",
                         self.args.speculative_algorithm)
             return None
@@ -169,7 +165,9 @@ class Engine:
         lookahead = 1 if proposer is not None and proposer.capabilities.feeds_hidden else 0
         pool = self.runner.state_pool
         locate = (lambda row: self.worker.state_at.get(row, -1)) if self.spec is None else (lambda row: -1)
-        snapshots = StateSnapshots(pool, self.max_rows, tree, locate) if pool is not None else None
+        head = proposer if lookahead else None  # an EagleProposer: its pending hidden state goes with a snapshot
+        snapshots = StateSnapshots(pool, self.max_rows, tree, locate, self.runner.pool if head else None,
+                                   head.hidden_buf if head else None) if pool is not None else None
         return PrefixCache(tree, self.page_table, lookahead, draft_kv=proposer is not None and proposer.pool is not None,
                            snapshots=snapshots)
 

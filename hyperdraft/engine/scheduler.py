@@ -92,6 +92,8 @@ class Scheduler:
         items = []
         for req in [r for r in self.running if not r.is_decoding]:
             chunk = min(req.num_uncomputed, budget)
+            if req.num_computed < req.prefill_cut:  # chunked: the cut may lie past the first chunk
+                chunk = min(chunk, req.prefill_cut - req.num_computed)
             if chunk <= 0 or not self.page_table.reserve(req.row, req.num_computed + chunk):
                 return items
             items.append(ScheduledRequest(req, chunk, chunk == req.num_uncomputed))
@@ -112,23 +114,25 @@ class Scheduler:
         or None when it does not fit this step, or should wait for a prefix a request admitted in this same step is
         about to cache (nothing changed then)."""
         hit = self.cache.match(req) if self.cache is not None else None
-        cached = hit.num_pages * self.page_table.page_size if hit is not None else 0
+        cached = hit.computed if hit is not None else 0
+        own = cached - hit.num_pages * self.page_table.page_size if hit is not None else 0  # a snapshot's K/V slot
         if self.cache is not None and _shares_uncached(req, cached, fresh):
             self._release_hit(hit)
             return None
         uncomputed = req.seq_len - cached
         chunk = min(uncomputed, budget) if self.chunked_prefill else uncomputed
-        if hit is not None and hit.cut:  # a hybrid model: end the chunk where the cache wants a state snapshot
+        if hit is not None and hit.cut:  # a hybrid model: end a chunk where the cache wants a state snapshot
             chunk = min(chunk, hit.cut - cached)
         # Headroom: keep one decode's worth of room per running request so admission does not force retraction.
         # With nothing running the whole pool is free and the request fits (prompt checks, retraction sizes):
         # demanding headroom then would leave a request that fits only alone waiting forever.
         headroom = self.decode_reserve * len(self.running) + self.page_table.page_size if self.running else 0
         if (chunk <= 0 or (not self.chunked_prefill and batch_has_items and chunk > budget)
-                or self.page_table.num_available_slots < chunk + headroom):
+                or self.page_table.num_available_slots < own + chunk + headroom):
             self._release_hit(hit)
             return None
         req.row = self.page_table.acquire_row()
+        req.prefill_cut = hit.cut if hit is not None else 0
         if self.cache is not None:
             self.cache.attach(req, req.row, hit)
         if not self.page_table.reserve(req.row, req.num_computed + chunk):
@@ -143,7 +147,7 @@ class Scheduler:
         """Free a running request's K/V and queue it first for recompute; its tokens so far are kept."""
         self.running.remove(req)
         self._release(req, keep_cached=True)
-        req.num_computed, req.draft_num_computed = 0, 0
+        req.num_computed, req.draft_num_computed, req.prefill_cut = 0, 0, 0
         req.num_retractions += 1
         self.waiting.appendleft(req)
 

@@ -24,6 +24,13 @@ match stops at the deepest matched node holding a snapshot. When the match went 
 shared system prompt that one request cached in passing, n > 1 siblings, a history saved at an unaligned length), the
 Hit carries that depth as `cut`: the scheduler ends the request's first chunk there, and its save snapshots the node,
 so every later request sharing that prefix starts from it. The cut costs that one request a second prefill step.
+
+With an EAGLE or MTP head (lookahead 1) on a hybrid target the head's K/V trails the target by one token: after a
+prefill chunk, or a round that accepted no draft, the target has computed L + 1 tokens and the head L, with the
+target's hidden state h_L waiting for it. That is what a snapshot then keeps at the node ending at L (the pair keys
+fix token L as well): the target's state after L + 1 tokens, the target's K/V at position L, and h_L. A hit restores
+all three and starts the request with num_computed = L + 1 and draft_num_computed = L, where such a prefill chunk
+would have left it (speculative/proposers/eagle.py).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from hyperdraft.request import Request
 class Hit:
     node: Node  # locked (the root when nothing is restorable)
     pages: list[int]
+    computed: int  # the request's num_computed once attached: the pages' tokens (+1: a lookahead snapshot's)
     cut: int = 0  # hybrid models: a deeper cached prefix without a snapshot, where the first chunk should end (0: none)
 
     @property
@@ -75,15 +83,16 @@ class PrefixCache:
         if usable <= 0:
             return None
         node, pages = self.tree.match(self.keys(req, usable))
-        cut = 0
+        cut, extra = 0, 0
         if self.snapshots is not None:
             deepest = len(pages)
             node, pages = self._restorable(node, pages)
-            cut = deepest * self.page_size if deepest > len(pages) else 0
+            cut = deepest * self.page_size + self.lookahead if deepest > len(pages) else 0
+            extra = self.lookahead if pages else 0
         if not pages and not cut:
             return None
         self.tree.lock(node)
-        return Hit(node, pages, cut)
+        return Hit(node, pages, len(pages) * self.page_size + extra, cut)
 
     def _restorable(self, node: Node, pages: list[int]) -> tuple[Node, list[int]]:
         """The deepest node at or above `node` that holds a snapshot, and its path's pages (the root and none)."""
@@ -98,7 +107,7 @@ class PrefixCache:
 
     def attach(self, req: Request, row: int, hit: Hit | None) -> None:
         """Start the request in `row` on the hit's pages (or on nothing), and count the lookup."""
-        cached = hit.num_pages * self.page_size if hit is not None else 0
+        cached = hit.computed if hit is not None else 0
         if req.num_retractions == 0:  # a recompute after retraction is no new prompt
             self.stats.lookup_tokens += len(req.prompt_ids)
             self.stats.hit_tokens += min(cached, len(req.prompt_ids))
@@ -106,10 +115,17 @@ class PrefixCache:
         if hit is None or not hit.pages:
             return
         self.page_table.attach(row, hit.pages)
-        if self.snapshots is not None:
-            self.snapshots.restore(hit.node, row)
         req.cache_node = hit.node
         req.num_computed = req.draft_num_computed = cached
+        if self.snapshots is None:
+            return
+        kv_slot = None
+        if self.lookahead:  # position L's target K/V goes to the row's own page (the scheduler counted its slot)
+            if not self.page_table.reserve(row, cached):
+                raise AssertionError("reserve failed after the free-slot check")
+            kv_slot = self._slot(row, cached - 1)
+            req.draft_num_computed = cached - 1
+        self.snapshots.restore(hit.node, row, kv_slot)
 
     def save(self, req: Request) -> None:
         """Cache the request's computed whole pages (see the module doc for what counts as computed)."""
@@ -122,11 +138,22 @@ class PrefixCache:
         pages = self.page_table.row_pages(req.row)[:num_pages]
         node, tree_pages = self.tree.insert(self.keys(req, num_pages * self.page_size), pages)
         self.page_table.share(req.row, tree_pages)
-        if self.snapshots is not None and node.snapshot < 0 and num_pages * self.page_size == req.num_computed:
-            self.snapshots.take(req.row, node)  # the committed state is exactly at the node's end
+        end = num_pages * self.page_size
+        if self.snapshots is not None and node.snapshot < 0 and self._state_at(req, end):
+            self.snapshots.take(req.row, node, self._slot(req.row, end) if self.lookahead else None)
         self.tree.lock(node)
         self.release(req)
         req.cache_node = node
+
+    def _state_at(self, req: Request, end: int) -> bool:
+        """Whether the request's committed state is the one a hit ending at `end` restores: its state after `end`
+        tokens, or, with a lookahead head, after end + 1 with the head at end (module doc)."""
+        if not self.lookahead:
+            return req.num_computed == end
+        return req.num_computed == end + 1 and req.draft_num_computed == end
+
+    def _slot(self, row: int, position: int) -> int:
+        return self.page_table.row_pages(row)[position // self.page_size] * self.page_size + position % self.page_size
 
     def release(self, req: Request) -> None:
         if req.cache_node is not None:

@@ -7,8 +7,10 @@ tokens are cached (after a prefill chunk, at finish, before retraction). On a hy
 matched node that holds one; attaching the hit copies the snapshot into the request's slot, and its prefill resumes
 from there (a prefill that does not start at position 0 reads its slot: attention/linear_backend.py).
 
-  take(row, node)      copy the committed state of the request in `row` into a free snapshot, now node's
-  restore(node, row)   copy node's snapshot into the slot of `row`
+  take(row, node, kv_slot)      copy the committed state of the request in `row` into a free snapshot, now node's
+  restore(node, row, kv_slot)   copy node's snapshot into the slot of `row`
+With an EAGLE or MTP head (prefix_cache.py says why) a snapshot also keeps one position's target K/V, from and to
+the K/V pool slot kv_slot, and the head's pending input hidden state (its hidden_buf entry 0 of the row).
 
 There are as many snapshots as page-table rows, counted in the memory budget beside the state pool. When none is free,
 the least recently used node gives its snapshot back; its pages stay cached, and a later match either stops above it
@@ -17,6 +19,8 @@ the tree's dropped_snapshots.
 
   conv       [L, N, C, K-1]      as StatePool.conv, N snapshots instead of slots
   recurrent  [L, N, HV, dk, dv]  as StatePool.recurrent
+  k, v       [A, N, Hkv, D]      one position's K/V of the target's A attention layers (a head only)
+  hidden     [N, Hd]             the head's pending hidden state, in the head's own width (a head only)
 Shapes come from the pool itself, so under tensor parallelism each rank keeps its own heads' states.
 """
 
@@ -24,17 +28,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
+from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.radix_tree import Node, RadixTree
 from hyperdraft.kvcache.state_pool import StatePool
 
 
 class StateSnapshots:
-    def __init__(self, pool: StatePool, count: int, tree: RadixTree, locate: Callable[[int], int]):
+    def __init__(self, pool: StatePool, count: int, tree: RadixTree, locate: Callable[[int], int],
+                 kv: KVPool | None = None, head_hidden: torch.Tensor | None = None):
         """locate(row): where the committed state of the request in `row` is now: -1 its slot, j >= 0 scratch entry j
-        (where a decode queued ahead left it: engine/model_worker.py)."""
+        (where a decode queued ahead left it: engine/model_worker.py). kv, head_hidden: the target's K/V pool and the
+        head's hidden_buf [rows, W, Hd], with an EAGLE or MTP head."""
         self.pool, self.tree, self.locate = pool, tree, locate
         self.conv = pool.conv.new_zeros((pool.conv.shape[0], count, *pool.conv.shape[2:]))
         self.recurrent = pool.recurrent.new_zeros((pool.recurrent.shape[0], count, *pool.recurrent.shape[2:]))
+        self.kv, self.head_hidden = kv, head_hidden
+        if kv is not None:
+            self.k = kv.k.new_zeros((kv.k.shape[0], count, *kv.k.shape[2:]))
+            self.v = kv.v.new_zeros((kv.v.shape[0], count, *kv.v.shape[2:]))
+            self.hidden = head_hidden.new_zeros((count, head_hidden.shape[-1]))
         self._free = list(range(count - 1, -1, -1))
         self._owners: dict[int, Node] = {}
 
@@ -47,7 +61,7 @@ class StateSnapshots:
         self._take_back_dropped()
         return len(self._free)
 
-    def take(self, row: int, node: Node) -> None:
+    def take(self, row: int, node: Node, kv_slot: int | None = None) -> None:
         index = self._allocate()
         slot, entry = row + 1, self.locate(row)
         if entry < 0:
@@ -56,13 +70,22 @@ class StateSnapshots:
         else:
             self.conv[:, index] = self.pool.conv_scratch[:, slot, entry]
             self.recurrent[:, index] = self.pool.recurrent_scratch[:, slot, entry]
+        if self.kv is not None:
+            self.k[:, index] = self.kv.k[:, kv_slot]
+            self.v[:, index] = self.kv.v[:, kv_slot]
+            self.hidden[index] = self.head_hidden[row, 0]
         node.snapshot = index
         self._owners[index] = node
 
-    def restore(self, node: Node, row: int) -> None:
-        assert node.snapshot >= 0 and self._owners.get(node.snapshot) is node, "restoring a snapshot the node lost"
-        self.pool.conv[:, row + 1] = self.conv[:, node.snapshot]
-        self.pool.recurrent[:, row + 1] = self.recurrent[:, node.snapshot]
+    def restore(self, node: Node, row: int, kv_slot: int | None = None) -> None:
+        index = node.snapshot
+        assert index >= 0 and self._owners.get(index) is node, "restoring a snapshot the node lost"
+        self.pool.conv[:, row + 1] = self.conv[:, index]
+        self.pool.recurrent[:, row + 1] = self.recurrent[:, index]
+        if self.kv is not None:
+            self.kv.k[:, kv_slot] = self.k[:, index]
+            self.kv.v[:, kv_slot] = self.v[:, index]
+            self.head_hidden[row, 0] = self.hidden[index]
 
     def _allocate(self) -> int:
         self._take_back_dropped()

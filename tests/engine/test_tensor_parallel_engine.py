@@ -227,16 +227,18 @@ def test_an_engine_that_fails_to_build_ends_its_followers(models, tmp_path):
     assert got == want
 
 
-def test_tp2_hybrid_state_snapshots_equal_tp1(models):
-    """A hybrid model's prefix cache under TP 2: every rank snapshots its own heads' states and restores them on a
-    hit (a shared 36-token prefix: the first request computes it, the second cuts its first chunk there, the rest
-    start from the snapshot); outputs equal TP 1 and the hits are the same."""
+@pytest.mark.parametrize("spec", [{}, dict(speculative_algorithm="NEXTN", speculative_num_steps=3)], ids=["plain", "mtp"])
+def test_tp2_hybrid_state_snapshots_equal_tp1(models, spec):
+    """A hybrid model's prefix cache under TP 2: every rank snapshots its own heads' states (with MTP, also a
+    position's K/V and the head's pending hidden state) and restores them on a hit (a shared 36-token prefix: the
+    first request computes it, the second cuts its first chunk there, the rest start from the snapshot); outputs
+    equal TP 1 and the hits are the same."""
     stem = mixed_prompts(1, seed=8, min_len=36, max_len=36)[0]
     prompts = [stem + tail for tail in mixed_prompts(5, seed=9, min_len=3, max_len=9)]
     params = greedy(6)
     runs = []
     for tp_size in (1, 2):
-        llm = LLM(models["qwen3_5"], device="cpu", dtype="float32", tp_size=tp_size, dist_timeout=120)
+        llm = LLM(models["qwen3_5"], device="cpu", dtype="float32", tp_size=tp_size, dist_timeout=120, **spec)
         try:
             outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
             runs.append([(o.token_ids, o.meta_info["cached_tokens"]) for o in outs])
@@ -245,5 +247,5 @@ def test_tp2_hybrid_state_snapshots_equal_tp1(models):
         finally:
             llm.shutdown()
     assert runs[1] == runs[0]
-    assert [cached for _, cached in runs[1]][2:] == [36] * 3
+    assert [cached for _, cached in runs[1]][2:] == [36] * 3  # (MTP: 35 tokens of pages + the snapshot's one)
     _check_pools_free(states, 2)
