@@ -7,7 +7,6 @@ random model, so equality here is what checks the states."""
 
 from __future__ import annotations
 
-import logging
 import random
 
 import pytest
