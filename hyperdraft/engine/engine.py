@@ -116,7 +116,7 @@ class Engine:
         proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
         draft_tp = self.lockstep.tp if self.options.split_draft_model else SINGLE
         draft = proposer_cls.load_draft(self.spec, model, args, self.device, draft_tp) if proposer_cls else None
-        tree = self._radix_tree(model, draft)
+        tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
         self.max_rows, self.page_table = self._page_table(model, draft, tree)
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         check_deterministic(self.model_config, self.device, backend, self.options)
@@ -144,32 +144,23 @@ class Engine:
         rank_config(load_model_config(self.args.model_path), TensorParallel(0, self.args.tp_size))  # before any process
         return Lockstep.lead(self.args, follow, self.options, self.device)
 
-    def _radix_tree(self, model, draft) -> RadixTree | None:
-        """The prefix cache's (empty) tree, or None: turned off (--disable-radix-cache), or a hybrid draft model,
-        whose recurrent state is not snapshot (only the target's is)."""
-        if self.args.disable_radix_cache:
-            return None
-        if draft is not None and state_bytes_per_row(draft, 0) > 0:
-            logger.info("prefix cache off: a hybrid (linear-attention) model's state cannot be cached with %s drafts",
-                        self.args.speculative_algorithm)
-            return None
-        return RadixTree(self.args.page_size)
-
     def _prefix_cache(self, tree: RadixTree | None) -> PrefixCache | None:
         """An EAGLE head's K/V at a position depends on the next token (lookahead 1); a drafter with a pool of its
-        own bounds what may be cached by its draft_num_computed; a hybrid target's states are snapshot at cached
-        ends, read from their slots, or from where a plain decode queued ahead left them."""
+        own bounds what may be cached by its draft_num_computed; hybrid models' states (the target's, a STANDALONE
+        draft's) are snapshot at cached ends, read from their slots, or from where a plain decode queued ahead left
+        them."""
         if tree is None:
             return None
         proposer = self.worker.proposer if self.spec is not None else None
         lookahead = 1 if proposer is not None and proposer.capabilities.feeds_hidden else 0
-        pool = self.runner.state_pool
+        draft_state = proposer is not None and proposer.capabilities.recurrent_state
+        pools = [p for p in (self.runner.state_pool, proposer.runner.state_pool if draft_state else None) if p]
         locate = (lambda row: self.worker.state_at.get(row, -1)) if self.spec is None else (lambda row: -1)
         head = proposer if lookahead else None  # an EagleProposer: its pending hidden state goes with a snapshot
-        snapshots = StateSnapshots(pool, self.max_rows, tree, locate, self.runner.pool if head else None,
-                                   head.hidden_buf if head else None) if pool is not None else None
+        snapshots = StateSnapshots(pools, self.max_rows, tree, locate, self.runner.pool if head else None,
+                                   head.hidden_buf if head else None) if pools else None
         return PrefixCache(tree, self.page_table, lookahead, draft_kv=proposer is not None and proposer.pool is not None,
-                           snapshots=snapshots)
+                           snapshots=snapshots, draft_state=draft_state)
 
     def _page_table(self, model, draft, tree: RadixTree | None) -> tuple[int, PageTable]:
         """(rows, one page table for every pool): the budget goes to the recurrent states of the rows first (hybrid
@@ -179,8 +170,8 @@ class Engine:
         bytes_per_slot = sum(kv_bytes_per_slot(m) for m in models)
         budget = self.lockstep.tp.agree_min(memory_budget_bytes(args, bytes_per_slot, self.device))
         state_per_row = sum(state_bytes_per_row(m, self._verify_width()) for m in models)
-        if tree is not None:
-            state_per_row += state_bytes_per_row(model, 0)  # the prefix cache's state snapshots, one per row
+        if tree is not None:  # the prefix cache's state snapshots, one per row
+            state_per_row += sum(state_bytes_per_row(m, 0) for m in models)
         rows = fitting_rows(args, budget, state_per_row)
         capacity = kv_capacity_tokens(args, bytes_per_slot, budget, (rows + 1) * state_per_row, rows, self.device)
         if capacity < args.page_size:

@@ -63,14 +63,15 @@ class CacheStats:
 
 class PrefixCache:
     def __init__(self, tree: RadixTree, page_table: PageTable, lookahead: int, draft_kv: bool,
-                 snapshots: StateSnapshots | None = None):
+                 snapshots: StateSnapshots | None = None, draft_state: bool = False):
         """lookahead: 1 when a drafter's K/V at a position depends on the next token (EAGLE heads), else 0;
         draft_kv: a drafter keeps K/V of its own (its draft_num_computed bounds what may be cached); snapshots: a
-        hybrid target's recurrent states at cached ends (None for a dense model)."""
+        hybrid model's recurrent states at cached ends (None without one); draft_state: the draft model is hybrid
+        (its state is snapshot with the target's, so both must be at the node's end)."""
         self.tree, self.page_table = tree, page_table
         self.page_size = page_table.page_size
         self.lookahead, self.draft_kv = lookahead, draft_kv
-        self.snapshots = snapshots
+        self.snapshots, self.draft_state = snapshots, draft_state
         self.stats = CacheStats()
 
     def keys(self, req: Request, length: int) -> list:
@@ -149,7 +150,7 @@ class PrefixCache:
         """Whether the request's committed state is the one a hit ending at `end` restores: its state after `end`
         tokens, or, with a lookahead head, after end + 1 with the head at end (module doc)."""
         if not self.lookahead:
-            return req.num_computed == end
+            return req.num_computed == end and (not self.draft_state or req.draft_num_computed == end)
         return req.num_computed == end + 1 and req.draft_num_computed == end
 
     def _slot(self, row: int, position: int) -> int:

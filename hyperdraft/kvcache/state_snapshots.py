@@ -17,11 +17,11 @@ the least recently used node gives its snapshot back; its pages stay cached, and
 or cuts its first chunk there and snapshots it again (prefix_cache.py). An evicted node's snapshot comes back through
 the tree's dropped_snapshots.
 
-  conv       [L, N, C, K-1]      as StatePool.conv, N snapshots instead of slots
-  recurrent  [L, N, HV, dk, dv]  as StatePool.recurrent
+  conv       per pool [L, N, C, K-1]      as StatePool.conv, N snapshots instead of slots
+  recurrent  per pool [L, N, HV, dk, dv]  as StatePool.recurrent
   k, v       [A, N, Hkv, D]      one position's K/V of the target's A attention layers (a head only)
   hidden     [N, Hd]             the head's pending hidden state, in the head's own width (a head only)
-Shapes come from the pool itself, so under tensor parallelism each rank keeps its own heads' states.
+Shapes come from the pools themselves, so under tensor parallelism each rank keeps its own heads' states.
 """
 
 from __future__ import annotations
@@ -36,14 +36,15 @@ from hyperdraft.kvcache.state_pool import StatePool
 
 
 class StateSnapshots:
-    def __init__(self, pool: StatePool, count: int, tree: RadixTree, locate: Callable[[int], int],
+    def __init__(self, pools: list[StatePool], count: int, tree: RadixTree, locate: Callable[[int], int],
                  kv: KVPool | None = None, head_hidden: torch.Tensor | None = None):
-        """locate(row): where the committed state of the request in `row` is now: -1 its slot, j >= 0 scratch entry j
-        (where a decode queued ahead left it: engine/model_worker.py). kv, head_hidden: the target's K/V pool and the
-        head's hidden_buf [rows, W, Hd], with an EAGLE or MTP head."""
-        self.pool, self.tree, self.locate = pool, tree, locate
-        self.conv = pool.conv.new_zeros((pool.conv.shape[0], count, *pool.conv.shape[2:]))
-        self.recurrent = pool.recurrent.new_zeros((pool.recurrent.shape[0], count, *pool.recurrent.shape[2:]))
+        """pools: every recurrent state a request has, the target's and a hybrid draft model's (each saved and
+        restored together under one index). locate(row): where the committed state of the request in `row` is now:
+        -1 its slot, j >= 0 scratch entry j (where a plain decode queued ahead left it: engine/model_worker.py). kv,
+        head_hidden: the target's K/V pool and the head's hidden_buf [rows, W, Hd], with an EAGLE or MTP head."""
+        self.pools, self.tree, self.locate, self.count = pools, tree, locate, count
+        self.conv = [p.conv.new_zeros((p.conv.shape[0], count, *p.conv.shape[2:])) for p in pools]
+        self.recurrent = [p.recurrent.new_zeros((p.recurrent.shape[0], count, *p.recurrent.shape[2:])) for p in pools]
         self.kv, self.head_hidden = kv, head_hidden
         if kv is not None:
             self.k = kv.k.new_zeros((kv.k.shape[0], count, *kv.k.shape[2:]))
@@ -53,10 +54,6 @@ class StateSnapshots:
         self._owners: dict[int, Node] = {}
 
     @property
-    def count(self) -> int:
-        return self.conv.shape[1]
-
-    @property
     def num_free(self) -> int:
         self._take_back_dropped()
         return len(self._free)
@@ -64,12 +61,13 @@ class StateSnapshots:
     def take(self, row: int, node: Node, kv_slot: int | None = None) -> None:
         index = self._allocate()
         slot, entry = row + 1, self.locate(row)
-        if entry < 0:
-            self.conv[:, index] = self.pool.conv[:, slot]
-            self.recurrent[:, index] = self.pool.recurrent[:, slot]
-        else:
-            self.conv[:, index] = self.pool.conv_scratch[:, slot, entry]
-            self.recurrent[:, index] = self.pool.recurrent_scratch[:, slot, entry]
+        for pool, conv, recurrent in zip(self.pools, self.conv, self.recurrent):
+            if entry < 0:
+                conv[:, index] = pool.conv[:, slot]
+                recurrent[:, index] = pool.recurrent[:, slot]
+            else:
+                conv[:, index] = pool.conv_scratch[:, slot, entry]
+                recurrent[:, index] = pool.recurrent_scratch[:, slot, entry]
         if self.kv is not None:
             self.k[:, index] = self.kv.k[:, kv_slot]
             self.v[:, index] = self.kv.v[:, kv_slot]
@@ -80,8 +78,9 @@ class StateSnapshots:
     def restore(self, node: Node, row: int, kv_slot: int | None = None) -> None:
         index = node.snapshot
         assert index >= 0 and self._owners.get(index) is node, "restoring a snapshot the node lost"
-        self.pool.conv[:, row + 1] = self.conv[:, index]
-        self.pool.recurrent[:, row + 1] = self.recurrent[:, index]
+        for pool, conv, recurrent in zip(self.pools, self.conv, self.recurrent):
+            pool.conv[:, row + 1] = conv[:, index]
+            pool.recurrent[:, row + 1] = recurrent[:, index]
         if self.kv is not None:
             self.kv.k[:, kv_slot] = self.k[:, index]
             self.kv.v[:, kv_slot] = self.v[:, index]

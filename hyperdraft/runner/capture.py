@@ -4,17 +4,12 @@ one set of buffers per shape, and graphs destroyed. (GraphRunner and the drafter
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from hyperdraft.runner.model_runner import ForwardOutput
-
-
 @torch.inference_mode()  # shared may be a captured forward's outputs: inference tensors
-def into_shared(fresh: ForwardOutput, shared: ForwardOutput) -> ForwardOutput:
-    """fresh's tensors copied into the leading rows of shared's -> views of those rows."""
+def into_shared(fresh, shared):
+    """fresh's tensors copied into the leading rows of shared's -> views of those rows (both ForwardOutputs:
+    runner/model_runner.py, which imports this module)."""
     def put(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         return dst[: src.shape[0]].copy_(src)
 
@@ -24,8 +19,9 @@ def into_shared(fresh: ForwardOutput, shared: ForwardOutput) -> ForwardOutput:
         logits_hidden=None if fresh.logits_hidden is None else put(shared.logits_hidden, fresh.logits_hidden))
 
 
-def shared_buffers(fresh: ForwardOutput, scale: float) -> ForwardOutput:
-    """Empty buffers shaped like fresh's tensors with scale times their rows (an emulated shape's largest size)."""
+def shared_buffers(fresh, scale: float):
+    """A ForwardOutput of empty buffers shaped like fresh's tensors with scale times their rows (an emulated
+    shape's largest size)."""
     def grown(t: torch.Tensor) -> torch.Tensor:
         return t.new_empty((int(t.shape[0] * scale), *t.shape[1:]))
 

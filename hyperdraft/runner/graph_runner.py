@@ -41,15 +41,11 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft.runner.capture import capture_segments, into_shared, reset_graphs, shared_buffers
-
-if TYPE_CHECKING:
-    from hyperdraft.runner.model_runner import ForwardOutput
 
 logger = logging.getLogger("hyperdraft")
 
@@ -207,7 +203,7 @@ class GraphRunner:
         self.sizes: dict[GraphShape, list[int]] = {}
         self.graphs: dict[tuple[GraphShape, int], object] = {}
         self.outputs: dict[tuple[GraphShape, int], object] = {}
-        self.shared: dict[GraphShape, ForwardOutput] = {}  # per shape, the buffers every batch size's outputs view
+        self.shared: dict[GraphShape, object] = {}  # per shape, the buffers every batch size's outputs view
         self.capture_layers: tuple[int, ...] = ()
         self.pool = None  # the graphs' shared memory pool, made at the first capture (memory_pool)
         self.num_replays = 0  # tests and logs: how many forwards a graph served
@@ -265,7 +261,7 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
 
-    def _capture_segments(self, fb: ForwardBatch, shared: ForwardOutput | None) -> tuple[list, object]:
+    def _capture_segments(self, fb: ForwardBatch, shared) -> tuple[list, object]:
         """Capture one forward as consecutive graphs cut after the layers the runner's segment_cuts names (one graph
         when it names none or segments are off); its outputs copied into `shared` when given."""
         cuts = self.runner.segment_cuts() if self.settings.segments else ()
