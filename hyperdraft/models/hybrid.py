@@ -156,7 +156,7 @@ class HybridLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_index: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.mlp = SparseMoe(cfg) if cfg.moe is not None and cfg.moe.is_sparse(layer_index) else MLP(cfg, tp)
+        self.mlp = SparseMoe(cfg, tp) if cfg.moe is not None and cfg.moe.is_sparse(layer_index) else MLP(cfg, tp)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

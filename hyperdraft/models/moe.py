@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.moe import moe_experts
 from hyperdraft.models.config import ModelConfig, MoeConfig
@@ -32,9 +33,14 @@ class ExpertStack:
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Under tensor parallelism (cfg: the rank's config) each rank keeps a slice of every expert's intermediate
+    columns and of the shared expert's, and the router and the shared expert's gate whole: every rank routes alike,
+    its experts add partial outputs, and one all-reduce per layer sums them (not one per expert)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         moe: MoeConfig = cfg.moe
+        self.tp = tp
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
@@ -76,7 +82,7 @@ class SparseMoe(nn.Module):
             for e in experts.unique().tolist():  # the reference: one expert at a time
                 token, slot = (experts == e).nonzero(as_tuple=True)
                 out.index_add_(0, token, (self.experts[e](x[token]) * weights[token, slot, None]).to(out.dtype))
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = self.tp.all_reduce(out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
         return out if residual is None else out + residual
 
     def fused_projection_groups(self) -> list[tuple[Linear, ...]]:

@@ -8,8 +8,8 @@ row-parallel and vocab-parallel modules, and its slice of the whole model's weig
                     bias and any residual, once
   VocabParallelEmbedding  the rank's vocabulary rows; other ids contribute zero rows to the group's sum
   shard_state       each parameter of the rank's model from the whole model's: which dim, which rows
-Dense decoders (Llama, Mistral, Qwen2, Qwen3) and Qwen3.5 hybrids split (a Gated DeltaNet by key-head groups); MoE models
-refuse a group of 2 or more.
+Dense decoders (Llama, Mistral, Qwen2, Qwen3), Qwen3.5 hybrids (a Gated DeltaNet by key-head groups) and Qwen3-Next's
+sparse MLPs (every expert's intermediate columns, and the shared expert's; the router whole) split.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ def split_problem(cfg: ModelConfig, tp: TensorParallel) -> str | None:
     """Why cfg's model cannot be split over tp's ranks, or None when it can."""
     if tp.size == 1:
         return None
-    if cfg.moe is not None:
-        return f"tp_size={tp.size}: {cfg.architecture} cannot be split yet (MoE; dense decoders and Qwen3.5 split)"
-    lin = cfg.linear_attention
+    lin, moe = cfg.linear_attention, cfg.moe
     counts = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)]
     counts += [("linear_num_key_heads", lin.num_k_heads)] if lin is not None else []
+    counts += [("moe_intermediate_size", moe.intermediate_size),
+               ("shared_expert_intermediate_size", moe.shared_intermediate_size)] if moe is not None else []
     for field, n in counts:
         if n % tp.size:
             return f"tp_size={tp.size} must divide the model's {field}={n}"
@@ -50,12 +50,15 @@ def rank_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
         raise ValueError(problem)
     if tp.size == 1:
         return cfg
-    lin = cfg.linear_attention
+    lin, moe = cfg.linear_attention, cfg.moe
     kv = cfg.num_kv_heads
     if lin is not None:  # a rank keeps whole groups: its key heads and the value heads that read them
         lin = dataclasses.replace(lin, num_k_heads=lin.num_k_heads // tp.size, num_v_heads=lin.num_v_heads // tp.size)
+    if moe is not None:
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp.size,
+                                  shared_intermediate_size=moe.shared_intermediate_size // tp.size)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp.size, num_kv_heads=max(1, kv // tp.size),
-                               intermediate_size=cfg.intermediate_size // tp.size, linear_attention=lin)
+                               intermediate_size=cfg.intermediate_size // tp.size, linear_attention=lin, moe=moe)
 
 
 def kv_head_range(cfg: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
@@ -139,6 +142,8 @@ def shard_state(part: nn.Module, whole: nn.Module, cfg: ModelConfig, tp: TensorP
         for name, param in part.named_parameters():
             src = whole_params[name]
             module, kind = name.rsplit(".", 2)[-2:]
+            if ".mlp.experts." in name or ".mlp.shared_expert." in name:  # a sparse MLP's own intermediate split
+                module = ("shared_" if ".shared_expert." in name else "expert_") + module
             if name in ("model.embed_tokens.weight", "lm_head.weight"):
                 src = _padded_rows(src, *tp.padded_split(cfg.vocab_size))
             elif module in rows:  # a column-parallel weight, its bias, a conv's channels
@@ -164,6 +169,7 @@ def _row_blocks(cfg: ModelConfig, tp: TensorParallel) -> Blocks:
     blocks = {"q_proj": ([(q0, q1 - q0)], cfg.num_heads), "k_proj": ([(kv0, kv1 - kv0)], cfg.num_kv_heads),
               "v_proj": ([(kv0, kv1 - kv0)], cfg.num_kv_heads), "gate_proj": ([(i0, i1 - i0)], cfg.intermediate_size),
               "up_proj": ([(i0, i1 - i0)], cfg.intermediate_size)}
+    blocks.update(_moe_blocks(cfg, tp, ("gate_proj", "up_proj")))
     lin = cfg.linear_attention
     if lin is not None:
         k0, k1 = tp.split(lin.num_k_heads)
@@ -178,9 +184,21 @@ def _col_blocks(cfg: ModelConfig, tp: TensorParallel) -> Blocks:
     q0, q1 = tp.split(cfg.num_heads)
     i0, i1 = tp.split(cfg.intermediate_size)
     blocks = {"o_proj": ([(q0, q1 - q0)], cfg.num_heads), "down_proj": ([(i0, i1 - i0)], cfg.intermediate_size)}
+    blocks.update(_moe_blocks(cfg, tp, ("down_proj",)))
     if cfg.linear_attention is not None:
         v0, v1 = tp.split(cfg.linear_attention.num_v_heads)
         blocks["out_proj"] = ([(v0, v1 - v0)], cfg.linear_attention.num_v_heads)
+    return blocks
+
+
+def _moe_blocks(cfg: ModelConfig, tp: TensorParallel, modules: tuple[str, ...]) -> Blocks:
+    """A sparse MLP's routed experts (expert_*) and shared expert (shared_*): each split by its own intermediate size."""
+    if cfg.moe is None:
+        return {}
+    blocks = {}
+    for prefix, size in (("expert_", cfg.moe.intermediate_size), ("shared_", cfg.moe.shared_intermediate_size)):
+        first, stop = tp.split(size)
+        blocks.update({prefix + m: ([(first, stop - first)], size) for m in modules})
     return blocks
 
 

@@ -190,9 +190,28 @@ def test_bad_tensor_parallel_settings_are_clear_errors(models, args, match):
         LLM(models["llama"], device="cpu", **args)
 
 
-def test_a_moe_model_is_refused_before_any_process_starts(tmp_path):
-    moe = make_tiny_model(str(tmp_path / "n"), "qwen3_next", seed=1)
-    with pytest.raises(ValueError, match="tp_size=2: .* cannot be split yet"):
+@pytest.mark.parametrize("spec", [{}, dict(speculative_algorithm="NEXTN", speculative_num_steps=3)], ids=["plain", "mtp"])
+def test_a_qwen3_next_moe_split_equals_tp1(tmp_path, spec):
+    """Qwen3-Next's sparse MLPs split by every expert's intermediate columns (the router whole on each rank, one
+    all-reduce per layer), its dense layers and Gated DeltaNet as Qwen3.5's; the MTP head (itself sparse) runs whole.
+    Chunked prefill, a shared prefix (state snapshots), greedy: TP 2 gives TP 1's tokens."""
+    from helpers.hybrid_fixtures import with_mtp_weights
+
+    path = make_tiny_model(str(tmp_path / "n"), "qwen3_next", seed=1)
+    if spec:
+        path = with_mtp_weights(path, str(tmp_path / "n_mtp"))
+    stem = mixed_prompts(1, seed=3, min_len=20, max_len=20)[0]
+    prompts = mixed_prompts(4, seed=4, max_len=50) + [stem + [5, 6, 7], stem + [8, 9]]
+    params = [greedy(n) for n in (12, 5, 9, 16, 7, 10)]
+    want, _ = _outputs(path, prompts, params, **spec)
+    got, states = _outputs(path, prompts, params, tp_size=2, **spec)
+    assert got == want
+    _check_pools_free(states, 2)
+
+
+def test_an_indivisible_moe_model_is_refused_before_any_process_starts(tmp_path):
+    moe = make_tiny_model(str(tmp_path / "n"), "qwen3_next", seed=1, moe_intermediate_size=15)
+    with pytest.raises(ValueError, match="tp_size=2 must divide the model's moe_intermediate_size=15"):
         LLM(moe, device="cpu", tp_size=2)
     import torch.distributed as dist
 

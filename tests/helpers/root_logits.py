@@ -1,0 +1,37 @@
+"""A drafter's root logits per round, recorded from its catch-up, to compare cache-on rounds with cache-off ones: a
+page of wrong K/V, or a restored state or hidden state that is not the one the drafter would have computed, moves
+them even where the drafts happen to agree."""
+
+from __future__ import annotations
+
+import torch
+
+
+def record_root_logits(monkeypatch) -> dict[tuple, list]:
+    """Spy on ModelProposer.catch_up -> {(request hit the cache, its sequence so far): [root logits per round]}."""
+    from hyperdraft.speculative.proposers.model_proposer import ModelProposer
+
+    seen: dict[tuple, list] = {}
+    original = ModelProposer.catch_up
+
+    def spy(self, reqs, tokens_in=None):
+        fb, out = original(self, reqs, tokens_in)
+        for r, row in zip(reqs, out.target_logits()):
+            seen.setdefault((r.cached_tokens > 0, tuple(r.prompt_ids + r.output_ids)), []).append(row.clone())
+        return fb, out
+
+    monkeypatch.setattr(ModelProposer, "catch_up", spy)
+    return seen
+
+
+def assert_hits_match_cache_off(seen: dict[tuple, list], min_compared: int) -> None:
+    """Every round of a request that hit the cache has the root logits the cache-off run had for the same sequence
+    (the cache-off run recorded each sequence's rounds from scratch)."""
+    off = {seq: rows for (hit, seq), rows in seen.items() if not hit}
+    compared = 0
+    for (hit, seq), rows in seen.items():
+        for ref in off.get(seq, []) if hit else []:
+            # fp32 summation order differs (batch shapes): ~1e-5; a wrong page or restore is O(1e-1) or more
+            assert torch.allclose(rows[0], ref, atol=2e-3, rtol=1e-4), (len(seq), (rows[0] - ref).abs().max())
+            compared += 1
+    assert compared >= min_compared, f"{compared} rounds compared"
