@@ -34,7 +34,8 @@ def models(tmp_path_factory):
     from helpers.hybrid_fixtures import with_mtp_weights
 
     hybrid = with_mtp_weights(make_tiny_model(str(root / "qwen3_5"), "qwen3_5", seed=3), str(root / "qwen3_5_mtp"))
-    return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0), "qwen3_5": hybrid,
+    moe = with_mtp_weights(make_tiny_model(str(root / "qwen3_next"), "qwen3_next", seed=4), str(root / "qwen3_next_mtp"))
+    return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0), "qwen3_5": hybrid, "qwen3_next": moe,
             "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1), "llama6": llama6,
             "eagle3": write_random_eagle_checkpoint(str(root / "e3"), llama6, kind="eagle3", draft_vocab_size=200),
             "eagle": write_random_eagle_checkpoint(str(root / "e1"), llama6, kind="eagle"), "goodput": str(goodput)}
@@ -80,6 +81,9 @@ CASES = {
                                          speculative_eagle_topk=1)),
     "hybrid-mtp-tree": ("qwen3_5", dict(speculative_algorithm="NEXTN", speculative_num_steps=3,
                                         speculative_eagle_topk=2, speculative_num_draft_tokens=5)),
+    "moe-plain": ("qwen3_next", {}),  # sparse MLPs split by expert columns (grouped Triton experts per rank)
+    "moe-mtp-chain": ("qwen3_next", dict(speculative_algorithm="NEXTN", speculative_num_steps=3,
+                                         speculative_eagle_topk=1)),
 }
 
 
