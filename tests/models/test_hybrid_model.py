@@ -91,7 +91,7 @@ def test_unset_max_running_requests_fits_the_states_in_half_the_budget(hybrid_mo
     state_bytes = runner.state_pool.conv.nbytes + runner.state_pool.recurrent.nbytes
     state_bytes += runner.state_pool.conv_scratch.nbytes + runner.state_pool.recurrent_scratch.nbytes
     snapshots = llm.engine.prefix_cache.snapshots  # one per row, charged like the row's slot
-    state_bytes += (snapshots.conv.nbytes + snapshots.recurrent.nbytes) * (rows + 1) // rows
+    state_bytes += sum(t.nbytes for t in snapshots.conv + snapshots.recurrent) * (rows + 1) // rows
     budget = 8192 * (runner.pool.k.nbytes + runner.pool.v.nbytes) // runner.pool.num_slots
     assert 1 <= rows < 256 and state_bytes <= budget // 2 < state_bytes * (rows + 2) / (rows + 1)
     assert llm.engine.page_table.max_rows == rows and llm.engine.scheduler.max_running == rows
