@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from hyperdraft.config import EngineArgs
-from hyperdraft.detokenizer import IncrementalDetokenizer
+from hyperdraft.detokenizer import IncrementalDetokenizer, push_all
 from hyperdraft.engine.engine import Engine
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.request import Request
@@ -88,16 +88,16 @@ class LLM:
         pending = set(index)
         try:
             while pending:
-                for out in self.engine.step():
-                    rid = out.req.rid
-                    if rid not in pending:
-                        continue
-                    yield self._delta(index[rid], out.req, out.new_token_ids, detoks[rid])
+                outs = [out for out in self.engine.step() if out.req.rid in pending]
+                texts = push_all([(detoks[out.req.rid], out.new_token_ids, out.req.finished) for out in outs])
+                for out, text in zip(outs, texts):
+                    yield self._delta(index[out.req.rid], out.req, out.new_token_ids, text, detoks[out.req.rid])
                     if out.finished:
-                        pending.discard(rid)
+                        pending.discard(out.req.rid)
                 for rid in [r for r in pending if reqs[index[r]].finished]:  # aborted outside a step
                     pending.discard(rid)
-                    yield self._delta(index[rid], reqs[index[rid]], [], detoks[rid])
+                    text = detoks[rid].push([], final=True)
+                    yield self._delta(index[rid], reqs[index[rid]], [], text, detoks[rid])
         finally:
             for rid in pending:  # the consumer stopped early: do not leave orphans holding KV
                 self.engine.abort(rid)
@@ -175,8 +175,9 @@ class LLM:
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, req.params.stop or [], req.params.skip_special_tokens)
 
-    def _delta(self, index: int, req: Request, new_ids: list[int], detok: IncrementalDetokenizer) -> StreamDelta:
-        text = detok.push(new_ids, final=req.finished)
+    def _delta(self, index: int, req: Request, new_ids: list[int], text: str,
+               detok: IncrementalDetokenizer) -> StreamDelta:
+        """text: what detok's push of new_ids gave (pushed for the whole step at once: detokenizer.push_all)."""
         output = None
         if req.finished:
             info = meta_info(req)

@@ -154,3 +154,45 @@ def test_a_push_costs_the_same_however_long_the_output(tok):
         i += n
     assert out == tok.decode(ids) == detok.text
     assert len(ids) > 1000 and counting.ids_decoded < 12 * len(ids), counting.ids_decoded
+
+
+def test_a_step_of_many_requests_decodes_as_each_alone(tok, monkeypatch):
+    """push_all (one batched decode per step, through the Rust tokenizer) gives every request the deltas its own
+    pushes give: multibyte text split mid-character, stop strings, special tokens skipped or kept, requests
+    finishing at different steps. The batch is one backend call per (tokenizer, skip_special_tokens) per step."""
+    from hyperdraft import detokenizer
+
+    assert isinstance(tok, detokenizer.PreTrainedTokenizerFast) and not tok.clean_up_tokenization_spaces
+    texts = [MULTIBYTE, ASCII, MULTIBYTE[::-1], ASCII + MULTIBYTE, "ab", ASCII[:30]]
+    stops = [[], ["lazy"], ["🙂"], ["é ü"], [], ["fox"]]
+    ids = [tok.encode(t) + ([tok.eos_token_id] if i % 2 else []) for i, t in enumerate(texts)]
+    skips = [True, False, True, True, False, True]
+    chunks = [1, 2, 3, 1, 4, 2]
+
+    def run(batched: bool) -> list[list[str]]:
+        detoks = [IncrementalDetokenizer(tok, s, skip) for s, skip in zip(stops, skips)]
+        deltas: list[list[str]] = [[] for _ in texts]
+        for step in range(max(-(-len(x) // c) for x, c in zip(ids, chunks))):
+            live = [i for i in range(len(texts)) if step * chunks[i] < len(ids[i])]
+            pushes = [(detoks[i], ids[i][step * chunks[i]:(step + 1) * chunks[i]],
+                       (step + 1) * chunks[i] >= len(ids[i])) for i in live]
+            out = detokenizer.push_all(pushes) if batched else [d.push(n, final=f) for d, n, f in pushes]
+            for i, text in zip(live, out):
+                deltas[i].append(text)
+        return deltas
+
+    alone = run(batched=False)
+    calls = []
+    original = detokenizer.decode_many
+    monkeypatch.setattr(detokenizer, "decode_many", lambda *a: calls.append(len(a[1])) or original(*a))
+    assert run(batched=True) == alone
+    assert max(calls) > 4 and len(calls) <= 2 * max(-(-len(x) // c) for x, c in zip(ids, chunks))
+    assert "".join(alone[0]) == MULTIBYTE and "".join(alone[1]) == ASCII[:ASCII.index("lazy")]
+
+
+def test_decode_many_equals_decode(tok):
+    seqs = [tok.encode(MULTIBYTE)[3:17], tok.encode(ASCII), [tok.eos_token_id, *tok.encode("hi")], []]
+    from hyperdraft.detokenizer import decode_many
+
+    for skip in (True, False):
+        assert decode_many(tok, seqs, skip) == [tok.decode(s, skip_special_tokens=skip) for s in seqs]
