@@ -47,8 +47,12 @@ def test_a_model_that_cannot_split_is_refused(tmp_path):
     part = rank_config(cfg, TensorParallel(1, 4))
     assert (part.num_heads, part.num_kv_heads, part.intermediate_size) == (2, 1, cfg.intermediate_size // 4)
     moe = load_model_config(make_tiny_model(str(tmp_path / "n"), "qwen3_next", seed=1))
-    with pytest.raises(ValueError, match="tp_size=2: .* cannot be split yet"):
-        rank_config(moe, TensorParallel(0, 2))
+    split = rank_config(moe, TensorParallel(1, 2)).moe  # each expert's columns, and the shared expert's, halved
+    assert (split.intermediate_size, split.shared_intermediate_size) == (
+        moe.moe.intermediate_size // 2, moe.moe.shared_intermediate_size // 2)
+    assert split.num_experts == moe.moe.num_experts and split.top_k == moe.moe.top_k
+    with pytest.raises(ValueError, match="tp_size=3 must divide"):
+        rank_config(moe, TensorParallel(0, 3))
     hybrid = load_model_config(make_tiny_model(str(tmp_path / "h"), "qwen3_5", seed=1))  # 2 key heads, 4 value heads
     lin = rank_config(hybrid, TensorParallel(1, 2)).linear_attention
     assert (lin.num_k_heads, lin.num_v_heads) == (1, 2)
