@@ -144,6 +144,29 @@ def test_eviction_under_memory_pressure(models, page_size):
     assert_engine_clean(llm)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("drafter", ["MTP", "MTP-tree"])
+def test_eviction_under_memory_pressure_with_a_head(models, eagle3_head, drafter, page_size):
+    """The same waves with an MTP head, four rows and about 200 K/V tokens: nodes holding a head's snapshot (its
+    K/V position and hidden state too) are evicted and reclaimed while others are restored, and outputs do not
+    change."""
+    path, spec = head_args(models, eagle3_head, drafter)
+    rng = random.Random(5)
+    stem = [rng.randrange(VOCAB) for _ in range(24)]
+    waves = [[stem[: rng.randrange(12, 24)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(5, 18))]
+              for _ in range(6)] for _ in range(3)]
+    roomy = make(path, disable_radix_cache=True, page_size=page_size, **spec)
+    expected = [[r["ids"] for r in run_checked(roomy, wave, 16)] for wave in waves]
+    llm = make(path, max_total_tokens=700, max_running_requests=4, page_size=page_size, chunked_prefill_size=16,
+               **spec)
+    got = [run_checked(llm, wave, 16) for wave in waves]
+    assert [[r["ids"] for r in wave] for wave in got] == expected
+    state = llm.engine.cache_state()
+    assert state["cache_evicted_tokens"] > 0 and state["cache_hit_tokens"] > 0
+    assert_engine_clean(roomy)
+    assert_engine_clean(llm)
+
+
 def test_states_left_in_scratch_by_a_decode_queued_ahead_are_snapshot(models):
     """With (emulated) CUDA graphs a plain decode is queued ahead, and a request's committed state may sit in scratch
     entry 0 when it finishes (engine/model_worker.py): the snapshot is taken from there."""
