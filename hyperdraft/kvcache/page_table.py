@@ -105,6 +105,10 @@ class PageTable:
     def row_pages(self, row: int) -> list[int]:
         return list(self._row_pages[row])
 
+    def slot(self, row: int, position: int) -> int:
+        """The K/V slot of the row's token at `position` (host side; token_slots is the batched device form)."""
+        return self._row_pages[row][position // self.page_size] * self.page_size + position % self.page_size
+
     def num_shared_pages(self, row: int) -> int:
         return self._row_shared[row]
 

@@ -124,7 +124,7 @@ class PrefixCache:
         if self.lookahead:  # position L's target K/V goes to the row's own page (the scheduler counted its slot)
             if not self.page_table.reserve(row, cached):
                 raise AssertionError("reserve failed after the free-slot check")
-            kv_slot = self._slot(row, cached - 1)
+            kv_slot = self.page_table.slot(row, cached - 1)
             req.draft_num_computed = cached - 1
         self.snapshots.restore(hit.node, row, kv_slot)
 
@@ -141,7 +141,7 @@ class PrefixCache:
         self.page_table.share(req.row, tree_pages)
         end = num_pages * self.page_size
         if self.snapshots is not None and node.snapshot < 0 and self._state_at(req, end):
-            self.snapshots.take(req.row, node, self._slot(req.row, end) if self.lookahead else None)
+            self.snapshots.take(req.row, node, self.page_table.slot(req.row, end) if self.lookahead else None)
         self.tree.lock(node)
         self.release(req)
         req.cache_node = node
@@ -152,9 +152,6 @@ class PrefixCache:
         if not self.lookahead:
             return req.num_computed == end and (not self.draft_state or req.draft_num_computed == end)
         return req.num_computed == end + 1 and req.draft_num_computed == end
-
-    def _slot(self, row: int, position: int) -> int:
-        return self.page_table.row_pages(row)[position // self.page_size] * self.page_size + position % self.page_size
 
     def release(self, req: Request) -> None:
         if req.cache_node is not None:

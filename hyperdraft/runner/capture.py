@@ -19,11 +19,11 @@ def into_shared(fresh, shared):
         logits_hidden=None if fresh.logits_hidden is None else put(shared.logits_hidden, fresh.logits_hidden))
 
 
-def shared_buffers(fresh, scale: float):
-    """A ForwardOutput of empty buffers shaped like fresh's tensors with scale times their rows (an emulated
-    shape's largest size)."""
+def shared_buffers(fresh, batch_size: int, max_batch_size: int):
+    """A ForwardOutput of empty buffers shaped like fresh's tensors (a forward of batch_size requests) for
+    max_batch_size requests (an emulated shape's largest size)."""
     def grown(t: torch.Tensor) -> torch.Tensor:
-        return t.new_empty((int(t.shape[0] * scale), *t.shape[1:]))
+        return t.new_empty((t.shape[0] // batch_size * max_batch_size, *t.shape[1:]))
 
     return dataclasses.replace(fresh, logits=grown(fresh.logits), hidden=grown(fresh.hidden),
                                captured=[grown(c) for c in fresh.captured],

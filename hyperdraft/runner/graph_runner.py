@@ -350,7 +350,7 @@ class GraphRunner:
             fresh = self.runner.forward_eager(padded, self.capture_layers)
             if shape not in self.shared:  # buffers for the shape's largest size, which every replay overwrites in
                 # place, as the graphs' shared outputs: a consumer keeping a view past the next forward is caught
-                self.shared[shape] = shared_buffers(fresh, self.sizes[shape][-1] / bs)
+                self.shared[shape] = shared_buffers(fresh, bs, self.sizes[shape][-1])
             out = into_shared(fresh, self.shared[shape])
         else:
             for segment in self.graphs[key]:

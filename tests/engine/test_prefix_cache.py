@@ -17,7 +17,8 @@ from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from tests.conftest import assert_engine_clean, assert_kv_accounted
-from tests.helpers.root_logits import assert_hits_match_cache_off, record_root_logits
+from tests.helpers.prefix_cache import (assert_hits_match_cache_off, diverging_waves, make,
+                                        record_root_logits, run_checked)
 
 VOCAB = 16
 
@@ -48,26 +49,6 @@ def drafter_args(models, drafter: str) -> dict:
         "EAGLE3-tree": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"],
                             speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5),
     }[drafter]
-
-
-def make(path: str, **args) -> LLM:
-    return LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, **args)
-
-
-def run_checked(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[dict]:
-    """Run the prompts together, checking the page accounting after every step -> per request: its tokens, cached
-    tokens and speculative counters."""
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    reqs = [engine.add_request(input_ids=p, params=params) for p in prompts]
-    for _ in range(2000):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-        assert_kv_accounted(engine)
-    assert all(r.finished for r in reqs)
-    return [dict(ids=r.output_ids, cached=r.cached_tokens, drafted=r.spec_draft_tokens,
-                 accepted=r.spec_accepted_tokens, reason=r.finish_reason) for r in reqs]
 
 
 def two_turns(llm: LLM, seed: int) -> list[dict]:
@@ -111,10 +92,7 @@ def test_cache_on_equals_cache_off(models, drafter, page_size, chunked):
 def test_eviction_under_memory_pressure(models, drafter, page_size):
     """A pool of 112 tokens, six concurrent requests of 29-41 prompt tokens sharing and diverging prefixes, three
     waves: cached pages are evicted (and requests retracted) to make room, and nothing changes in the outputs."""
-    rng = random.Random(5)
-    stem = [rng.randrange(VOCAB) for _ in range(24)]
-    waves = [[stem[: rng.randrange(12, 24)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(5, 18))]
-              for _ in range(6)] for _ in range(3)]
+    waves = diverging_waves(VOCAB, seed=5)
     roomy = make(models["target"], disable_radix_cache=True, page_size=page_size)
     expected = [[r["ids"] for r in run_checked(roomy, wave, 10)] for wave in waves]
     assert_engine_clean(roomy)

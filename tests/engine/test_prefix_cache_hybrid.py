@@ -11,12 +11,13 @@ import random
 
 import pytest
 
-from hyperdraft import LLM, SamplingParams
+from hyperdraft import LLM
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.tiny import make_tiny_model
-from tests.conftest import assert_engine_clean, assert_kv_accounted
+from tests.conftest import assert_engine_clean
 from tests.helpers.hybrid_fixtures import with_mtp_weights
-from tests.helpers.root_logits import assert_hits_match_cache_off, record_root_logits
+from tests.helpers.prefix_cache import (assert_hits_match_cache_off, diverging_waves, make,
+                                        record_root_logits, run_checked)
 
 VOCAB = 64
 
@@ -43,24 +44,6 @@ def drafter_args(models, drafter: str) -> dict:
         "STANDALONE-hybrid": dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=models["target"],
                                   speculative_num_steps=3),
     }[drafter]
-
-
-def make(path: str, **args) -> LLM:
-    return LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, **args)
-
-
-def run_checked(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[dict]:
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    reqs = [engine.add_request(input_ids=p, params=params) for p in prompts]
-    for _ in range(2000):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-        assert_kv_accounted(engine)
-    assert all(r.finished for r in reqs)
-    return [dict(ids=r.output_ids, cached=r.cached_tokens, drafted=r.spec_draft_tokens, accepted=r.spec_accepted_tokens)
-            for r in reqs]
 
 
 def conversation(llm: LLM, seed: int) -> list[dict]:
@@ -126,39 +109,18 @@ def test_snapshots_are_reclaimed_least_recently_used_first(models):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_eviction_under_memory_pressure(models, page_size):
-    """A budget of 600 tokens' K/V (two rows of state and snapshots, about 300 K/V tokens) and three waves of six
-    requests sharing and diverging prefixes: evicted nodes give their snapshots back, and outputs do not change."""
-    rng = random.Random(5)
-    stem = [rng.randrange(VOCAB) for _ in range(24)]
-    waves = [[stem[: rng.randrange(12, 24)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(5, 18))]
-              for _ in range(6)] for _ in range(3)]
-    roomy = make(models["target"], disable_radix_cache=True, page_size=page_size)
-    expected = [[r["ids"] for r in run_checked(roomy, wave, 16)] for wave in waves]
-    llm = make(models["target"], max_total_tokens=600, page_size=page_size, chunked_prefill_size=16)
-    got = [run_checked(llm, wave, 16) for wave in waves]
-    assert [[r["ids"] for r in wave] for wave in got] == expected
-    state = llm.engine.cache_state()
-    assert state["cache_evicted_tokens"] > 0 and state["cache_hit_tokens"] > 0
-    assert_engine_clean(roomy)
-    assert_engine_clean(llm)
-
-
-@pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("drafter", ["MTP", "MTP-tree"])
-def test_eviction_under_memory_pressure_with_a_head(models, eagle3_head, drafter, page_size):
-    """The same waves with an MTP head, four rows and about 200 K/V tokens: nodes holding a head's snapshot (its
-    K/V position and hidden state too) are evicted and reclaimed while others are restored, and outputs do not
-    change."""
-    path, spec = head_args(models, eagle3_head, drafter)
-    rng = random.Random(5)
-    stem = [rng.randrange(VOCAB) for _ in range(24)]
-    waves = [[stem[: rng.randrange(12, 24)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(5, 18))]
-              for _ in range(6)] for _ in range(3)]
+@pytest.mark.parametrize("drafter", ["plain", "MTP", "MTP-tree"])
+def test_eviction_under_memory_pressure(models, eagle3_head, drafter, page_size):
+    """Three waves of six requests sharing and diverging prefixes in a tight budget: plain decoding with 600
+    tokens' K/V (two rows of state and snapshots, about 300 K/V tokens), an MTP head with 700 and four rows (about
+    200 K/V tokens). Evicted nodes give their snapshots back (a head's K/V position and hidden state with them),
+    others are restored meanwhile, and outputs do not change."""
+    path, spec = (models["target"], {}) if drafter == "plain" else head_args(models, eagle3_head, drafter)
+    budget = dict(max_total_tokens=600) if drafter == "plain" else dict(max_total_tokens=700, max_running_requests=4)
+    waves = diverging_waves(VOCAB, seed=5)
     roomy = make(path, disable_radix_cache=True, page_size=page_size, **spec)
     expected = [[r["ids"] for r in run_checked(roomy, wave, 16)] for wave in waves]
-    llm = make(path, max_total_tokens=700, max_running_requests=4, page_size=page_size, chunked_prefill_size=16,
-               **spec)
+    llm = make(path, page_size=page_size, chunked_prefill_size=16, **budget, **spec)
     got = [run_checked(llm, wave, 16) for wave in waves]
     assert [[r["ids"] for r in wave] for wave in got] == expected
     state = llm.engine.cache_state()
