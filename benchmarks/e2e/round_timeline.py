@@ -23,6 +23,7 @@ from benchmarks.common import require_cuda
 from benchmarks.e2e.engines import LLAMA_8B, eagle3_spec, make_engine, write_configs
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.speculative.verify.chain import ChainRound
+from hyperdraft.speculative.verify.tree import TreeRound
 
 SPANS = (("host wait before step", "draft_end", "entry"), ("pre-verify work", "entry", "verify_start"),
          ("verify forward", "verify_start", "verify_end"), ("accept", "verify_end", "draft_start"),
@@ -62,7 +63,8 @@ class Marks:
 def instrument(engine, marks: Marks) -> None:
     """Wrap the step's host points so each records a mark first (timing only; what they do is unchanged): this engine's
     SpecWorker.run, its target runner's forward (the verify) and its proposer's draft_ahead (instance attributes), and
-    ChainRound's constructor and accept (the class, for the rest of the process: this script runs one engine)."""
+    the round's constructor and accept (ChainRound or TreeRound: the class, for the rest of the process: this script
+    runs one engine)."""
     worker, runner, proposer = engine.worker, engine.worker.runner, engine.worker.proposer
     run, forward, ahead = worker.run, runner.forward, proposer.draft_ahead
 
@@ -85,7 +87,8 @@ def instrument(engine, marks: Marks) -> None:
         return out
 
     worker.run, runner.forward, proposer.draft_ahead = run_marked, forward_marked, ahead_marked
-    init, accept = ChainRound.__init__, ChainRound.accept
+    round_cls = TreeRound if engine.worker.spec.is_tree else ChainRound
+    init, accept = round_cls.__init__, round_cls.accept
 
     def init_marked(self, *a, **kw):
         init(self, *a, **kw)
@@ -97,7 +100,7 @@ def instrument(engine, marks: Marks) -> None:
         marks.mark("accept_end")
         return out
 
-    ChainRound.__init__, ChainRound.accept = init_marked, accept_marked
+    round_cls.__init__, round_cls.accept = init_marked, accept_marked
 
 
 def spans(marks: Marks) -> dict[str, float]:
@@ -124,6 +127,10 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--topk", type=int, default=1, help="> 1: a tree of --draft-tokens nodes (gpu_bench's tree5x4/8: "
+                    "--steps 5 --topk 4 --draft-tokens 8)")
+    ap.add_argument("--draft-tokens", type=int, default=None, help="verify width (default: steps + 1)")
+    ap.add_argument("--sibling-rate", type=float, default=None, help="trees: simulated sibling acceptance")
     ap.add_argument("--no-pdl", action="store_true", help="build the engine with RuntimeOptions pdl=False")
     ap.add_argument("--profile", action="store_true",
                     help="then cProfile as many more rounds: where the host's time per round goes (round_profile.txt)")
@@ -131,7 +138,8 @@ def main() -> None:
     a = ap.parse_args()
     require_cuda()
     target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
-    spec = eagle3_spec(head, steps=a.steps, topk=1, num_draft_tokens=a.steps + 1, alpha=0.8)
+    width = a.draft_tokens or a.steps + 1
+    spec = eagle3_spec(head, steps=a.steps, topk=a.topk, num_draft_tokens=width, alpha=0.8, sibling_rate=a.sibling_rate)
     engine, _ = make_engine(target, "cuda", 8, spec, 8 * 4096, **({"pdl": False} if a.no_pdl else {}))
     params = SamplingParams(temperature=0.0, max_new_tokens=((1 + a.profile) * a.rounds + 30) * (a.steps + 1),
                             ignore_eos=True)
@@ -147,7 +155,8 @@ def main() -> None:
     profile = host_profile(engine, a.rounds) if a.profile else ""
     engine.abort(req.rid)
     med = spans(marks)
-    lines = [f"chain {a.steps}, batch 1, {a.rounds} rounds: median us per round (CUDA events)"]
+    shape = f"chain {a.steps}" if a.topk == 1 else f"tree {a.steps}x{a.topk}/{width}"
+    lines = [f"{shape}, batch 1, {a.rounds} rounds: median us per round (CUDA events)"]
     lines += [f"{k:<24} {v:9.1f}" for k, v in med.items()]
     lines += ["", "per mark, median us: lead of the host over the GPU (near 0: the GPU waited for the host), "
               "host time and GPU time since the step's entry"]

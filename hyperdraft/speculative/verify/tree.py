@@ -11,12 +11,15 @@ import torch
 from hyperdraft.core.forward_batch import ForwardInput, leading_tail_mask
 from hyperdraft.core.host_copy import to_device_many
 from hyperdraft.core.schedule import RequestResult
+from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.argmax import argmax_rows
+from hyperdraft.kernels.tree_round import TreeAccept, accept_tree
 from hyperdraft.request import Request
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits, token_logprobs
+from hyperdraft.sample.rng import DOMAIN_ACCEPT
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.proposal import TreeProposal
-from hyperdraft.speculative.verify.compaction import compact_accepted, leading_fed_count
+from hyperdraft.speculative.verify.compaction import accept_plan, compact_accepted
 from hyperdraft.speculative.verify.coupled import keyed_targets
 from hyperdraft.speculative.verify.round import RoundContext, RoundOutcome, reserved_room
 from hyperdraft.speculative.verify.simulated import simulate_tree
@@ -69,7 +72,7 @@ class TreeRound:
     # ---- acceptance and compaction, on the device -----------------------------------------------------------------
     def accept(self, verify_logits: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
         """verify_logits [B*N, V]; target_hidden [>= B*N, H] when the drafter reads hidden states."""
-        bsz, n, sb, tier = len(self.reqs), self.n, self.sampling, self.tier
+        bsz, n, sb = len(self.reqs), self.n, self.sampling
         sampled = self.proposal.q is not None  # children drawn from q without replacement (drafting/sampled_tree.py)
         greedy = sb.all_greedy and not sampled  # p one-hot at each node's argmax: verify from the argmax tokens
         sbt = None
@@ -78,44 +81,54 @@ class TreeRound:
         logits = penalised_logits(verify_logits, sbt) if sbt is not None else verify_logits
         target = argmax_rows(logits).view(bsz, n) if greedy else None
         p = None if greedy else probs_from_logits(logits, sbt).view(bsz, n, -1)
-        alpha = self.ctx.simulate_accept_rate
-        if alpha is not None:  # benchmark-only, lossy (see verify/simulated.py)
-            num_accepted, path, tokens = simulate_tree(p, self.tree, alpha, sb.seeds, sb.positions,
-                                                       max_depth=tier.steps, greedy_target=target,
-                                                       sibling_rate=self.ctx.simulate_sibling_rate,
-                                                       max_children=tier.topk)
-        elif greedy:
-            num_accepted, path, tokens = verify_greedy_tree(target, self.tree, max_depth=tier.steps)
-        elif self.ctx.coupled:  # the keyed sample of each node plays the argmax's part (coupled.py)
-            target = keyed_targets(p.flatten(0, 1), sbt.seeds, sbt.positions).view(bsz, n)
-            num_accepted, path, tokens = verify_greedy_tree(target, self.tree, max_depth=tier.steps)
+        if self.ctx.coupled and not greedy and self.ctx.simulate_accept_rate is None:
+            target = keyed_targets(p.flatten(0, 1), sbt.seeds, sbt.positions).view(bsz, n)  # plays the argmax's part
+        if target is not None and use_fused_kernels(target):
+            plan = self._accept_fused(target)
         else:
-            num_accepted, path, tokens = verify_tree(p, self.tree, sb.seeds, sb.positions, sampled,
-                                                     max_depth=tier.steps, max_children=tier.topk)
-        self._compact(num_accepted, path)
-        if self.ctx.target.state_pool is not None:  # the last accepted node's state becomes the committed one
-            last = path.gather(1, num_accepted[:, None])[:, 0]
-            self.ctx.target.state_pool.commit(self.rows, last)
-        rows = torch.arange(bsz, device=path.device)[:, None] * n + path.clamp_min(0)
-        if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
-            self.ctx.proposer.store_accepted_hidden(self.rows, target_hidden[rows])
-        self.num_accepted, self.tokens = num_accepted, tokens  # what the next round's catch-up feeds (draft-ahead)
-        self.logits, self.path_rows = logits, rows
+            plan = accept_plan(*self._walk(target, p, sampled), self.proposal.fed, self.room, self.base, self.rows,
+                               self.ctx.target.page_table)
+        self._commit(plan, target_hidden)
+        self.logits = logits
 
-    def _compact(self, num_accepted: torch.Tensor, path: torch.Tensor) -> None:
+    def _accept_fused(self, target: torch.Tensor) -> TreeAccept:
+        """The walk and the commit's index lists in one launch (kernels/tree_round.py): greedy, coupled, or simulated
+        over a greedy target."""
+        alpha, sb, table = self.ctx.simulate_accept_rate, self.sampling, self.ctx.target.page_table
+        simulate = None if alpha is None else (alpha, self.ctx.simulate_sibling_rate, self.tier.topk, sb.seeds,
+                                               sb.positions, DOMAIN_ACCEPT)
+        return accept_tree(target, self.tree.tokens, self.tree.parents, self.proposal.fed, self.room, self.base,
+                           self.rows, table.table, table.page_size, self.tier.steps, simulate)
+
+    def _walk(self, target: torch.Tensor | None, p: torch.Tensor | None, sampled: bool):
+        """-> (num_accepted [B], path [B, D+1], tokens [B, D+1]) from the torch walks."""
+        sb, tier, alpha = self.sampling, self.tier, self.ctx.simulate_accept_rate
+        if alpha is not None:  # benchmark-only, lossy (see verify/simulated.py)
+            return simulate_tree(p, self.tree, alpha, sb.seeds, sb.positions, max_depth=tier.steps,
+                                 greedy_target=target, sibling_rate=self.ctx.simulate_sibling_rate,
+                                 max_children=tier.topk)
+        if target is not None:  # greedy, or coupled: each node's keyed sample plays the argmax's part (coupled.py)
+            return verify_greedy_tree(target, self.tree, max_depth=tier.steps)
+        return verify_tree(p, self.tree, sb.seeds, sb.positions, sampled, max_depth=tier.steps,
+                           max_children=tier.topk)
+
+    def _commit(self, plan: TreeAccept, target_hidden: torch.Tensor | None) -> None:
         """Move the accepted path's K/V to n, n+1, ... in the target's pool, and in the drafter's where it keeps the
-        nodes it fed (capabilities.compacts_draft_pool)."""
+        nodes it fed (capabilities.compacts_draft_pool); commit the recurrent states of the last accepted node (and
+        the drafter's last kept node); store the path's hidden states for the drafter."""
         target, proposer = self.ctx.target, self.ctx.proposer
-        compact_accepted(target.pool, target.page_table, self.rows, self.base, path.clamp_min(0), num_accepted + 1)
-        fed_on_path = self.proposal.fed.gather(1, path.clamp_min(0))
-        fed_on_path = torch.where(fed_on_path <= self.room[:, None], fed_on_path, -1)
-        self.draft_kv_valid = leading_fed_count(fed_on_path, num_accepted)
+        compact_accepted(target.pool, plan.target_moves)
         if proposer.capabilities.compacts_draft_pool:
-            compact_accepted(proposer.pool, target.page_table, self.rows, self.base, fed_on_path.clamp_min(0),
-                             1 + self.draft_kv_valid)
-        if proposer.capabilities.recurrent_state:  # the last accepted node it fed: path position draft_kv_valid
-            last_fed = fed_on_path.gather(1, self.draft_kv_valid[:, None])[:, 0]
-            proposer.accept_draft_state(self.rows, last_fed.clamp_min(0) - 1)  # the root's offset 0: scratch -1
+            compact_accepted(proposer.pool, plan.draft_moves)
+        if proposer.capabilities.recurrent_state:  # the root's offset 0 is scratch entry -1: the committed state
+            proposer.accept_draft_state(self.rows, plan.last_fed)
+        if target.state_pool is not None:
+            target.state_pool.commit(self.rows, plan.last_node)
+        if target_hidden is not None:  # the accepted path's hidden states, compacted like its K/V
+            proposer.store_accepted_hidden(self.rows, target_hidden[plan.hidden_rows])
+        self.draft_kv_valid = plan.draft_kv_valid
+        self.num_accepted, self.tokens = plan.num_accepted, plan.tokens  # the next round's catch-up (draft-ahead)
+        self.path_rows = plan.hidden_rows
 
     def pieces(self) -> TreePieces:
         logprobs = token_logprobs(self.logits, self.tokens.clamp_min(0).flatten(), self.path_rows.flatten())

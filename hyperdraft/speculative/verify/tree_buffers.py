@@ -25,6 +25,9 @@ from functools import cached_property
 
 import torch
 
+from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.tree_round import tree_plan
+
 
 @dataclass
 class DraftTree:
@@ -88,9 +91,13 @@ def build_tree(
     validate: bool = False,  # check the parent invariants (a host sync); for tests and debugging
 ) -> DraftTree:
     """Derive depth and the ancestor mask from the parent pointers, for all requests at once (the sibling links on
-    first use: DraftTree.first_child, next_sibling)."""
+    first use: DraftTree.first_child, next_sibling). On CUDA one launch (kernels/tree_round.tree_plan)."""
     bsz, n = tokens.shape
     device = tokens.device
+    if num_nodes is not None and not validate and use_fused_kernels(tokens):
+        parents, depth, mask = tree_plan(parents.to(torch.int64), num_nodes)
+        return DraftTree(tokens=tokens.to(torch.int64), parents=parents, depth=depth, mask=mask, q=q,
+                         num_nodes=num_nodes)
     idx = torch.arange(n, device=device)
     real = torch.ones(bsz, n, dtype=torch.bool, device=device) if num_nodes is None else idx[None] < num_nodes[:, None]
     parents = torch.where(real, parents.to(torch.int64), -1)
