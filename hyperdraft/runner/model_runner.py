@@ -16,6 +16,7 @@ from hyperdraft.attention.registry import make_attention_backend
 from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.argmax import argmax_rows
+from hyperdraft.kernels.topk import top_logprobs_kernel, top_logprobs_reference
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
@@ -43,6 +44,13 @@ class ForwardOutput:
     def target_logits(self) -> torch.Tensor:
         """[N, V] over the target vocabulary (-inf outside a draft vocabulary)."""
         return self.logits if self.vocab is None else self.vocab.spread(self.logits)
+
+    def top_logprobs(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities [N, k], target ids [N, k] int64): each row's k most likely ids, largest first; on CUDA
+        two launches over the logits as they are (a draft vocabulary's never spread: kernels/topk.py)."""
+        if use_fused_kernels(self.logits) and self.logits.stride(-1) == 1:
+            return top_logprobs_kernel(self.logits, k, None if self.vocab is None else self.vocab.draft_to_target)
+        return top_logprobs_reference(self.target_logits(), k)
 
     def greedy_tokens(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """argmax of target_logits() [N] int64, without building them under a draft vocabulary; into out if given."""

@@ -35,18 +35,16 @@ class Candidates:
                           torch.cat([self.score, score], 1), torch.cat([self.fed, torch.full_like(tokens, -1)], 1))
 
 
-def root_candidates(logq: torch.Tensor, topk: int) -> Candidates:
-    """logq: [B, V] draft log-probabilities after the root -> its topk children."""
-    score, tokens = logq.topk(topk, dim=-1)
-    return Candidates(tokens, torch.full_like(tokens, -1), score, torch.full_like(tokens, -1))
+def root_candidates(root_lp: torch.Tensor, root_tok: torch.Tensor) -> Candidates:
+    """root_lp, root_tok: [B, topk] the root's most likely children (log-probabilities, tokens), largest first."""
+    return Candidates(root_tok, torch.full_like(root_tok, -1), root_lp, torch.full_like(root_tok, -1))
 
 
-def expand(cands: Candidates, frontier: torch.Tensor, logq: torch.Tensor, topk: int):
-    """frontier: [B, k] candidate indices just fed; logq: [B, k, V] their children's log-probs.
-    -> (candidates with k*k new children appended, the next frontier [B, k] of candidate indices,
+def expand(cands: Candidates, frontier: torch.Tensor, child_lp: torch.Tensor, child_tok: torch.Tensor, topk: int):
+    """frontier: [B, k] candidate indices just fed; child_lp, child_tok: [B, k, topk] each one's most likely
+    children. -> (candidates with k*k new children appended, the next frontier [B, k] of candidate indices,
         each new frontier node's parent as a slot of the old frontier [B, k])."""
     bsz, k = frontier.shape
-    child_lp, child_tok = logq.topk(topk, dim=-1)  # [B, k, topk]
     child_score = cands.score.gather(1, frontier)[:, :, None] + child_lp
     parent = frontier[:, :, None].expand(bsz, k, topk)
     base = cands.tokens.shape[1]
@@ -94,23 +92,24 @@ def step_mask(cands: Candidates, frontier: torch.Tensor, offsets: torch.Tensor, 
     return mask.scatter_(2, offsets[:, :, None], True)
 
 
-def grow_tree(root_logq, root_hidden, step, steps: int, topk: int, root_tokens, num_nodes: int):
+def grow_tree(root_children, root_hidden, step, steps: int, topk: int, root_tokens, num_nodes: int):
     """Run the beam for `steps` levels with any drafter.
-    root_logq: [B, V] log-probs of the root's children; root_hidden: [B, H] or None, what the root's children
-    are fed with (EAGLE: the head's output at the root). step(depth, tokens [B, k], offsets [B, k],
-    mask [B, k, 1+depth*k], parent_hidden [B, k, H] | None) feeds the frontier and returns
-    (logq [B, k, V], hidden [B, k, H] | None). -> (tokens [B, N], parents [B, N], fed [B, N])."""
-    bsz = root_logq.shape[0]
-    device = root_logq.device
-    cands = root_candidates(root_logq, topk)
+    root_children: (log-probs, tokens) [B, topk] of the root's most likely children; root_hidden: [B, H] or None,
+    what the root's children are fed with (EAGLE: the head's output at the root). step(depth, tokens [B, k],
+    offsets [B, k], mask [B, k, 1+depth*k], parent_hidden [B, k, H] | None) feeds the frontier and returns
+    ((log-probs, tokens) [B, k, topk] of each one's most likely children, hidden [B, k, H] | None).
+    -> (tokens [B, N], parents [B, N], fed [B, N])."""
+    bsz = root_tokens.shape[0]
+    device = root_tokens.device
+    cands = root_candidates(*root_children)
     frontier = torch.arange(topk, device=device).expand(bsz, topk)
     parent_hidden = None if root_hidden is None else root_hidden[:, None].expand(bsz, topk, -1)
     for depth in range(1, steps):
         offsets = 1 + (depth - 1) * topk + torch.arange(topk, device=device).expand_as(frontier)
         cands.fed.scatter_(1, frontier, offsets)
         mask = step_mask(cands, frontier, offsets, depth, topk)
-        logq, hidden = step(depth, cands.tokens.gather(1, frontier), offsets, mask, parent_hidden)
-        cands, frontier, parent_slot = expand(cands, frontier, logq, topk)
+        (child_lp, child_tok), hidden = step(depth, cands.tokens.gather(1, frontier), offsets, mask, parent_hidden)
+        cands, frontier, parent_slot = expand(cands, frontier, child_lp, child_tok, topk)
         if hidden is not None:
             parent_hidden = hidden.gather(1, parent_slot[:, :, None].expand(-1, -1, hidden.shape[2]))
     return select_tree(cands, root_tokens, num_nodes)

@@ -28,7 +28,7 @@ from hyperdraft.runner.capture import capture_segments, reset_graphs
 from hyperdraft.speculative.drafting.chain import choose_argmax, draft_chain
 from hyperdraft.speculative.drafting.anchor import PACKED_FIELDS, CatchUpRows, unpack_round
 from hyperdraft.speculative.adaptive.tier import Tier
-from hyperdraft.speculative.drafting.tree import beam_log_q, draft_tree
+from hyperdraft.speculative.drafting.tree import draft_tree
 
 logger = logging.getLogger("hyperdraft")
 
@@ -110,7 +110,7 @@ class DraftLoopGraphs:
         first = self.runner.forward_eager(fb)
         if tier.is_tree:
             return tuple(draft_tree(step_forward, fb, first, anchor, tier.steps, tier.topk, tier.num_draft_tokens,
-                                    beam_log_q, self.page_table, self.feeds_hidden))
+                                    None, self.page_table, self.feeds_hidden))
         tokens, _ = draft_chain(step_forward, fb, first, anchor, tier.steps, choose_argmax, self.page_table,
                                 self.feeds_hidden)
         return (tokens,)

@@ -23,34 +23,48 @@ NodeDistribution = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def draft_tree(forward, catch_up: ForwardBatch, first, anchor: DraftAnchor, steps: int, topk: int, num_nodes: int,
-               distribution: NodeDistribution, page_table, feeds_hidden: bool,
+               distribution: NodeDistribution | None, page_table, feeds_hidden: bool,
                sampled_streams: tuple[torch.Tensor, torch.Tensor] | None = None,
                stateful: bool = False) -> tuple[torch.Tensor, ...]:
     """-> (tokens [B, N], parents [B, N], fed [B, N]) of a beam; with sampled_streams = (seeds [B], positions [B])
     a sampled tree, plus q_nodes [B, N, V]. first: the catch-up's ForwardOutput; its logits rows give the root's
-    children, and the root (node 0) is the catch-up's last real token. stateful: a recurrent draft model; each node's
-    state goes to scratch (its offset - 1), from its parent's (tree_state_nodes)."""
+    children, and the root (node 0) is the catch-up's last real token. distribution None: a greedy, unpenalised
+    beam, whose children are each row's top-k log-probabilities straight from its logits (ForwardOutput.top_logprobs:
+    on CUDA never the [R, V] log-softmax). stateful: a recurrent draft model; each node's state goes to scratch (its
+    offset - 1), from its parent's (tree_state_nodes)."""
     last = catch_up.logits_indices
     bsz = last.shape[0]
     roots = catch_up.input_ids[last]
     root_hidden = first.hidden_at_logits(last) if feeds_hidden else None
     anchor.plan(steps - 1, topk, topk, page_table)  # a beam's frontiers (a sampled tree's may be narrower)
 
+    def nodes(out, k: int):
+        """A forward's R = B*k rows -> what the tree grows from: a sampled tree's q [B, k, V]; a beam's most likely
+        children, (log-probs, tokens) [B, k, topk]."""
+        if sampled_streams is not None:
+            return distribution(out.target_logits(), k).view(bsz, k, -1)
+        if distribution is None:
+            lp, tok = out.top_logprobs(topk)
+        else:
+            lp, tok = distribution(out.target_logits(), k).topk(topk, dim=-1)
+        return lp.view(bsz, k, topk), tok.view(bsz, k, topk)
+
     def step(depth: int, tokens: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, parent_hidden):
         """Feed the frontier tokens [B, k] (written at offsets 1 + (depth-1)*topk + f past the root) under their
-        ancestor mask -> (distribution [B, k, V], head outputs [B, k, H] | None)."""
+        ancestor mask -> (nodes(...), head outputs [B, k, H] | None)."""
         k = tokens.shape[1]
         hidden_in = parent_hidden.flatten(0, 1) if parent_hidden is not None else None
         state = tree_state_nodes(offsets, mask) if stateful else None
         out = forward(anchor.step_batch(depth, topk, tokens.flatten(), page_table, hidden_in, mask, state))
         hidden = out.hidden.view(bsz, k, -1) if feeds_hidden else None
-        return distribution(out.target_logits(), k).view(bsz, k, -1), hidden
+        return nodes(out, k), hidden
 
-    root = distribution(first.target_logits(), 1)
     if sampled_streams is not None:
         seeds, positions = sampled_streams
-        return grow_sampled_tree(root, root_hidden, step, steps, topk, roots, num_nodes, seeds, positions)
-    return grow_tree(root, root_hidden, step, steps, topk, roots, num_nodes)
+        return grow_sampled_tree(nodes(first, 1)[:, 0], root_hidden, step, steps, topk, roots, num_nodes, seeds,
+                                 positions)
+    root_lp, root_tok = nodes(first, 1)
+    return grow_tree((root_lp[:, 0], root_tok[:, 0]), root_hidden, step, steps, topk, roots, num_nodes)
 
 
 def tree_state_nodes(offsets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +74,3 @@ def tree_state_nodes(offsets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.T
     cols = torch.arange(mask.shape[2], device=mask.device)
     parent = torch.where(mask & (cols < offsets[:, :, None]), cols, 0).amax(dim=2)
     return (parent - 1).flatten(), (offsets - 1).flatten()
-
-
-def beam_log_q(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """A greedy, unpenalised beam's node distribution (what a captured round computes)."""
-    return torch.log_softmax(logits, -1)

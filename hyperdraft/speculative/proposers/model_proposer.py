@@ -124,15 +124,14 @@ class ModelProposer(Proposer):
         offsets 1 + (d-1)*topk + f past the root."""
 
         def distribution(logits: torch.Tensor, k: int) -> torch.Tensor:
-            if not sampled and sampling.penalties is None:  # greedy rows read no parameter: no per-sibling copies
-                return torch.log_softmax(logits, -1)
             siblings = sampling if k == 1 else sampling.repeat_rows(k)
             if sampled:
                 return draft_q(logits, siblings, tier.topk)
             return torch.log_softmax(penalised_logits(logits, siblings), -1)
 
+        plain_beam = not sampled and sampling.penalties is None  # greedy rows read no parameter: top-k of the logits
         out = draft_tree(self.runner.forward, fb, first, anchor, tier.steps, tier.topk, tier.num_draft_tokens,
-                         distribution, self.runner.page_table, self.capabilities.feeds_hidden,
+                         None if plain_beam else distribution, self.runner.page_table, self.capabilities.feeds_hidden,
                          (sampling.seeds, sampling.positions) if sampled else None, self.capabilities.recurrent_state)
         return TreeProposal(*out)
 
