@@ -86,6 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.gpu_profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", action="store_true", help="EAGLE-3 chain 5 at simulated alpha 0.8 instead of plain decode")
+    ap.add_argument("--tree", action="store_true", help="with --spec: EAGLE-3 tree 5x4/8 instead of chain 5")
     ap.add_argument("--hybrid", action="store_true", help="the Qwen3.5-9B-shaped hybrid (MTP chain 5 with --spec)")
     ap.add_argument("--token-map", action="store_true", help="with --hybrid --spec: the MTP head drafts from a 32k-token map")
     ap.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference's kernels")
@@ -99,7 +100,8 @@ def main() -> None:
         spec = mtp_spec(5, 0.8, write_token_map(root) if a.token_map else None) if a.spec else None
     else:
         target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
-        spec = eagle3_spec(head, steps=5, topk=1, num_draft_tokens=6, alpha=0.8) if a.spec else None
+        topk, width = (4, 8) if a.tree else (1, 6)
+        spec = eagle3_spec(head, steps=5, topk=topk, num_draft_tokens=width, alpha=0.8) if a.spec else None
     engine, _ = make_engine(target, "cuda", 8, spec, None if a.hybrid else 8 * 2048,  # hybrid: states by memory fraction
                             deterministic=a.deterministic)
     params = SamplingParams(temperature=0.0, max_new_tokens=(2 * a.steps + 20) * 8 + 16, ignore_eos=True)

@@ -21,7 +21,7 @@ from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 CHUNK = 4096
-NO_ID = 2147483647
+NO_ID = tl.constexpr(2147483647) if tl is not None else 2147483647  # a jitted kernel reads only constexpr globals
 
 
 @jit
