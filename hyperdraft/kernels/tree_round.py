@@ -133,17 +133,21 @@ def _accept_tree(Target, Tokens, Parents, Fed, Room, Base, Rows, Table, Seeds, S
     tl.store(DraftKV + b, draft_kv)
     tl.store(LastFed + b, tl.maximum(tl.sum(tl.where(j == draft_kv, fed, 0)), 0) - 1)
 
-    row, base = tl.load(Rows + b), tl.load(Base + b)
-    dst = _token_slots(Table, row, base + j, stride_table, page_size, last_page, on_path)
-    src = tl.where(j <= num_accepted, base + tl.maximum(path, 0), base + j)
-    at = b * (DEPTH + 1) + j
-    tl.store(TargetMoves + at, dst, mask=on_path)
-    tl.store(TargetMoves + moves_stride + at,
-             _token_slots(Table, row, src, stride_table, page_size, last_page, on_path), mask=on_path)
-    src = tl.where(j <= draft_kv, base + tl.maximum(fed, 0), base + j)
-    tl.store(DraftMoves + at, dst, mask=on_path)
-    tl.store(DraftMoves + moves_stride + at,
-             _token_slots(Table, row, src, stride_table, page_size, last_page, on_path), mask=on_path)
+    row, base, at = tl.load(Rows + b), tl.load(Base + b), b * (DEPTH + 1) + j
+    _store_moves(TargetMoves + at, moves_stride, Table, row, base, j, path, num_accepted, stride_table, page_size,
+                 last_page, on_path)
+    _store_moves(DraftMoves + at, moves_stride, Table, row, base, j, fed, draft_kv, stride_table, page_size,
+                 last_page, on_path)
+
+
+@jit
+def _store_moves(Moves, moves_stride, Table, row, base, j, offsets, last, stride_table, page_size, last_page, on_path):
+    """One request's K/V moves: path position j's entry goes from index base + offsets[j] (j <= last; the others
+    stay put) to base + j, both as pool slots: (dst, src) at Moves and Moves + moves_stride."""
+    src = tl.where(j <= last, base + tl.maximum(offsets, 0), base + j)
+    tl.store(Moves, _token_slots(Table, row, base + j, stride_table, page_size, last_page, on_path), mask=on_path)
+    tl.store(Moves + moves_stride, _token_slots(Table, row, src, stride_table, page_size, last_page, on_path),
+             mask=on_path)
 
 
 @functools.lru_cache(maxsize=16)
