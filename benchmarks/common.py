@@ -88,14 +88,19 @@ def require_cuda() -> None:
 
 
 def timed_generate(llm, prompts: list[list[int]], params, warm_up: int, warm_up_tokens: int = 8):
-    """Generate prompts once after a warm-up of their first `warm_up` prompts (graph capture, first-call costs), then
-    shut the LLM down -> (token ids per prompt, output tokens per second, internal state before, and after)."""
+    """Generate prompts once after a warm-up of their first `warm_up` prompts (first-call costs), then shut the LLM
+    down -> (token ids per prompt, output tokens per second, internal state before, and after). The warm-up's
+    cached prompts are flushed, so the timed run computes every prompt. Warm up over every prompt on a GPU: each new
+    attention tile shape (a prompt length class, a step mixing prefill chunks with decodes) compiles a Triton kernel
+    on first use, ~1 s each; at batch 16 with 80 prompts those compiles took longer than the timed run itself
+    (benchmarks/probes/small_spec_batch.py)."""
     import time
 
     from hyperdraft import SamplingParams
 
     llm.generate(input_ids=prompts[:warm_up], sampling_params=SamplingParams(temperature=0, max_new_tokens=warm_up_tokens),
                  use_tqdm=False)
+    llm.flush_cache()
     before = llm.get_server_info()["internal_states"][0]
     start = time.perf_counter()
     outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)

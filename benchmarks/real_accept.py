@@ -39,7 +39,7 @@ def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, devic
     llm = LLM(model, device=device, dtype=dtype, max_running_requests=batch, enable_deterministic_inference=deterministic,
               **spec)
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=ignore_eos)
-    return timed_generate(llm, prompts, params, warm_up=batch)
+    return timed_generate(llm, prompts, params, warm_up=len(prompts) if device == "cuda" else batch)
 
 
 def main() -> None:
