@@ -18,7 +18,7 @@ decode scheduled normally reads state_at and writes the slot, so every other ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -28,12 +28,10 @@ from hyperdraft.core.schedule import RequestResult, ScheduledBatch
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.runner.model_runner import ModelRunner
+from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.sample.sampler import SampledTokens, Sampler
-
-EXTEND_GRAPH_WIDTHS = (16, 32, 64, 128)  # captured prompt tails (one logit each), padded up to the next
-EXTEND_GRAPH_MAX_BS = 4  # prompts in one captured tail batch
 
 
 @dataclass
@@ -95,30 +93,19 @@ class ModelWorker:
                 for it in items]
 
     def capture_graphs(self, sizes: list[int]) -> None:
-        """One-token decodes at every captured batch size; for a dense model also the last chunks of a few prompts,
-        one logit each, padded to EXTEND_GRAPH_WIDTHS tokens (a chat turn after a cached history: an eager forward
-        of a small model is mostly host time)."""
+        """One-token decodes at every captured batch size; for a dense model also prompt tails (runner/prompt_tails.py:
+        a chat turn after a cached history, a short prompt)."""
         graphs = self.runner.graphs
         graphs.capture({GraphShape(1, 0): sizes}, ForwardMode.DECODE)
-        if not self.recurrent:  # a hybrid's prefill walks its states in place, which the captured extends do not
-            few = [s for s in sizes if s <= EXTEND_GRAPH_MAX_BS]
-            graphs.capture({GraphShape(q, 0, one_logit=True): few for q in EXTEND_GRAPH_WIDTHS}, ForwardMode.EXTEND)
+        if not self.recurrent:
+            graphs.capture(tail_shapes(sizes), ForwardMode.EXTEND)
 
     def _padded_to_graph(self, inputs: list[ForwardInput]) -> list[ForwardInput]:
-        """Prompt tails that each want one logit, padded to the narrowest captured extend width that holds them, so
-        a graph runs them; otherwise as they are (also when the padding would pass the end of a row's page-table
-        entries, near the context length). The padding tokens sit past each prompt, where nothing reads them before a
-        decode overwrites them (or in the padding page, past the row's pages)."""
-        graphs = self.runner.graphs
-        if graphs is None or self.recurrent or any(inp.num_logits != 1 or inp.mask is not None for inp in inputs):
+        """Prompt tails padded to a captured width (runner/prompt_tails.padded_tails), else as they are."""
+        if self.recurrent:
             return inputs
-        width = graphs.extend_width(len(inputs), max(len(inp.token_ids) for inp in inputs))
         table = self.runner.page_table
-        room = table.max_pages_per_row * table.page_size  # padding past a row's entries would read the next row's
-        if width is None or any(inp.prefix_len + width > room for inp in inputs):
-            return inputs
-        return [replace(inp, token_ids=inp.token_ids + [0] * (width - len(inp.token_ids)),
-                        padding=width - len(inp.token_ids)) for inp in inputs]
+        return padded_tails(self.runner.graphs, inputs, table.max_pages_per_row * table.page_size) or inputs
 
     def _decode_ahead(self, reqs: list[Request], sb: SamplingBatch, tokens: torch.Tensor) -> None:
         """Queue the decode of every request's next token (tokens [B], just sampled) when a graph runs it. Called

@@ -3,7 +3,9 @@
   draft    the tier source picks this step's Tier; the proposer drafts a chain of up to K tokens, or a tree of N
            nodes, for every decoding request
   verify   one target forward: decoding requests feed their last token plus drafts (TARGET_VERIFY rows, a tail
-           mask for trees); prefill chunks of other requests ride along, and the proposer extends over them
+           mask for trees); prefill chunks of other requests ride along, and the proposer extends over them. Prompt
+           tails that fit a captured extend graph (runner/prompt_tails.py) run as a second forward instead, so the
+           verify replays its graph and the step runs nothing eagerly
   accept   the round (verify/chain.py, verify/tree.py) picks the accepted drafts plus one recovered or bonus token per
            request on the device; trees move the accepted path's K/V to contiguous indices
   results  ONE device-to-host copy (core/host_copy.HostCopy) carries every request's tokens, accept counts and
@@ -20,10 +22,12 @@ from typing import NamedTuple
 
 import torch
 
-from hyperdraft.core.host_copy import HostCopy, results_stream
+from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.core.host_copy import HostCopy, results_stream, to_device
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch, ScheduledRequest
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
-from hyperdraft.runner.model_runner import ModelRunner
+from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
+from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.sampler import SampledTokens, Sampler
 from hyperdraft.speculative.adaptive.controller import TierSource
@@ -67,24 +71,51 @@ class SpecWorker:
         assert all(a is b for a, b in zip(batch.items, decodes + prefills)), "the scheduler puts decodes first"
         start = time.perf_counter()
         round_ = self._draft([it.req for it in decodes]) if decodes else None
-        fb = verify_batch(round_, [it.forward_input() for it in prefills], self.runner.page_table, self.runner.device,
+        prefill_inputs = [it.forward_input() for it in prefills]
+        tails = self._tails(prefill_inputs) if round_ is not None else None
+        fb = verify_batch(round_, [] if tails else prefill_inputs, self.runner.page_table, self.runner.device,
                           stateful=self.runner.state_pool is not None)
         with self.timer.phase("verify"):
             out = self.runner.forward(fb, capture_layers=self.capabilities.capture_layers)
         target_hidden = self.proposer.target_hidden(out) if self.capabilities.feeds_hidden else None
         num_rows = round_.num_rows if round_ is not None else 0
-        self.proposer.extend(prefills, None if target_hidden is None else target_hidden[num_rows:])
+        if tails:
+            prefill_logits, prefill_hidden = self._forward_tails(tails)
+        else:
+            prefill_logits = out.logits[num_rows:]
+            prefill_hidden = None if target_hidden is None else target_hidden[num_rows:]
+        self.proposer.extend(prefills, prefill_hidden)
         with self.timer.phase("accept_commit"):
             if round_ is not None:  # what the next round needs: accept counts, tokens, the drafter's hidden states
                 round_.accept(out.logits[:num_rows], target_hidden)
         with results_stream(self.results_stream):  # round_ and out keep the tail's inputs alive until wait()
             copy = HostCopy(StepPieces(round_.pieces() if round_ is not None else None,
-                                       self._sample_prefills(prefills, out.logits[num_rows:])))
+                                       self._sample_prefills(prefills, prefill_logits)))
         if round_ is not None and not prefills and self.capabilities.drafts_ahead:
             self.proposer.draft_ahead(round_.reqs, round_.tier, round_.sampling, round_.num_accepted, round_.tokens)
         host = copy.wait()
         results = [] if round_ is None else self._commit(round_, round_.decode(host.round), None if prefills else start)
         return results + _prefill_results(prefills, host.prefill)
+
+    def _tails(self, prefill_inputs: list[ForwardInput]) -> list[ForwardInput] | None:
+        """The step's prefill chunks padded to a captured prompt-tail graph, or None (they ride along with the verify).
+        A hybrid target's prefill walks its states in place, which those graphs do not."""
+        if self.runner.state_pool is not None:
+            return None
+        table = self.runner.page_table
+        return padded_tails(self.runner.graphs, prefill_inputs, table.max_pages_per_row * table.page_size)
+
+    def _forward_tails(self, tails: list[ForwardInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The padded prompt tails' own forward (a graph replay) -> (their logits [P, V], the drafter's hidden inputs
+        of their real tokens [sum of real lengths, H], or None). The verify's outputs live in its own shape's buffers,
+        so this replay leaves them intact."""
+        fb = build_forward_batch(ForwardMode.EXTEND, tails, self.runner.page_table, self.runner.device)
+        out: ForwardOutput = self.runner.forward(fb, capture_layers=self.capabilities.capture_layers)
+        if not self.capabilities.feeds_hidden:
+            return out.logits, None
+        width = len(tails[0].token_ids)
+        real = [i * width + j for i, t in enumerate(tails) for j in range(width - t.padding)]
+        return out.logits, self.proposer.target_hidden(out)[to_device(real, torch.int64, self.runner.device)]
 
     def _draft(self, reqs) -> ChainRound | TreeRound:
         tier = self.last_tier = self.tiers.tier_for(len(reqs))
@@ -114,6 +145,8 @@ class SpecWorker:
         plan = CapturePlan(tuple(sizes), self.tiers.tier_sizes(sizes), self.spec.use_rejection_sampling is not False)
         for mode, shapes in verify_shapes(plan).items():
             self.runner.graphs.capture(shapes, mode, self.capabilities.capture_layers)
+        if self.runner.state_pool is None:  # prompt tails riding along with a round run as their own forward
+            self.runner.graphs.capture(tail_shapes(sizes), ForwardMode.EXTEND, self.capabilities.capture_layers)
         self.proposer.capture_graphs(plan)
 
     def release_graphs(self) -> None:

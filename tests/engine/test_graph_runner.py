@@ -16,6 +16,7 @@ import torch
 
 from hyperdraft.core.forward_batch import ForwardMode, build_forward_batch, ForwardInput
 from hyperdraft.runner.graph_runner import GraphRunner, GraphShape, default_batch_sizes
+from hyperdraft.runner.prompt_tails import tail_shapes
 from hyperdraft import LLM
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
@@ -102,6 +103,7 @@ def test_verify_graph_buffers_follow_each_tier(models, llm_factory, emulated_gra
         sizes = tiers.graph_sizes_for_steps(tier.steps)
         if sizes:  # steps 0 = no speculation: a one-token decode graph
             expected[GraphShape(tier.num_draft_tokens if tier.steps else 1, 0)] = sizes
+    expected.update(tail_shapes(graphs.batch_sizes))  # prompt tails beside a round run as their own extend
     assert graphs.sizes == expected
     widest = max(expected, key=lambda s: s.tokens_per_req)
     assert graphs.inputs[widest].input_ids.shape[0] == max(expected[widest]) * widest.tokens_per_req
@@ -251,6 +253,59 @@ def test_prompt_tails_replay_captured_extends(models, llm_factory, emulated_grap
     tails = {key: n for key, n in graphs.replays.items() if key[0].one_logit}
     assert sum(tails.values()) >= 3, f"no prompt tail replayed a captured extend: {dict(graphs.replays)}"
     assert {key[0].tokens_per_req for key in tails} >= {16}, tails
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("name", ["ngram", "standalone-chain", "eagle3-chain", "eagle3-tree"])
+def test_prompt_tails_beside_a_round_run_as_their_own_forward(models, llm_factory, emulated_graphs, monkeypatch, name,
+                                                             page_size):
+    """Four requests run at a time, so every later prompt is admitted while others speculate, two at once where two
+    requests finish together: their prefills,
+    instead of riding along with the verify (an eager forward), replay a captured prompt-tail extend of their own,
+    and the drafter extends over its real rows. Greedy outputs equal plain decoding without graphs, token for
+    token; an EAGLE head is handed, for every prefill chunk, the target hidden rows the same speculation hands it
+    without graphs (padding rows left out); the pool ends free (llm_factory checks)."""
+    handed = _record_prefill_hidden(monkeypatch)
+    prompts, params = mixed_prompts(8, seed=5, min_len=3, max_len=100), [greedy(n) for n in (4, 4, 30, 30, 7, 7, 9, 3)]
+    target = CASES[name].get("target", "target")
+    ref = LLM(models[target], device="cpu", dtype="float32", disable_cuda_graph=True, disable_radix_cache=True)
+    llm = llm_factory(models[target], page_size=page_size, cuda_graph_max_bs=4, max_running_requests=4,
+                      **_engine_args(models, CASES[name]))
+    assert [o.token_ids for o in gen(llm, prompts, params)] == [o.token_ids for o in gen(ref, prompts, params)]
+    if name.startswith("eagle3"):
+        with_graphs = dict(handed)
+        handed.clear()
+        eager = llm_factory(models[target], page_size=page_size, disable_cuda_graph=True, max_running_requests=4,
+                            **_engine_args(models, CASES[name]))
+        gen(eager, prompts, params)
+        assert with_graphs.keys() == handed.keys() and len(handed) >= len(prompts)
+        for chunk, rows in with_graphs.items():  # fp32 summation order differs with the batch: ~1e-5
+            assert rows.shape == handed[chunk].shape and torch.allclose(rows, handed[chunk], atol=2e-3, rtol=1e-4)
+    graphs = llm.engine.runner.graphs
+    tails = {key: n for key, n in graphs.replays.items() if key[0].one_logit}
+    assert sum(tails.values()) >= 2, f"no prompt tail beside a round replayed its extend: {dict(graphs.replays)}"
+    if name.startswith("eagle3"):  # a random head accepts nothing: requests 0 and 1 finish together
+        assert any(bs >= 2 for _, bs in tails), tails
+    assert {key[0].tokens_per_req for key in tails} >= {128}, tails  # the 100-token prompt, padded to 128
+
+
+def _record_prefill_hidden(monkeypatch) -> dict[tuple, torch.Tensor]:
+    """Spy on EagleProposer.extend -> {a prefill chunk's tokens: the target hidden rows it was handed}."""
+    from hyperdraft.speculative.proposers.eagle import EagleProposer
+
+    handed: dict[tuple, torch.Tensor] = {}
+    original = EagleProposer.extend
+
+    def spy(self, items, target_hidden):
+        start = 0
+        for it in items:
+            s = it.req.num_computed
+            handed[tuple(it.req.token_ids(0, s + it.num_tokens))] = target_hidden[start : start + it.num_tokens].clone()
+            start += it.num_tokens
+        return original(self, items, target_hidden)
+
+    monkeypatch.setattr(EagleProposer, "extend", spy)
+    return handed
 
 
 def test_prompt_tails_near_the_context_end_run_eagerly(models, llm_factory, emulated_graphs):
