@@ -99,5 +99,4 @@ def top_logprobs_kernel(x: torch.Tensor, k: int, column_ids: torch.Tensor | None
 
 def top_logprobs_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [N, V] logits over the ids themselves (a draft vocabulary already spread, -inf outside it)."""
-    values, ids = torch.log_softmax(x.float(), -1).topk(k, dim=-1)
-    return values, ids
+    return torch.log_softmax(x if x.dtype == torch.float32 else x.float(), -1).topk(k, dim=-1)

@@ -33,7 +33,7 @@ class TreeAccept(NamedTuple):
     tokens: torch.Tensor  # [B, D+1] int64 accepted nodes' tokens, the recovered or bonus token, then -1
     draft_kv_valid: torch.Tensor  # [B] int64 accepted nodes below the root whose draft K/V is kept
     target_moves: torch.Tensor  # [2, B*(D+1)] int64 (dst, src) slots moving the path's K/V to n, n+1, ...
-    draft_moves: torch.Tensor  # [2, B*(D+1)] int64 the same for the drafter's pool (its kept nodes only)
+    draft_moves: torch.Tensor | None  # [2, B*(D+1)] int64 the same for the drafter's pool (its kept nodes only)
     last_node: torch.Tensor  # [B] int64 the last accepted node (its state becomes the committed one)
     last_fed: torch.Tensor  # [B] int64 scratch entry of the drafter's last kept node (-1: the root's, committed)
     hidden_rows: torch.Tensor  # [B, D+1] int64 verify row of each path node (b * N + node; the root's past the path)

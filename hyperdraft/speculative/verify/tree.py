@@ -87,7 +87,7 @@ class TreeRound:
             plan = self._accept_fused(target)
         else:
             plan = accept_plan(*self._walk(target, p, sampled), self.proposal.fed, self.room, self.base, self.rows,
-                               self.ctx.target.page_table)
+                               self.ctx.target.page_table, self.ctx.proposer.capabilities.compacts_draft_pool)
         self._commit(plan, target_hidden)
         self.logits = logits
 
