@@ -73,17 +73,13 @@ class ModelWorker:
             self._moved_states(reqs, ahead.state_targets)
         else:
             self.ahead_discarded += ahead is not None
-            mode = ForwardMode.DECODE if decoding else ForwardMode.EXTEND
-            inputs = [it.forward_input() for it in items]
-            fb = build_forward_batch(mode, inputs if decoding else self._padded_to_graph(inputs), self.runner.page_table,
-                                     self.runner.device, **self._state_walk(items))
-            out = self.runner.forward(fb)
+            logits = self._forward(items, decoding)
             self._moved_states(reqs, [-1] * len(reqs))
             sampling = [it.req for it in items if it.samples]
             if not sampling:
                 return [RequestResult(num_committed=it.num_tokens) for it in items]
             sb = self.sampling.get(sampling)
-            sampled = self.sampler.sample(out.logits, sb)
+            sampled = self.sampler.sample(logits, sb)
         copy = HostCopy(sampled)  # the step's one device-to-host copy, queued
         if decoding:  # the next step's decode runs while the host commits this one
             self._decode_ahead(reqs, sb, sampled.tokens)
@@ -91,6 +87,28 @@ class ModelWorker:
         by_item = zip(host.tokens, host.logprobs)
         return [RequestResult(it.num_tokens, *_one(next(by_item))) if it.samples else RequestResult(it.num_tokens)
                 for it in items]
+
+    def _forward(self, items, decoding: bool) -> torch.Tensor:
+        """The step's forward -> the logits of its sampling items, in item order. Decodes with prompt tails beside
+        them that fit captured graphs run as two replays, the decodes' and the tails' (runner/prompt_tails.py), not as
+        one eager forward of the whole batch: every prompt admitted while others decode would otherwise cost one."""
+        inputs = [it.forward_input() for it in items]
+        table, device = self.runner.page_table, self.runner.device
+        if decoding:
+            return self.runner.forward(build_forward_batch(ForwardMode.DECODE, inputs, table, device,
+                                                           **self._state_walk(items))).logits
+        num_decodes = sum(it.is_decode for it in items)  # the scheduler puts them first
+        tails = None
+        graphs = self.runner.graphs
+        if num_decodes and not self.recurrent and graphs is not None and graphs.fits(GraphShape(1, 0), num_decodes):
+            tails = padded_tails(graphs, inputs[num_decodes:], table.max_pages_per_row * table.page_size)
+        if tails is None:
+            fb = build_forward_batch(ForwardMode.EXTEND, self._padded_to_graph(inputs), table, device,
+                                     **self._state_walk(items))
+            return self.runner.forward(fb).logits
+        decoded = self.runner.forward(build_forward_batch(ForwardMode.DECODE, inputs[:num_decodes], table, device))
+        extended = self.runner.forward(build_forward_batch(ForwardMode.EXTEND, tails, table, device))
+        return torch.cat([decoded.logits, extended.logits])  # each shape's graph writes its own output buffers
 
     def capture_graphs(self, sizes: list[int]) -> None:
         """One-token decodes at every captured batch size; for a dense model also prompt tails (runner/prompt_tails.py:

@@ -289,6 +289,21 @@ def test_prompt_tails_beside_a_round_run_as_their_own_forward(models, llm_factor
     assert {key[0].tokens_per_req for key in tails} >= {128}, tails  # the 100-token prompt, padded to 128
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prompt_tails_beside_plain_decodes_run_as_their_own_forward(models, llm_factory, emulated_graphs, page_size):
+    """Plain decoding, six requests at a time (more than a captured prompt-tail batch holds): a prompt admitted while
+    others decode runs as a captured prompt-tail extend of its own beside the decodes' graph, instead of one eager
+    forward of the whole batch. Greedy outputs equal an engine without graphs, token for token."""
+    prompts = mixed_prompts(10, seed=6, min_len=3, max_len=100)
+    params = [greedy(n) for n in (4, 9, 30, 30, 25, 20, 7, 2, 9, 3)]
+    ref = LLM(models["target"], device="cpu", dtype="float32", disable_cuda_graph=True, disable_radix_cache=True)
+    llm = llm_factory(models["target"], page_size=page_size, cuda_graph_max_bs=8, max_running_requests=6)
+    assert [o.token_ids for o in gen(llm, prompts, params)] == [o.token_ids for o in gen(ref, prompts, params)]
+    graphs = llm.engine.runner.graphs
+    tails = sum(n for key, n in graphs.replays.items() if key[0].one_logit)
+    assert tails >= 3, f"no prompt tail beside decodes replayed its extend: {dict(graphs.replays)}"
+
+
 def _record_prefill_hidden(monkeypatch) -> dict[tuple, torch.Tensor]:
     """Spy on EagleProposer.extend -> {a prefill chunk's tokens: the target hidden rows it was handed}."""
     from hyperdraft.speculative.proposers.eagle import EagleProposer
