@@ -137,3 +137,31 @@ def test_every_batch_size_of_a_shape_shares_one_set_of_outputs(models):
         assert by_shape and all(len(ptrs) == 1 for ptrs in by_shape.values()), by_shape
         assert any(len(graphs.sizes[shape]) > 1 for shape in by_shape)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "eagle3-chain", "eagle3-tree"])
+def test_prompts_admitted_beside_running_requests(models, name):
+    """Three requests at a time (fp32): every later prompt is admitted while others decode or speculate, and its tail
+    replays a captured prompt-tail extend beside the decodes' or the verify's graph (runner/prompt_tails.py). Token
+    ids equal plain decoding without graphs."""
+    case = dict(CASES[name])
+    target = models[case.pop("target", "target")]
+    if "draft" in case:
+        case["speculative_draft_model_path"] = models[case.pop("draft")]
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
+
+    def run(**args):
+        llm = LLM(target, device="cuda", dtype="float32", attention_backend="triton", max_total_tokens=8192,
+                  skip_tokenizer_init=True, max_running_requests=3, **args)
+        prompts = _prompts(llm.engine.model_config.vocab_size)
+        outs = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        graphs = llm.engine.runner.graphs
+        tails = 0 if graphs is None else sum(n for key, n in graphs.replays.items() if key[0].one_logit)
+        assert llm.engine.flush_cache() and llm.engine.kv_free_slots == llm.engine.kv_capacity_slots
+        llm.shutdown()
+        return outs, tails
+
+    reference, _ = run(disable_cuda_graph=True)
+    graphed, tails = run(cuda_graph_max_bs=4, **case)
+    assert tails > 0, "no prompt tail ran as a captured extend"
+    assert graphed == reference, f"{name}: graphs with prompt tails beside running requests != plain decoding"
