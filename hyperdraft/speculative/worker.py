@@ -4,8 +4,8 @@
            nodes, for every decoding request
   verify   one target forward: decoding requests feed their last token plus drafts (TARGET_VERIFY rows, a tail
            mask for trees); prefill chunks of other requests ride along, and the proposer extends over them. Prompt
-           tails that fit a captured extend graph (runner/prompt_tails.py) run as a second forward instead, so the
-           verify replays its graph and the step runs nothing eagerly
+           tails that fit a captured extend graph (runner/prompt_tails.py) run as a forward of their own instead
+           (beside the verify, or alone), so the step runs nothing eagerly
   accept   the round (verify/chain.py, verify/tree.py) picks the accepted drafts plus one recovered or bonus token per
            request on the device; trees move the accepted path's K/V to contiguous indices
   results  ONE device-to-host copy (core/host_copy.HostCopy) carries every request's tokens, accept counts and
@@ -72,12 +72,14 @@ class SpecWorker:
         start = time.perf_counter()
         round_ = self._draft([it.req for it in decodes]) if decodes else None
         prefill_inputs = [it.forward_input() for it in prefills]
-        tails = self._tails(prefill_inputs) if round_ is not None else None
-        fb = verify_batch(round_, [] if tails else prefill_inputs, self.runner.page_table, self.runner.device,
-                          stateful=self.runner.state_pool is not None)
-        with self.timer.phase("verify"):
-            out = self.runner.forward(fb, capture_layers=self.capabilities.capture_layers)
-        target_hidden = self.proposer.target_hidden(out) if self.capabilities.feeds_hidden else None
+        tails = self._tails(prefill_inputs)
+        out = target_hidden = None
+        if round_ is not None or not tails:
+            fb = verify_batch(round_, [] if tails else prefill_inputs, self.runner.page_table, self.runner.device,
+                              stateful=self.runner.state_pool is not None)
+            with self.timer.phase("verify"):
+                out = self.runner.forward(fb, capture_layers=self.capabilities.capture_layers)
+            target_hidden = self.proposer.target_hidden(out) if self.capabilities.feeds_hidden else None
         num_rows = round_.num_rows if round_ is not None else 0
         if tails:
             prefill_logits, prefill_hidden = self._forward_tails(tails)

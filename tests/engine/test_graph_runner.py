@@ -289,6 +289,32 @@ def test_prompt_tails_beside_a_round_run_as_their_own_forward(models, llm_factor
     assert {key[0].tokens_per_req for key in tails} >= {128}, tails  # the 100-token prompt, padded to 128
 
 
+@pytest.mark.parametrize("name", ["ngram", "eagle3-chain"])
+def test_prompt_tails_alone_in_a_speculative_step_replay_their_extend(models, llm_factory, emulated_graphs,
+                                                                      monkeypatch, name):
+    """One request at a time, as a chat at batch 1: each prompt arrives with nothing running, and its prefill replays
+    a captured prompt-tail extend instead of an eager forward. Greedy outputs equal plain decoding without graphs,
+    and an EAGLE head is handed the hidden rows it is handed without graphs."""
+    handed = _record_prefill_hidden(monkeypatch)
+    prompts = mixed_prompts(4, seed=9, min_len=5, max_len=120)
+    target = CASES[name].get("target", "target")
+    ref = LLM(models[target], device="cpu", dtype="float32", disable_cuda_graph=True, disable_radix_cache=True)
+    llm = llm_factory(models[target], cuda_graph_max_bs=4, **_engine_args(models, CASES[name]))
+    for p in prompts:
+        assert gen(llm, [p], [greedy(6)])[0].token_ids == gen(ref, [p], [greedy(6)])[0].token_ids
+    tails = sum(n for key, n in llm.engine.runner.graphs.replays.items() if key[0].one_logit)
+    assert tails >= len(prompts), f"prompts alone did not replay a captured extend: {tails}"
+    if name.startswith("eagle3"):
+        with_graphs = dict(handed)
+        handed.clear()
+        eager = llm_factory(models[target], disable_cuda_graph=True, **_engine_args(models, CASES[name]))
+        for p in prompts:
+            gen(eager, [p], [greedy(6)])
+        assert with_graphs.keys() == handed.keys()
+        for chunk, rows in with_graphs.items():
+            assert torch.allclose(rows, handed[chunk], atol=2e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_prompt_tails_beside_plain_decodes_run_as_their_own_forward(models, llm_factory, emulated_graphs, page_size):
     """Plain decoding, six requests at a time (more than a captured prompt-tail batch holds): a prompt admitted while
