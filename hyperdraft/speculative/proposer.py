@@ -112,8 +112,9 @@ class Proposer(Protocol):
         the last accepted node the draft itself fed, -1 for none: that state becomes the committed one."""
 
     def draft_ahead(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch, num_accepted: torch.Tensor,
-                    tokens: torch.Tensor) -> None:
-        """Queue the next round's draft from this round's device results (capabilities.drafts_ahead)."""
+                    tokens: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """Queue the next round's draft from this round's device results (capabilities.drafts_ahead); kept [B]: a tree
+        round's accepted nodes whose draft K/V stayed (TreeRound.draft_kv_valid), None after a chain."""
 
     def capture_graphs(self, plan: CapturePlan) -> None:
         """Capture the draft shapes `plan` can run (capabilities.runs_as_graph)."""

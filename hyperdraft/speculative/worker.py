@@ -94,7 +94,9 @@ class SpecWorker:
             copy = HostCopy(StepPieces(round_.pieces() if round_ is not None else None,
                                        self._sample_prefills(prefills, prefill_logits)))
         if round_ is not None and not prefills and self.capabilities.drafts_ahead:
-            self.proposer.draft_ahead(round_.reqs, round_.tier, round_.sampling, round_.num_accepted, round_.tokens)
+            kept = round_.draft_kv_valid if isinstance(round_, TreeRound) else None
+            self.proposer.draft_ahead(round_.reqs, round_.tier, round_.sampling, round_.num_accepted, round_.tokens,
+                                      kept)
         host = copy.wait()
         results = [] if round_ is None else self._commit(round_, round_.decode(host.round), None if prefills else start)
         return results + _prefill_results(prefills, host.prefill)

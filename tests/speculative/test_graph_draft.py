@@ -134,8 +134,8 @@ def test_draft_graphs_replay_and_change_nothing(models, llm_factory, emulated_gr
     # ... or was queued ahead by the round before (draft-ahead): replays = rounds + queued drafts not taken
     unused_ahead = proposer.ahead_discarded + (proposer.ahead is not None)
     assert loop.num_replays == len(graph_rounds) + unused_ahead and graph_rounds
-    if name in ("eagle3-chain", "eagle1-chain", "eagle3-tree", "standalone-chain"):  # rounds after one of the same
-        # batch: drafted ahead
+    if name in ("eagle3-chain", "eagle1-chain", "eagle3-tree", "standalone-chain", "standalone-tree"):
+        # rounds after one of the same batch: drafted ahead
         assert proposer.ahead_used > len(graph_rounds) // 2, (proposer.ahead_used, len(graph_rounds))
     assert not any(s.one_logit for s in replayed), "a catch-up below cuda_graph_max_bs ran on its own"
     if "adaptive" not in name:  # both captured catch-up widths: 1 (after a rejection) and the widest (full acceptance:
@@ -231,7 +231,8 @@ def test_padded_catch_up_root_logits_match_recomputation(models, llm_factory, em
 
 
 
-@pytest.mark.parametrize("name,pool", [("eagle3-chain", 140), ("eagle3-tree", 140), ("standalone-chain", 95)])
+@pytest.mark.parametrize("name,pool", [("eagle3-chain", 140), ("eagle3-tree", 140), ("standalone-chain", 95),
+                                       ("standalone-tree", 110)])
 def test_draft_ahead_under_a_tight_pool_and_aborts(models, llm_factory, emulated_graphs, monkeypatch, name, pool):
     """Draft-ahead reserves the next round's room when it queues a draft. With a pool too small for every request's
     extra room (retractions happen) it must skip, not fail; a request aborted between two steps makes the next round

@@ -109,19 +109,23 @@ class DraftModelProposer(ModelProposer):
         bonus token, after a fully accepted round); a tree the root plus the accepted nodes the draft never fed."""
         return tier.steps + 1 if tier.is_tree else 2
 
-    def ahead_room(self, tier: Tier) -> tuple[int, int] | None:
-        """Chains only. After a round at n accepting a of K drafts (n' = n + a + 1 committed), the queued catch-up feeds
-        up to index n' (padded to 2) and its steps write n'+1 .. n'+K-1 <= n + 2K: K/V the next round keeps for the
-        drafts it accepts, so the K tokens from n' are held (the next schedule reserves K + 1 past n')."""
-        return None if tier.is_tree else (2 * tier.steps + 1, tier.steps)
+    def ahead_room(self, tier: Tier) -> tuple[int, int]:
+        """(reach past n, tokens held past n'). After a round at n accepting a (n' = n + a + 1 committed, a <= steps),
+        the queued catch-up feeds up to index n' and its steps write past n': a chain's n'+1 .. n'+K-1 <= n + 2K, a
+        tree's nodes at offsets 1 .. (steps-1)*topk past n'. That K/V the next round keeps for the drafts it accepts
+        (a tree's moves to n'+1, ... by compaction), so those tokens from n' are held through the commit (at most the
+        decode reserve, Tier.reserve_tokens, which the next schedule reserves past n' anyway)."""
+        written = max(tier.steps - 1, 0) * tier.topk + 1  # n' itself, then the steps' offsets
+        return tier.steps + 1 + written, written
 
     def ahead_catch_up(self, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
-                       out: torch.Tensor) -> None:
-        """The next chain round's packed catch-up, on the device: after a round at n of K drafts accepting a, the
-        draft's K/V is right up to index n + f, f = min(a, K - 1) (commit), so it feeds indices n+1+f .. n+a+1 with
-        tokens[:, f .. a]: the bonus token, after the last accepted draft too when all K were accepted."""
+                       out: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """The next round's packed catch-up, on the device: after a round at n accepting a, the draft's K/V is right
+        up to index n + f (commit): f = min(a, K - 1) after a chain of K drafts, f = kept (the accepted nodes whose
+        draft K/V was compacted to n+1 ..) after a tree. So it feeds indices n+1+f .. n+a+1 with tokens[:, f .. a]:
+        the bonus token, after the accepted drafts the draft never fed."""
         steps = tokens.shape[1] - 1
-        first = num_accepted.clamp(max=steps - 1)
+        first = num_accepted.clamp(max=steps - 1) if kept is None else kept
         rows_starts = to_device([[r.row, r.num_computed + 1] for r in reqs], torch.int64, self.runner.device)
         rows_starts[:, 1] += first
         columns = (first[:, None] + torch.arange(out.shape[1] - PACKED_FIELDS, device=tokens.device)).clamp(max=steps)

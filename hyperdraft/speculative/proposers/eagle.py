@@ -178,11 +178,11 @@ class EagleProposer(ModelProposer):
         return fb
 
     def ahead_catch_up(self, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
-                       out: torch.Tensor) -> None:
+                       out: torch.Tensor, kept: torch.Tensor | None = None) -> None:
         """Write the next round's packed catch-up (CatchUpRows.packed layout) into out [bs >= B, PACKED_FIELDS + W]
         from this round's results, on the device: head positions n .. n+a (n = req.num_computed, not yet committed)
         fed with t_{n+1} .. t_{n+a+1} = the a accepted drafts and the bonus token (tokens[:, :a+1]); rows past B
-        are padding."""
+        are padding. kept: unused (a head keeps no K/V of the round's drafts)."""
         rows_starts = to_device([[r.row, r.num_computed] for r in reqs], torch.int64, self.device)
         pack_catch_up(rows_starts, num_accepted, tokens, out)
 

@@ -13,8 +13,8 @@ requests under the same tier (nothing finished, joined or was retracted) and dis
 harmless: the queued graph wrote only draft K/V that the next catch-up rewrites (catch-up positions, with the same
 values) or that no one reads before a draft step overwrites it, in slots reserved for it when it was queued, or since
 released and written by their new owner after it (one stream). The drafts equal those propose() would make.
-RuntimeOptions.draft_ahead turns it off. EAGLE heads draft ahead, chains and trees; a STANDALONE draft model drafts
-chains ahead. Its K/V of accepted drafts is kept across rounds (draft_num_computed reaches past the committed tokens),
+RuntimeOptions.draft_ahead turns it off. EAGLE heads and STANDALONE draft models draft ahead, chains and trees. A
+draft model's K/V of accepted drafts is kept across rounds (draft_num_computed reaches past the committed tokens),
 so the part of the queued draft's room that the next round reads is held through the commit that follows
 (PageTable.reserve_ahead's hold): the next round finds that K/V in the row's own pages.
 
@@ -136,7 +136,7 @@ class ModelProposer(Proposer):
         return TreeProposal(*out)
 
     def draft_ahead(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch, num_accepted: torch.Tensor,
-                    tokens: torch.Tensor) -> None:
+                    tokens: torch.Tensor, kept: torch.Tensor | None = None) -> None:
         """Queue the next round's draft for these requests from this round's results (num_accepted [B], tokens
         [B, steps + 1]: the accepted drafts or accepted path, then the bonus token), if a whole-round graph can run
         it. Called before the scheduler commits this round: req.num_computed is still this round's n."""
@@ -154,7 +154,7 @@ class ModelProposer(Proposer):
         if not self.runner.page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + reach for r in reqs],
                                                     hold=hold):
             return
-        self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit))
+        self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit), kept)
         self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(tier, *fit, len(reqs)))
 
     def capture_graphs(self, plan: CapturePlan) -> None:
@@ -224,7 +224,7 @@ class ModelProposer(Proposer):
         raise NotImplementedError
 
     def ahead_catch_up(self, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
-                       out: torch.Tensor) -> None:
+                       out: torch.Tensor, kept: torch.Tensor | None = None) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
 
     def ahead_room(self, tier: Tier) -> tuple[int, int] | None:
