@@ -5,7 +5,8 @@ Measured on an H100 (EAGLE-3 tree 5x4/8, 8B-shaped target, batch 1, benchmarks/e
 torch path spread each draft step's 4 rows over the 128k target vocabulary, ran log_softmax over them (~30 us a step)
 and torch.topk's multi-pass radix select (~12 kernels, ~60 us a step): ~0.48 ms of a 9 ms round. Here stage 1 gives
 every 4096-wide chunk of a row its own program, which finds the chunk's top k by k max-and-remove passes over
-registers and its max and sum of exponentials; stage 2 merges the chunks' candidates and log-sum-exps per row.
+registers and its max and sum of exponentials; stage 2 merges the chunks' candidates and log-sum-exps per row
+(9 + 5 us a step; the round's draft 2183 -> 1679 us, benchmarks/results/tree_round_h100.md).
 With column ids (an EAGLE-3 head's draft-to-target map) the rows are the head's Vd draft logits and the ids are
 target ids: the spread row is never built.
 

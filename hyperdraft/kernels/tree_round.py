@@ -5,7 +5,7 @@ Measured on an H100 (EAGLE-3 tree 5x4/8, 8B-shaped target, batch 1, benchmarks/e
 code these stand in for ran as ~25 kernels before the verify and ~110 after it (build_tree's repeated squaring; the
 walk's per-level gathers and wheres; compaction's slot lookups), each a few microseconds of GPU time on a handful of
 integers: 94 us before the verify and 736 us between the verify and the next draft, against 28 and 62 us for a
-chain-5 round. The torch references are speculative/verify/tree_buffers.build_tree, tree_rejection.verify_greedy_tree,
+chain-5 round. With these kernels: 47 and 77 us (benchmarks/results/tree_round_h100.md). The torch references are speculative/verify/tree_buffers.build_tree, tree_rejection.verify_greedy_tree,
 simulated.simulate_tree (with a greedy target) and compaction.accept_plan; tests/gpu/test_tree_round.py compares
 them element for element.
 
