@@ -101,7 +101,7 @@ class ModelWorker:
         tails = None
         graphs = self.runner.graphs
         if num_decodes and not self.recurrent and graphs is not None and graphs.fits(GraphShape(1, 0), num_decodes):
-            tails = padded_tails(graphs, inputs[num_decodes:], table.max_pages_per_row * table.page_size)
+            tails = padded_tails(graphs, inputs[num_decodes:])
         if tails is None:
             fb = build_forward_batch(ForwardMode.EXTEND, self._padded_to_graph(inputs), table, device,
                                      **self._state_walk(items))
@@ -122,8 +122,7 @@ class ModelWorker:
         """Prompt tails padded to a captured width (runner/prompt_tails.padded_tails), else as they are."""
         if self.recurrent:
             return inputs
-        table = self.runner.page_table
-        return padded_tails(self.runner.graphs, inputs, table.max_pages_per_row * table.page_size) or inputs
+        return padded_tails(self.runner.graphs, inputs) or inputs
 
     def _decode_ahead(self, reqs: list[Request], sb: SamplingBatch, tokens: torch.Tensor) -> None:
         """Queue the decode of every request's next token (tokens [B], just sampled) when a graph runs it. Called

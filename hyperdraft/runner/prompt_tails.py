@@ -27,15 +27,15 @@ def tail_shapes(sizes: list[int]) -> dict[GraphShape, list[int]]:
     return {GraphShape(q, 0, one_logit=True): few for q in EXTEND_GRAPH_WIDTHS} if few else {}
 
 
-def padded_tails(graphs: GraphRunner | None, inputs: list[ForwardInput], room: int) -> list[ForwardInput] | None:
+def padded_tails(graphs: GraphRunner | None, inputs: list[ForwardInput]) -> list[ForwardInput] | None:
     """Prompt tails that each want one logit, padded to the narrowest captured extend width that holds them, so a
     graph runs them; None when they do not fit one (also when the padding would pass the end of a row's page-table
-    entries, `room` tokens: it would read the next row's). The padding tokens sit past each prompt, where nothing
-    reads them before a decode overwrites them (or in the padding page, past the row's pages)."""
+    entries, graphs.max_seq_len tokens: it would read the next row's). The padding tokens sit past each prompt, where
+    nothing reads them before a decode overwrites them (or in the padding page, past the row's pages)."""
     if graphs is None or not inputs or any(inp.num_logits != 1 or inp.mask is not None for inp in inputs):
         return None
     width = graphs.extend_width(len(inputs), max(len(inp.token_ids) for inp in inputs))
-    if width is None or width == 1 or any(inp.prefix_len + width > room for inp in inputs):
+    if width is None or width == 1 or any(inp.prefix_len + width > graphs.max_seq_len for inp in inputs):
         return None
     return [replace(inp, token_ids=inp.token_ids + [0] * (width - len(inp.token_ids)),
                     padding=width - len(inp.token_ids)) for inp in inputs]

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
-from hyperdraft.core.host_copy import HostCopy, results_stream, to_device
+from hyperdraft.core.host_copy import HostCopy, results_stream
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch, ScheduledRequest
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
@@ -106,8 +106,7 @@ class SpecWorker:
         A hybrid target's prefill walks its states in place, which those graphs do not."""
         if self.runner.state_pool is not None:
             return None
-        table = self.runner.page_table
-        return padded_tails(self.runner.graphs, prefill_inputs, table.max_pages_per_row * table.page_size)
+        return padded_tails(self.runner.graphs, prefill_inputs)
 
     def _forward_tails(self, tails: list[ForwardInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The padded prompt tails' own forward (a graph replay) -> (their logits [P, V], the drafter's hidden inputs
@@ -118,8 +117,8 @@ class SpecWorker:
         if not self.capabilities.feeds_hidden:
             return out.logits, None
         width = len(tails[0].token_ids)
-        real = [i * width + j for i, t in enumerate(tails) for j in range(width - t.padding)]
-        return out.logits, self.proposer.target_hidden(out)[to_device(real, torch.int64, self.runner.device)]
+        hidden = self.proposer.target_hidden(out)[: len(tails) * width].view(len(tails), width, -1)
+        return out.logits, torch.cat([hidden[i, : width - t.padding] for i, t in enumerate(tails)])  # <= 4 tails
 
     def _draft(self, reqs) -> ChainRound | TreeRound:
         tier = self.last_tier = self.tiers.tier_for(len(reqs))
