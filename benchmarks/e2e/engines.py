@@ -29,6 +29,10 @@ LLAMA_8B = dict(
     rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192),
 )
+SMOLLM2 = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
+               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+               rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True, torch_dtype="bfloat16",
+               rope_theta=100000.0, rope_scaling=None)
 TINY = dict(LLAMA_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)
 SETTINGS = {  # name -> (steps, topk, num_draft_tokens)

@@ -20,11 +20,12 @@ import time
 import torch
 
 from benchmarks.common import require_cuda
-from benchmarks.e2e.engines import LLAMA_8B, eagle3_spec, make_engine, write_configs
+from benchmarks.e2e.engines import LLAMA_8B, SMOLLM2, eagle3_spec, make_engine, write_configs
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.speculative.verify.chain import ChainRound
 from hyperdraft.speculative.verify.tree import TreeRound
 
+SHAPES = {"llama-8b": (LLAMA_8B, 32000), "smollm2": (SMOLLM2, 8192)}
 SPANS = (("host wait before step", "draft_end", "entry"), ("pre-verify work", "entry", "verify_start"),
          ("verify forward", "verify_start", "verify_end"), ("accept", "verify_end", "draft_start"),
          ("draft-ahead", "draft_start", "draft_end"))
@@ -131,19 +132,27 @@ def main() -> None:
                     "--steps 5 --topk 4 --draft-tokens 8)")
     ap.add_argument("--draft-tokens", type=int, default=None, help="verify width (default: steps + 1)")
     ap.add_argument("--sibling-rate", type=float, default=None, help="trees: simulated sibling acceptance")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b",
+                    help="target shape (random weights): llama-8b (EAGLE-3 head, 32k draft vocabulary) or smollm2 "
+                         "(SmolLM2-135M, 8k draft vocabulary, as train-draft's head)")
+    ap.add_argument("--alpha", type=float, default=0.8, help="simulated acceptance rate")
     ap.add_argument("--no-pdl", action="store_true", help="build the engine with RuntimeOptions pdl=False")
     ap.add_argument("--profile", action="store_true",
                     help="then cProfile as many more rounds: where the host's time per round goes (round_profile.txt)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default: $OUT or .)")
     a = ap.parse_args()
     require_cuda()
-    target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
+    shape, draft_vocab = SHAPES[a.shape]
+    target, head = write_configs(tempfile.mkdtemp(), shape, draft_vocab)
+    switches = {"pdl": False} if a.no_pdl else {}
+    plain_us = plain_step_us(target, shape, a.rounds, switches)
     width = a.draft_tokens or a.steps + 1
-    spec = eagle3_spec(head, steps=a.steps, topk=a.topk, num_draft_tokens=width, alpha=0.8, sibling_rate=a.sibling_rate)
-    engine, _ = make_engine(target, "cuda", 8, spec, 8 * 4096, **({"pdl": False} if a.no_pdl else {}))
+    spec = eagle3_spec(head, steps=a.steps, topk=a.topk, num_draft_tokens=width, alpha=a.alpha,
+                       sibling_rate=a.sibling_rate)
+    engine, _ = make_engine(target, "cuda", 8, spec, 8 * 4096, **switches)
     params = SamplingParams(temperature=0.0, max_new_tokens=((1 + a.profile) * a.rounds + 30) * (a.steps + 1),
                             ignore_eos=True)
-    req = engine.add_request(input_ids=torch.randint(10, 120000, (512,)).tolist(), params=params)
+    req = engine.add_request(input_ids=prompt(shape), params=params)
     for _ in range(20):
         engine.step()
     torch.cuda.synchronize()
@@ -155,9 +164,11 @@ def main() -> None:
     profile = host_profile(engine, a.rounds) if a.profile else ""
     engine.abort(req.rid)
     med = spans(marks)
-    shape = f"chain {a.steps}" if a.topk == 1 else f"tree {a.steps}x{a.topk}/{width}"
-    lines = [f"{shape}, batch 1, {a.rounds} rounds: median us per round (CUDA events)"]
+    draft = f"chain {a.steps}" if a.topk == 1 else f"tree {a.steps}x{a.topk}/{width}"
+    lines = [f"{a.shape}, {draft}, alpha {a.alpha}, batch 1, {a.rounds} rounds: median us per round (CUDA events)"]
     lines += [f"{k:<24} {v:9.1f}" for k, v in med.items()]
+    lines += [f"{'plain decode step':<24} {plain_us:9.1f}   (wall, same shape and process; round / step = "
+              f"{med.get('round', float('nan')) / plain_us:.2f})"]
     lines += ["", "per mark, median us: lead of the host over the GPU (near 0: the GPU waited for the host), "
               "host time and GPU time since the step's entry"]
     lines += [f"{k:<24} {lead:9.1f} {cpu:9.1f} {gpu:9.1f}" for k, (lead, cpu, gpu) in marks.leads().items()]
@@ -169,6 +180,29 @@ def main() -> None:
         print(profile)
         with open(os.path.join(a.out, "round_profile.txt"), "w") as f:
             f.write(profile + "\n")
+
+
+def prompt(shape: dict) -> list[int]:
+    return torch.randint(10, shape["vocab_size"] - 10, (512,)).tolist()
+
+
+def plain_step_us(target: str, shape: dict, steps: int, switches: dict) -> float:
+    """Wall time of a plain batch-1 decode step (graph replay plus the engine's host work), for the round's ratio."""
+    engine, _ = make_engine(target, "cuda", 8, None, 8 * 4096, **switches)
+    params = SamplingParams(temperature=0.0, max_new_tokens=steps + 40, ignore_eos=True)
+    req = engine.add_request(input_ids=prompt(shape), params=params)
+    for _ in range(20):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    engine.abort(req.rid)
+    del engine
+    torch.cuda.empty_cache()
+    return seconds / steps * 1e6
 
 
 def host_profile(engine, rounds: int, top: int = 40) -> str:

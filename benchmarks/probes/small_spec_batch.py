@@ -24,12 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import require_cuda
-from benchmarks.e2e.engines import decode_run, eagle3_spec, free, make_engine, write_configs
+from benchmarks.e2e.engines import SMOLLM2, decode_run, eagle3_spec, free, make_engine, write_configs
 
-SMOLLM2 = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
-               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-               rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True, torch_dtype="bfloat16",
-               rope_theta=100000.0, rope_scaling=None)
 
 
 def graph_counts(engine) -> dict:
