@@ -50,10 +50,11 @@ def _map_tensors(record, fn):
 
 class HostCopy(Generic[Record]):
     """The step's one device-to-host copy, in two halves. __init__ queues it: every tensor of the record, flattened
-    into one float64 buffer (exact for token ids and float32 logprobs), goes into pinned memory with an event
-    after it. wait() waits for that event, not for the stream, reads the buffer once, and returns the same record
-    with each tensor replaced by its values as nested Python lists of its shape (ints for integer tensors): no
-    offsets are counted by hand. The host may queue more GPU work in between (the next decode or draft) without
+    into one buffer, goes into pinned memory with an event after it. The buffer is int64 when every tensor is an
+    integer one (a greedy step without logprobs: no conversions, and a lone tensor is not even concatenated), else
+    float64 (exact for token ids and float32 logprobs). wait() waits for that event, not for the stream, reads the
+    buffer once, and returns the same record with each tensor replaced by its values as nested Python lists of its
+    shape (ints for integer tensors): no offsets are counted by hand. The host may queue more GPU work in between (the next decode or draft) without
     that work delaying the results. The record's device tensors stay referenced until then, so their memory cannot
     be reused by work queued meanwhile (see results_stream)."""
 
@@ -62,10 +63,15 @@ class HostCopy(Generic[Record]):
         parts: list[torch.Tensor] = []
         _map_tensors(record, parts.append)
         self.event = None
-        self.flat = torch.cat([x.double().flatten() for x in parts]) if parts else None  # None: nothing to copy
+        dtype = torch.float64 if any(x.is_floating_point() for x in parts) else torch.int64
+        if len(parts) == 1:  # on the CPU the values are read at wait(): a copy keeps later in-place writes out
+            flat = parts[0].flatten().to(dtype)
+            self.flat = flat if flat.is_cuda else flat.clone()
+        else:
+            self.flat = torch.cat([x.flatten().to(dtype) for x in parts]) if parts else None  # None: nothing to copy
         if self.flat is not None and self.flat.is_cuda:
             device_values = self.flat
-            self.flat = torch.empty(device_values.shape, dtype=torch.float64, pin_memory=True)
+            self.flat = torch.empty(device_values.shape, dtype=dtype, pin_memory=True)
             self.flat.copy_(device_values, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
@@ -79,7 +85,7 @@ class HostCopy(Generic[Record]):
             nonlocal offset
             values = flat[offset : offset + device_tensor.numel()]
             offset += len(values)
-            if not device_tensor.is_floating_point():
+            if not device_tensor.is_floating_point() and self.flat.dtype != torch.int64:
                 values = [int(v) for v in values]
             return _nest(values, tuple(device_tensor.shape))
 

@@ -84,7 +84,7 @@ class ModelWorker:
         if decoding:  # the next step's decode runs while the host commits this one
             self._decode_ahead(reqs, sb, sampled.tokens)
         host = copy.wait()
-        by_item = zip(host.tokens, host.logprobs)
+        by_item = zip(host.tokens, host.logprobs if host.logprobs is not None else [None] * len(host.tokens))
         return [RequestResult(it.num_tokens, *_one(next(by_item))) if it.samples else RequestResult(it.num_tokens)
                 for it in items]
 
@@ -167,5 +167,6 @@ class ModelWorker:
                 self.state_at[req.row] = target
 
 
-def _one(token_logprob: tuple[float, float]) -> tuple[list[int], list[float]]:
-    return [int(token_logprob[0])], [token_logprob[1]]
+def _one(token_logprob: tuple[float, float | None]) -> tuple[list[int], list[float]]:
+    token, logprob = token_logprob
+    return [int(token)], [] if logprob is None else [logprob]

@@ -38,6 +38,9 @@ class SamplingBatch:
     need_min_p: bool
     all_greedy: bool
     any_greedy: bool
+    # Some row's request asked for logprobs (return_logprob): otherwise no step computes them. A log-softmax over
+    # the vocabulary costs a small model's round two launches and ~120 us of host time on an H100 machine.
+    want_logprobs: bool
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int, device,
@@ -74,6 +77,7 @@ class SamplingBatch:
             need_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy) if not g),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
+            want_logprobs=any(p.return_logprob for p in params),
         )
 
     def _rows(self, rep, penalties: "Penalties | None") -> "SamplingBatch":

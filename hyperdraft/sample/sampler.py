@@ -13,16 +13,18 @@ from hyperdraft.sample.rng import DOMAIN_SAMPLE, sample_from_probs
 
 class SampledTokens(NamedTuple):
     tokens: torch.Tensor  # [N] int64
-    logprobs: torch.Tensor  # [N] float32, under the model distribution after penalties, before temperature and filtering
+    # [N] float32, under the model distribution after penalties, before temperature and filtering; None when no
+    # row's request asked for them (SamplingBatch.want_logprobs)
+    logprobs: torch.Tensor | None
 
 
 class Sampler:
     def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
-        """logits: [N, V] -> one token per row and its logprob."""
+        """logits: [N, V] -> one token per row and, when some row wants it, its logprob."""
         logits = penalised_logits(logits.float(), sb)
         if sb.all_greedy:
             tokens = argmax_rows(logits)
         else:
             probs = probs_from_logits(logits, sb)
             tokens = sample_from_probs(probs, sb.seeds, sb.positions, DOMAIN_SAMPLE)
-        return SampledTokens(tokens, token_logprobs(logits, tokens))
+        return SampledTokens(tokens, token_logprobs(logits, tokens) if sb.want_logprobs else None)

@@ -166,12 +166,13 @@ class SpecWorker:
 
 def _prefill_results(prefills: list[ScheduledRequest], sampled: SampledTokens | None) -> list[RequestResult]:
     """sampled: SampledTokens as lists, one row per prefill that samples, in order."""
-    tokens = iter([] if sampled is None else zip(sampled.tokens, sampled.logprobs))
+    logprobs = None if sampled is None else sampled.logprobs
+    tokens = iter([] if sampled is None else zip(sampled.tokens, logprobs if logprobs is not None else [None] * len(sampled.tokens)))
     results = []
     for it in prefills:
         res = RequestResult(it.num_tokens)
         if it.samples:
             token, logprob = next(tokens)
-            res.new_tokens, res.logprobs = [token], [logprob]
+            res.new_tokens, res.logprobs = [token], [] if logprob is None else [logprob]
         results.append(res)
     return results

@@ -46,3 +46,17 @@ def test_one_read_per_copy_and_none_without_values():
         assert HostCopy(Outer(torch.zeros(0, dtype=torch.int64)[:0].view(0), None, None)).wait().inner is None
         HostCopy(Inner(None, None)).wait()
         assert counter.kinds() == ["read:tolist"]  # the zero-size tensor still travels; the all-None record does not
+
+
+def test_integer_records_travel_as_int64():
+    """A record of integer tensors only (a greedy step without logprobs) travels as one int64 buffer: values past
+    float64's 53-bit mantissa stay exact, and a lone tensor written in place after the copy was queued comes back as
+    it was when queued."""
+    big = 2**60 + 3  # not exact in float64
+    lone = torch.tensor([big, -7])
+    copy = HostCopy(Inner(lone, None))
+    lone.fill_(0)
+    host = copy.wait()
+    assert host.counts == [big, -7] and all(type(t) is int for t in host.counts)
+    pair = HostCopy(Outer(torch.tensor([[big, 1]]), Inner(torch.tensor([2], dtype=torch.int32), None), None)).wait()
+    assert pair.tokens == [[big, 1]] and pair.inner.counts == [2]

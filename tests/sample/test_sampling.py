@@ -131,7 +131,7 @@ def test_no_penalties_means_untouched_logits():
 
 def test_greedy_sampler_follows_penalised_argmax():
     logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
-    sb = SamplingBatch.build([SamplingParams(temperature=0, presence_penalty=0.5)], [0], [0], 4, "cpu",
+    sb = SamplingBatch.build([SamplingParams(temperature=0, presence_penalty=0.5, return_logprob=True)], [0], [0], 4, "cpu",
                              prompts=[[1]], outputs=[[0]])
     tokens, logprobs = Sampler().sample(logits, sb)
     assert tokens.tolist() == [1]  # 3.0 - 0.5 < 2.9
@@ -319,3 +319,19 @@ def test_hash_matches_exact_integer_arithmetic():
     values = [0, 1, 0xFFFFFFFF, 0xFFFFFFFE, 2**31, 2**31 - 1, 0x9E3779B9] + torch.randint(
         0, 2**32, (2000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64).tolist()
     assert hash_u32(torch.tensor(values)).tolist() == [exact(v) for v in values]
+
+
+@pytest.mark.parametrize("asked", [(), (1,), (0, 2)])
+def test_logprobs_only_when_a_row_asks(asked):
+    """Sampler.sample computes the sampled tokens' logprobs only when some row's request asked (return_logprob);
+    then every row gets them, equal to the log-softmax at its token."""
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0 if i != 1 else 0.8, return_logprob=i in asked) for i in range(3)]
+    sb = SamplingBatch.build(params, [5, 6, 7], [0, 0, 0], 11, "cpu")
+    sampled = Sampler().sample(logits, sb)
+    assert sb.want_logprobs == bool(asked)
+    if not asked:
+        assert sampled.logprobs is None
+        return
+    want = torch.log_softmax(logits, -1).gather(1, sampled.tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(sampled.logprobs, want)

@@ -162,6 +162,31 @@ def test_spec_off_reference_is_page_size_independent(spec_models, llm_factory, p
     assert_same_outputs(gen(llm, prompts, greedy(NEW_TOKENS)), refs, "spec-off page_size=4")
 
 
+@pytest.mark.parametrize("drafter", [None, "NGRAM", "STANDALONE-wide-noisy", "STANDALONE-wide-noisy-tree"])
+def test_logprobs_only_where_asked(spec_models, llm_factory, prompts, drafter):
+    """A step computes logprobs only when some request in it asked (SamplingBatch.want_logprobs): requests that
+    asked get exactly what they get in a batch where every request asks, the others none, and the tokens do not
+    change. Covers plain decoding, chain rounds and tree rounds, with batches where nobody asks (the requests that
+    did not ask finish later than the ones that did)."""
+    asked = [greedy(NEW_TOKENS, return_logprob=True) for _ in prompts]
+    mixed = [greedy(NEW_TOKENS if i % 2 else NEW_TOKENS // 2, return_logprob=i % 2 == 0) for i in range(len(prompts))]
+    refs = reference(spec_models, prompts, asked, "logprobs-all")
+    if drafter is None:
+        llm = llm_factory(spec_models["target"])
+    else:
+        extra = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=5) if drafter.endswith("-tree") else {}
+        llm = llm_factory(spec_models["target"], **spec_args(spec_models, drafter.removesuffix("-tree"), 3), **extra)
+    outs = gen(llm, prompts, mixed)
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        n = len(o.token_ids)
+        assert o.token_ids == r.token_ids[:n] and n == mixed[i].max_new_tokens, f"request {i}"
+        if mixed[i].return_logprob:
+            assert o.meta_info["output_token_logprobs"] == pytest.approx(r.meta_info["output_token_logprobs"][:n],
+                                                                         abs=1e-4), f"request {i}"
+        else:
+            assert "output_token_logprobs" not in o.meta_info, f"request {i}"
+
+
 @pytest.mark.parametrize("drafter", ["NGRAM", "STANDALONE-wide-noisy"])
 def test_logprobs_match_spec_off(spec_models, llm_factory, prompts, drafter):
     """return_logprob: every token's log-probability, whether it came from a prefill, an accepted draft or a

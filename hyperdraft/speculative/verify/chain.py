@@ -29,7 +29,7 @@ class ChainPieces(NamedTuple):
 
     num_accepted: torch.Tensor  # [B] int64
     tokens: torch.Tensor  # [B, K+1] int64: the accepted drafts, then the recovered or bonus token, then unused
-    logprobs: torch.Tensor  # [B, K+1] float32, of those tokens
+    logprobs: torch.Tensor | None  # [B, K+1] float32, of those tokens; None when no request asked for them
 
 
 class ChainRound:
@@ -118,6 +118,8 @@ class ChainRound:
         return target_hidden[rows]
 
     def pieces(self) -> ChainPieces:
+        if not self.sampling.want_logprobs:
+            return ChainPieces(self.num_accepted, self.tokens, None)
         logprobs = token_logprobs(self.logits, self.tokens.flatten()).view_as(self.tokens)
         return ChainPieces(self.num_accepted, self.tokens, logprobs)
 
@@ -130,7 +132,8 @@ def decode_chain(host: ChainPieces, draft_lens: list[int], width: int) -> RoundO
     """host: ChainPieces as lists; draft_lens: real drafts per request; width: K, the drafts' padded width. A draft
     model fed the root and drafts 0 .. K-2 of its own chain, so min(K - 1, accepted) of the accepted ones are in
     its K/V."""
-    results = [RequestResult(a + 1, tokens[: a + 1], logprobs[: a + 1], k, a)
-               for a, tokens, logprobs, k in zip(host.num_accepted, host.tokens, host.logprobs, draft_lens)]
+    logprobs = host.logprobs if host.logprobs is not None else [[]] * len(host.tokens)
+    results = [RequestResult(a + 1, tokens[: a + 1], lp[: a + 1], k, a)
+               for a, tokens, lp, k in zip(host.num_accepted, host.tokens, logprobs, draft_lens)]
     return RoundOutcome(results, list(host.num_accepted), list(draft_lens), list(draft_lens),
                         [min(width - 1, a) for a in host.num_accepted])

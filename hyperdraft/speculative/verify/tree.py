@@ -32,7 +32,7 @@ class TreePieces(NamedTuple):
 
     num_accepted: torch.Tensor  # [B] int64
     tokens: torch.Tensor  # [B, D+1] int64: the accepted path's tokens, then the recovered or bonus token; -1 after
-    logprobs: torch.Tensor  # [B, D+1] float32, of those tokens
+    logprobs: torch.Tensor | None  # [B, D+1] float32, of those tokens; None when no request asked for them
     draft_kv_valid: torch.Tensor  # [B] int64: accepted nodes past the root whose draft K/V was kept (compacted)
 
 
@@ -131,6 +131,8 @@ class TreeRound:
         self.path_rows = plan.hidden_rows
 
     def pieces(self) -> TreePieces:
+        if not self.sampling.want_logprobs:
+            return TreePieces(self.num_accepted, self.tokens, None, self.draft_kv_valid)
         logprobs = token_logprobs(self.logits, self.tokens.clamp_min(0).flatten(), self.path_rows.flatten())
         return TreePieces(self.num_accepted, self.tokens, logprobs.view_as(self.tokens), self.draft_kv_valid)
 
@@ -142,6 +144,7 @@ class TreeRound:
 def decode_tree(host: TreePieces, num_nodes: list[int], depth: int) -> RoundOutcome:
     """host: TreePieces as lists; num_nodes: each request's tree size (root included); depth: the tier's steps."""
     drafted = [k - 1 for k in num_nodes]
-    results = [RequestResult(a + 1, tokens[: a + 1], logprobs[: a + 1], d, a)
-               for a, tokens, logprobs, d in zip(host.num_accepted, host.tokens, host.logprobs, drafted)]
+    logprobs = host.logprobs if host.logprobs is not None else [[]] * len(host.tokens)
+    results = [RequestResult(a + 1, tokens[: a + 1], lp[: a + 1], d, a)
+               for a, tokens, lp, d in zip(host.num_accepted, host.tokens, logprobs, drafted)]
     return RoundOutcome(results, list(host.num_accepted), drafted, [depth] * len(num_nodes), list(host.draft_kv_valid))
