@@ -29,6 +29,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: Any
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: Any,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens -> [T, Hq, D]. Stores k/v first."""
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens -> [T, Hq, D]. Stores k/v first. rope: (cos, sin)
+        when q and k are not yet rotated (models/decoder.py AttentionFn): rotated before the store and the attention."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from hyperdraft.attention.base import AttentionBackend
 from hyperdraft.core.forward_batch import ForwardBatch
+from hyperdraft.kernels.rope import apply_rope_reference
 
 
 @dataclass
@@ -59,7 +60,9 @@ class TorchAttentionBackend(AttentionBackend):
             picked = torch.cat([picked, picked.new_zeros(bsz, qmax - q, picked.shape[2])], 1)
         return torch.where((rel >= 0)[:, None, :], picked, torch.ones_like(picked))
 
-    def forward(self, layer_id, q, k, v, fb, meta: TorchAttentionMeta):
+    def forward(self, layer_id, q, k, v, fb, meta: TorchAttentionMeta, rope=None):
+        if rope is not None:
+            q, k = apply_rope_reference(q, k, *rope)
         self.pool.store(layer_id, fb.out_slots, k, v)
         k_cache, v_cache = self.pool.layer(layer_id)
         keys = k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, Kmax, D]

@@ -18,7 +18,9 @@ from hyperdraft import options
 from hyperdraft.kernels.attention import paged_attention
 from hyperdraft.kernels.attention_tiles import (Tiles, attention_workspace, invariant_num_splits, invariant_tiles,
                                                 num_kv_splits, num_row_tiles, split_tiles, tail_paths, tile_config)
-from hyperdraft.kernels.kv_store import kv_store
+from hyperdraft.kernels import use_fused_kernels
+from hyperdraft.kernels.kv_store import kv_store, rope_kv_store
+from hyperdraft.kernels.rope import apply_rope_reference
 
 
 @dataclass
@@ -54,9 +56,14 @@ class TritonAttentionBackend(AttentionBackend):
                                    fb.extend_lens_t.contiguous(), fb.tail_mask, fb.max_extend_len, fb.max_seq_len,
                                    deterministic, path)
 
-    def forward(self, layer_id, q, k, v, fb, meta: TritonAttentionMeta):
+    def forward(self, layer_id, q, k, v, fb, meta: TritonAttentionMeta, rope=None):
         k_cache, v_cache = self.pool.layer(layer_id)
-        kv_store(k_cache, v_cache, fb.out_slots, k, v)
+        if rope is not None and use_fused_kernels(q):  # RoPE in the store's launch: one launch per layer less
+            q = rope_kv_store(k_cache, v_cache, fb.out_slots, q, k, v, *rope)
+        else:
+            if rope is not None:
+                q, k = apply_rope_reference(q, k, *rope)
+            kv_store(k_cache, v_cache, fb.out_slots, k, v)
         if meta.num_splits == 0:
             self._size_splits(meta, q)
         return paged_attention(

@@ -1,5 +1,11 @@
 """Store the new tokens' K and V into one layer of the paged pool: one Triton launch for both, beside the
-index_copy_ reference (two launches). A program copies one token's every head."""
+index_copy_ reference (two launches). A program copies one token's every head.
+
+rope_kv_store also applies the layer's RoPE in the same launch: q rotated in place, k rotated on its way into the
+pool (the pool is the only reader of the rotated k). A small model's layer is a chain of ~3-5 us launches, so on
+SmolLM2-135M (30 layers) the separate RoPE launch cost ~117 us of GPU time per chain-5 round and ~100 us per plain
+decode step on an H100 (benchmarks/results/round_host_h100.md). The rotation's arithmetic is kernels/rope.py's,
+so the pool and q hold the same bits as after apply_rope then kv_store."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
+from hyperdraft.kernels.rope import apply_rope_reference, rotate_heads_in_place, rotated_halves
 
 
 @jit
@@ -36,6 +43,61 @@ def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
         **pdl_args(k.device),
     )
+
+
+@jit
+def _rope_kv_store(Q, K, V, KCache, VCache, Slots, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                   stride_vh, stride_cs, stride_ch, stride_vcs, stride_vch, num_q_heads, num_heads, head_dim, half,
+                   BLOCK_HQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    rotate_heads_in_place(Q, Cos, Sin, t, stride_qt, stride_qh, num_q_heads, half, BLOCK_HQ, BLOCK_HALF)
+    slot = tl.load(Slots + t)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    first, second = rotated_halves(K, Cos, Sin, t, stride_kt, stride_kh, num_heads, half, BLOCK_H, BLOCK_HALF)
+    d_half = tl.arange(0, BLOCK_HALF)[None, :]
+    half_mask = (h < num_heads) & (d_half < half)
+    dst = KCache + slot * stride_cs + h * stride_ch + d_half
+    tl.store(dst, first.to(KCache.dtype.element_ty), mask=half_mask)
+    tl.store(dst + half, second.to(KCache.dtype.element_ty), mask=half_mask)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_heads) & (d < head_dim)
+    tail = mask & (d >= 2 * half)  # a partial RoPE's unrotated dims go in as they are
+    k_tail = tl.load(K + t * stride_kt + h * stride_kh + d, mask=tail)
+    tl.store(KCache + slot * stride_cs + h * stride_ch + d, k_tail.to(KCache.dtype.element_ty), mask=tail)
+    v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(VCache + slot * stride_vcs + h * stride_vch + d, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+def rope_kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first R dims of each head of q (in place; returned) and k (into the pool only: k itself is left
+    as it was), then k and v stored at slots. q: [T, Hq, D], k/v: [T, Hkv, D] (last dims contiguous); cos/sin: [T, R]
+    or [T, 1, R], contiguous; k_cache/v_cache: [num_slots, Hkv, D]; slots: [T] int64."""
+    num_tokens, num_heads, head_dim = k.shape
+    rotary = cos.shape[-1]
+    cos, sin = cos.reshape(num_tokens, rotary), sin.reshape(num_tokens, rotary)
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    assert rotary % 2 == 0 and rotary <= head_dim == q.shape[2]
+    if num_tokens == 0:
+        return q
+    half = rotary // 2
+    _rope_kv_store[(num_tokens,)](
+        q, k, v, k_cache, v_cache, slots, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), q.shape[1], num_heads,
+        head_dim, half, BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        **pdl_args(q.device),
+    )
+    return q
+
+
+def rope_kv_store_reference(k_cache, v_cache, slots, q, k, v, cos, sin) -> torch.Tensor:
+    """rope_kv_store's contract in eager torch: -> the rotated q (a new tensor; the caller's q is left as it was)."""
+    q, k = apply_rope_reference(q, k, cos, sin)
+    kv_store_reference(k_cache, v_cache, slots, k, v)
+    return q
 
 
 def kv_store_reference(k_cache, v_cache, slots, k, v) -> None:

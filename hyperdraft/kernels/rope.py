@@ -22,8 +22,10 @@ from hyperdraft.options import triton_interpreted
 
 
 @jit
-def _rotate_heads(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotates dims [0, 2 * half) of each head of token t; a partial RoPE's dims past them are never touched."""
+def rotated_halves(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr):
+    """Dims [0, 2 * half) of each head of token t, rotated -> (first half, second half) [BLOCK_H, BLOCK_HALF] in
+    X's dtype (rows and columns past num_heads and half are zeros)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (d < half)
@@ -37,8 +39,20 @@ def _rotate_heads(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H: 
     dt = X.dtype.element_ty
     first = (x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)
     second = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-    tl.store(ptr, first.to(dt), mask=mask)
-    tl.store(ptr + half, second.to(dt), mask=mask)
+    return first.to(dt), second.to(dt)
+
+
+@jit
+def rotate_heads_in_place(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H: tl.constexpr,
+                          BLOCK_HALF: tl.constexpr):
+    """Rotates dims [0, 2 * half) of each head of token t; a partial RoPE's dims past them are never touched."""
+    first, second = rotated_halves(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H, BLOCK_HALF)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    ptr = X + t * stride_t + h * stride_h + d
+    mask = (h < num_heads) & (d < half)
+    tl.store(ptr, first, mask=mask)
+    tl.store(ptr + half, second, mask=mask)
 
 
 @jit
@@ -46,8 +60,8 @@ def _rope(Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, num_q_head
           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
-    _rotate_heads(Q, Cos, Sin, t, stride_qt, stride_qh, num_q_heads, half, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(K, Cos, Sin, t, stride_kt, stride_kh, num_k_heads, half, BLOCK_HK, BLOCK_HALF)
+    rotate_heads_in_place(Q, Cos, Sin, t, stride_qt, stride_qh, num_q_heads, half, BLOCK_HQ, BLOCK_HALF)
+    rotate_heads_in_place(K, Cos, Sin, t, stride_kt, stride_kh, num_k_heads, half, BLOCK_HK, BLOCK_HALF)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

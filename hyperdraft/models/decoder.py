@@ -24,8 +24,11 @@ from hyperdraft.models.config import ModelConfig
 from hyperdraft.models.cpu_linear import Linear, project
 from hyperdraft.models.tensor_parallel import embedding, row_linear
 
-# (layer_id, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, R] in the activation dtype
+# (layer_id, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], rope) -> [T, Hq, D]. With rope (cos, sin), q and k come
+# unrotated and the callee rotates them first (`rotated`): an attention backend does it in its K/V store's launch
+# (kernels/kv_store.py rope_kv_store). rope None: q and k are already rotated (or the model has no RoPE there).
+AttentionFn = Callable[..., torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -60,6 +63,11 @@ def apply_partial_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin:
     """RoPE on the first cos.shape[-1] dims of each head (all of them for most models); the rest pass through. On
     CUDA in place (one launch), so q and k must be tensors the caller needs only rotated."""
     return (apply_rope if use_fused_kernels(q) else apply_rope_reference)(q, k, cos, sin)
+
+
+def rotated(q: torch.Tensor, k: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An AttentionFn's first step where no backend fuses it: q and k rotated by rope (None: as they are)."""
+    return (q, k) if rope is None else apply_partial_rope(q, k, *rope)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -110,8 +118,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = (apply_rope if use_fused_kernels(q) else apply_rope_reference)(q, k, cos, sin)
-        out = attn(self.layer_id, q, k, v)
+        out = attn(self.layer_id, q, k, v, (cos, sin))
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

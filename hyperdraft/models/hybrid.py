@@ -33,7 +33,7 @@ from hyperdraft.kernels.gated_delta import GdnGates
 from hyperdraft.kernels.norm import gated_rms_norm, gated_rms_norm_reference, rms_norm
 from hyperdraft.models.config import FULL_ATTENTION, ModelConfig
 from hyperdraft.models.cpu_linear import Linear, project
-from hyperdraft.models.decoder import MLP, AttentionFn, DecoderLM, apply_partial_rope
+from hyperdraft.models.decoder import MLP, AttentionFn, DecoderLM
 from hyperdraft.models.moe import SparseMoe
 from hyperdraft.models.tensor_parallel import embedding, row_linear
 
@@ -102,8 +102,7 @@ class GatedAttention(nn.Module):
         # q_norm and k_norm return new tensors, not views of the projection output: RoPE may rotate them in place
         q = self.q_norm(q)
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-        q, k = apply_partial_rope(q, k, cos, sin)
-        out = attn(self.kv_layer_id, q.contiguous(), k, v.view(t, self.num_kv_heads, self.head_dim))
+        out = attn(self.kv_layer_id, q.contiguous(), k, v.view(t, self.num_kv_heads, self.head_dim), (cos, sin))
         gated = sigmoid_gate_mul if use_fused_kernels(out) else sigmoid_gate_mul_reference
         return self.o_proj(gated(out, gate))
 

@@ -124,8 +124,8 @@ class ModelRunner(GraphedRunner):
                       after_layer: Callable[[int], None] | None = None) -> ForwardOutput:
         meta = self.backend.plan(fb)
 
-        def attn(layer_id, q, k, v):
-            return self.backend.forward(layer_id, q, k, v, fb, meta)
+        def attn(layer_id, q, k, v, rope=None):
+            return self.backend.forward(layer_id, q, k, v, fb, meta, rope)
 
         if self.linear_backend is None:
             hidden, captured = self.model(fb.input_ids, fb.positions, attn, capture_layers, after_layer)

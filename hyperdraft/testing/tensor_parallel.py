@@ -16,12 +16,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
+from hyperdraft.models.decoder import rotated
 from hyperdraft.models.loader import load_model
 
 
 def prompt_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Each prompt's logits [len, V], one causal forward per prompt (no K/V cache)."""
-    def attn(layer_id, q, k, v):
+    def attn(layer_id, q, k, v, rope=None):
+        q, k = rotated(q, k, rope)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                                              enable_gqa=True)
         return out.transpose(0, 1)

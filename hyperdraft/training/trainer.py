@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperdraft import options
+from hyperdraft.models.decoder import rotated
 from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, eagle_config_from_dict, target_capture_layers
 from hyperdraft.models.loader import load_model
 from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
@@ -319,7 +320,8 @@ def _batch_loss(batch: list[Sample], target, head: Eagle3Head, draft_ids: torch.
 def _causal_within(batch: int):
     """The teacher's attention over `batch` whole sequences of one length packed back to back (no paged cache)."""
 
-    def attend(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope=None) -> torch.Tensor:
+        q, k = rotated(q, k, rope)
         q, k, v = (t.view(batch, -1, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.transpose(1, 2).flatten(0, 1)

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from hyperdraft.models.decoder import rotated
+
 
 class UnrollAttention:
     def __init__(self, batch: int = 1):
@@ -30,7 +32,8 @@ class UnrollAttention:
         """A new sequence: forget the keys and values of the last one."""
         self.keys, self.values = [], []
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope=None) -> torch.Tensor:
+        q, k = rotated(q, k, rope)
         self.keys.append(k)
         self.values.append(v)
         step, (total, heads, dim), b = len(self.keys) - 1, q.shape, self.batch

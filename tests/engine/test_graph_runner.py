@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hyperdraft.core.forward_batch import ForwardMode, build_forward_batch, ForwardInput
+from hyperdraft.models.decoder import rotated
 from hyperdraft.runner.graph_runner import GraphRunner, GraphShape, default_batch_sizes
 from hyperdraft.runner.prompt_tails import tail_shapes
 from hyperdraft import LLM
@@ -169,7 +170,8 @@ def test_segment_cuts_and_after_layer_hook(tmp_path):
                        "float32", torch.device("cpu"))
     ids, pos = torch.randint(0, model.config.vocab_size, (5,)), torch.arange(5)
 
-    def causal(_layer, q, k, v):
+    def causal(_layer, q, k, v, rope=None):
+        q, k = rotated(q, k, rope)
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1)
         scores = (q.transpose(0, 1) @ k.transpose(1, 2)).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -1e30)

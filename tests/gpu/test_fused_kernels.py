@@ -20,6 +20,7 @@ from hyperdraft.kernels.activation import (sigmoid_gate_mul, sigmoid_gate_mul_re
                                            silu_mul_reference)
 from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
 from hyperdraft.kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
+from hyperdraft.models.decoder import rotated
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -136,6 +137,43 @@ def test_rope(dtype, num_tokens, heads, kv_heads, head_dim):
     torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim:], v_before, atol=0, rtol=0)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,heads,kv_heads,head_dim,rotary", [(1, 9, 3, 64, 64), (6, 32, 8, 128, 128),
+                                                                     (300, 4, 1, 256, 64), (3, 2, 1, 80, 20)])
+def test_rope_kv_store(dtype, num_tokens, heads, kv_heads, head_dim, rotary):
+    """RoPE and the K/V store in one launch == apply_rope then kv_store, bit for bit: q rotated in place, the
+    rotated k and v at their slots (a partial RoPE's tail unrotated), k itself and every other slot untouched; and
+    within tolerance of the torch reference. q, k and v are views into one q/k/v projection output."""
+    from hyperdraft.kernels.kv_store import kv_store, rope_kv_store, rope_kv_store_reference
+
+    qkv = _randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=30)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 131072, (num_tokens,), generator=torch.Generator().manual_seed(31)).to(DEVICE)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, rotary, 2).float() / rotary))
+    cos, sin = rope_cos_sin_reference(positions, inv_freq.to(DEVICE), dtype)  # [T, 1, rotary]
+    num_slots = 2 * num_tokens + 5
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(32))[:num_tokens].to(DEVICE)
+    caches = [torch.full((num_slots, kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE) for _ in range(6)]
+    k_before, qkv_before = k.clone(), qkv.clone()
+
+    q_two, k_two = apply_rope(q.clone(), k.clone(), cos, sin)  # the two launches this one replaces
+    kv_store(caches[0], caches[1], slots, k_two, v)
+    out_q = rope_kv_store(caches[2], caches[3], slots, q, k, v, cos, sin)
+    assert out_q.data_ptr() == q.data_ptr()
+    assert torch.equal(q, q_two) and torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert torch.equal(k, k_before)  # only the pool holds the rotated k
+    ref_q = rope_kv_store_reference(caches[4], caches[5], slots, qkv_before[:, : heads * head_dim].view_as(q),
+                                    k_before, v, cos, sin)
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(caches[2], caches[4], **TOL[dtype])
+    assert torch.equal(caches[3], caches[5])  # v is copied, not computed
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert (caches[2][untouched] == 7.0).all() and (caches[3][untouched] == 7.0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens,heads,kv_heads,head_dim,rotary", [(1, 16, 4, 256, 64), (7, 8, 2, 128, 32),
                                                                      (300, 4, 1, 256, 64), (3, 2, 1, 80, 20)])
@@ -250,8 +288,9 @@ def test_token_logprobs(rows, vocab, with_rows):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
-def _causal(_layer, q, k, v):
+def _causal(_layer, q, k, v, rope=None):
     """Causal attention over the forward's own tokens in plain matmuls (SDPA's fp32 kernels may round through TF32)."""
+    q, k = rotated(q, k, rope)
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1)
     scores = q.transpose(0, 1) @ k.transpose(1, 2) / q.shape[-1] ** 0.5  # [H, T, T]

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from hyperdraft.models.config import load_model_config
 from hyperdraft.kernels.rope import rotate_half
+from hyperdraft.models.decoder import rotated
 from hyperdraft.models.eagle import (
     Eagle3Head,
     EagleHead,
@@ -54,7 +55,8 @@ def target(target_path):
     return load_model(target_path, "float32", CPU)
 
 
-def causal_attn(layer_id, q, k, v):
+def causal_attn(layer_id, q, k, v, rope=None):
+    q, k = rotated(q, k, rope)
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)

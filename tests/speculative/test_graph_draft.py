@@ -21,6 +21,7 @@ import torch
 import hyperdraft.speculative.proposers.eagle as eagle_proposer
 from hyperdraft import LLM
 from hyperdraft.core.forward_batch import ForwardMode
+from hyperdraft.models.decoder import rotated
 from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.models.eagle import load_eagle_head, target_capture_layers
 from hyperdraft.models.loader import load_model
@@ -285,7 +286,8 @@ def test_draft_ahead_under_a_tight_pool_and_aborts(models, llm_factory, emulated
     assert all(o == r for i, (o, r) in enumerate(zip(outs, ref)) if i != 3)
     assert outs[3] == ref[3][: len(outs[3])] and len(outs[3]) < len(ref[3])
 
-def _causal(layer_id, q, k, v):
+def _causal(layer_id, q, k, v, rope=None):
+    q, k = rotated(q, k, rope)
     out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                            is_causal=True, enable_gqa=True)
     return out.transpose(0, 1)

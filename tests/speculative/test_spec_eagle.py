@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import hyperdraft.speculative.proposers.eagle as eagle_proposer
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.models.decoder import rotated
 from hyperdraft.models.eagle import load_eagle_head, target_capture_layers
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
@@ -106,7 +107,8 @@ def test_head_state_matches_recomputation_from_scratch(models, monkeypatch, algo
         assert torch.allclose(logits, ref, atol=2e-3, rtol=1e-4), (len(seq), (logits - ref).abs().max())
 
 
-def _causal(layer_id, q, k, v):
+def _causal(layer_id, q, k, v, rope=None):
+    q, k = rotated(q, k, rope)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True)
     return out.transpose(0, 1)
 

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from conftest import assert_engine_clean
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.cli import main as cli_main
+from hyperdraft.models.decoder import rotated
 from hyperdraft.models.eagle import Eagle3Head, eagle_config_from_dict, target_capture_layers
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
@@ -397,7 +398,8 @@ class _KVCache:
     def __init__(self):
         self.k = self.v = None
 
-    def __call__(self, layer_id, q, k, v):
+    def __call__(self, layer_id, q, k, v, rope=None):
+        q, k = rotated(q, k, rope)
         self.k = k if self.k is None else torch.cat([self.k, k])
         self.v = v if self.v is None else torch.cat([self.v, v])
         past = self.k.shape[0] - q.shape[0]

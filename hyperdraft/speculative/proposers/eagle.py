@@ -65,7 +65,7 @@ class HeadRunner(GraphedRunner):
         """One layer: no segments to cut (after_layer is never called)."""
         meta = self.backend.plan(fb)
         g = self.model(fb.input_ids, fb.positions, fb.input_hidden,
-                       lambda i, q, k, v: self.backend.forward(i, q, k, v, fb, meta))
+                       lambda i, q, k, v, rope=None: self.backend.forward(i, q, k, v, fb, meta, rope))
         rows = fb.logits_rows(g)
         return ForwardOutput(self.model.compute_draft_logits(rows), g, [], self.model.vocab_map, rows)
 
