@@ -54,6 +54,20 @@ def _fail_instead_of_hanging():
 
 
 @pytest.fixture(scope="session")
+def _private_cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("hyperdraft-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(request, _private_cache_dir, monkeypatch):
+    """CPU tests never write to the user's cache (~/.cache/hyperdraft): every tiny GGUF a test loads left its
+    converted tokenizer there, keyed by a temporary path, for good (117 of them after a few runs). GPU tests keep the
+    real cache: they read the default model from it."""
+    if "gpu" not in request.node.path.parts:
+        monkeypatch.setenv("HYPERDRAFT_CACHE", _private_cache_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_models")
     paths = {kind: make_tiny_model(str(root / kind), kind) for kind in KINDS}
