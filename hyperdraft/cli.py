@@ -151,7 +151,12 @@ def _add_train_draft(sub) -> None:
     train.add_argument("--out", help="head directory to write")
     train.add_argument("--prompts", help="JSONL of prompts ('prompt', ShareGPT 'conversations', 'turns' or 'text'); "
                                          "default: the target writes its own questions")
-    train.add_argument("--num-samples", type=int, default=2000, help="training prompts (default: 2000)")
+    train.add_argument("--num-samples", type=int, default=2000,
+                       help="prompts taken from --prompts, or written by the target without it (default: 2000)")
+    train.add_argument("--self-prompts", type=int, default=0,
+                       help="with --prompts: this many more prompts the target writes itself (writing, roleplay, "
+                            "reasoning, math, coding, extraction, science, humanities requests in turn), added "
+                            "after the file's (default: 0)")
     train.add_argument("--max-len", type=int, default=512, help="tokens per sample, prompt + answer (default: 512)")
     train.add_argument("--epochs", type=int, default=3, help="passes over the samples (default: 3)")
     train.add_argument("--lr", type=float, default=1e-4,
@@ -259,7 +264,8 @@ def _train_draft(ns: argparse.Namespace) -> None:
         return
     if not ns.out:
         ns.subparser.error("--out is required")
-    cfg = TrainConfig(_model_path(ns), ns.out, prompts=ns.prompts, num_samples=ns.num_samples, max_len=ns.max_len,
+    cfg = TrainConfig(_model_path(ns), ns.out, prompts=ns.prompts, num_samples=ns.num_samples,
+                      self_prompts=ns.self_prompts, max_len=ns.max_len,
                       epochs=ns.epochs, lr=ns.lr, draft_vocab_size=ns.draft_vocab_size, ttt_steps=ns.ttt_steps,
                       temperatures=tuple(ns.temperature), resume=ns.resume, device=ns.device, dtype=ns.dtype,
                       seed=ns.seed, batch_size=ns.batch_size, validation_fraction=ns.validation_fraction)

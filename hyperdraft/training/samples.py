@@ -15,7 +15,18 @@ from hyperdraft.sampling_params import SamplingParams
 
 # Where the MT-bench questions live beside a checkout (shared/data), checked against training prompts.
 MT_BENCH_CANDIDATES = ("shared/data/mt_bench_questions.jsonl", "../shared/data/mt_bench_questions.jsonl")
-SELF_PROMPT = "Write one question that a user might ask a helpful AI assistant. Reply with the question only."
+# What the target is asked to write, in turn: kinds of requests a chat assistant gets (writing, roleplay, reasoning,
+# math, coding, extraction, science, humanities, and plain questions). A head trained only on ShareGPT's questions
+# agreed with the target 0.11 less on MT-bench's instruction-style requests than on held-out ShareGPT ones, although
+# the target was more confident there (benchmarks/results/real_accept_h100.md): the head had rarely seen such
+# requests. No benchmark question is used; MT-bench's are refused as training prompts (refuse_evaluation_prompts).
+SELF_PROMPT_KINDS = ("a writing task, such as an email, a blog post, a story or a poem",
+                     "a roleplay request, in which the assistant plays a character or a profession",
+                     "a reasoning puzzle", "a math word problem", "a programming task",
+                     "a request to extract or summarise information from a short text that the request includes",
+                     "a science or engineering question", "a question about history, society or the arts",
+                     "a question")
+SELF_PROMPT = "Write {kind} that a user might give a helpful AI assistant. Reply with the request only."
 MIN_ANSWER_TOKENS = 8
 
 
@@ -66,8 +77,9 @@ def refuse_evaluation_prompts(prompts: list[str], candidates: tuple[str, ...] = 
 
 
 def self_written_prompts(llm, count: int, seed: int, path: str | None = None) -> list[str]:
-    """`count` distinct questions the target writes itself, sampled at temperature 1 (seed, seed + 1, ...); with a
-    path, the ones written there by an earlier run (a resumed run answers the same questions)."""
+    """`count` distinct requests the target writes itself, of each kind of SELF_PROMPT_KINDS in turn, sampled at
+    temperature 1 (seed, seed + 1, ...); with a path, the ones written there by an earlier run (a resumed run
+    answers the same requests)."""
     if path is not None and os.path.isfile(path):
         with open(path) as f:
             return [json.loads(line)["prompt"] for line in f][:count]
@@ -78,14 +90,19 @@ def self_written_prompts(llm, count: int, seed: int, path: str | None = None) ->
     return prompts
 
 
+def self_prompt_requests(count: int) -> list[str]:
+    """What the target is asked, for each of `count` prompts it writes: the kinds of SELF_PROMPT_KINDS in turn."""
+    return [SELF_PROMPT.format(kind=SELF_PROMPT_KINDS[i % len(SELF_PROMPT_KINDS)]) for i in range(count)]
+
+
 def _write_prompts(llm, count: int, seed: int) -> list[str]:
-    ids = llm.apply_chat_template([{"role": "user", "content": SELF_PROMPT}])
+    inputs = [llm.apply_chat_template([{"role": "user", "content": text}]) for text in self_prompt_requests(count)]
     prompts: list[str] = []
     tries = 0
     while len(prompts) < count and tries < 4:
         params = [SamplingParams(temperature=1.0, seed=seed + tries * count + i, max_new_tokens=64)
                   for i in range(count)]
-        for out in llm.generate(input_ids=[ids] * count, sampling_params=params, use_tqdm=False):
+        for out in llm.generate(input_ids=inputs, sampling_params=params, use_tqdm=False):
             text = out.text.strip()
             if text and text not in prompts:
                 prompts.append(text)

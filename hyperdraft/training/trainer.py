@@ -64,7 +64,8 @@ class TrainConfig:
     model: str
     out: str
     prompts: str | None = None  # JSONL; None: the target writes its own
-    num_samples: int = 2000
+    num_samples: int = 2000  # prompts taken from the file, or written by the target without one
+    self_prompts: int = 0  # with a prompts file: this many target-written prompts added after the file's
     max_len: int = 512
     epochs: int = 3
     lr: float = 1e-4  # the peak of the schedule
@@ -129,6 +130,11 @@ def _check(cfg: TrainConfig) -> None:
     for name in ("num_samples", "max_len", "epochs", "ttt_steps", "batch_size"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.self_prompts < 0:
+        raise ValueError(f"self_prompts must be >= 0, got {cfg.self_prompts}")
+    if cfg.self_prompts and cfg.prompts is None:
+        raise ValueError("self_prompts adds target-written prompts to a --prompts file; without one the target "
+                         "writes --num-samples prompts itself")
     if not cfg.lr > 0:
         raise ValueError(f"lr must be > 0, got {cfg.lr}")
     if cfg.max_len < 16:
@@ -159,10 +165,12 @@ def _make_samples(cfg: TrainConfig) -> list[Sample]:
 
     llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype)
     try:
-        if cfg.prompts is not None:
-            prompts = load_prompts(cfg.prompts)[: cfg.num_samples]
-        else:
-            prompts = self_written_prompts(llm, cfg.num_samples, cfg.seed, os.path.join(cfg.out, SELF_PROMPTS))
+        # The file's prompts keep their indices in the answer store, so a run that adds written prompts to an
+        # earlier file-only run answers only the new ones.
+        written = cfg.self_prompts if cfg.prompts is not None else cfg.num_samples
+        prompts = load_prompts(cfg.prompts)[: cfg.num_samples] if cfg.prompts is not None else []
+        if written:
+            prompts += self_written_prompts(llm, written, cfg.seed, os.path.join(cfg.out, SELF_PROMPTS))
         refuse_evaluation_prompts(prompts)
         samples: list[Sample] = []
         for c, temperature in enumerate(cfg.temperatures):  # copy c's seeds follow copy c - 1's: no answer shares one

@@ -352,7 +352,10 @@ def test_cli_passes_temperatures_and_validation_fraction(monkeypatch, tmp_path):
     assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path), "--temperature", "0", "0.7",
                      "--validation-fraction", "0.1"]) == 0
     assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path)]) == 0
-    assert [(c.temperatures, c.validation_fraction) for c in seen] == [((0.0, 0.7), 0.1), ((0.0,), 0.02)]
+    assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path), "--prompts", "p.jsonl",
+                     "--self-prompts", "5"]) == 0
+    assert [(c.temperatures, c.validation_fraction, c.self_prompts) for c in seen] == [
+        ((0.0, 0.7), 0.1, 0), ((0.0,), 0.02, 0), ((0.0,), 0.02, 5)]
 
 
 def _target_and_head(target: str, head_dir: str):
@@ -474,3 +477,35 @@ def test_answers_are_stored_and_a_stopped_run_answers_only_the_rest(target, tmp_
     with pytest.raises(ValueError, match="holds answers to other prompts"):
         answer(llm, ["another"] + prompts[1:], 96, 0.0, seed=0, store=SampleStore(path))
     llm.shutdown()
+
+
+def test_written_prompts_are_added_after_the_file_and_reused(target, prompts_file, tmp_path):
+    """self_prompts=N with a prompts file: the target writes N requests of each kind in turn (self_prompts.jsonl),
+    answered after the file's prompts, whose answers keep their indices: a run that adds written prompts to an earlier
+    file-only run of the same --out answers only the new ones. A resumed run reads the written requests back."""
+    from hyperdraft.training.samples import SELF_PROMPT_KINDS, self_prompt_requests
+
+    requests = self_prompt_requests(len(SELF_PROMPT_KINDS) + 2)
+    assert all(kind in r for kind, r in zip(SELF_PROMPT_KINDS * 2, requests))
+    assert requests[len(SELF_PROMPT_KINDS)] == requests[0]
+
+    train_draft(_config(target, tmp_path, prompts_file, epochs=1))
+    file_only = SampleStore(str(tmp_path / "samples.jsonl")).done
+    assert sorted(file_only) == list(range(len(PROMPTS)))
+    os.remove(tmp_path / "checkpoint.pt")  # a new run over the same answers, not a resume
+    train_draft(_config(target, tmp_path, prompts_file, epochs=1, self_prompts=3))
+    written = [json.loads(line)["prompt"] for line in open(tmp_path / "self_prompts.jsonl")]
+    assert len(written) == 3 and len(set(written)) == 3
+    store = SampleStore(str(tmp_path / "samples.jsonl")).done
+    assert sorted(store) == list(range(len(PROMPTS) + 3))
+    assert all(store[i] == file_only[i] for i in range(len(PROMPTS)))  # the file's answers were not redone
+    assert [store[len(PROMPTS) + i][0] for i in range(3)] == written
+    state = torch.load(str(tmp_path / "checkpoint.pt"), weights_only=False)
+    assert len(state["samples"]) == sum(s is not None for _, s in store.values())
+
+
+def test_written_prompts_need_a_prompts_file(target, tmp_path):
+    with pytest.raises(ValueError, match="self_prompts"):
+        train_draft(_config(target, tmp_path, None, self_prompts=2))
+    with pytest.raises(ValueError, match="self_prompts must be >= 0"):
+        train_draft(_config(target, tmp_path, "p.jsonl", self_prompts=-1))
