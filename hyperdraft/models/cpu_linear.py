@@ -124,13 +124,19 @@ def _pointers(linears) -> list[int]:
     return [t.data_ptr() for lin in linears for t in (lin.weight, lin.bias) if t is not None]
 
 
+def packed(*linears: Linear) -> FusedRows | None:
+    """The one buffer fuse_rows packed these projections into, while they still share it (a later .to() or
+    parameter swap gives them their own storage again), else None."""
+    fused = linears[0].fused_rows
+    return fused if fused is not None and _pointers(linears) == fused.ptrs else None
+
+
 def project(x: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]:
-    """(lin(x) for lin in linears), as one product when fuse_rows packed them and they still share that buffer
-    (a later .to() or parameter swap gives them their own storage again; then each runs alone). On CUDA the
+    """(lin(x) for lin in linears), as one product when fuse_rows packed them (else each runs alone). On CUDA the
     packed product is one launch instead of two or three: the small k/v GEMVs alone stream their weights well
     below bandwidth."""
-    fused = linears[0].fused_rows
-    if fused is not None and _pointers(linears) == fused.ptrs:
+    fused = packed(*linears)
+    if fused is not None:
         if uses_skinny_path(x, linears[0].weight):
             return skinny_linear(x, fused.weight, fused.bias).split(fused.sizes, -1)
         if x.is_cuda:

@@ -21,7 +21,8 @@ from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
 from hyperdraft.kernels.rope import apply_rope, apply_rope_reference, rope_table
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.config import ModelConfig
-from hyperdraft.models.cpu_linear import Linear, project
+from hyperdraft.kernels.norm_gemv import norm_gemv, norm_gemv_fits, norm_gemv_wanted
+from hyperdraft.models.cpu_linear import Linear, packed, project
 from hyperdraft.models.tensor_parallel import embedding, row_linear
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, R] in the activation dtype
@@ -63,6 +64,19 @@ def apply_partial_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin:
     """RoPE on the first cos.shape[-1] dims of each head (all of them for most models); the rest pass through. On
     CUDA in place (one launch), so q and k must be tensors the caller needs only rotated."""
     return (apply_rope if use_fused_kernels(q) else apply_rope_reference)(q, k, cos, sin)
+
+
+def normed_project(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, *linears: Linear):
+    """norm.add_norm(x, residual) and then the linears' products of it, in one launch where kernels/norm_gemv.py
+    serves them (RuntimeOptions.fused_norm_gemv, one row on CUDA, the projections packed into one weight)
+    -> (the products, the running sum), else None."""
+    if not norm_gemv_wanted(x):  # first: the default path pays one option read per layer, nothing more
+        return None
+    weights = packed(*linears)
+    if weights is None or not norm_gemv_fits(x, weights.weight):
+        return None
+    out, running = norm_gemv(x, residual, norm.weight, norm.eps, weights.weight, weights.bias)
+    return out.split(weights.sizes, -1), running
 
 
 def rotated(q: torch.Tensor, k: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +145,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x, residual=None):
         """-> down(SiLU(gate) * up), plus residual when given (on CUDA inside the down projection's launch)."""
-        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down(*project(x, self.gate_proj, self.up_proj), residual)
+
+    def down(self, gate, up, residual=None):
         return self.down_proj.forward_silu_mul(gate, up, residual, fused=use_fused_kernels(gate))
 
     def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
@@ -173,6 +189,10 @@ class DecoderLayer(nn.Module):
     def forward_normed(self, h, residual, cos, sin, attn: AttentionFn):
         """The layer after its input norm: h = input_layernorm(layer input), residual = the layer input."""
         h = self.self_attn(h, cos, sin, attn)
+        normed_up = normed_project(h, residual, self.post_attention_layernorm, self.mlp.gate_proj, self.mlp.up_proj)
+        if normed_up is not None:  # one row on CUDA: the norm inside the gate/up product's launch
+            (gate, up), residual = normed_up
+            return self.mlp.down(gate, up), residual
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
 

@@ -298,6 +298,65 @@ def _causal(_layer, q, k, v, rope=None):
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(3072, 576), (40, 2048), (100, 80)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_norm_gemv(dtype, n, k, with_residual, with_bias):
+    """RMSNorm(x + residual) @ W^T in one launch == rms_norm then gemv (their kernels): the running sum bit for bit,
+    the product within the norm's reduction-order tolerance; k = 2048 takes two chunks of the sum of squares, and
+    80 / 100 leave ragged tiles. Both within tolerance of the torch reference."""
+    from hyperdraft.kernels.gemv import gemv
+    from hyperdraft.kernels.norm_gemv import norm_gemv, norm_gemv_reference
+
+    x = _randn(1, k, dtype=dtype, seed=40) * 3
+    residual = _randn(1, k, dtype=dtype, seed=41) if with_residual else None
+    gain = _randn(k, dtype=dtype, seed=42)
+    weight = _randn(n, k, dtype=dtype, seed=43) / k ** 0.5
+    bias = _randn(n, dtype=dtype, seed=44) if with_bias else None
+    _poison((1, n), (1, k), dtype=dtype)
+    out, running = norm_gemv(x, residual, gain, 1e-5, weight, bias)
+    if not INTERPRET:  # gemv's loops over K run only compiled
+        normed, two_running = rms_norm(x, gain, 1e-5, residual)
+        two_out = gemv(normed, weight, bias)
+        assert torch.equal(running, two_running)
+        torch.testing.assert_close(out, two_out, **TOL[dtype])
+    ref_out, ref_running = norm_gemv_reference(x, residual, gain, 1e-5, weight, bias)
+    torch.testing.assert_close(running, ref_running, **EXACT[dtype])
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+
+
+@pytest.mark.skipif(INTERPRET, reason="the models take the kernels only on CUDA tensors")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_with_the_norm_in_the_gate_up_product(tmp_path, dtype, monkeypatch):
+    """RuntimeOptions.fused_norm_gemv: a one-token forward (a batch-1 decode) whose post-attention norms run inside
+    the gate/up GEMV == the same forward with separate norm launches (logits and a captured layer input); a
+    5-token forward never takes it, nor does a forward with the switch off (launches counted)."""
+    import hyperdraft.models.decoder as decoder_module
+    from hyperdraft.models.loader import load_model
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / "llama"), "llama", with_tokenizer=False)
+    model = load_model(path, {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype], torch.device(DEVICE))
+    launches = []
+    real = decoder_module.norm_gemv
+    monkeypatch.setattr(decoder_module, "norm_gemv", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    for tokens in (1, 5):
+        ids = torch.randint(0, model.config.vocab_size, (tokens,), device=DEVICE)
+        pos = torch.arange(tokens, device=DEVICE)
+        with torch.inference_mode():
+            with activated(RuntimeOptions.from_env(fused_norm_gemv=True)):
+                fused, fused_captured = model(ids, pos, _causal, (1,))
+            fused_launches = len(launches)
+            ref, ref_captured = model(ids, pos, _causal, (1,))
+        # as test_model_fused_equals_reference: a norm's last-bit difference grows through the layers
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(fused, ref, **tol)
+        torch.testing.assert_close(fused_captured[0], ref_captured[0], **tol)
+        assert fused_launches == (model.config.num_layers if tokens == 1 else 0) and len(launches) == fused_launches
+        launches.clear()
+
+
 @pytest.mark.skipif(INTERPRET, reason="a whole model under the interpreter is too slow")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_model_fused_equals_reference(tmp_path, arch, monkeypatch):
