@@ -11,8 +11,8 @@ passes options instead of patching modules.
   HYPERDRAFT_DISABLE_FUSED_KERNELS=1    fused_kernels=False        torch ops (and cuBLAS) instead of the Triton kernels
   HYPERDRAFT_DISABLE_GEMV=1             gemv=False                 cuBLAS for projections of at most 16 rows
   HYPERDRAFT_DISABLE_CUDA_KERNELS=1     cuda_kernels=False         Triton instead of the nvcc-built tensor-core GEMV
-  HYPERDRAFT_FUSED_NORM_GEMV=1          fused_norm_gemv=True       a one-row decode's post-attention RMSNorm inside the
-                                                                   gate/up GEMV (kernels/norm_gemv.py; off until measured)
+  HYPERDRAFT_FUSED_NORM_GEMV=1          fused_norm_gemv=True       a one-row decode layer's RMSNorms inside its q/k/v and
+                                                                   gate/up GEMVs (kernels/norm_gemv.py; off until measured)
   HYPERDRAFT_DISABLE_PDL=1              pdl=False                  plain launches (no programmatic dependent launch)
   HYPERDRAFT_DISABLE_SKINNY_LINEAR=1    skinny_cpu_linear=False    F.linear for few-row fp32 products on the CPU
   HYPERDRAFT_GRAPH_SEGMENTS=0           graph_segments=False       one CUDA graph per captured forward

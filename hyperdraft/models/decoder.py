@@ -48,6 +48,10 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps, residual)
         return rms_norm_reference(x, self.weight, self.eps, residual)
 
+    def gain(self) -> torch.Tensor | None:
+        """The weight a kernel that normalises by itself applies (normed_project)."""
+        return self.weight
+
 
 class IdentityNorm(nn.Module):
     """No normalisation (EAGLE-1's first layer), with RMSNorm's add_norm interface."""
@@ -59,6 +63,9 @@ class IdentityNorm(nn.Module):
         total = x if residual is None else x + residual
         return total, total
 
+    def gain(self) -> torch.Tensor | None:
+        return None  # nothing to normalise: no kernel takes it over
+
 
 def apply_partial_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """RoPE on the first cos.shape[-1] dims of each head (all of them for most models); the rest pass through. On
@@ -66,16 +73,16 @@ def apply_partial_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin:
     return (apply_rope if use_fused_kernels(q) else apply_rope_reference)(q, k, cos, sin)
 
 
-def normed_project(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, *linears: Linear):
+def normed_project(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm | IdentityNorm, *linears: Linear):
     """norm.add_norm(x, residual) and then the linears' products of it, in one launch where kernels/norm_gemv.py
     serves them (RuntimeOptions.fused_norm_gemv, one row on CUDA, the projections packed into one weight)
     -> (the products, the running sum), else None."""
     if not norm_gemv_wanted(x):  # first: the default path pays one option read per layer, nothing more
         return None
-    weights = packed(*linears)
-    if weights is None or not norm_gemv_fits(x, weights.weight):
+    weights, gain = packed(*linears), norm.gain()
+    if weights is None or gain is None or not norm_gemv_fits(x, weights.weight):
         return None
-    out, running = norm_gemv(x, residual, norm.weight, norm.eps, weights.weight, weights.bias)
+    out, running = norm_gemv(x, residual, gain, norm.eps, weights.weight, weights.bias)
     return out.split(weights.sizes, -1), running
 
 
@@ -125,8 +132,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attn: AttentionFn):
-        t = x.shape[0]
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        return self.attend(*project(x, self.q_proj, self.k_proj, self.v_proj), cos, sin, attn)
+
+    def attend(self, q, k, v, cos, sin, attn: AttentionFn):
+        """The layer from its q/k/v projections on: [T, Hq*D], [T, Hkv*D] x 2 -> [T, H]."""
+        t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -179,8 +189,19 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's MLP output (the embeddings at layer 0); residual: the running sum before it
         (None at layer 0). -> (this layer's MLP output, running sum before it): the layer's output is their sum,
         left unformed so that the next norm adds it in the same kernel."""
-        h, residual = self.input_layernorm.add_norm(x, residual)
-        return self.forward_normed(h, residual, cos, sin, attn)
+        x, residual, _ = self.forward_from(x, residual, cos, sin, attn)
+        return x, residual
+
+    def forward_from(self, x, residual, cos, sin, attn: AttentionFn):
+        """forward, plus the layer's input (the running sum its input norm formed: what EAGLE-3 captures). One row
+        on CUDA with RuntimeOptions.fused_norm_gemv: the input norm inside the q/k/v product's launch."""
+        att = self.self_attn
+        normed_qkv = normed_project(x, residual, self.input_layernorm, att.q_proj, att.k_proj, att.v_proj)
+        if normed_qkv is None:
+            h, layer_input = self.input_layernorm.add_norm(x, residual)
+            return (*self.forward_normed(h, layer_input, cos, sin, attn), layer_input)
+        qkv, layer_input = normed_qkv
+        return (*self._after_attention(att.attend(*qkv, cos, sin, attn), layer_input), layer_input)
 
     def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
         """Projections of one input, packed into one weight at load (cpu_linear.fuse_projections)."""
@@ -188,7 +209,11 @@ class DecoderLayer(nn.Module):
 
     def forward_normed(self, h, residual, cos, sin, attn: AttentionFn):
         """The layer after its input norm: h = input_layernorm(layer input), residual = the layer input."""
-        h = self.self_attn(h, cos, sin, attn)
+        return self._after_attention(self.self_attn(h, cos, sin, attn), residual)
+
+    def _after_attention(self, h, residual):
+        """The post-attention norm (inside the gate/up product's launch where normed_project serves it) and the MLP
+        -> (its output, the running sum before it)."""
         normed_up = normed_project(h, residual, self.post_attention_layernorm, self.mlp.gate_proj, self.mlp.up_proj)
         if normed_up is not None:  # one row on CUDA: the norm inside the gate/up product's launch
             (gate, up), residual = normed_up
@@ -239,10 +264,9 @@ class DecoderLM(nn.Module):
         captured, residual = [], None
         for i, layer in enumerate(self.model.layers):
             # the input norm forms the layer's input (the running sum) anyway: a captured state costs no add
-            h, residual = layer.input_layernorm.add_norm(x, residual)
+            x, residual, layer_input = layer.forward_from(x, residual, cos, sin, attn, *mixers)
             if i in capture_layers:
-                captured.append(residual)
-            x, residual = layer.forward_normed(h, residual, cos, sin, attn, *mixers)
+                captured.append(layer_input)
             if after_layer is not None:
                 after_layer(i + 1)
         normed, total = self.model.norm.add_norm(x, residual)

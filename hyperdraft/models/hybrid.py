@@ -164,6 +164,11 @@ class HybridLayer(nn.Module):
         h, residual = self.input_layernorm.add_norm(x, residual)
         return self.forward_normed(h, residual, cos, sin, attn, linear)
 
+    def forward_from(self, x, residual, cos, sin, attn: AttentionFn, linear: LinearFn):
+        """forward, plus the layer's input (the running sum its input norm formed), as DecoderLayer.forward_from."""
+        h, layer_input = self.input_layernorm.add_norm(x, residual)
+        return (*self.forward_normed(h, layer_input, cos, sin, attn, linear), layer_input)
+
     def forward_normed(self, h, residual, cos, sin, attn: AttentionFn, linear: LinearFn):
         h = self.mix(h, cos, sin, attn, linear)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)

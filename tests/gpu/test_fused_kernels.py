@@ -329,9 +329,10 @@ def test_norm_gemv(dtype, n, k, with_residual, with_bias):
 @pytest.mark.skipif(INTERPRET, reason="the models take the kernels only on CUDA tensors")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_with_the_norm_in_the_gate_up_product(tmp_path, dtype, monkeypatch):
-    """RuntimeOptions.fused_norm_gemv: a one-token forward (a batch-1 decode) whose post-attention norms run inside
-    the gate/up GEMV == the same forward with separate norm launches (logits and a captured layer input); a
-    5-token forward never takes it, nor does a forward with the switch off (launches counted)."""
+    """RuntimeOptions.fused_norm_gemv: a one-token forward (a batch-1 decode) whose input and post-attention norms
+    run inside the q/k/v and gate/up GEMVs == the same forward with separate norm launches (final hidden and a
+    captured layer input); a 5-token forward never takes it, nor does a forward with the switch off (launches
+    counted)."""
     import hyperdraft.models.decoder as decoder_module
     from hyperdraft.models.loader import load_model
     from hyperdraft.testing.tiny import make_tiny_model
@@ -353,7 +354,8 @@ def test_decode_step_with_the_norm_in_the_gate_up_product(tmp_path, dtype, monke
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
         torch.testing.assert_close(fused, ref, **tol)
         torch.testing.assert_close(fused_captured[0], ref_captured[0], **tol)
-        assert fused_launches == (model.config.num_layers if tokens == 1 else 0) and len(launches) == fused_launches
+        assert fused_launches == (2 * model.config.num_layers if tokens == 1 else 0)  # both norms of every layer
+        assert len(launches) == fused_launches
         launches.clear()
 
 
