@@ -31,7 +31,7 @@ from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import SamplingBatch
-from hyperdraft.sample.sampler import SampledTokens, Sampler
+from hyperdraft.sample.sampler import SampledTokens, Sampler, sampled_rows
 
 
 @dataclass
@@ -84,8 +84,8 @@ class ModelWorker:
         if decoding:  # the next step's decode runs while the host commits this one
             self._decode_ahead(reqs, sb, sampled.tokens)
         host = copy.wait()
-        by_item = zip(host.tokens, host.logprobs if host.logprobs is not None else [None] * len(host.tokens))
-        return [RequestResult(it.num_tokens, *_one(next(by_item))) if it.samples else RequestResult(it.num_tokens)
+        rows = iter(sampled_rows(host))
+        return [RequestResult(it.num_tokens, *next(rows)) if it.samples else RequestResult(it.num_tokens)
                 for it in items]
 
     def _forward(self, items, decoding: bool) -> torch.Tensor:
@@ -100,10 +100,10 @@ class ModelWorker:
         num_decodes = sum(it.is_decode for it in items)  # the scheduler puts them first
         tails = None
         graphs = self.runner.graphs
-        if num_decodes and not self.recurrent and graphs is not None and graphs.fits(GraphShape(1, 0), num_decodes):
+        if num_decodes and graphs is not None and graphs.fits(GraphShape(1, 0), num_decodes):
             tails = padded_tails(graphs, inputs[num_decodes:])
-        if tails is None:
-            fb = build_forward_batch(ForwardMode.EXTEND, self._padded_to_graph(inputs), table, device,
+        if tails is None:  # one forward; prompt tails alone padded to a captured width where they fit one
+            fb = build_forward_batch(ForwardMode.EXTEND, padded_tails(graphs, inputs) or inputs, table, device,
                                      **self._state_walk(items))
             return self.runner.forward(fb).logits
         decoded = self.runner.forward(build_forward_batch(ForwardMode.DECODE, inputs[:num_decodes], table, device))
@@ -117,12 +117,6 @@ class ModelWorker:
         graphs.capture({GraphShape(1, 0): sizes}, ForwardMode.DECODE)
         if not self.recurrent:
             graphs.capture(tail_shapes(sizes), ForwardMode.EXTEND)
-
-    def _padded_to_graph(self, inputs: list[ForwardInput]) -> list[ForwardInput]:
-        """Prompt tails padded to a captured width (runner/prompt_tails.padded_tails), else as they are."""
-        if self.recurrent:
-            return inputs
-        return padded_tails(self.runner.graphs, inputs) or inputs
 
     def _decode_ahead(self, reqs: list[Request], sb: SamplingBatch, tokens: torch.Tensor) -> None:
         """Queue the decode of every request's next token (tokens [B], just sampled) when a graph runs it. Called
@@ -166,7 +160,3 @@ class ModelWorker:
             else:
                 self.state_at[req.row] = target
 
-
-def _one(token_logprob: tuple[float, float | None]) -> tuple[list[int], list[float]]:
-    token, logprob = token_logprob
-    return [int(token)], [] if logprob is None else [logprob]

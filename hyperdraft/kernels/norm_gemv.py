@@ -22,6 +22,7 @@ import torch
 from hyperdraft import options
 from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.gemv import VEC_BLOCK_K, VEC_BLOCK_N, VEC_WARPS, _weights_first, gemv_fits
+from hyperdraft.kernels.norm import rms_norm_reference
 from hyperdraft.kernels.pdl import pdl_args
 
 
@@ -102,7 +103,5 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
 
 def norm_gemv_reference(x, residual, norm_weight, eps, weight, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
     """norm_gemv's contract in eager torch: rms_norm then F.linear."""
-    from hyperdraft.kernels.norm import rms_norm_reference
-
     normed, running = rms_norm_reference(x, norm_weight, eps, residual)
     return torch.nn.functional.linear(normed, weight, bias), running

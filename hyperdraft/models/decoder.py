@@ -18,10 +18,10 @@ from torch import nn
 
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.norm import rms_norm, rms_norm_reference
+from hyperdraft.kernels.norm_gemv import norm_gemv, norm_gemv_fits, norm_gemv_wanted
 from hyperdraft.kernels.rope import apply_rope, apply_rope_reference, rope_table
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.config import ModelConfig
-from hyperdraft.kernels.norm_gemv import norm_gemv, norm_gemv_fits, norm_gemv_wanted
 from hyperdraft.models.cpu_linear import Linear, packed, project
 from hyperdraft.models.tensor_parallel import embedding, row_linear
 

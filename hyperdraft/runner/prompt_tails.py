@@ -30,9 +30,11 @@ def tail_shapes(sizes: list[int]) -> dict[GraphShape, list[int]]:
 def padded_tails(graphs: GraphRunner | None, inputs: list[ForwardInput]) -> list[ForwardInput] | None:
     """Prompt tails that each want one logit, padded to the narrowest captured extend width that holds them, so a
     graph runs them; None when they do not fit one (also when the padding would pass the end of a row's page-table
-    entries, graphs.max_seq_len tokens: it would read the next row's). The padding tokens sit past each prompt, where
-    nothing reads them before a decode overwrites them (or in the padding page, past the row's pages)."""
-    if graphs is None or not inputs or any(inp.num_logits != 1 or inp.mask is not None for inp in inputs):
+    entries, graphs.max_seq_len tokens: it would read the next row's), and always for a hybrid target (no tails are
+    captured for it). The padding tokens sit past each prompt, where nothing reads them before a decode overwrites
+    them (or in the padding page, past the row's pages)."""
+    if (graphs is None or graphs.recurrent or not inputs
+            or any(inp.num_logits != 1 or inp.mask is not None for inp in inputs)):
         return None
     width = graphs.extend_width(len(inputs), max(len(inp.token_ids) for inp in inputs))
     if width is None or width == 1 or any(inp.prefix_len + width > graphs.max_seq_len for inp in inputs):

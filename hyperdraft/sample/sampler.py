@@ -18,6 +18,13 @@ class SampledTokens(NamedTuple):
     logprobs: torch.Tensor | None
 
 
+def sampled_rows(host: SampledTokens) -> list[tuple[list[int], list[float]]]:
+    """SampledTokens as host lists -> per row (its one new token, that token's logprob, or none when the step
+    computed none)."""
+    logprobs = host.logprobs if host.logprobs is not None else [None] * len(host.tokens)
+    return [([int(token)], [] if logprob is None else [logprob]) for token, logprob in zip(host.tokens, logprobs)]
+
+
 class Sampler:
     def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
         """logits: [N, V] -> one token per row and, when some row wants it, its logprob."""

@@ -29,7 +29,7 @@ from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
 from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
-from hyperdraft.sample.sampler import SampledTokens, Sampler
+from hyperdraft.sample.sampler import SampledTokens, Sampler, sampled_rows
 from hyperdraft.speculative.adaptive.controller import TierSource
 from hyperdraft.speculative.config import SpecConfig
 from hyperdraft.speculative.graph_plan import CapturePlan, verify_shapes
@@ -72,7 +72,7 @@ class SpecWorker:
         start = time.perf_counter()
         round_ = self._draft([it.req for it in decodes]) if decodes else None
         prefill_inputs = [it.forward_input() for it in prefills]
-        tails = self._tails(prefill_inputs)
+        tails = padded_tails(self.runner.graphs, prefill_inputs)  # run as a forward of their own where they fit
         out = target_hidden = None
         if round_ is not None or not tails:
             fb = verify_batch(round_, [] if tails else prefill_inputs, self.runner.page_table, self.runner.device,
@@ -100,13 +100,6 @@ class SpecWorker:
         host = copy.wait()
         results = [] if round_ is None else self._commit(round_, round_.decode(host.round), None if prefills else start)
         return results + _prefill_results(prefills, host.prefill)
-
-    def _tails(self, prefill_inputs: list[ForwardInput]) -> list[ForwardInput] | None:
-        """The step's prefill chunks padded to a captured prompt-tail graph, or None (they ride along with the verify).
-        A hybrid target's prefill walks its states in place, which those graphs do not."""
-        if self.runner.state_pool is not None:
-            return None
-        return padded_tails(self.runner.graphs, prefill_inputs)
 
     def _forward_tails(self, tails: list[ForwardInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The padded prompt tails' own forward (a graph replay) -> (their logits [P, V], the drafter's hidden inputs
@@ -166,13 +159,11 @@ class SpecWorker:
 
 def _prefill_results(prefills: list[ScheduledRequest], sampled: SampledTokens | None) -> list[RequestResult]:
     """sampled: SampledTokens as lists, one row per prefill that samples, in order."""
-    logprobs = None if sampled is None else sampled.logprobs
-    tokens = iter([] if sampled is None else zip(sampled.tokens, logprobs if logprobs is not None else [None] * len(sampled.tokens)))
+    rows = iter([] if sampled is None else sampled_rows(sampled))
     results = []
     for it in prefills:
         res = RequestResult(it.num_tokens)
         if it.samples:
-            token, logprob = next(tokens)
-            res.new_tokens, res.logprobs = [token], [] if logprob is None else [logprob]
+            res.new_tokens, res.logprobs = next(rows)
         results.append(res)
     return results
