@@ -98,13 +98,15 @@ def self_prompt_requests(count: int) -> list[str]:
 def _write_prompts(llm, count: int, seed: int) -> list[str]:
     inputs = [llm.apply_chat_template([{"role": "user", "content": text}]) for text in self_prompt_requests(count)]
     prompts: list[str] = []
+    seen: set[str] = set()  # thousands of prompts: a list's `in` would make the dedup quadratic
     tries = 0
     while len(prompts) < count and tries < 4:
         params = [SamplingParams(temperature=1.0, seed=seed + tries * count + i, max_new_tokens=64)
                   for i in range(count)]
         for out in llm.generate(input_ids=inputs, sampling_params=params, use_tqdm=False):
             text = out.text.strip()
-            if text and text not in prompts:
+            if text and text not in seen:
+                seen.add(text)
                 prompts.append(text)
         tries += 1
     return prompts[:count]
