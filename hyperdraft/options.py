@@ -11,8 +11,8 @@ passes options instead of patching modules.
   HYPERDRAFT_DISABLE_FUSED_KERNELS=1    fused_kernels=False        torch ops (and cuBLAS) instead of the Triton kernels
   HYPERDRAFT_DISABLE_GEMV=1             gemv=False                 cuBLAS for projections of at most 16 rows
   HYPERDRAFT_DISABLE_CUDA_KERNELS=1     cuda_kernels=False         Triton instead of the nvcc-built tensor-core GEMV
-  HYPERDRAFT_FUSED_NORM_GEMV=1          fused_norm_gemv=True       a one-row decode layer's RMSNorms inside its q/k/v and
-                                                                   gate/up GEMVs (kernels/norm_gemv.py; off until measured)
+  HYPERDRAFT_DISABLE_FUSED_NORM_GEMV=1  fused_norm_gemv=False      separate RMSNorm launches before a one-row decode
+                                                                   layer's q/k/v and gate/up GEMVs (kernels/norm_gemv.py)
   HYPERDRAFT_DISABLE_PDL=1              pdl=False                  plain launches (no programmatic dependent launch)
   HYPERDRAFT_DISABLE_SKINNY_LINEAR=1    skinny_cpu_linear=False    F.linear for few-row fp32 products on the CPU
   HYPERDRAFT_GRAPH_SEGMENTS=0           graph_segments=False       one CUDA graph per captured forward
@@ -51,7 +51,7 @@ _SWITCHES = {
     "fused_kernels": ("HYPERDRAFT_DISABLE_FUSED_KERNELS", "1"),
     "gemv": ("HYPERDRAFT_DISABLE_GEMV", "1"),
     "cuda_kernels": ("HYPERDRAFT_DISABLE_CUDA_KERNELS", "1"),
-    "fused_norm_gemv": ("HYPERDRAFT_FUSED_NORM_GEMV", "1"),
+    "fused_norm_gemv": ("HYPERDRAFT_DISABLE_FUSED_NORM_GEMV", "1"),
     "pdl": ("HYPERDRAFT_DISABLE_PDL", "1"),
     "skinny_cpu_linear": ("HYPERDRAFT_DISABLE_SKINNY_LINEAR", "1"),
     "graph_segments": ("HYPERDRAFT_GRAPH_SEGMENTS", "0"),
@@ -69,7 +69,7 @@ class RuntimeOptions:
     fused_kernels: bool = True
     gemv: bool = True
     cuda_kernels: bool = True
-    fused_norm_gemv: bool = False  # not yet measured on a GPU (kernels/norm_gemv.py)
+    fused_norm_gemv: bool = True  # SmolLM2 decode graph 661 -> 600 us on an H100 (kernels/norm_gemv.py)
     pdl: bool = True
     skinny_cpu_linear: bool = True
     graph_segments: bool = True

@@ -1,0 +1,92 @@
+"""A small model's plain decode step against its graph replay (issue 27: the step may cost at most 1.2x the replay),
+with the one-row norm-in-projection fusion (RuntimeOptions.fused_norm_gemv) off and on.
+
+Two engines over the SmolLM2-135M shape (random bf16 weights, batch 1, CUDA graphs) live in one process and are
+measured in turns, so both see the same host. For each: the wall time of an engine step (scheduler, graph fill,
+replay, sampling, the host copy and the commit), and the GPU time of the step's target graph alone, replayed back to
+back between CUDA events (the replays queue faster than they run, so this is the graph's GPU time, not the host's).
+
+  python -m benchmarks.probes.plain_step [--steps 600] [--turns 3] [--out $OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from benchmarks.common import require_cuda
+from benchmarks.e2e.engines import SMOLLM2, make_engine, write_configs
+from hyperdraft.sampling_params import SamplingParams
+
+PROMPT_LEN = 512
+
+
+def started_engine(target: str, fused: bool, steps: int, turns: int):
+    engine, _ = make_engine(target, "cuda", 1, None, 8 * 4096, fused_norm_gemv=fused)
+    params = SamplingParams(temperature=0.0, max_new_tokens=(turns + 1) * steps + 100, ignore_eos=True)
+    engine.add_request(input_ids=torch.randint(10, SMOLLM2["vocab_size"] - 10, (PROMPT_LEN,)).tolist(), params=params)
+    for _ in range(30):
+        engine.step()
+    torch.cuda.synchronize()
+    return engine
+
+
+def step_us(engine, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def replay_us(engine, steps: int) -> float:
+    """GPU time of the decode graph the steps used most (batch 1, one token), replayed `steps` times."""
+    graphs = engine.runner.graphs
+    key = graphs.replays.most_common(1)[0][0]
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(steps):
+        for segment in graphs.graphs[key]:
+            segment.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    require_cuda()
+    target, _ = write_configs(tempfile.mkdtemp(), SMOLLM2, 8192)
+    engines = {fused: started_engine(target, fused, a.steps, a.turns) for fused in (False, True)}
+    walls: dict[bool, list[float]] = {False: [], True: []}
+    replays: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(a.turns):
+        for fused, engine in engines.items():
+            walls[fused].append(step_us(engine, a.steps))
+            replays[fused].append(replay_us(engine, a.steps))
+    lines = [f"smollm2 plain decode, batch 1, {a.steps} steps x {a.turns} turns (medians, us)",
+             "| fused_norm_gemv | engine step | graph replay (GPU) | step / replay | turns (step) |",
+             "|---|---|---|---|---|"]
+    for fused in (False, True):
+        wall, replay = statistics.median(walls[fused]), statistics.median(replays[fused])
+        lines.append(f"| {'on' if fused else 'off'} | {wall:.1f} | {replay:.1f} | {wall / replay:.2f}x | "
+                     f"{' '.join(f'{w:.0f}' for w in walls[fused])} |")
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(a.out, "plain_step.txt"), "w") as f:
+        f.write(text + "\n")
+    for engine in engines.values():
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
