@@ -1,7 +1,8 @@
 """Each Triton kernel against its plain-torch reference, on fresh random inputs; then the triton backend against
 the torch backend end to end. Run on a GPU machine: `python3 -m pytest tests/gpu/test_triton_kernels.py -q`.
-Not part of CI. (With TRITON_INTERPRET=1 and triton installed, the K/V store tests also run on the CPU, slowly; the
-paged-attention ones fail there under Triton 3.6's interpreter, which cannot take _attend_keys' runtime loop bounds.)
+Not part of CI. (With TRITON_INTERPRET=1 and triton installed, Triton 3.6's interpreter passes only the fp32 K/V
+store and the K/V move tests on the CPU: it cannot take _attend_keys' runtime loop bounds, and its bf16 stores differ
+from the GPU's, which the same tests pass.)
 
 Outputs (and split workspaces) are poisoned with NaN first, so an unwritten element fails; pool pages no request
 owns hold NaN too, so a read outside a request's keys fails. Every batch carries CUDA-graph padding entries
