@@ -14,6 +14,7 @@ import datetime
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, require_cuda
 from hyperdraft import LLM, SamplingParams
@@ -33,13 +34,29 @@ ROWS = {  # name -> engine arguments over the common ones
 }
 
 
-def curve(model: str, prompts: list[list[int]], new_tokens: int, engine: dict) -> list[float]:
+@dataclass(frozen=True)
+class Point:
+    tok_s: float  # median of the timed runs
+    accept_length: float | None  # speculative rows, the last timed run: output tokens per verify round
+    drafted: float | None  # draft tokens per round (the adaptive tier's depth, averaged over the run)
+
+
+def speculation(outs) -> tuple[float | None, float | None]:
+    """-> (accept length, draft tokens per round) over a generate call's outputs; (None, None) without speculation."""
+    rounds = sum(o.meta_info.get("spec_verify_ct", 0) for o in outs)
+    if not rounds:
+        return None, None
+    drafted = sum(o.meta_info["spec_draft_tokens"] for o in outs if "spec_draft_tokens" in o.meta_info)
+    return sum(len(o.token_ids) for o in outs) / rounds, drafted / rounds
+
+
+def curve(model: str, prompts: list[list[int]], new_tokens: int, engine: dict) -> list[Point]:
     """One engine (room for 256 requests); each batch size B runs once unmeasured (Triton compiles, NGRAM matches and
     adaptive tiers met for the first time; a shorter warm-up left batch 1 at 170 tok/s against 1147 later), then
     timed."""
     llm = LLM(model, max_running_requests=max(BATCHES), **engine)
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    rates = []
+    points = []
     for batch in BATCHES:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
@@ -48,10 +65,10 @@ def curve(model: str, prompts: list[list[int]], new_tokens: int, engine: dict) -
             start = time.perf_counter()
             outs = llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
             runs.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
-        rates.append(statistics.median(runs))
-        print(batch, round(rates[-1], 1), flush=True)
+        points.append(Point(statistics.median(runs), *speculation(outs)))
+        print(batch, points[-1], flush=True)
     llm.shutdown()
-    return rates
+    return points
 
 
 def main() -> None:
@@ -77,9 +94,12 @@ def main() -> None:
         if args.rows is not None and not any(r in name for r in args.rows):
             continue
         extra = {k: (model if v == SELF else v) for k, v in extra.items()}
-        rates = curve(model, prompts, args.new_tokens, {**common, **extra})
-        lines.append(f"| {name} | " + " | ".join(f"{r:.0f}" for r in rates) + " |")
-        print(lines[-1], flush=True)
+        points = curve(model, prompts, args.new_tokens, {**common, **extra})
+        lines.append(f"| {name} | " + " | ".join(f"{p.tok_s:.0f}" for p in points) + " |")
+        if points[0].accept_length is not None:  # why a drafter's curve bends: the tier it ran and what it accepted
+            lines.append(f"| {name}: accept length | " + " | ".join(f"{p.accept_length:.2f}" for p in points) + " |")
+            lines.append(f"| {name}: drafted per round | " + " | ".join(f"{p.drafted:.2f}" for p in points) + " |")
+        print("\n".join(lines[-3:]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"batch_curve_{tag}.md")
     with open(path, "w") as f:
