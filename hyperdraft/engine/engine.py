@@ -202,7 +202,13 @@ class Engine:
         timer = PhaseTimer(self.device, self.options.record_step_time)
         ctx = ProposerContext(self.spec, self.runner, backend, graphs, self.options, timer, self.max_rows)
         tiers = make_tier_source(self.spec.tier, self.spec.adaptive, list(graphs.batch_sizes) if graphs else None)
-        return SpecWorker(self.runner, proposer_cls.build(ctx, draft), self.spec, tiers, timer, self.lockstep.tp)
+        proposer = proposer_cls.build(ctx, draft)
+        # Step 0 as plain decodes (speculative/worker.py): only a drafter idle there, and a dense target (a hybrid
+        # model's queued decode keeps states the rounds do not know about).
+        plain = (ModelWorker(self.runner, self.options.decode_ahead)
+                 if self.spec.adaptive is not None and proposer.capabilities.idle_at_step_zero
+                 and self.runner.state_pool is None else None)
+        return SpecWorker(self.runner, proposer, self.spec, tiers, timer, self.lockstep.tp, plain)
 
     def _graph_settings(self, backend: str, dtype: torch.dtype) -> GraphSettings | None:
         """The batch sizes to capture CUDA graphs for, or None when every forward runs eagerly."""

@@ -62,6 +62,12 @@ class ModelWorker:
         self.ahead = None
         self.runner.release_graphs()
 
+    def discard_ahead(self) -> None:
+        """Forget a queued decode: another worker is about to move its requests on (a speculative round after a step
+        this worker ran for the speculative one), so it must not serve a later step that finds the same requests."""
+        self.ahead_discarded += self.ahead is not None
+        self.ahead = None
+
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
         items = batch.items
         reqs = [it.req for it in items]

@@ -161,8 +161,9 @@ class Scheduler:
                 continue  # aborted while its step ran
             prefill = not item.is_decode
             req.num_computed += res.num_committed
-            if res.num_drafted is not None:  # rollback by length after a verify: rejected drafts' slots go back (a
-                # plain step keeps its room: a decode queued ahead has written the next index, engine/model_worker.py)
+            if res.num_drafted is not None and not res.keeps_room:  # rollback by length after a verify: rejected
+                # drafts' slots go back (a plain step keeps its room: a decode queued ahead has written the next index,
+                # engine/model_worker.py)
                 self.page_table.truncate(req.row, req.num_computed)
             if prefill and self.cache is not None:  # a later request with this prefix skips it (no decode pays this)
                 self.cache.save(req)

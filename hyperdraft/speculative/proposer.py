@@ -56,6 +56,9 @@ class ProposerCapabilities:
     drafts_ahead: bool = False  # queues the next round's draft before this round's results reach the host
     runs_as_graph: bool = False  # has a draft runner whose steps and whole rounds CUDA graphs capture
     recurrent_state: bool = False  # a hybrid draft model: its state rolls back through accept_draft_state
+    # Adaptive step 0 needs nothing from it (no state to keep in step, no draft queued ahead): such steps run as the
+    # plain worker's decodes, next decode queued ahead included, instead of one-row verify rounds.
+    idle_at_step_zero: bool = False
 
 
 @dataclass(frozen=True)

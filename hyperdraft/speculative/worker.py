@@ -12,13 +12,18 @@
            logprobs; a drafter that drafts ahead queues the next round's draft before the host waits for it
   commit   the round decodes the copy (a pure function) into a RoundOutcome; the worker commits the proposer and
            feeds the metrics and the tier source from it; the scheduler then keeps K/V by length
+
+A step of decodes only whose tier is step 0, for a drafter idle there (NGRAM), runs as the plain worker's decode
+step instead of a round of one-row verifies: the plain worker queues the next decode before the host waits
+(engine/model_worker.py), which a round cannot. On an H100 NGRAM's step-0 rounds ran 20-35% below plain decoding
+at 64-256 requests (benchmarks/results/batch_curve_h100.md). Any other step first discards that queued decode.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -48,12 +53,23 @@ class StepPieces(NamedTuple):
     prefill: SampledTokens | None  # the prefill chunks that reached the end of their prompt
 
 
+class PlainDecoder(Protocol):
+    """The plain worker (engine/model_worker.ModelWorker), as the speculative worker uses it for step-0 batches."""
+
+    def run(self, batch: ScheduledBatch) -> list[RequestResult]: ...
+
+    def discard_ahead(self) -> None: ...
+
+
 class SpecWorker:
     def __init__(self, target: ModelRunner, proposer: Proposer, spec: SpecConfig, tiers: TierSource,
-                 timer: PhaseTimer, tp: TensorParallel = SINGLE):
+                 timer: PhaseTimer, tp: TensorParallel = SINGLE, plain: PlainDecoder | None = None):
         """tp: the engine's tensor-parallel group. Under adaptive speculation every rank's tier source learns rank 0's
-        step times, so the ranks pick the same tier (goodput decides from step times; each GPU's clock differs)."""
+        step times, so the ranks pick the same tier (goodput decides from step times; each GPU's clock differs).
+        plain: the worker that runs step-0 batches of decodes (module doc), over the same target runner; None: rounds
+        run them."""
         self.runner, self.proposer, self.spec, self.tiers, self.timer = target, proposer, spec, tiers, timer
+        self.plain = plain
         self.tp = tp if spec.adaptive is not None else SINGLE
         self.capabilities = proposer.capabilities
         self.round_context = RoundContext(target, proposer, spec.simulate_accept_rate, spec.sampling == "coupled",
@@ -70,7 +86,12 @@ class SpecWorker:
         decodes, prefills = batch.decodes, batch.prefills
         assert all(a is b for a, b in zip(batch.items, decodes + prefills)), "the scheduler puts decodes first"
         start = time.perf_counter()
-        round_ = self._draft([it.req for it in decodes]) if decodes else None
+        tier = self.last_tier = self.tiers.tier_for(len(decodes)) if decodes else self.last_tier
+        if self.plain is not None:
+            if decodes and not prefills and tier.steps == 0:
+                return self._decode_plainly(batch, tier, start)
+            self.plain.discard_ahead()
+        round_ = self._draft([it.req for it in decodes], tier) if decodes else None
         prefill_inputs = [it.forward_input() for it in prefills]
         tails = padded_tails(self.runner.graphs, prefill_inputs)  # run as a forward of their own where they fit
         out = target_hidden = None
@@ -113,8 +134,18 @@ class SpecWorker:
         hidden = self.proposer.target_hidden(out)[: len(tails) * width].view(len(tails), width, -1)
         return out.logits, torch.cat([hidden[i, : width - t.padding] for i, t in enumerate(tails)])  # <= 4 tails
 
-    def _draft(self, reqs) -> ChainRound | TreeRound:
-        tier = self.last_tier = self.tiers.tier_for(len(reqs))
+    def _decode_plainly(self, batch: ScheduledBatch, tier, start: float) -> list[RequestResult]:
+        """A step-0 batch of decodes as the plain worker's step. For the metrics, the tier source and each request it
+        is a round that drafted nothing (as a round would report it); its room stays, as a plain step's does."""
+        self.metrics.observe_tier(tier)
+        results = self.plain.run(batch)
+        nothing = [0] * len(results)
+        self.metrics.observe(nothing, nothing, proposed=nothing)
+        seconds = self.tp.first_rank_value(time.perf_counter() - start)
+        self.tiers.observe(len(results), nothing, drafted=nothing, step_seconds=seconds)
+        return [dataclasses.replace(res, num_drafted=0, keeps_room=True) for res in results]
+
+    def _draft(self, reqs, tier) -> ChainRound | TreeRound:
         self.metrics.observe_tier(tier)
         sampling = self.decode_sampling.get(reqs)
         with self.timer.phase("draft"):
@@ -146,6 +177,8 @@ class SpecWorker:
         self.proposer.capture_graphs(plan)
 
     def release_graphs(self) -> None:
+        if self.plain is not None:
+            self.plain.discard_ahead()
         self.proposer.release_graphs()
         self.runner.release_graphs()
 

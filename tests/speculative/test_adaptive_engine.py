@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from tests.conftest import assert_engine_clean
@@ -190,3 +191,52 @@ def test_draft_state_survives_step_zero(models, plain):
     assert outs == plain(REPETITIVE)
     assert state["spec_steps_per_tier"].get("0", 0) > 5 and state["spec_steps_per_tier"].get("3", 0) > 5, state
     assert state["spec_acceptance_rate"] > 0.99, state
+
+
+def _run_graphed(models, prompts, params, target="target", **engine_args):
+    """Emulated CUDA graphs (CPU): the plain worker queues each next decode ahead only where a graph runs it."""
+    llm = LLM(models[target], device="cpu", dtype="float32", runtime_options=RuntimeOptions(emulate_cuda_graphs=True),
+              cuda_graph_max_bs=4, **engine_args)
+    outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
+    worker = llm.engine.worker
+    counts = {"ahead_used": worker.plain.ahead_used, "ahead_discarded": worker.plain.ahead_discarded} if engine_args \
+        else {}
+    state = llm.get_server_info()["internal_states"][0] if engine_args else {}
+    assert_engine_clean(llm)
+    return outs, counts, state
+
+
+def test_ngram_step_zero_runs_as_plain_decodes(models):
+    """A ladder of step 0 only: every decode step is the plain worker's, its next decode queued ahead and used, and the
+    output is plain decoding's. Each step still counts as a round of zero drafts, per request and in the metrics."""
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    cfg = _config(models, "zero_only", {"1": {"candidate_steps": [0]}})
+    plain_outs, _, _ = _run_graphed(models, REPETITIVE, params)
+    outs, counts, state = _run_graphed(models, REPETITIVE, params, speculative_algorithm="NGRAM",
+                                       speculative_adaptive=True, speculative_adaptive_config=cfg)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_outs]
+    assert counts["ahead_used"] > 10, counts  # the queued decodes served the steps after them
+    assert set(state["spec_steps_per_tier"]) == {"0"}, state
+    # the first token comes from the prefill; each later one from a step-0 decode, counted as a round
+    assert all(o.meta_info["spec_verify_ct"] == 23 and o.meta_info["spec_draft_tokens"] == 0 for o in outs), \
+        [o.meta_info for o in outs]
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3], ids=["greedy", "penalised"])
+def test_ngram_between_step_zero_and_rounds(models, penalty):
+    """Tiers 3, 0, 3, 0, ... on repetitive text (a huge down-hysteresis drops after every round, the probe climbs
+    back): each round after a plain step must throw that step's queued decode away, or a later step-0 batch of the same
+    requests would take tokens sampled before the round moved them on. Penalty counts cross the two workers too."""
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, repetition_penalty=penalty)
+    cfg = _config(models, "zero_three", {"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1,
+                                         "1": {"candidate_steps": [0, 3], "down_hysteresis": 10.0}})
+    plain_outs, _, _ = _run_graphed(models, REPETITIVE, params, target="bigram")
+    outs, counts, state = _run_graphed(models, REPETITIVE, params, target="bigram", speculative_algorithm="NGRAM",
+                                       speculative_adaptive=True, speculative_adaptive_config=cfg,
+                                       speculative_num_steps=0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_outs]
+    tiers = state["spec_steps_per_tier"]
+    assert tiers.get("0", 0) > 5 and tiers.get("3", 0) > 5, tiers
+    assert counts["ahead_discarded"] > 5, counts
+    if penalty == 1.0:  # the rounds between the plain steps really drafted (penalised text stops repeating)
+        assert state["spec_acceptance_rate"] > 0.5, state
