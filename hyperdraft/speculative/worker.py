@@ -31,11 +31,13 @@ from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forwa
 from hyperdraft.core.host_copy import HostCopy, results_stream
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch, ScheduledRequest
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
+from hyperdraft.request import Request
 from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
 from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.sampler import SampledTokens, Sampler, sampled_rows
 from hyperdraft.speculative.adaptive.controller import TierSource
+from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.config import SpecConfig
 from hyperdraft.speculative.graph_plan import CapturePlan, verify_shapes
 from hyperdraft.speculative.metrics import PhaseTimer, SpecMetrics
@@ -134,7 +136,7 @@ class SpecWorker:
         hidden = self.proposer.target_hidden(out)[: len(tails) * width].view(len(tails), width, -1)
         return out.logits, torch.cat([hidden[i, : width - t.padding] for i, t in enumerate(tails)])  # <= 4 tails
 
-    def _decode_plainly(self, batch: ScheduledBatch, tier, start: float) -> list[RequestResult]:
+    def _decode_plainly(self, batch: ScheduledBatch, tier: Tier, start: float) -> list[RequestResult]:
         """A step-0 batch of decodes as the plain worker's step. For the metrics, the tier source and each request it
         is a round that drafted nothing (as a round would report it); its room stays, as a plain step's does."""
         self.metrics.observe_tier(tier)
@@ -145,7 +147,7 @@ class SpecWorker:
         self.tiers.observe(len(results), nothing, drafted=nothing, step_seconds=seconds)
         return [dataclasses.replace(res, num_drafted=0, keeps_room=True) for res in results]
 
-    def _draft(self, reqs, tier) -> ChainRound | TreeRound:
+    def _draft(self, reqs: list[Request], tier: Tier) -> ChainRound | TreeRound:
         self.metrics.observe_tier(tier)
         sampling = self.decode_sampling.get(reqs)
         with self.timer.phase("draft"):
