@@ -56,7 +56,7 @@ class ProposerCapabilities:
     drafts_ahead: bool = False  # queues the next round's draft before this round's results reach the host
     runs_as_graph: bool = False  # has a draft runner whose steps and whole rounds CUDA graphs capture
     recurrent_state: bool = False  # a hybrid draft model: its state rolls back through accept_draft_state
-    # Adaptive step 0 needs nothing from it (no state to keep in step, no draft queued ahead): such steps run as the
+    # Adaptive step 0 asks nothing of it but to forget a draft queued ahead (discard_ahead): such steps run as the
     # plain worker's decodes, next decode queued ahead included, instead of one-row verify rounds.
     idle_at_step_zero: bool = False
 
@@ -118,6 +118,9 @@ class Proposer(Protocol):
                     tokens: torch.Tensor, kept: torch.Tensor | None = None) -> None:
         """Queue the next round's draft from this round's device results (capabilities.drafts_ahead); kept [B]: a tree
         round's accepted nodes whose draft K/V stayed (TreeRound.draft_kv_valid), None after a chain."""
+
+    def discard_ahead(self) -> None:
+        """Forget a draft queued ahead (capabilities.drafts_ahead): a step ran without a round, so it follows nothing."""
 
     def capture_graphs(self, plan: CapturePlan) -> None:
         """Capture the draft shapes `plan` can run (capabilities.runs_as_graph)."""

@@ -13,7 +13,7 @@
   commit   the round decodes the copy (a pure function) into a RoundOutcome; the worker commits the proposer and
            feeds the metrics and the tier source from it; the scheduler then keeps K/V by length
 
-A step of decodes only whose tier is step 0, for a drafter idle there (NGRAM), runs as the plain worker's decode
+A step of decodes only whose tier is step 0, for a drafter idle there (NGRAM, STANDALONE), runs as the plain worker's decode
 step instead of a round of one-row verifies: the plain worker queues the next decode before the host waits
 (engine/model_worker.py), which a round cannot. On an H100 NGRAM's step-0 rounds ran 20-35% below plain decoding
 at 64-256 requests (benchmarks/results/batch_curve_h100.md). Any other step first discards that queued decode.
@@ -140,6 +140,7 @@ class SpecWorker:
         """A step-0 batch of decodes as the plain worker's step. For the metrics, the tier source and each request it
         is a round that drafted nothing (as a round would report it); its room stays, as a plain step's does."""
         self.metrics.observe_tier(tier)
+        self.proposer.discard_ahead()  # as a round's draft_ahead at step 0 would have
         results = self.plain.run(batch)
         nothing = [0] * len(results)
         self.metrics.observe(nothing, nothing, proposed=nothing)

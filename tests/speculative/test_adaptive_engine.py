@@ -223,20 +223,26 @@ def test_ngram_step_zero_runs_as_plain_decodes(models):
 
 
 @pytest.mark.parametrize("penalty", [1.0, 1.3], ids=["greedy", "penalised"])
-def test_ngram_between_step_zero_and_rounds(models, penalty):
-    """Tiers 3, 0, 3, 0, ... on repetitive text (a huge down-hysteresis drops after every round, the probe climbs
-    back): each round after a plain step must throw that step's queued decode away, or a later step-0 batch of the same
-    requests would take tokens sampled before the round moved them on. Penalty counts cross the two workers too."""
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_between_step_zero_and_rounds(models, algo, penalty):
+    """Tiers 3, 0, 3, 0, ... (a huge down-hysteresis drops after every round, the probe climbs back), NGRAM on
+    repetitive text and a self-draft that accepts everything: each round after a plain step must throw that step's
+    queued decode away, or a later step-0 batch of the same requests would take tokens sampled before the round moved
+    them on; a self-draft skipping step 0 must catch up on the next round, as after a round of step 0. Penalty counts
+    cross the two workers too."""
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, repetition_penalty=penalty)
     cfg = _config(models, "zero_three", {"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1,
                                          "1": {"candidate_steps": [0, 3], "down_hysteresis": 10.0}})
-    plain_outs, _, _ = _run_graphed(models, REPETITIVE, params, target="bigram")
-    outs, counts, state = _run_graphed(models, REPETITIVE, params, target="bigram", speculative_algorithm="NGRAM",
+    target, drafter = ("bigram", {}) if algo == "NGRAM" else ("target", {"speculative_draft_model_path": models["target"]})
+    plain_outs, _, _ = _run_graphed(models, REPETITIVE, params, target=target)
+    outs, counts, state = _run_graphed(models, REPETITIVE, params, target=target, speculative_algorithm=algo,
                                        speculative_adaptive=True, speculative_adaptive_config=cfg,
-                                       speculative_num_steps=0)
+                                       speculative_num_steps=0, **drafter)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain_outs]
     tiers = state["spec_steps_per_tier"]
     assert tiers.get("0", 0) > 5 and tiers.get("3", 0) > 5, tiers
     assert counts["ahead_discarded"] > 5, counts
-    if penalty == 1.0:  # the rounds between the plain steps really drafted (penalised text stops repeating)
+    if algo == "STANDALONE":  # the same text drafted: every draft accepted, the skipped steps caught up
+        assert state["spec_acceptance_rate"] > 0.99, state
+    elif penalty == 1.0:  # the rounds between the plain steps really drafted (penalised text stops repeating)
         assert state["spec_acceptance_rate"] > 0.5, state

@@ -38,7 +38,8 @@ def test_capabilities_of_each_drafter(spec_models, llm_factory, tmp_path):
     assert ngram.capabilities == ProposerCapabilities(idle_at_step_zero=True) and ngram.pool is None
     draft = llm_factory(spec_models["target"], speculative_algorithm="STANDALONE",
                         speculative_draft_model_path=spec_models["draft_small"]).engine.worker.proposer
-    assert draft.capabilities == ProposerCapabilities(compacts_draft_pool=True, runs_as_graph=True)
+    assert draft.capabilities == ProposerCapabilities(compacts_draft_pool=True, runs_as_graph=True,
+                                                      idle_at_step_zero=True)
     assert draft.pool is draft.runner.pool and draft.draft_loop is None  # no graphs: no whole-round graphs
     head = llm_factory(target6, speculative_algorithm="EAGLE3", speculative_draft_model_path=eagle3).engine.worker.proposer
     assert head.capabilities == ProposerCapabilities(target_capture_layers(head.head), feeds_hidden=True,

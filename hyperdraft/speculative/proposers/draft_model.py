@@ -61,8 +61,9 @@ class DraftModelProposer(ModelProposer):
         runner = ModelRunner(draft, ctx.target.page_table, ctx.attention_backend, None if recurrent else ctx.graphs,
                              verify_width=ctx.spec.max_verify_tokens)
         # after a tree verify its own K/V of the accepted nodes moves like the target's; greedy chains draft ahead
+        # At step 0 it drafts nothing, and the next round catches up over the skipped tokens: idle, unless recurrent.
         super().__init__(ctx, runner, ProposerCapabilities(compacts_draft_pool=True, recurrent_state=recurrent,
-                                                           drafts_ahead=not recurrent))
+                                                           drafts_ahead=not recurrent, idle_at_step_zero=not recurrent))
         self.pool = runner.pool
 
     def accept_draft_state(self, rows: torch.Tensor, last_fed: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ A subclass gives:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -76,10 +76,8 @@ class ModelProposer(Proposer):
         self.coupled = ctx.spec.sampling == "coupled"
         loops = runner.graphs is not None and ctx.options.draft_loop_graphs
         self.draft_loop = DraftLoopGraphs(runner, capabilities.feeds_hidden, self.catch_up_hidden) if loops else None
-        self.capabilities = ProposerCapabilities(
-            capabilities.capture_layers, capabilities.feeds_hidden, capabilities.compacts_draft_pool,
-            drafts_ahead=capabilities.drafts_ahead and loops and ctx.options.draft_ahead, runs_as_graph=True,
-            recurrent_state=capabilities.recurrent_state)
+        self.capabilities = replace(capabilities, runs_as_graph=True,
+                                    drafts_ahead=capabilities.drafts_ahead and loops and ctx.options.draft_ahead)
         self.ahead: AheadDraft | None = None
         self.ahead_used = 0  # rounds served by a queued draft, and queued drafts thrown away (tests, benchmarks)
         self.ahead_discarded = 0
@@ -140,8 +138,7 @@ class ModelProposer(Proposer):
         """Queue the next round's draft for these requests from this round's results (num_accepted [B], tokens
         [B, steps + 1]: the accepted drafts or accepted path, then the bonus token), if a whole-round graph can run
         it. Called before the scheduler commits this round: req.num_computed is still this round's n."""
-        self.ahead_discarded += self.ahead is not None
-        self.ahead = None
+        self.discard_ahead()
         if not self.capabilities.drafts_ahead or draws_from_q(self.sample_drafts, sampling) or sampling.penalties is not None:
             return
         width, room = self.catch_up_width(tier), self.ahead_room(tier)
@@ -156,6 +153,10 @@ class ModelProposer(Proposer):
             return
         self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit), kept)
         self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(tier, *fit, len(reqs)))
+
+    def discard_ahead(self) -> None:
+        self.ahead_discarded += self.ahead is not None
+        self.ahead = None
 
     def capture_graphs(self, plan: CapturePlan) -> None:
         """The per-step draft and catch-up shapes of every tier the plan can run, then the whole-round graphs."""
