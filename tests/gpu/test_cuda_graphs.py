@@ -165,3 +165,32 @@ def test_prompts_admitted_beside_running_requests(models, name):
     graphed, tails = run(cuda_graph_max_bs=4, **case)
     assert tails > 0, "no prompt tail ran as a captured extend"
     assert graphed == reference, f"{name}: graphs with prompt tails beside running requests != plain decoding"
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_step_zero_as_plain_decodes_in_graphs(models, algo, tmp_path):
+    """Adaptive step 0 runs as the plain worker's step (speculative/worker.py): its decodes replay the decode graph and
+    queue the next decode ahead. Tiers 3, 0, 3, 0 (a huge down-hysteresis, then the probe) make every round follow a
+    plain step, whose queued decode it must throw away. fp32: token for token spec off."""
+    cfg = tmp_path / "zero_three.json"
+    cfg.write_text(json.dumps({"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1,
+                               "1": {"candidate_steps": [0, 3], "down_hysteresis": 10.0}}))
+    case = dict(speculative_algorithm=algo, speculative_adaptive=True, speculative_adaptive_config=str(cfg),
+                speculative_num_steps=0)
+    if algo == "STANDALONE":
+        case["speculative_draft_model_path"] = models["draft"]
+    key = (models["target"], "float32")
+    if key not in _SPEC_OFF:
+        _SPEC_OFF[key] = _run(models["target"], "float32", disable_cuda_graph=True)[0]
+    llm = LLM(models["target"], device="cuda", dtype="float32", attention_backend="triton", max_total_tokens=8192,
+              skip_tokenizer_init=True, cuda_graph_max_bs=4, **case)
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
+    outs = [o.token_ids for o in llm.generate(input_ids=_prompts(), sampling_params=params, use_tqdm=False)]
+    worker = llm.engine.worker
+    tiers = worker.metrics.summary()["spec_steps_per_tier"]
+    discarded = worker.plain.ahead_discarded
+    assert llm.engine.kv_free_slots == llm.engine.kv_capacity_slots
+    llm.shutdown()
+    assert outs == _SPEC_OFF[key], f"{algo}: step 0 as plain decodes changed the output"
+    assert tiers.get("0", 0) > 5 and tiers.get("3", 0) > 5, tiers
+    assert discarded > 0, "no queued decode was thrown away: the plain steps never queued one"
