@@ -4,6 +4,7 @@ activated by the engine; kernel dispatch reads the active one, and outside an en
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,15 @@ def test_each_variable_flips_its_field_alone(field):
     assert getattr(got, field) == (not getattr(default, field))
     assert dataclasses.replace(got, **{field: getattr(default, field)}) == default
     assert RuntimeOptions.from_env({var: "something else"}) == default  # only the documented value flips it
+
+
+@pytest.mark.parametrize("field", sorted(_SWITCHES))
+def test_each_variable_is_documented(field):
+    """The README's table and the options module's own table name every switch with the value that flips it."""
+    var, flip = _SWITCHES[field]
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"`{var}={flip}`" in readme, f"README.md: no row for {var}={flip}"
+    assert f"{var}={flip}" in options.__doc__, f"hyperdraft/options.py's docstring: no row for {var}={flip}"
 
 
 def test_defaults_are_the_fast_path_and_overrides_win():
