@@ -21,6 +21,15 @@ class DraftVocab:
         mask[self.target_ids] = True
         return mask
 
+    def coverage(self, sequences: list[list[int]]) -> float:
+        """The share of the tokens of sequences that the draft vocabulary holds: a token outside it is a draft
+        position the head can never get right (real_accept_h100.md: 8192 tokens left out 8.2% of MT-bench answers)."""
+        tokens = torch.tensor([t for seq in sequences for t in seq], dtype=torch.int64)
+        if not tokens.numel():
+            return 0.0
+        size = max(int(tokens.max()), int(self.target_ids.max())) + 1
+        return self.t2d(size)[tokens].double().mean().item()
+
 
 def frequent_tokens(sequences: list[list[int]], vocab_size: int, size: int) -> DraftVocab:
     """The `size` most frequent ids over sequences (ties and unseen ids broken by the lower id), sorted."""

@@ -250,7 +250,9 @@ def _validate(cfg: TrainConfig, held_out: list[Sample], target, head: Eagle3Head
             loss, correct, counted = _batch_loss(batch, target, head, draft_ids, cfg.ttt_steps)
             totals.add(float(loss), correct, counted, weight=len(batch))  # the mean over samples, not batches
     means = totals.means()
-    return {**means, "accept_length_estimate": accept_length_estimate(means["accuracy_by_step"])}
+    coverage = DraftVocab(draft_ids.cpu()).coverage([s.token_ids[s.answer_start:] for s in held_out])
+    return {**means, "accept_length_estimate": accept_length_estimate(means["accuracy_by_step"]),
+            "vocab_coverage": coverage}
 
 
 class _Totals:

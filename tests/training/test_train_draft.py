@@ -25,7 +25,7 @@ from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import CORPUS, make_tiny_model
 import hyperdraft.training.trainer as trainer
-from hyperdraft.training.draft_vocab import frequent_tokens
+from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
 from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_samples
 from hyperdraft.training.samples import Sample, SampleStore, answer, refuse_evaluation_prompts
 from hyperdraft.training.trainer import TrainConfig, _batch_loss, _causal_within, train_draft
@@ -419,6 +419,17 @@ def test_draft_vocabulary_is_the_most_frequent_ids():
     assert vocab.t2d(12).nonzero().flatten().tolist() == [2, 5, 9]
     with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, 12\]"):
         frequent_tokens([[1]], vocab_size=12, size=13)
+    assert vocab.coverage([[5, 5, 1], [9, 11, 2, 0]]) == pytest.approx(4 / 7)  # 1, 11 and 0 are not in it
+    assert vocab.coverage([[2, 9], [5]]) == 1.0
+
+
+def test_validation_reports_the_draft_vocabulary_coverage(validated):
+    """Each validation row says what share of the held-out answers' tokens the draft vocabulary holds."""
+    out, _, _, state = validated
+    _, held = split_samples([Sample(*s) for s in state["samples"]], HELD_OUT, 0)
+    expected = DraftVocab(state["vocab"]).coverage([s.token_ids[s.answer_start:] for s in held])
+    assert 0 < expected < 1  # 200 of the tiny model's ids: some held-out answer tokens fall outside
+    assert [row["vocab_coverage"] for row in _rows(out, "validation")] == [pytest.approx(expected)] * len(SCORES)
 
 
 def test_mt_bench_prompts_are_refused(tmp_path):
