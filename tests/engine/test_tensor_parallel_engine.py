@@ -111,6 +111,33 @@ def test_adaptive_goodput_tiers_agree_on_every_rank(models, tmp_path):
     assert slots[0] == slots[1]
 
 
+def test_step_zero_as_plain_decodes_on_every_rank(models, tmp_path):
+    """NGRAM's step-0 steps run as plain decode steps (speculative/worker.py) on every rank; with tiers 3, 0, 3, 0 the
+    ranks switch between those and rounds together, and TP 2 equals TP 1."""
+    cfg = tmp_path / "zero_three.json"
+    cfg.write_text(json.dumps({"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1,
+                               "1": {"candidate_steps": [0, 3], "down_hysteresis": 10.0}}))
+    prompts = [[5, 6, 7] * 6, [9, 8] * 8, [1, 2, 3, 4] * 4, [20, 21] * 9]
+    params = [greedy(24) for _ in prompts]
+    spec = dict(speculative_algorithm="NGRAM", speculative_adaptive=True, speculative_adaptive_config=str(cfg),
+                speculative_num_steps=0)
+    want, _ = _outputs(models["llama"], prompts, params)
+    llm = LLM(models["llama"], device="cpu", dtype="float32", max_running_requests=4, dist_timeout=120, tp_size=2,
+              **spec)
+    try:
+        got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        tiers = llm.get_server_info()["internal_states"][0]["spec_steps_per_tier"]  # rank 0's
+        states = llm.engine.rank_states()
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+    assert got == want
+    _check_pools_free(states, 2)
+    assert tiers.get("0", 0) > 5 and tiers.get("3", 0) > 5, tiers
+    slots = [s["speculative_adaptive_slots"] for s in states]
+    assert slots[0] == slots[1], slots  # every rank switched with rank 0
+
+
 def test_two_nodes_give_one_nodes_output(models):
     """nnodes 2, one rank each, on this machine: "node 1" is `hyperdraft serve --node-rank 1` in its own process
     (it hosts rank 1 and serves nothing), node 0 the LLM; it equals TP 1, and node 1 exits cleanly when node 0 stops."""
