@@ -12,7 +12,7 @@ passes options instead of patching modules.
   HYPERDRAFT_DISABLE_GEMV=1             gemv=False                 cuBLAS for projections of at most 16 rows
   HYPERDRAFT_DISABLE_CUDA_KERNELS=1     cuda_kernels=False         Triton instead of the nvcc-built tensor-core GEMV
   HYPERDRAFT_DISABLE_FUSED_NORM_GEMV=1  fused_norm_gemv=False      separate RMSNorm launches before a one-row decode
-                                                                   layer's q/k/v and gate/up GEMVs (kernels/norm_gemv.py)
+                                                                   layer's q/k/v and gate/up GEMVs (kernels/norm_gemv)
   HYPERDRAFT_DISABLE_PDL=1              pdl=False                  plain launches (no programmatic dependent launch)
   HYPERDRAFT_DISABLE_SKINNY_LINEAR=1    skinny_cpu_linear=False    F.linear for few-row fp32 products on the CPU
   HYPERDRAFT_GRAPH_SEGMENTS=0           graph_segments=False       one CUDA graph per captured forward

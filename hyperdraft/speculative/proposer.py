@@ -120,7 +120,7 @@ class Proposer(Protocol):
         round's accepted nodes whose draft K/V stayed (TreeRound.draft_kv_valid), None after a chain."""
 
     def discard_ahead(self) -> None:
-        """Forget a draft queued ahead (capabilities.drafts_ahead): a step ran without a round, so it follows nothing."""
+        """Forget a draft queued ahead (capabilities.drafts_ahead): a step ran without a round; it follows nothing."""
 
     def capture_graphs(self, plan: CapturePlan) -> None:
         """Capture the draft shapes `plan` can run (capabilities.runs_as_graph)."""
