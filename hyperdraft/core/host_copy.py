@@ -54,9 +54,9 @@ class HostCopy(Generic[Record]):
     integer one (a greedy step without logprobs: no conversions, and a lone tensor is not even concatenated), else
     float64 (exact for token ids and float32 logprobs). wait() waits for that event, not for the stream, reads the
     buffer once, and returns the same record with each tensor replaced by its values as nested Python lists of its
-    shape (ints for integer tensors): no offsets are counted by hand. The host may queue more GPU work in between (the next decode or draft) without
-    that work delaying the results. The record's device tensors stay referenced until then, so their memory cannot
-    be reused by work queued meanwhile (see results_stream)."""
+    shape (ints for integer tensors): no offsets are counted by hand. The host may queue more GPU work in between
+    (the next decode or draft) without that work delaying the results. The record's device tensors stay referenced
+    until then, so their memory cannot be reused by work queued meanwhile (see results_stream)."""
 
     def __init__(self, record: Record):
         self.record = record

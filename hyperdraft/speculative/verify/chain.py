@@ -20,7 +20,7 @@ from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.proposal import Proposal
 from hyperdraft.speculative.verify.coupled import keyed_targets
 from hyperdraft.speculative.verify.rejection import verify_chain, verify_greedy_chain
-from hyperdraft.speculative.verify.round import RoundContext, RoundOutcome, last_token, reserved_room
+from hyperdraft.speculative.verify.round import RoundContext, RoundOutcome, last_token, logprob_rows, reserved_room
 from hyperdraft.speculative.verify.simulated import simulate_chain
 
 
@@ -132,7 +132,7 @@ def decode_chain(host: ChainPieces, draft_lens: list[int], width: int) -> RoundO
     """host: ChainPieces as lists; draft_lens: real drafts per request; width: K, the drafts' padded width. A draft
     model fed the root and drafts 0 .. K-2 of its own chain, so min(K - 1, accepted) of the accepted ones are in
     its K/V."""
-    logprobs = host.logprobs if host.logprobs is not None else [[]] * len(host.tokens)
+    logprobs = logprob_rows(host.logprobs, len(host.tokens))
     results = [RequestResult(a + 1, tokens[: a + 1], lp[: a + 1], k, a)
                for a, tokens, lp, k in zip(host.num_accepted, host.tokens, logprobs, draft_lens)]
     return RoundOutcome(results, list(host.num_accepted), list(draft_lens), list(draft_lens),

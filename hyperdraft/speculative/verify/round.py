@@ -42,5 +42,10 @@ def reserved_room(target: ModelRunner, reqs: list[Request]) -> list[int]:
     return [target.page_table.num_slots(r.row) - r.num_computed - 1 for r in reqs]
 
 
+def logprob_rows(logprobs: list[list[float]] | None, num_rows: int) -> list[list[float]]:
+    """A round's per-request logprobs as the host copy brought them; empty lists when no request asked for any."""
+    return logprobs if logprobs is not None else [[]] * num_rows
+
+
 def last_token(req: Request) -> int:
     return req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]

@@ -21,7 +21,7 @@ from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.proposal import TreeProposal
 from hyperdraft.speculative.verify.compaction import accept_plan, compact_accepted
 from hyperdraft.speculative.verify.coupled import keyed_targets
-from hyperdraft.speculative.verify.round import RoundContext, RoundOutcome, reserved_room
+from hyperdraft.speculative.verify.round import RoundContext, RoundOutcome, logprob_rows, reserved_room
 from hyperdraft.speculative.verify.simulated import simulate_tree
 from hyperdraft.speculative.verify.tree_buffers import build_tree
 from hyperdraft.speculative.verify.tree_rejection import verify_greedy_tree, verify_tree
@@ -144,7 +144,7 @@ class TreeRound:
 def decode_tree(host: TreePieces, num_nodes: list[int], depth: int) -> RoundOutcome:
     """host: TreePieces as lists; num_nodes: each request's tree size (root included); depth: the tier's steps."""
     drafted = [k - 1 for k in num_nodes]
-    logprobs = host.logprobs if host.logprobs is not None else [[]] * len(host.tokens)
+    logprobs = logprob_rows(host.logprobs, len(host.tokens))
     results = [RequestResult(a + 1, tokens[: a + 1], lp[: a + 1], d, a)
                for a, tokens, lp, d in zip(host.num_accepted, host.tokens, logprobs, drafted)]
     return RoundOutcome(results, list(host.num_accepted), drafted, [depth] * len(num_nodes), list(host.draft_kv_valid))
