@@ -98,6 +98,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     config = head_config(target.config, int(vocab.target_ids.numel()), aux_ids)
     head = _new_head(config, target, vocab, aux_ids, device)
     draft_ids = vocab.target_ids.to(device)
+    coverage = vocab.coverage([s.token_ids[s.answer_start:] for s in held_out])  # the same every epoch
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr)
     # The batch count of an epoch depends only on the training samples and batch_size, not on the shuffle.
     scheduler = lr_schedule(optimizer, cfg.epochs * len(_batches(train, cfg.batch_size, random.Random(0))))
@@ -112,7 +113,8 @@ def train_draft(cfg: TrainConfig) -> dict:
     with options.activated(training_options):
         for epoch in range(first_epoch, cfg.epochs):
             metrics = _epoch(cfg, epoch, train, target, head, draft_ids, optimizer, scheduler)
-            metrics, best = _validate_and_publish(cfg, epoch, metrics, held_out, target, head, draft_ids, config, best)
+            metrics, best = _validate_and_publish(cfg, epoch, metrics, held_out, target, head, draft_ids, config, best,
+                                                  coverage)
             save_checkpoint(cfg.out, {"head": head.state_dict(), "optimizer": optimizer.state_dict(),
                                       "scheduler": scheduler.state_dict(), "epoch": epoch, "best": best,
                                       "validation_fraction": cfg.validation_fraction, "seed": cfg.seed,
@@ -222,13 +224,15 @@ def _epoch(cfg: TrainConfig, epoch: int, samples: list[Sample], target, head: Ea
 
 
 def _validate_and_publish(cfg: TrainConfig, epoch: int, metrics: dict, held_out: list[Sample], target,
-                          head: Eagle3Head, draft_ids: torch.Tensor, config: dict, best: float) -> tuple[dict, float]:
-    """Score the epoch's head on the held-out samples; publish it when it beats every earlier epoch's (with nothing
-    held out, always: a run stopped by a time limit leaves a usable head behind); log the epoch.
+                          head: Eagle3Head, draft_ids: torch.Tensor, config: dict, best: float,
+                          vocab_coverage: float) -> tuple[dict, float]:
+    """Score the epoch's head on the held-out samples (vocab_coverage: the share of their answer tokens the draft
+    vocabulary holds); publish it when it beats every earlier epoch's (with nothing held out, always: a run stopped
+    by a time limit leaves a usable head behind); log the epoch.
     -> (the epoch's metrics, the best score so far)."""
     published = True
     if held_out:
-        validation = _validate(cfg, held_out, target, head, draft_ids)
+        validation = {**_validate(cfg, held_out, target, head, draft_ids), "vocab_coverage": vocab_coverage}
         _log(cfg.out, {"kind": "validation", "epoch": epoch + 1, "step": metrics["step"],
                        **validation})
         published = validation["accept_length_estimate"] > best
@@ -250,9 +254,7 @@ def _validate(cfg: TrainConfig, held_out: list[Sample], target, head: Eagle3Head
             loss, correct, counted = _batch_loss(batch, target, head, draft_ids, cfg.ttt_steps)
             totals.add(float(loss), correct, counted, weight=len(batch))  # the mean over samples, not batches
     means = totals.means()
-    coverage = DraftVocab(draft_ids.cpu()).coverage([s.token_ids[s.answer_start:] for s in held_out])
-    return {**means, "accept_length_estimate": accept_length_estimate(means["accuracy_by_step"]),
-            "vocab_coverage": coverage}
+    return {**means, "accept_length_estimate": accept_length_estimate(means["accuracy_by_step"])}
 
 
 class _Totals:
