@@ -24,6 +24,9 @@ passes options instead of patching modules.
   HYPERDRAFT_SPLIT_DRAFT_MODEL=0        split_draft_model=False    under tensor parallelism a STANDALONE draft model is
                                                                    whole on every rank (default: split over the ranks
                                                                    like the target, when its heads divide)
+  HYPERDRAFT_DISABLE_PUSH_ALL_REDUCE=1  push_all_reduce=False      NCCL for every all-reduce of a split model on one
+                                                                   node (default: small ones pushed through symmetric
+                                                                   memory in one launch, kernels/all_reduce.py)
   HYPERDRAFT_SIMULATE_ACCEPT_RATE=a     simulate_accept_rate=a     BENCHMARK ONLY, lossy (speculative/verify/simulated.py)
 
 `deterministic` has no variable: it is EngineArgs' enable_deterministic_inference (batch-invariant kernels only,
@@ -61,6 +64,7 @@ _SWITCHES = {
     "emulate_cuda_graphs": ("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1"),
     "record_step_time": ("HYPERDRAFT_RECORD_STEP_TIME", "1"),
     "split_draft_model": ("HYPERDRAFT_SPLIT_DRAFT_MODEL", "0"),
+    "push_all_reduce": ("HYPERDRAFT_DISABLE_PUSH_ALL_REDUCE", "1"),
 }
 
 
@@ -79,6 +83,7 @@ class RuntimeOptions:
     emulate_cuda_graphs: bool = False
     record_step_time: bool = False
     split_draft_model: bool = True  # measured faster on two H100s: tp_bench_h100.md
+    push_all_reduce: bool = True  # one-row all-reduce inside a graph, two H100s: NCCL 11.9 us (kernels/all_reduce.py)
     simulate_accept_rate: float | None = None
     deterministic: bool = False
 

@@ -1,6 +1,7 @@
 """All-reduce latency for tensor parallelism on two GPUs, inside a CUDA graph as the engine runs it: 64 back-to-back
 all-reduces of one decode row ([rows, 4096] bf16, a Llama-8B layer pair's worth), NCCL (torch.distributed) against
-torch's symmetric-memory one-shot all-reduce (peer loads over NVLink, no multicast), checked for the right sums.
+torch's symmetric-memory one-shot all-reduce (peer loads over NVLink, no multicast) and against our push all-reduce
+(kernels/all_reduce.py: parts written into the peers' buffers, one launch), checked for the right sums.
 
   python -m benchmarks.probes.allreduce_latency           # two GPUs -> stdout
 """
@@ -47,6 +48,9 @@ def rank_main(rank: int, port: int) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
     import torch.distributed._symmetric_memory as symm_mem
 
+    from hyperdraft.distributed.push_all_reduce import PushAllReduce
+
+    push = PushAllReduce(rank, 2, device)
     group = dist.group.WORLD.group_name
     for rows in (1, 8, 48):
         x = torch.full((rows, HIDDEN), rank + 1.0, dtype=torch.bfloat16, device=device)
@@ -65,9 +69,12 @@ def rank_main(rank: int, port: int) -> None:
         ok = bool((out == 3.0).all())
         symm_us = graph_time(one_shot, device)
         ok = ok and bool((out == 3.0).all())
+        pushed = []
+        push_us = graph_time(lambda: pushed.append(push(x)), device)
+        ok = ok and bool((pushed[-1] == 3.0).all())
         if rank == 0:
             print(f"rows {rows}: NCCL {nccl_us:.1f} us, symmetric-memory one-shot (with the copy in) {symm_us:.1f} us, "
-                  f"sums right: {ok}", flush=True)
+                  f"push {push_us:.1f} us, sums right: {ok}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

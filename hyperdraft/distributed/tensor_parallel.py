@@ -16,10 +16,13 @@ control message never waits behind, or occupies, the GPU's collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from hyperdraft.distributed.push_all_reduce import PushAllReduce
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # the model's tensor collectives (None: the default group, or no group at size 1)
     control: Any = None  # host values and objects (None: the default group, which is gloo on the CPU)
+    push: "PushAllReduce | None" = None  # small all-reduces in one launch through symmetric memory (one node, CUDA)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
@@ -45,9 +49,12 @@ class TensorParallel:
         return self.rank * part, (self.rank + 1) * part
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over the group, in place."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """The sum over the group: in place through NCCL or gloo, a new tensor through `push` (use the result)."""
+        if self.size == 1:
+            return x
+        if self.push is not None and self.push.fits(x):
+            return self.push(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def gather_first_dim(self, x: torch.Tensor) -> torch.Tensor:

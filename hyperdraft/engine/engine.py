@@ -379,7 +379,7 @@ class Engine:
 def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -> None:
     """A follower rank's process (engine/lockstep.py): its engine replays rank 0's calls until told to stop."""
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tp_size))
-    tp = init_group(args, rank, address, rank_device(resolve_device(args.device), local_rank(args, rank)))
+    tp = init_group(args, rank, address, rank_device(resolve_device(args.device), local_rank(args, rank)), options)
     engine = Engine(args, options, tp)
     engine.replay_until_stopped()
     engine.close()

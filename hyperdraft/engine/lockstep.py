@@ -28,7 +28,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hyperdraft.config import EngineArgs
+from hyperdraft.distributed.push_all_reduce import PushAllReduce
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
+from hyperdraft.options import RuntimeOptions
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,10 @@ def start_followers(args: EngineArgs, follow: Callable, options, ranks, address:
     return followers
 
 
-def init_group(args: EngineArgs, rank: int, address: str, device: torch.device) -> TensorParallel:
+def init_group(args: EngineArgs, rank: int, address: str, device: torch.device,
+               options: RuntimeOptions) -> TensorParallel:
     """Join the group: NCCL for the model's tensors on CUDA (bound to this rank's GPU), gloo on the CPU; on CUDA a
-    gloo group beside it for the control messages."""
+    gloo group beside it for the control messages, and on one node the push all-reduce's buffers."""
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     if device.type != "cuda":
         dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
@@ -89,7 +92,9 @@ def init_group(args: EngineArgs, rank: int, address: str, device: torch.device) 
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                             timeout=timeout, device_id=device)
-    return TensorParallel(rank, args.tp_size, control=dist.new_group(backend="gloo", timeout=timeout))
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    push = PushAllReduce(rank, args.tp_size, device) if options.push_all_reduce and args.nnodes == 1 else None
+    return TensorParallel(rank, args.tp_size, control=control, push=push)
 
 
 def free_address() -> str:
@@ -114,7 +119,7 @@ class Lockstep:
                              "engine with tp_size > 1 runs here); shut it down first (LLM.shutdown())")
         address = args.dist_init_addr or free_address()
         followers = start_followers(args, follow, options, node_ranks(args)[1:], address)
-        return cls(init_group(args, 0, address, device), followers)
+        return cls(init_group(args, 0, address, device, options), followers)
 
     @property
     def leads(self) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 
 from hyperdraft.distributed.tensor_parallel import TensorParallel
 from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
+from hyperdraft.kernels.gemv import silu_mul_gemv, silu_mul_gemv_fits
 from hyperdraft.models.config import ModelConfig
 from hyperdraft.models.cpu_linear import Linear, skinny_linear
 
@@ -79,17 +80,24 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        out = self.tp.all_reduce(skinny_linear(x, self.weight))
+        return self._summed(skinny_linear(x, self.weight), residual, out_dtype)
+
+    def forward_silu_mul(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor | None = None,
+                         fused: bool = False) -> torch.Tensor:
+        """The activation, then the split product: for one row on CUDA inside the product's launch (as an unsplit
+        model's, bit for bit the same; bias and residual wait until after the sum)."""
+        if fused and silu_mul_gemv_fits(gate, up, self.weight):
+            return self._summed(silu_mul_gemv(gate, up, self.weight), residual)
+        return self.forward((silu_mul if fused else silu_mul_reference)(gate, up), residual)
+
+    def _summed(self, partial: torch.Tensor, residual: torch.Tensor | None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = self.tp.all_reduce(partial)
         if self.bias is not None:
             out = out + self.bias
         if residual is not None:
             out = out + residual
         return out if out_dtype is None else out.to(out_dtype)
-
-    def forward_silu_mul(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor | None = None,
-                         fused: bool = False) -> torch.Tensor:
-        """The activation first, then the split product (a fused one-row kernel would skip the reduction)."""
-        return self.forward((silu_mul if fused else silu_mul_reference)(gate, up), residual)
 
 
 def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> Linear:

@@ -12,5 +12,5 @@ from hyperdraft.engine.lockstep import init_group
 
 def follow_then_exit(rank, args, options, address) -> None:
     """A follower that joins the group and then dies before building its engine (as an out-of-memory rank would)."""
-    init_group(args, rank, address, torch.device("cpu"))
+    init_group(args, rank, address, torch.device("cpu"), options)
     os._exit(3)

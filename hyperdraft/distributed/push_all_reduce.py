@@ -1,0 +1,52 @@
+"""PushAllReduce: the small all-reduces of a split model (decode rows, verify rows) as one kernel launch each,
+through buffers every rank of one node can write (torch's symmetric memory); kernels/all_reduce.py has the protocol
+and the measured reason. Larger tensors (prefill chunks) and other dtypes go through NCCL.
+
+One receive buffer per element width (2 bytes: bf16 and fp16; 4 bytes: fp32), because an empty slot holds that
+width's -0.0: a buffer shared by both widths would read one width's sentinel as the other's data. Every rank builds
+its buffers in the same order at group start-up (a collective), before any model exists, so a draft model split over
+the same ranks shares them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hyperdraft.kernels.all_reduce import BLOCK, INT_OF, SENTINEL, SLOTS, push_all_reduce
+
+SLOT_BYTES = 1 << 20  # per rank and slot: 64 rows of an 8192-wide bf16 model (a batch-8 chain-5 verify is 48 rows)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _Lane:
+    """The receive buffer, peer addresses and call counters for one element width."""
+
+    def __init__(self, width: int, rank: int, size: int, device: torch.device, group_name: str):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.capacity = SLOT_BYTES // width  # elements per slot
+        dtype = INT_OF[width]
+        self.recv = symm_mem.empty(SLOTS * size * self.capacity, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(self.recv, group_name)
+        self.recv.fill_(SENTINEL[width])
+        self.buffers = torch.tensor([handle.get_buffer(peer, (self.recv.numel(),), dtype).data_ptr()
+                                   for peer in range(size)], dtype=torch.int64, device=device)
+        self.counters = torch.zeros(-(-self.capacity // BLOCK), dtype=torch.int64, device=device)
+
+
+class PushAllReduce:
+    def __init__(self, rank: int, size: int, device: torch.device, group=None):
+        group = group if group is not None else dist.group.WORLD
+        self.rank, self.size = rank, size
+        self.lanes = {width: _Lane(width, rank, size, device, group.group_name) for width in (2, 4)}
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # every rank's sentinels are written before any rank pushes
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype in DTYPES and x.is_cuda and x.numel() <= self.lanes[x.element_size()].capacity
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the group, a new tensor of x's shape (fits(x) must hold, on every rank alike)."""
+        lane = self.lanes[x.element_size()]
+        return push_all_reduce(x, lane.buffers, lane.capacity, lane.counters, self.rank, self.size)
