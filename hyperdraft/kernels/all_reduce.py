@@ -17,7 +17,7 @@ data is its own ready flag, so there is no separate signal and no memory-orderin
 
 Every rank adds the parts in rank order in fp32 and rounds once, so all ranks hold the same bits (for two ranks,
 those of NCCL's sum). Programs spin on their own chunk only, so there is no grid-wide barrier; a chunk that never
-arrives (a dead or diverged peer) traps after SPIN_LIMIT polls instead of hanging the GPU. The plain-torch reference is
+arrives (a dead or diverged peer) traps after WAIT_LIMIT_S seconds instead of hanging the GPU. The plain-torch reference is
 `all_reduce_reference` (the sum of the parts), and tests/test_push_all_reduce.py runs the kernel's protocol under
 Triton's interpreter with two ranks as two threads of one process.
 """
@@ -32,7 +32,10 @@ from hyperdraft.options import triton_interpreted
 
 BLOCK = 1024  # elements per program: a Llama-8B row (4096) spreads over 4 SMs' pushes
 SLOTS = 3
-SPIN_LIMIT = 1 << 26  # polls (~1 us each on an H100) before a chunk that never arrives traps: about a minute
+# Seconds a chunk may wait for a peer before the kernel traps. Not a count of polls: at startup one rank can reach its
+# first all-reduce many seconds before another (a fresh process loading its kernels), and a poll takes well under
+# a microsecond, so a count large enough for that would be hours. NCCL's own default timeout is ten minutes.
+WAIT_LIMIT_S = 600
 INT_OF = {2: torch.int16, 4: torch.int32}  # element width -> the integer type whose bits carry it
 SENTINEL = {2: -(1 << 15), 4: -(1 << 31)}  # -0.0 of bf16/fp16 and of fp32, read as those integers
 
@@ -46,16 +49,25 @@ def all_reduce_reference(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 @jit
-def _trap_after(spins, LIMIT: tl.constexpr, TRAP: tl.constexpr):
+def _clock_ns(TRAP: tl.constexpr):
+    """The GPU's global nanosecond timer (0 under the interpreter, which never traps)."""
     if TRAP:
-        if spins > LIMIT:
-            tl.inline_asm_elementwise("trap; mov.u32 $0, $1;", "=r,r", [spins.to(tl.int32)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return tl.zeros((), dtype=tl.int64)
+
+
+@jit
+def _trap_after(start_ns, LIMIT_NS: tl.constexpr, TRAP: tl.constexpr):
+    if TRAP:
+        if _clock_ns(TRAP) - start_ns > LIMIT_NS:
+            tl.inline_asm_elementwise("trap; mov.u64 $0, $1;", "=l,l", [start_ns], dtype=tl.int64, is_pure=False,
+                                      pack=1)
 
 
 @jit
 def _push_all_reduce(X, Out, Buffers, Counters, n, slot_size, SENTINEL: tl.constexpr, RANK: tl.constexpr,
-                     WORLD: tl.constexpr, BLOCK: tl.constexpr, SPIN_LIMIT: tl.constexpr, TRAP: tl.constexpr,
+                     WORLD: tl.constexpr, BLOCK: tl.constexpr, LIMIT_NS: tl.constexpr, TRAP: tl.constexpr,
                      PDL: tl.constexpr):
     # The buffers travel as addresses, this rank's own too: a tensor argument would be copied back whole after the
     # launch by Triton's interpreter, over the parts peers pushed meanwhile.
@@ -83,11 +95,10 @@ def _push_all_reduce(X, Out, Buffers, Counters, n, slot_size, SENTINEL: tl.const
         else:
             box = recv + (here * WORLD + src) * slot_size + offs
             got = tl.load(box, mask=live, other=0, volatile=True)
-            spins = 0
+            start_ns = _clock_ns(TRAP)
             while tl.max((got == SENTINEL).to(tl.int32), axis=0) > 0:
                 got = tl.load(box, mask=live, other=0, volatile=True)
-                spins += 1
-                _trap_after(spins, SPIN_LIMIT, TRAP)
+                _trap_after(start_ns, LIMIT_NS, TRAP)
             total += got.to(x.dtype, bitcast=True).to(tl.float32)
             # the whole chunk, past n too: the call that next reads this slot may be wider than this one
             tl.store(recv + (idle * WORLD + src) * slot_size + offs, tl.full((BLOCK,), SENTINEL, int_ty))
@@ -95,7 +106,7 @@ def _push_all_reduce(X, Out, Buffers, Counters, n, slot_size, SENTINEL: tl.const
 
 
 def push_all_reduce(x: torch.Tensor, buffers: torch.Tensor, slot_size: int, counters: torch.Tensor, rank: int,
-                    world: int, spin_limit: int = SPIN_LIMIT) -> torch.Tensor:
+                    world: int, wait_limit_s: float = WAIT_LIMIT_S) -> torch.Tensor:
     """The sum of x over the ranks, new tensor. buffers: int64 [world], each rank's receive buffer's address as this
     device reaches it, a buffer being SLOTS * world * slot_size (a multiple of BLOCK) elements of INT_OF[x's width], sentinel-filled at
     first; counters: int64, at least one per BLOCK of the largest x, zero at first, on every rank alike."""
@@ -106,7 +117,7 @@ def push_all_reduce(x: torch.Tensor, buffers: torch.Tensor, slot_size: int, coun
     out = torch.empty_like(x)
     grid = (-(-n // BLOCK),)
     _push_all_reduce[grid](x, out, buffers, counters, n, slot_size, SENTINEL=SENTINEL[x.element_size()],
-                           RANK=rank, WORLD=world, BLOCK=BLOCK, SPIN_LIMIT=spin_limit, TRAP=not triton_interpreted(),
+                           RANK=rank, WORLD=world, BLOCK=BLOCK, LIMIT_NS=int(wait_limit_s * 1e9), TRAP=not triton_interpreted(),
                            num_warps=4, **pdl_args(x.device))
     return out
 

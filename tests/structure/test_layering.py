@@ -22,8 +22,9 @@ ROOT = os.path.dirname(os.path.abspath(hyperdraft.__file__))
 LAYERS: list[set[str]] = [
     {"options", "sampling_params"},
     {"config", "request"},
-    {"core", "distributed"},
+    {"core"},
     {"kernels"},
+    {"distributed"},  # its push all-reduce is a kernel
     {"models"},
     {"kvcache"},
     {"attention"},
