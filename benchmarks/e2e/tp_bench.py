@@ -163,7 +163,7 @@ def main() -> None:
     if args.all_reduce_rows:
         nccl = dict(push_all_reduce=False)
         rows = [(1, None, (1, 8), {}), (2, None, (1, 8), {}, nccl), (2, None, (1, 8), {}),
-                (1, "chain5", (1, 8), {}), (2, "chain5", (1, 8), {}, nccl), (2, "chain5", (1, 8), {})]
+                (2, "chain5", (1, 8), {}), (2, "chain5", (1, 8), {}, nccl), (1, "chain5", (1, 8), {})]
         args.no_big = True
     repeats = 1 if args.tiny else args.repeats
     results = [] if args.only_big else run_rows(target, drafts, device, rows, capacity, repeats)

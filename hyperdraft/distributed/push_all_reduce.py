@@ -2,6 +2,11 @@
 through buffers every rank of one node can write (torch's symmetric memory); kernels/all_reduce.py has the protocol
 and the measured reason. Larger tensors (prefill chunks) and other dtypes go through NCCL.
 
+Torch's symmetric memory remembers a group by its name for the life of the process, but group names restart from
+"0" whenever the default group is destroyed and made again: a second tensor-parallel engine in one process (rank 0's
+process outlives each engine's followers) would rendezvous through the first engine's dead store and hang. So each
+PushAllReduce makes its own group, named after how many rank 0's process has made (rank 0 broadcasts the count).
+
 One receive buffer per element width (2 bytes: bf16 and fp16; 4 bytes: fp32), because an empty slot holds that
 width's -0.0: a buffer shared by both widths would read one width's sentinel as the other's data. Every rank builds
 its buffers in the same order at group start-up (a collective), before any model exists, so a draft model split over
@@ -10,6 +15,8 @@ the same ranks shares them.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -17,6 +24,7 @@ from hyperdraft.kernels.all_reduce import BLOCK, INT_OF, SENTINEL, SLOTS, push_a
 
 SLOT_BYTES = 1 << 20  # per rank and slot: 64 rows of an 8192-wide bf16 model (a batch-8 chain-5 verify is 48 rows)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_GROUPS_MADE = itertools.count()  # in this process (rank 0's counts for every rank)
 
 
 class _Lane:
@@ -35,13 +43,23 @@ class _Lane:
         self.counters = torch.zeros(-(-self.capacity // BLOCK), dtype=torch.int64, device=device)
 
 
+def _fresh_group(control) -> object:
+    """A new group over every rank whose name no earlier group of rank 0's process had (collective)."""
+    made = [next(_GROUPS_MADE)]
+    dist.broadcast_object_list(made, src=0, group=control)
+    world = dist.distributed_c10d._world
+    world.group_count = max(world.group_count, 1000 + made[0])  # names "1000", "1001", ...: above the engine's own
+    return dist.new_group(ranks=list(range(dist.get_world_size())))
+
+
 class PushAllReduce:
-    def __init__(self, rank: int, size: int, device: torch.device, group=None):
-        group = group if group is not None else dist.group.WORLD
+    def __init__(self, rank: int, size: int, device: torch.device, control=None):
+        """control: a group for the host-side agreement on the new group's name (None: the default group)."""
         self.rank, self.size = rank, size
-        self.lanes = {width: _Lane(width, rank, size, device, group.group_name) for width in (2, 4)}
+        self.group = _fresh_group(control)
+        self.lanes = {width: _Lane(width, rank, size, device, self.group.group_name) for width in (2, 4)}
         torch.cuda.synchronize(device)
-        dist.barrier(group=group)  # every rank's sentinels are written before any rank pushes
+        dist.barrier(group=control)  # every rank's sentinels are written before any rank pushes
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype in DTYPES and x.is_cuda and x.numel() <= self.lanes[x.element_size()].capacity
