@@ -24,9 +24,10 @@ passes options instead of patching modules.
   HYPERDRAFT_SPLIT_DRAFT_MODEL=0        split_draft_model=False    under tensor parallelism a STANDALONE draft model is
                                                                    whole on every rank (default: split over the ranks
                                                                    like the target, when its heads divide)
-  HYPERDRAFT_DISABLE_PUSH_ALL_REDUCE=1  push_all_reduce=False      NCCL for every all-reduce of a split model on one
-                                                                   node (default: small ones pushed through symmetric
-                                                                   memory in one launch, kernels/all_reduce.py)
+  HYPERDRAFT_PUSH_ALL_REDUCE=1          push_all_reduce=True       under tensor parallelism on one node, small
+                                                                   all-reduces pushed through symmetric memory in one
+                                                                   launch (kernels/all_reduce.py) instead of NCCL;
+                                                                   off until its engine runs finish on two GPUs
   HYPERDRAFT_SIMULATE_ACCEPT_RATE=a     simulate_accept_rate=a     BENCHMARK ONLY, lossy (speculative/verify/simulated.py)
 
 `deterministic` has no variable: it is EngineArgs' enable_deterministic_inference (batch-invariant kernels only,
@@ -64,7 +65,7 @@ _SWITCHES = {
     "emulate_cuda_graphs": ("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1"),
     "record_step_time": ("HYPERDRAFT_RECORD_STEP_TIME", "1"),
     "split_draft_model": ("HYPERDRAFT_SPLIT_DRAFT_MODEL", "0"),
-    "push_all_reduce": ("HYPERDRAFT_DISABLE_PUSH_ALL_REDUCE", "1"),
+    "push_all_reduce": ("HYPERDRAFT_PUSH_ALL_REDUCE", "1"),
 }
 
 
@@ -83,7 +84,7 @@ class RuntimeOptions:
     emulate_cuda_graphs: bool = False
     record_step_time: bool = False
     split_draft_model: bool = True  # measured faster on two H100s: tp_bench_h100.md
-    push_all_reduce: bool = True  # one-row all-reduce inside a graph, two H100s: NCCL 11.9 us (kernels/all_reduce.py)
+    push_all_reduce: bool = False  # one row in a graph on two H100s: 2.6 us against NCCL's 13.3 (allreduce_latency)
     simulate_accept_rate: float | None = None
     deterministic: bool = False
 

@@ -70,7 +70,8 @@ def run_rows(target: str, drafts: dict[str, str], device: str, rows: list[tuple]
 def measure_row(target, drafts, device, tp, spec_name, batches, extra, capacity, repeats, switches) -> list[dict]:
     spec = spec_args(spec_name, drafts)
     name = (spec_name or "plain") + (" (draft split over the ranks)" if switches.get("split_draft_model") else "")
-    name += " (NCCL all-reduces)" if switches.get("push_all_reduce") is False else ""
+    if "push_all_reduce" in switches:
+        name += " (push all-reduces)" if switches["push_all_reduce"] else " (NCCL all-reduces)"
     try:
         engine, info = make_engine(target, device, MAX_BS, {**spec, "tp_size": tp, **extra}, capacity, **switches)
     except torch.cuda.OutOfMemoryError as e:
@@ -109,8 +110,8 @@ def report(results: list[dict], shape_rows: dict[str, list[dict]], device: str) 
            f"- **Date:** {now}. **Device:** {gpu}, torch {torch.__version__}. **Commit:** {git_commit()}.",
            f"- **Command:** `{command_line()}`",
            f"- **What runs:** random bf16 weights, input {INPUT_LEN}, output {OUTPUT_LEN}, CUDA graphs up to batch "
-           f"{MAX_BS} with the all-reduces captured inside (the push kernel, kernels/all_reduce.py, for those that "
-           "fit; NCCL for the rest, and for all of them in rows marked so); EAGLE-3 chain 5 at simulated acceptance 0.8 (LOSSY: "
+           f"{MAX_BS} with the all-reduces captured inside (NCCL's; the push kernel, "
+           "kernels/all_reduce.py, for those that fit in rows marked so); EAGLE-3 chain 5 at simulated acceptance 0.8 (LOSSY: "
            "speed only), its head whole on every rank. Step time = median over the runs.", "",
            "## Llama-3.1-8B shape", "",
            "| row | batch | TP 1 step ms | TP 2 step ms | latency TP1/TP2 | tok/s TP2/TP1 |", "|---|---|---|---|---|---|",
@@ -141,7 +142,7 @@ def main() -> None:
                          "TP 2 with the draft whole on each rank, TP 2 with it split")
     ap.add_argument("--all-reduce-rows", action="store_true",
                     help="only the 8B rows that compare all-reduces: plain and chain 5 at TP 1, TP 2 with NCCL's, "
-                         "TP 2 with the push all-reduce (the default)")
+                         "TP 2 with the push all-reduce")
     ap.add_argument("--repeats", type=int, default=4, help="batch-1 decode runs per plain row (chain rows: twice)")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -161,9 +162,9 @@ def main() -> None:
                 (2, "standalone5", (1, 8), {}, dict(split_draft_model=True))]
         args.no_big = True
     if args.all_reduce_rows:
-        nccl = dict(push_all_reduce=False)
-        rows = [(1, None, (1, 8), {}), (2, None, (1, 8), {}, nccl), (2, None, (1, 8), {}),
-                (2, "chain5", (1, 8), {}), (2, "chain5", (1, 8), {}, nccl), (1, "chain5", (1, 8), {})]
+        nccl, push = dict(push_all_reduce=False), dict(push_all_reduce=True)
+        rows = [(1, None, (1, 8), {}), (2, None, (1, 8), {}, nccl), (2, None, (1, 8), {}, push),
+                (2, "chain5", (1, 8), {}, push), (2, "chain5", (1, 8), {}, nccl), (1, "chain5", (1, 8), {})]
         args.no_big = True
     repeats = 1 if args.tiny else args.repeats
     results = [] if args.only_big else run_rows(target, drafts, device, rows, capacity, repeats)

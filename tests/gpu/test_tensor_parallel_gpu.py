@@ -2,7 +2,9 @@
 for the lockstep commands. fp32 tiny models: greedy output of TP 2 equals TP 1 for plain decoding (graphs and
 eager), NGRAM, STANDALONE, EAGLE and EAGLE-3 (chains and trees), adaptive goodput speculation, and a Qwen3.5 hybrid
 (its Gated DeltaNet split by key-head groups) plain and with its MTP head; seeded sampling
-equals too; every rank's pool ends free, and the ranks agree on their pool sizes and tiers.
+equals too; every rank's pool ends free, and the ranks agree on their pool sizes and tiers. With the push
+all-reduce (opt-in, kernels/all_reduce.py) in place of NCCL's for small tensors, plain, eager, EAGLE-3 and STANDALONE
+cases still equal TP 1.
 
 Run on a machine with two GPUs: `python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q`. Not part of CI.
 """
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 
@@ -103,6 +106,24 @@ def test_tp2_greedy_equals_tp1(models, case):
         assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
     assert states[0]["kv_capacity_tokens"] == states[1]["kv_capacity_tokens"]
     assert states[0].get("speculative_adaptive_slots") == states[1].get("speculative_adaptive_slots")
+
+
+PUSH = RuntimeOptions.from_env(push_all_reduce=True)
+
+
+@pytest.mark.parametrize("case", ["plain-graphs", "plain-eager", "eagle3-chain", "standalone-tree"])
+def test_tp2_with_push_all_reduce_equals_tp1(models, case):
+    """The push all-reduce (kernels/all_reduce.py) in place of NCCL's for small tensors: TP 2 still equals TP 1, and
+    the engines of the cases, one after another in this process, each rendezvous afresh (push_all_reduce.py)."""
+    kind, extra = CASES[case]
+    extra = {k: (models[v] if k == "speculative_draft_model" else v) for k, v in extra.items()}
+    prompts = _prompts(len(NEW_TOKENS), seed=len(case))
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
+    want, _ = _outputs(models[kind], prompts, params, **extra)
+    got, states = _outputs(models[kind], prompts, params, tp_size=2, runtime_options=PUSH, **extra)
+    assert got == want
+    for s in states:
+        assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
 
 
 def test_tp2_seeded_sampling_equals_tp1(models):
