@@ -24,6 +24,9 @@ passes options instead of patching modules.
   HYPERDRAFT_SPLIT_DRAFT_MODEL=0        split_draft_model=False    under tensor parallelism a STANDALONE draft model is
                                                                    whole on every rank (default: split over the ranks
                                                                    like the target, when its heads divide)
+  HYPERDRAFT_SPLIT_DRAFT_HEAD=1         split_draft_head=True      under tensor parallelism an EAGLE / EAGLE-3 head's
+                                                                   layers split over the ranks like the target's
+                                                                   (default: whole on every rank, the measured layout)
   HYPERDRAFT_PUSH_ALL_REDUCE=1          push_all_reduce=True       under tensor parallelism on one node, small
                                                                    all-reduces pushed through symmetric memory in one
                                                                    launch (kernels/all_reduce.py) instead of NCCL;
@@ -66,6 +69,7 @@ _SWITCHES = {
     "record_step_time": ("HYPERDRAFT_RECORD_STEP_TIME", "1"),
     "split_draft_model": ("HYPERDRAFT_SPLIT_DRAFT_MODEL", "0"),
     "push_all_reduce": ("HYPERDRAFT_PUSH_ALL_REDUCE", "1"),
+    "split_draft_head": ("HYPERDRAFT_SPLIT_DRAFT_HEAD", "1"),
 }
 
 
@@ -84,6 +88,7 @@ class RuntimeOptions:
     emulate_cuda_graphs: bool = False
     record_step_time: bool = False
     split_draft_model: bool = True  # measured faster on two H100s: tp_bench_h100.md
+    split_draft_head: bool = False  # not yet measured split (tp_bench chain rows: replicated, 1.19x at batch 1)
     push_all_reduce: bool = False  # one row in a graph on two H100s: 2.6 us against NCCL's 13.3 (allreduce_latency)
     simulate_accept_rate: float | None = None
     deterministic: bool = False

@@ -70,6 +70,7 @@ def run_rows(target: str, drafts: dict[str, str], device: str, rows: list[tuple]
 def measure_row(target, drafts, device, tp, spec_name, batches, extra, capacity, repeats, switches) -> list[dict]:
     spec = spec_args(spec_name, drafts)
     name = (spec_name or "plain") + (" (draft split over the ranks)" if switches.get("split_draft_model") else "")
+    name += " (head split over the ranks)" if switches.get("split_draft_head") else ""
     if "push_all_reduce" in switches:
         name += " (push all-reduces)" if switches["push_all_reduce"] else " (NCCL all-reduces)"
     try:
@@ -140,6 +141,9 @@ def main() -> None:
     ap.add_argument("--draft-rows", action="store_true",
                     help="only the STANDALONE rows: a Llama-1B-shaped draft model for the 8B shape, chain 5, TP 1, "
                          "TP 2 with the draft whole on each rank, TP 2 with it split")
+    ap.add_argument("--head-rows", action="store_true",
+                    help="only the 8B EAGLE-3 chain 5 rows: TP 1, TP 2 with the head whole on each rank, TP 2 with its "
+                         "layers split over the ranks")
     ap.add_argument("--all-reduce-rows", action="store_true",
                     help="only the 8B rows that compare all-reduces: plain and chain 5 at TP 1, TP 2 with NCCL's, "
                          "TP 2 with the push all-reduce")
@@ -160,6 +164,9 @@ def main() -> None:
     if args.draft_rows:
         rows = [(1, "standalone5", (1, 8), {}), (2, "standalone5", (1, 8), {}),
                 (2, "standalone5", (1, 8), {}, dict(split_draft_model=True))]
+        args.no_big = True
+    if args.head_rows:
+        rows = [(1, "chain5", (1, 8), {}), (2, "chain5", (1, 8), {}), (2, "chain5", (1, 8), {}, dict(split_draft_head=True))]
         args.no_big = True
     if args.all_reduce_rows:
         nccl, push = dict(push_all_reduce=False), dict(push_all_reduce=True)

@@ -114,7 +114,9 @@ class Engine:
         self.context_len = args.context_length or self.model_config.max_position_embeddings
         self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
         proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
-        draft_tp = self.lockstep.tp if self.options.split_draft_model else SINGLE
+        split = self.options.split_draft_head if self.spec and self.spec.algorithm in ("EAGLE", "EAGLE3") else \
+            self.options.split_draft_model
+        draft_tp = self.lockstep.tp if split else SINGLE
         draft = proposer_cls.load_draft(self.spec, model, args, self.device, draft_tp) if proposer_cls else None
         tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
         self.max_rows, self.page_table = self._page_table(model, draft, tree)

@@ -39,6 +39,7 @@ target's h_n..h_{n+a} and tokens t_{n+1}..t_{n+a+1}, overwriting the speculative
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -49,6 +50,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.config import ModelConfig, model_config_from_dict
 from hyperdraft.models.decoder import (MLP, Attention, AttentionFn, DecoderLayer, DecoderLM, IdentityNorm, RMSNorm,
                                        attention_and_mlp_groups, rope_inv_freq)
@@ -59,7 +61,7 @@ from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_referen
 from hyperdraft.kernels.rope import rope_table
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.models.hot_vocab import HotVocab
-from hyperdraft.models.tensor_parallel import whole_vocab_modules
+from hyperdraft.models.tensor_parallel import rank_config, rank_part, split_problem, whole_vocab_modules
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
 
@@ -192,10 +194,12 @@ class EagleHead(_Head):
     With a token map (hot_ids) its draft logits cover only the map's tokens (models/hot_vocab.py)."""
 
     def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool,
-                 hot_ids: torch.Tensor | None = None):
+                 hot_ids: torch.Tensor | None = None, tp: TensorParallel = SINGLE):
+        """cfg: the rank's share of the heads and MLP columns when the layers split over tp (fc, embedding and
+        lm_head stay whole)."""
         super().__init__(cfg, target, own_embed, own_lm_head, cfg.vocab_size)
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
-        self.layers = nn.ModuleList(DecoderLayer(cfg.layer, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg.layer, i, tp) for i in range(cfg.num_layers))
         self.layers[0].input_layernorm = IdentityNorm()
         self.hot_vocab = None if hot_ids is None else HotVocab(cfg.hidden_size, cfg.vocab_size, hot_ids)
 
@@ -232,14 +236,14 @@ class Eagle3Layer(nn.Module):
     def fused_projection_groups(self) -> list[tuple[Linear, ...]]:
         return attention_and_mlp_groups(self)
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = Attention(cfg, 0)
+        self.self_attn = Attention(cfg, 0, tp)
         h2, d = 2 * cfg.hidden_size, cfg.head_dim
         self.self_attn.q_proj = Linear(h2, cfg.num_heads * d, bias=cfg.qkv_bias)
         self.self_attn.k_proj = Linear(h2, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.self_attn.v_proj = Linear(h2, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -265,10 +269,11 @@ class Eagle3Head(_Head):
     """EAGLE-3: fc over 3 target aux states; one midlayer over (embedding, hidden); norm + lm_head over the draft vocab."""
 
     def __init__(self, cfg: EagleConfig, target: DecoderLM, own_embed: bool, own_lm_head: bool,
-                 aux_layer_ids: tuple[int, ...] = ()):
+                 aux_layer_ids: tuple[int, ...] = (), tp: TensorParallel = SINGLE):
+        """tp: as EagleHead's."""
         super().__init__(cfg, target, own_embed, own_lm_head, cfg.draft_vocab_size, aux_layer_ids)
         self.fc = Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
-        self.midlayer = Eagle3Layer(cfg.layer)
+        self.midlayer = Eagle3Layer(cfg.layer, tp)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
@@ -344,10 +349,14 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 
 def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None, load_format: str = "auto",
-                    hot_ids: torch.Tensor | None = None) -> EagleHead | Eagle3Head:
+                    hot_ids: torch.Tensor | None = None, tp: TensorParallel = SINGLE) -> EagleHead | Eagle3Head:
     """Load an EAGLE-1/EAGLE-3 head for `target`; dtype/device default to the target's ("auto" = the target's dtype).
-    hot_ids: a token map's ids (EAGLE-1 only: an EAGLE-3 head carries its own draft vocabulary, d2t)."""
-    cfg, tcfg = load_eagle_config(path), target.config
+    hot_ids: a token map's ids (EAGLE-1 only: an EAGLE-3 head carries its own draft vocabulary, d2t). tp: split the
+    head's layers over a tensor-parallel group as the target's are (heads and MLP columns; fc, embedding and lm_head
+    whole on every rank), or SINGLE for a whole head on every rank; a head whose heads do not divide stays whole."""
+    whole_cfg, tcfg = load_eagle_config(path), target.config
+    tp = tp if split_problem(whole_cfg.layer, tp) is None else SINGLE
+    cfg = dataclasses.replace(whole_cfg, layer=rank_config(whole_cfg.layer, tp))
     param = next(target.parameters())
     device = torch.device(device) if device is not None else param.device
     if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
@@ -358,9 +367,11 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
         raise ValueError("speculative_token_map is for heads that score the whole vocabulary (EAGLE, NEXTN, MTP); "
                          "an EAGLE3 head carries its own draft vocabulary (draft_vocab_size, d2t)")
     weights, own_embed, own_lm_head = _head_weights(path, cfg, tcfg, load_format)
+    if weights is not None and tp.size > 1:
+        weights = {n: rank_part(n, t, whole_cfg.layer, tp, vocab_parallel=False) for n, t in weights.items()}
     with torch.device("meta"):
-        head = (Eagle3Head(cfg, target, own_embed, own_lm_head, ids) if cfg.kind == "eagle3"
-                else EagleHead(cfg, target, own_embed, own_lm_head, hot_ids))
+        head = (Eagle3Head(cfg, target, own_embed, own_lm_head, ids, tp) if cfg.kind == "eagle3"
+                else EagleHead(cfg, target, own_embed, own_lm_head, hot_ids, tp))
     head = head.to_empty(device=device)
     _fill_state(head, path, cfg, weights)
     head.to(dtype)  # floating tensors only: d2t/t2d keep their integer/bool dtypes

@@ -145,24 +145,32 @@ def whole_vocab_modules(target: nn.Module) -> tuple[nn.Module, Linear]:
 def shard_state(part: nn.Module, whole: nn.Module, cfg: ModelConfig, tp: TensorParallel) -> None:
     """Copy into the rank's model `part` its slice of every parameter of the unsplit model `whole` (cfg: whole's)."""
     whole_params = dict(whole.named_parameters())
-    rows, cols = _row_blocks(cfg, tp), _col_blocks(cfg, tp)
     with torch.no_grad():
         for name, param in part.named_parameters():
-            src = whole_params[name]
-            module, kind = name.rsplit(".", 2)[-2:]
-            if ".mlp.experts." in name or ".mlp.shared_expert." in name:  # a sparse MLP's own intermediate split
-                module = ("shared_" if ".shared_expert." in name else "expert_") + module
-            if name in ("model.embed_tokens.weight", "lm_head.weight"):
-                src = _padded_rows(src, *tp.padded_split(cfg.vocab_size))
-            elif module in rows:  # a column-parallel weight, its bias, a conv's channels
-                runs, units = rows[module]
-                src = _take(src, runs, src.shape[0] // units, dim=0)
-            elif kind in ("dt_bias", "A_log"):  # one per value head
-                src = _take(src, rows["in_proj_b"][0], 1, dim=0)
-            elif module in cols and kind == "weight":
-                runs, units = cols[module]
-                src = _take(src, runs, src.shape[1] // units, dim=1)
-            param.copy_(src)
+            param.copy_(rank_part(name, whole_params[name], cfg, tp))
+
+
+def rank_part(name: str, whole: torch.Tensor, cfg: ModelConfig, tp: TensorParallel,
+              vocab_parallel: bool = True) -> torch.Tensor:
+    """The rank's slice of the unsplit parameter `name` (cfg: the unsplit model's). vocab_parallel False keeps an
+    lm_head whole (a draft head's, which every rank scores alike)."""
+    if "." not in name:  # a buffer of the model's own (an EAGLE-3 head's d2t, t2d)
+        return whole
+    rows, cols = _row_blocks(cfg, tp), _col_blocks(cfg, tp)
+    module, kind = name.rsplit(".", 2)[-2:]
+    if ".mlp.experts." in name or ".mlp.shared_expert." in name:  # a sparse MLP's own intermediate split
+        module = ("shared_" if ".shared_expert." in name else "expert_") + module
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return _padded_rows(whole, *tp.padded_split(cfg.vocab_size)) if vocab_parallel else whole
+    if module in rows:  # a column-parallel weight, its bias, a conv's channels
+        runs, units = rows[module]
+        return _take(whole, runs, whole.shape[0] // units, dim=0)
+    if kind in ("dt_bias", "A_log"):  # one per value head
+        return _take(whole, rows["in_proj_b"][0], 1, dim=0)
+    if module in cols and kind == "weight":
+        runs, units = cols[module]
+        return _take(whole, runs, whole.shape[1] // units, dim=1)
+    return whole
 
 
 # Which whole-model blocks a rank keeps, per module: ([(first unit, units)], units in the whole model); a unit is a

@@ -16,6 +16,8 @@ import torch
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.engine.lockstep import free_address
 from hyperdraft.models.config import load_model_config
+from hyperdraft.models.eagle import load_eagle_config
+from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from helpers.spec_fixtures import greedy, mixed_prompts
@@ -179,6 +181,34 @@ def test_a_standalone_draft_split_or_whole_gives_tp1s_output(models, draft, tree
     finally:
         llm.shutdown()
     assert draft_cfg.num_heads * (2 if split else 1) == load_model_config(models[draft]).num_heads
+    assert got == want
+    _check_pools_free(states, 2)
+
+
+@pytest.mark.parametrize("algo,tree", [("EAGLE3", False), ("EAGLE3", True), ("EAGLE", True)],
+                         ids=["eagle3-chain", "eagle3-tree", "eagle-tree"])
+def test_a_split_draft_head_gives_tp1s_output(models, algo, tree):
+    """With RuntimeOptions.split_draft_head an EAGLE / EAGLE-3 head's layers split over the ranks like the target's
+    (its attention heads and MLP columns, its own all-reduces, a K/V pool of its share of the heads; its one K/V head
+    replicated), fc, embedding and lm_head whole: the output is still TP 1's, pools end free. A random head's drafts
+    are rejected whatever they are, so its numerics are checked apart (tests/models/test_tensor_parallel.py)."""
+    spec = dict(speculative_algorithm=algo, speculative_draft_model=models[algo.lower()], speculative_num_steps=3,
+                speculative_eagle_topk=2 if tree else 1, speculative_num_draft_tokens=6 if tree else 4)
+    prompts = mixed_prompts(len(NEW_TOKENS), seed=9, max_len=60)
+    params = [greedy(n) for n in NEW_TOKENS]
+    want, _ = _outputs(models["llama6"], prompts, params, **spec)
+    llm = LLM(models["llama6"], device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=24,
+              dist_timeout=120, tp_size=2, runtime_options=RuntimeOptions.from_env(split_draft_head=True), **spec)
+    try:
+        got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        head_cfg = llm.engine.worker.proposer.head.config
+        states = llm.engine.rank_states()
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+    whole = load_eagle_config(models[algo.lower()])
+    assert (head_cfg.num_attention_heads * 2, head_cfg.intermediate_size * 2) == (whole.num_attention_heads,
+                                                                                  whole.intermediate_size)
     assert got == want
     _check_pools_free(states, 2)
 

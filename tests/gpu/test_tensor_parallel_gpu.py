@@ -126,6 +126,21 @@ def test_tp2_with_push_all_reduce_equals_tp1(models, case):
         assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
 
 
+@pytest.mark.parametrize("case", ["eagle3-chain", "eagle-tree"])
+def test_tp2_with_the_head_split_equals_tp1(models, case):
+    """RuntimeOptions.split_draft_head: the head's layers split over the ranks, its all-reduces in its graphs."""
+    kind, extra = CASES[case]
+    extra = {k: (models[v] if k == "speculative_draft_model" else v) for k, v in extra.items()}
+    prompts = _prompts(len(NEW_TOKENS), seed=len(case))
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
+    want, _ = _outputs(models[kind], prompts, params, **extra)
+    split = RuntimeOptions.from_env(split_draft_head=True)
+    got, states = _outputs(models[kind], prompts, params, tp_size=2, runtime_options=split, **extra)
+    assert got == want
+    for s in states:
+        assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
+
+
 def test_tp2_seeded_sampling_equals_tp1(models):
     prompts = _prompts(6, seed=11)
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, ignore_eos=True, seed=i) for i in range(6)]

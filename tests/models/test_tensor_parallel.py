@@ -14,7 +14,8 @@ from hyperdraft.distributed.tensor_parallel import TensorParallel
 from hyperdraft.models.config import load_model_config
 from hyperdraft.models.loader import load_model, split_model
 from hyperdraft.models.tensor_parallel import rank_config
-from hyperdraft.testing.tensor_parallel import split_logits, whole_logits
+from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+from hyperdraft.testing.tensor_parallel import split_head_logits, split_logits, whole_head_logits, whole_logits
 from hyperdraft.testing.tiny import make_tiny_model
 
 
@@ -38,6 +39,23 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path):
             assert g.shape == w.shape == (w.shape[0], vocab), name
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=name)
             assert torch.equal(g.argmax(-1), w.argmax(-1)), name
+
+
+def test_a_split_draft_head_computes_the_whole_heads_logits(tmp_path):
+    """EAGLE-3 and EAGLE-1 heads whose layers split over 2 ranks like their target's (RuntimeOptions.split_draft_head)
+    give the whole head's draft logits (the engine's output cannot show it: a random head's drafts are rejected
+    whatever they are)."""
+    target = make_tiny_model(str(tmp_path / "llama"), "llama", seed=2, num_hidden_layers=6)
+    heads = [write_random_eagle_checkpoint(str(tmp_path / "e3"), target, kind="eagle3", draft_vocab_size=200),
+             write_random_eagle_checkpoint(str(tmp_path / "e1"), target, kind="eagle")]
+    hidden = load_model_config(target).hidden_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 384, (23,), generator=g).tolist()
+    aux = [torch.randn(23, 3 * hidden, generator=g), torch.randn(23, hidden, generator=g)]
+    for name, w, s in zip(("eagle3", "eagle"), whole_head_logits(target, heads, ids, aux),
+                          split_head_logits(target, heads, ids, aux, tp_size=2)):
+        assert s.shape == w.shape, name
+        torch.testing.assert_close(s, w, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_a_model_that_cannot_split_is_refused(tmp_path):

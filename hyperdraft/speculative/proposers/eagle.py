@@ -75,8 +75,8 @@ class EagleProposer(ModelProposer):
     def load_draft(cls, spec: SpecConfig, target: DecoderLM | HybridLM, args: EngineArgs, device: torch.device,
                    tp: TensorParallel = SINGLE) -> EagleHead | Eagle3Head | MtpHead:
         """An EAGLE / EAGLE-3 head from speculative_draft_model_path, or the MTP module of a hybrid checkpoint: the
-        target's own when no path is given (NEXTN, MTP), or the checkpoint the path names. Whole on every rank under
-        tensor parallelism (tp is not used)."""
+        target's own when no path is given (NEXTN, MTP), or the checkpoint the path names. Under tensor parallelism
+        an EAGLE / EAGLE-3 head's layers split over tp (SINGLE: whole on every rank); an MTP module is whole."""
         path = spec.draft_model_path or args.model_path
         hot_ids = None if spec.token_map is None else load_token_map(spec.token_map, target.config.vocab_size)
         if spec.algorithm == "EAGLE" and load_model_config_if_model(path) is not None:
@@ -84,7 +84,7 @@ class EagleProposer(ModelProposer):
         if spec.draft_model_path is None:
             raise ValueError(f"speculative_draft_model_path is required for speculative_algorithm {spec.algorithm}: "
                              f"{args.model_path!r} has no MTP module of its own")
-        head = load_eagle_head(spec.draft_model_path, target, load_format=args.load_format, hot_ids=hot_ids)
+        head = load_eagle_head(spec.draft_model_path, target, load_format=args.load_format, hot_ids=hot_ids, tp=tp)
         if head.config.kind != spec.algorithm.lower():
             raise ValueError(f"speculative_draft_model_path holds an {head.config.kind.upper()} head "
                              f"({head.config.architecture}), but speculative_algorithm is {spec.algorithm}")
