@@ -21,7 +21,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from hyperdraft.kernels.all_reduce import BLOCK, INT_OF, SENTINEL, SLOTS, push_all_reduce
+from hyperdraft.kernels.all_reduce import BLOCK, INT_OF, SENTINEL, SLOTS, WAIT_LIMIT_S, push_all_reduce
 
 SLOT_BYTES = 1 << 20  # per rank and slot: 64 rows of an 8192-wide bf16 model (a batch-8 chain-5 verify is 48 rows)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,9 +54,10 @@ def _fresh_group(control) -> object:
 
 
 class PushAllReduce:
-    def __init__(self, rank: int, size: int, device: torch.device, control=None):
-        """control: a group for the host-side agreement on the new group's name (None: the default group)."""
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, device: torch.device, control=None, wait_limit_s: float = WAIT_LIMIT_S):
+        """control: a group for the host-side agreement on the new group's name (None: the default group);
+        wait_limit_s: how long a call waits for a peer's part before its kernel traps (the engine's dist_timeout)."""
+        self.rank, self.size, self.wait_limit_s = rank, size, wait_limit_s
         self.group = _fresh_group(control)
         self.lanes = {width: _Lane(width, rank, size, device, self.group.group_name) for width in (2, 4)}
         torch.cuda.synchronize(device)
@@ -68,4 +69,4 @@ class PushAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the group, a new tensor of x's shape (fits(x) must hold, on every rank alike)."""
         lane = self.lanes[x.element_size()]
-        return push_all_reduce(x, lane.buffers, lane.capacity, lane.counters, self.rank, self.size)
+        return push_all_reduce(x, lane.buffers, lane.capacity, lane.counters, self.rank, self.size, self.wait_limit_s)

@@ -93,7 +93,8 @@ def init_group(args: EngineArgs, rank: int, address: str, device: torch.device,
     dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                             timeout=timeout, device_id=device)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    push = PushAllReduce(rank, args.tp_size, device, control) if options.push_all_reduce and args.nnodes == 1 else None
+    wanted = options.push_all_reduce and args.nnodes == 1
+    push = PushAllReduce(rank, args.tp_size, device, control, args.dist_timeout) if wanted else None
     return TensorParallel(rank, args.tp_size, control=control, push=push)
 
 

@@ -17,9 +17,9 @@ data is its own ready flag, so there is no separate signal and no memory-orderin
 
 Every rank adds the parts in rank order in fp32 and rounds once, so all ranks hold the same bits (for two ranks,
 those of NCCL's sum). Programs spin on their own chunk only, so there is no grid-wide barrier; a chunk that never
-arrives (a dead or diverged peer) traps after WAIT_LIMIT_S seconds instead of hanging the GPU. The plain-torch reference is
-`all_reduce_reference` (the sum of the parts), and tests/test_push_all_reduce.py runs the kernel's protocol under
-Triton's interpreter with two ranks as two threads of one process.
+arrives (a dead or diverged peer) traps after WAIT_LIMIT_S seconds instead of hanging the GPU. The plain-torch
+reference is `all_reduce_reference` (the sum of the parts); tests/gpu/test_push_all_reduce.py runs the kernel's
+protocol under Triton's interpreter with 2 and 3 ranks as processes sharing memory, and against NCCL on two GPUs.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ BLOCK = 1024  # elements per program: a Llama-8B row (4096) spreads over 4 SMs' 
 SLOTS = 3
 # Seconds a chunk may wait for a peer before the kernel traps. Not a count of polls: at startup one rank can reach its
 # first all-reduce many seconds before another (a fresh process loading its kernels), and a poll takes well under
-# a microsecond, so a count large enough for that would be hours. NCCL's own default timeout is ten minutes.
+# a microsecond, so a count large enough for that would be hours. NCCL's own default timeout is ten minutes; an
+# engine passes its dist_timeout, which bounds its NCCL and gloo collectives too.
 WAIT_LIMIT_S = 600
 INT_OF = {2: torch.int16, 4: torch.int32}  # element width -> the integer type whose bits carry it
 SENTINEL = {2: -(1 << 15), 4: -(1 << 31)}  # -0.0 of bf16/fp16 and of fp32, read as those integers
@@ -108,8 +109,8 @@ def _push_all_reduce(X, Out, Buffers, Counters, n, slot_size, SENTINEL: tl.const
 def push_all_reduce(x: torch.Tensor, buffers: torch.Tensor, slot_size: int, counters: torch.Tensor, rank: int,
                     world: int, wait_limit_s: float = WAIT_LIMIT_S) -> torch.Tensor:
     """The sum of x over the ranks, new tensor. buffers: int64 [world], each rank's receive buffer's address as this
-    device reaches it, a buffer being SLOTS * world * slot_size (a multiple of BLOCK) elements of INT_OF[x's width], sentinel-filled at
-    first; counters: int64, at least one per BLOCK of the largest x, zero at first, on every rank alike."""
+    device reaches it, a buffer being SLOTS * world * slot_size (a multiple of BLOCK) elements of INT_OF[x's width],
+    sentinel-filled at first; counters: int64, at least one per BLOCK of the largest x, zero at first, on every rank alike."""
     n = x.numel()
     assert x.element_size() in INT_OF and n <= slot_size and slot_size % BLOCK == 0
     assert -(-n // BLOCK) <= counters.numel()
@@ -117,7 +118,8 @@ def push_all_reduce(x: torch.Tensor, buffers: torch.Tensor, slot_size: int, coun
     out = torch.empty_like(x)
     grid = (-(-n // BLOCK),)
     _push_all_reduce[grid](x, out, buffers, counters, n, slot_size, SENTINEL=SENTINEL[x.element_size()],
-                           RANK=rank, WORLD=world, BLOCK=BLOCK, LIMIT_NS=int(wait_limit_s * 1e9), TRAP=not triton_interpreted(),
+                           RANK=rank, WORLD=world, BLOCK=BLOCK, LIMIT_NS=int(wait_limit_s * 1e9),
+                           TRAP=not triton_interpreted(),
                            num_warps=4, **pdl_args(x.device))
     return out
 
