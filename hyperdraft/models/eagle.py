@@ -150,7 +150,7 @@ class _Head(nn.Module):
         # parameters() never reach them, so the target's weights are neither copied nor converted. A target split
         # over a tensor-parallel group lends whole copies instead (the head runs whole on every rank).
         self._shared: dict[str, nn.Module] = {}
-        embed, lm_head = (None, None) if own_embed and own_lm_head else whole_vocab_modules(target)
+        embed, lm_head = whole_vocab_modules(target, embed=not own_embed, lm_head=not own_lm_head)
         if own_embed:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         else:

@@ -126,20 +126,28 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(rows)
 
 
-def whole_vocab_modules(target: nn.Module) -> tuple[nn.Module, Linear]:
-    """(embedding, lm_head) over the whole vocabulary for a draft head that shares the target's: the target's own
-    modules, or, when the target is split, whole copies gathered from its ranks (a collective: every rank calls it,
-    in the same order, as every rank builds its head). A head drafts on every rank alike, from whole tables."""
+def whole_vocab_modules(target: nn.Module, embed: bool = True,
+                        lm_head: bool = True) -> tuple[nn.Module | None, Linear | None]:
+    """(embedding, lm_head) over the whole vocabulary for a draft head that shares the target's (None for the one not
+    asked for): the target's own modules, or, when the target is split, whole copies gathered from its ranks (a
+    collective: every rank calls it, in the same order, as every rank builds its head). A head drafts on every rank
+    alike, from whole tables. Only what is asked for is gathered: a Llama-70B table is 2.1 GB in bf16, and an EAGLE-3
+    head usually brings its own lm_head."""
     tp, cfg = target.tp, target.config
     if tp.size == 1:
-        return target.model.embed_tokens, target.lm_head
-    table = tp.gather_first_dim(target.model.embed_tokens.weight.detach())[: cfg.vocab_size]
-    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=table.device, dtype=table.dtype)
-    embed.weight = nn.Parameter(table, requires_grad=False)
-    lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=table.device, dtype=table.dtype)
-    lm_weight = table if cfg.tie_word_embeddings else tp.gather_first_dim(target.lm_head.weight.detach())[: cfg.vocab_size]
-    lm_head.weight = nn.Parameter(lm_weight, requires_grad=False)
-    return embed, lm_head
+        return (target.model.embed_tokens if embed else None), (target.lm_head if lm_head else None)
+    table = None
+    if embed or (lm_head and cfg.tie_word_embeddings):
+        table = tp.gather_first_dim(target.model.embed_tokens.weight.detach())[: cfg.vocab_size]
+    whole_embed = whole_lm_head = None
+    if embed:
+        whole_embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=table.device, dtype=table.dtype)
+        whole_embed.weight = nn.Parameter(table, requires_grad=False)
+    if lm_head:
+        weight = table if cfg.tie_word_embeddings else tp.gather_first_dim(target.lm_head.weight.detach())[: cfg.vocab_size]
+        whole_lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=weight.device, dtype=weight.dtype)
+        whole_lm_head.weight = nn.Parameter(weight, requires_grad=False)
+    return whole_embed, whole_lm_head
 
 
 def shard_state(part: nn.Module, whole: nn.Module, cfg: ModelConfig, tp: TensorParallel) -> None:

@@ -201,7 +201,8 @@ def test_a_split_draft_head_gives_tp1s_output(models, algo, tree):
               dist_timeout=120, tp_size=2, runtime_options=RuntimeOptions.from_env(split_draft_head=True), **spec)
     try:
         got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
-        head_cfg = llm.engine.worker.proposer.head.config
+        head = llm.engine.worker.proposer.head
+        head_cfg, borrowed = head.config, set(head._shared)
         states = llm.engine.rank_states()
         assert_engine_clean(llm)
     finally:
@@ -209,6 +210,9 @@ def test_a_split_draft_head_gives_tp1s_output(models, algo, tree):
     whole = load_eagle_config(models[algo.lower()])
     assert (head_cfg.num_attention_heads * 2, head_cfg.intermediate_size * 2) == (whole.num_attention_heads,
                                                                                   whole.intermediate_size)
+    # the head keeps whole copies of the split target's tables only where it has none of its own (EAGLE-3's
+    # checkpoint brings an lm_head over its draft vocabulary)
+    assert borrowed == ({"embed_tokens"} if algo == "EAGLE3" else {"embed_tokens", "lm_head"})
     assert got == want
     _check_pools_free(states, 2)
 
