@@ -61,7 +61,8 @@ from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_referen
 from hyperdraft.kernels.rope import rope_table
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.models.hot_vocab import HotVocab
-from hyperdraft.models.tensor_parallel import rank_config, rank_part, split_problem, whole_vocab_modules
+from hyperdraft.models.tensor_parallel import (VocabParallelEmbedding, rank_config, rank_part, split_problem,
+                                               whole_vocab_modules)
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
 
@@ -148,7 +149,7 @@ class _Head(nn.Module):
         self.aux_layer_ids = aux_layer_ids  # target layers whose outputs the head reads (EAGLE-3; () for EAGLE-1)
         # Target modules used by reference live in a plain dict, not as submodules: head.to(), state_dict() and
         # parameters() never reach them, so the target's weights are neither copied nor converted. A target split
-        # over a tensor-parallel group lends whole copies instead (the head runs whole on every rank).
+        # over a tensor-parallel group lends its vocabulary-parallel embedding and a whole copy of its lm_head.
         self._shared: dict[str, nn.Module] = {}
         embed, lm_head = whole_vocab_modules(target, embed=not own_embed, lm_head=not own_lm_head)
         if own_embed:
@@ -171,6 +172,14 @@ class _Head(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._part("embed_tokens")(input_ids).to(dtype)
+
+    def _lookup(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, table) with table[ids] the tokens' embeddings: the whole table, or under a split target the looked-up
+        rows themselves (its vocabulary-parallel embedding sums them over the group) indexed in order."""
+        embed = self._part("embed_tokens")
+        if isinstance(embed, VocabParallelEmbedding):
+            return torch.arange(input_ids.shape[0], device=input_ids.device), embed(input_ids)
+        return input_ids, embed.weight
 
     def _lm_head(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> logits [N, rows of lm_head] in the lm_head's dtype (stored as out_dtype when given)."""
@@ -301,7 +310,7 @@ class Eagle3Head(_Head):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionFn):
         self._check_hidden(hidden)
-        x, cos, sin = self.midlayer.inputs(input_ids, self._part("embed_tokens").weight, hidden, positions, self.inv_freq)
+        x, cos, sin = self.midlayer.inputs(*self._lookup(input_ids), hidden, positions, self.inv_freq)
         return self.midlayer(x, hidden, cos, sin, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

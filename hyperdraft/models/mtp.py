@@ -64,7 +64,8 @@ class MtpHead(nn.Module):
         self.layers = nn.ModuleList([FullAttentionLayer(layer_cfg, 0, 0)])
         self.norm = ZeroCenteredRMSNorm(h, layer_cfg.rms_norm_eps)
         # The target's modules by reference, outside the module tree: .to(), state_dict() never reach them.
-        embed, lm_head = whole_vocab_modules(target)  # the target's, or whole copies of a split target's
+        embed, lm_head = whole_vocab_modules(target)  # the target's (a split target: its vocabulary-parallel
+        # embedding, a whole copy of its lm_head)
         self._shared = {"embed_tokens": embed, "lm_head": lm_head}
         self.hot_vocab = None if hot_ids is None else HotVocab(h, layer_cfg.vocab_size, hot_ids)
         self.register_buffer("inv_freq", rope_inv_freq(layer_cfg), persistent=False)

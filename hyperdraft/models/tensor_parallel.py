@@ -128,25 +128,19 @@ class VocabParallelEmbedding(nn.Module):
 
 def whole_vocab_modules(target: nn.Module, embed: bool = True,
                         lm_head: bool = True) -> tuple[nn.Module | None, Linear | None]:
-    """(embedding, lm_head) over the whole vocabulary for a draft head that shares the target's (None for the one not
-    asked for): the target's own modules, or, when the target is split, whole copies gathered from its ranks (a
-    collective: every rank calls it, in the same order, as every rank builds its head). A head drafts on every rank
-    alike, from whole tables. Only what is asked for is gathered: a Llama-70B table is 2.1 GB in bf16, and an EAGLE-3
-    head usually brings its own lm_head."""
+    """(embedding, lm_head) for a draft head that shares the target's (None for the one not asked for): the target's
+    own modules. When the target is split, its vocabulary-parallel embedding as it is (a lookup sums one row per
+    token over the group, so every rank gets the whole rows without a whole table: a Llama-70B table is 2.1 GB in
+    bf16), and a whole copy of its lm_head gathered from the ranks (a collective: every rank calls it, in the same
+    order, as every rank builds its head), so a head drafts on every rank alike."""
     tp, cfg = target.tp, target.config
-    if tp.size == 1:
-        return (target.model.embed_tokens if embed else None), (target.lm_head if lm_head else None)
-    table = None
-    if embed or (lm_head and cfg.tie_word_embeddings):
-        table = tp.gather_first_dim(target.model.embed_tokens.weight.detach())[: cfg.vocab_size]
-    whole_embed = whole_lm_head = None
-    if embed:
-        whole_embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=table.device, dtype=table.dtype)
-        whole_embed.weight = nn.Parameter(table, requires_grad=False)
-    if lm_head:
-        weight = table if cfg.tie_word_embeddings else tp.gather_first_dim(target.lm_head.weight.detach())[: cfg.vocab_size]
-        whole_lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=weight.device, dtype=weight.dtype)
-        whole_lm_head.weight = nn.Parameter(weight, requires_grad=False)
+    whole_embed = target.model.embed_tokens if embed else None
+    if tp.size == 1 or not lm_head:
+        return whole_embed, (target.lm_head if lm_head else None)
+    source = target.model.embed_tokens if cfg.tie_word_embeddings else target.lm_head
+    weight = tp.gather_first_dim(source.weight.detach())[: cfg.vocab_size]
+    whole_lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=weight.device, dtype=weight.dtype)
+    whole_lm_head.weight = nn.Parameter(weight, requires_grad=False)
     return whole_embed, whole_lm_head
 
 
