@@ -9,6 +9,8 @@ unsplit parts (norms, the replicated head) take from it.
 
   python -m benchmarks.e2e.tp_bench --out $OUT            # two GPUs -> $OUT/tp_bench_<device>.md and .json
   python -m benchmarks.e2e.tp_bench --tiny                # CPU smoke test (gloo, tiny shapes)
+  python -m benchmarks.e2e.tp_bench --all-reduce-rows     # 8B: TP 2 with NCCL's all-reduces against the push kernel's
+  python -m benchmarks.e2e.tp_bench --head-rows           # 8B chain 5: the EAGLE-3 head whole on each rank or split
 """
 
 from __future__ import annotations
@@ -181,8 +183,9 @@ def main() -> None:
     if not args.no_big:
         big_cfg = dict(TINY, num_hidden_layers=16) if args.tiny else LLAMA_70B
         big, big_head = write_configs(os.path.join(root, "70b"), big_cfg, 512 if args.tiny else 32000)
+        big_rows = [(2, None, (1, 4), {}), (2, "chain5", (1,), {}), (2, "chain5", (1,), {}, dict(split_draft_head=True))]
         shapes["Llama-3.1-70B shape (141 GB of bf16 weights: does not fit one GPU), TP 2"] = run_rows(
-            big, {"head": big_head}, device, [(2, None, (1, 4), {}), (2, "chain5", (1,), {})], BIG_CAPACITY, repeats)
+            big, {"head": big_head}, device, big_rows, BIG_CAPACITY, repeats)
     text = report(results, shapes, device)
     if args.only_big:
         text = text.replace("## Llama-3.1-8B shape\n", "## Llama-3.1-8B shape (not run: --only-big)\n")
