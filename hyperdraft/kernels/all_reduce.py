@@ -71,7 +71,9 @@ def _push_all_reduce(X, Out, Buffers, Counters, n, slot_size, SENTINEL: tl.const
                      WORLD: tl.constexpr, BLOCK: tl.constexpr, LIMIT_NS: tl.constexpr, TRAP: tl.constexpr,
                      PDL: tl.constexpr):
     # The buffers travel as addresses, this rank's own too: a tensor argument would be copied back whole after the
-    # launch by Triton's interpreter, over the parts peers pushed meanwhile.
+    # launch by Triton's interpreter, over the parts peers pushed meanwhile. Addresses loaded from memory have no
+    # known alignment, so each buffer access states it (buffers are allocation-aligned, chunks BLOCK-aligned): without
+    # it every access compiled to 2-byte loads and stores (sm_90 PTX), with it to 16-byte ones.
     int_ty: tl.constexpr = tl.int32 if X.dtype.element_ty.primitive_bitwidth == 32 else tl.int16
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -88,13 +90,14 @@ def _push_all_reduce(X, Out, Buffers, Counters, n, slot_size, SENTINEL: tl.const
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             remote = tl.load(Buffers + peer).to(tl.pointer_type(int_ty))
-            tl.store(remote + (here * WORLD + RANK) * slot_size + offs, bits, mask=live)
+            dst = tl.multiple_of(remote + (here * WORLD + RANK) * slot_size + offs, 16)
+            tl.store(dst, bits, mask=live)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for src in tl.static_range(WORLD):
         if src == RANK:
             total += x.to(tl.float32)
         else:
-            box = recv + (here * WORLD + src) * slot_size + offs
+            box = tl.multiple_of(recv + (here * WORLD + src) * slot_size + offs, 16)
             got = tl.load(box, mask=live, other=0, volatile=True)
             start_ns = _clock_ns(TRAP)
             while tl.max((got == SENTINEL).to(tl.int32), axis=0) > 0:
@@ -102,7 +105,8 @@ def _push_all_reduce(X, Out, Buffers, Counters, n, slot_size, SENTINEL: tl.const
                 _trap_after(start_ns, LIMIT_NS, TRAP)
             total += got.to(x.dtype, bitcast=True).to(tl.float32)
             # the whole chunk, past n too: the call that next reads this slot may be wider than this one
-            tl.store(recv + (idle * WORLD + src) * slot_size + offs, tl.full((BLOCK,), SENTINEL, int_ty))
+            empty = tl.multiple_of(recv + (idle * WORLD + src) * slot_size + offs, 16)
+            tl.store(empty, tl.full((BLOCK,), SENTINEL, int_ty))
     tl.store(Out + offs, total.to(x.dtype), mask=live)
 
 
@@ -110,7 +114,8 @@ def push_all_reduce(x: torch.Tensor, buffers: torch.Tensor, slot_size: int, coun
                     world: int, wait_limit_s: float = WAIT_LIMIT_S) -> torch.Tensor:
     """The sum of x over the ranks, new tensor. buffers: int64 [world], each rank's receive buffer's address as this
     device reaches it, a buffer being SLOTS * world * slot_size (a multiple of BLOCK) elements of INT_OF[x's width],
-    sentinel-filled at first; counters: int64, at least one per BLOCK of the largest x, zero at first, on every rank alike."""
+    sentinel-filled at first; counters: int64, at least one per BLOCK of the largest x, zero at first, on every rank
+    alike."""
     n = x.numel()
     assert x.element_size() in INT_OF and n <= slot_size and slot_size % BLOCK == 0
     assert -(-n // BLOCK) <= counters.numel()
