@@ -7,6 +7,8 @@
   of a zero that both parts hold as -0.0: the reference sum starts from +0.0), eagerly and replayed inside a CUDA
   graph; a peer that never arrives traps instead of hanging.
 
+- Wherever triton is installed: its sm_90 compile moves the buffers' data 16 bytes per access.
+
 `python3 -m pytest tests/gpu/test_push_all_reduce.py -q` (two GPUs), or with TRITON_INTERPRET=1 on the CPU.
 """
 
@@ -159,3 +161,26 @@ def test_a_missing_peer_traps_instead_of_hanging(tmp_path):
     proc.join(timeout=120)
     assert proc.exitcode is not None, "the kernel hung"
     assert open(path).read().startswith("raised"), open(path).read()
+
+
+@pytest.mark.parametrize("dtype,sentinel", [("*bf16", SENTINEL[2]), ("*fp32", SENTINEL[4])])
+def test_buffer_accesses_compile_16_bytes_wide(dtype, sentinel):
+    """The receive buffers' addresses come from memory, so the kernel states their alignment; without it every push,
+    poll and refill compiled to one 2-byte access per element. Compiled for sm_90 (no GPU needed, only triton)."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hyperdraft.kernels.all_reduce import _push_all_reduce
+
+    names = ("X", "Out", "Buffers", "Counters", "n", "slot_size")
+    types = (dtype, dtype, "*i64", "*i64", "i32", "i32")
+    consts = dict(SENTINEL=sentinel, RANK=1, WORLD=2, BLOCK=BLOCK, LIMIT_NS=10**9, TRAP=True, PDL=False)
+    signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 4, 5)}  # as a launch specialises them
+    source = ASTSource(fn=_push_all_reduce, signature=signature, constexprs=consts, attrs=aligned)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    accesses = set(re.findall(r"(?:st|ld\.volatile)\.global\.[a-z0-9.]+", ptx)) - {"st.global.b64"}  # the counter
+    assert accesses == {"ld.volatile.global.v4.b32", "st.global.v4.b32"}, accesses
