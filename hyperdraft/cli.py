@@ -117,10 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = MODEL_HELP
     srv.set_defaults(subparser=srv)
 
-    demo = sub.add_parser("demo", help="chat prompts with and without NGRAM speculation: answers, speed-up, lossless check",
+    demo = sub.add_parser("demo", help="chat prompts with and without speculation: answers, speed-up, lossless check",
                           description="Run a few chat prompts greedily on a real model, first with NGRAM (prompt lookup) "
-                                      "speculation, then without; print the answers, tokens/s of both runs, the speed-up "
-                                      "and the average accept length, and check the token ids are identical.")
+                                      "speculation, or an EAGLE-3 head's (--draft-head), then without; print the answers, "
+                                      "tokens/s of both runs, the speed-up and the average accept length, and check the "
+                                      "token ids are identical.")
     demo.add_argument("--model", "--model-path", dest="model_path", metavar="PATH", help=MODEL_HELP)
     demo.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (default: auto)")
     demo.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="most tokens per answer (default: 128)")
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how many prompts, 1 to 4 (default: 3)")
     demo.add_argument("--speculative-num-steps", type=int, default=3, metavar="N",
                       help="NGRAM draft tokens per round (default: 3: on CPU a verify of up to 4 rows costs about one decode)")
+    demo.add_argument("--draft-head", "--speculative-draft-model-path", dest="draft_head", metavar="DIR",
+                      help="draft with this EAGLE-3 head (a `hyperdraft train-draft --out` directory) instead of NGRAM: "
+                           "a chain of --speculative-num-steps drafts")
     demo.add_argument("--no-spec-compare", dest="compare", action="store_false",
                       help="skip the run without speculation (no speed-up or lossless check)")
 
@@ -247,7 +251,8 @@ def _demo(ns: argparse.Namespace) -> int:
         raise ValueError("--max-new-tokens and --speculative-num-steps must be >= 1")
     from hyperdraft.demo import run_demo
 
-    return run_demo(_model_path(ns), ns.max_new_tokens, ns.num_prompts, ns.speculative_num_steps, ns.compare, ns.device)
+    return run_demo(_model_path(ns), ns.max_new_tokens, ns.num_prompts, ns.speculative_num_steps, ns.compare, ns.device,
+                    ns.draft_head)
 
 
 def _cuda() -> bool:

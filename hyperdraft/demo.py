@@ -1,7 +1,9 @@
-"""`hyperdraft demo`: chat prompts on a real model, with NGRAM speculation and without, and the speed-up.
+"""`hyperdraft demo`: chat prompts on a real model, with speculation and without, and the speed-up.
 
 Greedy decoding, one prompt at a time (the latency case speculation is for). The speculative run streams its
-answers; the plain run repeats the same prompts, and the two must produce identical token ids (lossless).
+answers; the plain run repeats the same prompts, and the two must produce identical token ids (lossless). It drafts
+with NGRAM (prompt lookup, nothing to train), or with an EAGLE-3 head from `hyperdraft train-draft` (`--draft-head`):
+a chain of --speculative-num-steps drafts a round.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _run(model: str, prompts: list[str], params, spec: dict, device: str, show: 
 
     t0 = time.perf_counter()
     llm = LLM(model, device=device, **spec)
-    label = f"NGRAM speculation ({spec['speculative_num_steps']} draft tokens)" if spec else "no speculation"
+    label = f"{_drafter(spec)} speculation ({spec['speculative_num_steps']} draft tokens)" if spec else "no speculation"
     print(f"==> {label}: model loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     try:
         chat = bool(llm.tokenizer.chat_template)  # a base model without one gets the raw prompts
@@ -82,8 +84,20 @@ def _run(model: str, prompts: list[str], params, spec: dict, device: str, show: 
                 accept=state.get("avg_spec_accept_length"))
 
 
+def _drafter(spec: dict) -> str:
+    return "EAGLE-3 head" if spec["speculative_algorithm"] == "EAGLE3" else spec["speculative_algorithm"]
+
+
+def speculation(num_steps: int, draft_head: str | None) -> dict:
+    """The speculative run's engine arguments: NGRAM, or a chain from an EAGLE-3 head directory."""
+    if draft_head is None:
+        return dict(speculative_algorithm="NGRAM", speculative_num_steps=num_steps)
+    return dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft_head, speculative_num_steps=num_steps,
+                speculative_eagle_topk=1, speculative_num_draft_tokens=num_steps + 1)
+
+
 def run_demo(model: str, max_new_tokens: int = 128, num_prompts: int = 3, num_steps: int = 3,
-             compare: bool = True, device: str = "auto") -> int:
+             compare: bool = True, device: str = "auto", draft_head: str | None = None) -> int:
     import torch
 
     from hyperdraft.sampling_params import SamplingParams
@@ -91,10 +105,10 @@ def run_demo(model: str, max_new_tokens: int = 128, num_prompts: int = 3, num_st
     torch.set_num_threads(os.cpu_count() or 1)
     prompts = demo_prompts(num_prompts)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    ngram = dict(speculative_algorithm="NGRAM", speculative_num_steps=num_steps)
+    spec_args = speculation(num_steps, draft_head)
     print(f"==> hyperdraft demo: {len(prompts)} chat prompts, greedy, up to {max_new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads, model {model}", file=sys.stderr, flush=True)
-    runs = [_run(model, prompts, params, ngram, device, show=True)]
+    runs = [_run(model, prompts, params, spec_args, device, show=True)]
     if compare:
         runs.append(_run(model, prompts, params, {}, device, show=False))
 
@@ -107,7 +121,7 @@ def run_demo(model: str, max_new_tokens: int = 128, num_prompts: int = 3, num_st
         return 0
     spec, plain = runs
     same = [a == b for a, b in zip(spec["token_ids"], plain["token_ids"])]
-    print(f"speed-up: {spec['tps'] / plain['tps']:.2f}x (tokens/s, NGRAM vs no speculation)")
+    print(f"speed-up: {spec['tps'] / plain['tps']:.2f}x (tokens/s, {_drafter(spec_args)} vs no speculation)")
     if all(same):
         print(f"lossless: identical token ids with and without speculation ({len(same)}/{len(same)} prompts)")
         return 0

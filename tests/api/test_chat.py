@@ -93,3 +93,28 @@ def test_demo_on_tiny_model(chat_path, monkeypatch, tmp_path, capsys):
     assert out.count("### Answer") == 2 and demo.BUILTIN_PROMPTS[0] in out
     assert "NGRAM speculation (3 draft tokens)" in out and "no speculation" in out and "speed-up:" in out
     assert "lossless: identical token ids with and without speculation (2/2 prompts)" in out
+
+
+def test_demo_with_a_trained_draft_head(monkeypatch, tmp_path, capsys):
+    """`--draft-head`: the speculative run drafts with an EAGLE-3 head (a random one here) instead of NGRAM."""
+    from transformers import AutoTokenizer
+
+    from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "llama4"), "llama", seed=5, num_hidden_layers=4)  # EAGLE-3 reads 3 layers
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(model)
+    head = write_random_eagle_checkpoint(str(tmp_path / "head"), model, kind="eagle3", draft_vocab_size=200)
+    monkeypatch.setattr(demo, "MT_BENCH", tmp_path / "missing.jsonl")
+    threads = torch.get_num_threads()
+    try:
+        assert main(["demo", "--model", model, "--device", "cpu", "--max-new-tokens", "12", "--num-prompts", "1",
+                     "--speculative-num-steps", "4", "--draft-head", head]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "EAGLE-3 head speculation (4 draft tokens)" in out and "NGRAM" not in out
+    assert "speed-up:" in out and "(tokens/s, EAGLE-3 head vs no speculation)" in out
+    assert "lossless: identical token ids with and without speculation (1/1 prompts)" in out
