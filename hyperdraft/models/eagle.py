@@ -61,8 +61,8 @@ from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_referen
 from hyperdraft.kernels.rope import rope_table
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.models.hot_vocab import HotVocab
-from hyperdraft.models.tensor_parallel import (VocabParallelEmbedding, rank_config, rank_part, split_problem,
-                                               whole_vocab_modules)
+from hyperdraft.models.tensor_parallel import (VocabParallelEmbedding, head_vocab_modules, rank_config, rank_part,
+                                               split_problem)
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
 
@@ -151,7 +151,7 @@ class _Head(nn.Module):
         # parameters() never reach them, so the target's weights are neither copied nor converted. A target split
         # over a tensor-parallel group lends its vocabulary-parallel embedding and a whole copy of its lm_head.
         self._shared: dict[str, nn.Module] = {}
-        embed, lm_head = whole_vocab_modules(target, embed=not own_embed, lm_head=not own_lm_head)
+        embed, lm_head = head_vocab_modules(target, embed=not own_embed, lm_head=not own_lm_head)
         if own_embed:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         else:

@@ -30,7 +30,7 @@ from hyperdraft.models.hot_vocab import HotVocab
 from hyperdraft.models.hybrid import FullAttentionLayer, HybridLM, ZeroCenteredRMSNorm
 from hyperdraft.models.loader import checkpoint_name, fill_dummy_weights, safetensors_files
 from hyperdraft.models.moe import pack_experts
-from hyperdraft.models.tensor_parallel import whole_vocab_modules
+from hyperdraft.models.tensor_parallel import head_vocab_modules
 
 PREFIX = "mtp."
 
@@ -64,7 +64,7 @@ class MtpHead(nn.Module):
         self.layers = nn.ModuleList([FullAttentionLayer(layer_cfg, 0, 0)])
         self.norm = ZeroCenteredRMSNorm(h, layer_cfg.rms_norm_eps)
         # The target's modules by reference, outside the module tree: .to(), state_dict() never reach them.
-        embed, lm_head = whole_vocab_modules(target)  # the target's (a split target: its vocabulary-parallel
+        embed, lm_head = head_vocab_modules(target)  # the target's (a split target: its vocabulary-parallel
         # embedding, a whole copy of its lm_head)
         self._shared = {"embed_tokens": embed, "lm_head": lm_head}
         self.hot_vocab = None if hot_ids is None else HotVocab(h, layer_cfg.vocab_size, hot_ids)

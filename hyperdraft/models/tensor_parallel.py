@@ -8,6 +8,8 @@ row-parallel and vocab-parallel modules, and its slice of the whole model's weig
                     bias and any residual, once
   VocabParallelEmbedding  the rank's vocabulary rows; other ids contribute zero rows to the group's sum
   shard_state       each parameter of the rank's model from the whole model's: which dim, which rows
+  rank_part         one parameter's slice (also a split draft head's checkpoint tensors, its lm_head kept whole)
+  head_vocab_modules  the embedding and lm_head a draft head borrows from its (split) target
 Dense decoders (Llama, Mistral, Qwen2, Qwen3), Qwen3.5 hybrids (a Gated DeltaNet by key-head groups) and Qwen3-Next's
 sparse MLPs (every expert's intermediate columns, and the shared expert's; the router whole) split.
 """
@@ -126,7 +128,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(rows)
 
 
-def whole_vocab_modules(target: nn.Module, embed: bool = True,
+def head_vocab_modules(target: nn.Module, embed: bool = True,
                         lm_head: bool = True) -> tuple[nn.Module | None, Linear | None]:
     """(embedding, lm_head) for a draft head that shares the target's (None for the one not asked for): the target's
     own modules. When the target is split, its vocabulary-parallel embedding as it is (a lookup sums one row per
