@@ -17,6 +17,7 @@ the same ranks shares them.
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 import torch.distributed as dist
@@ -29,42 +30,73 @@ _GROUPS_MADE = itertools.count()  # in this process (rank 0's counts for every r
 
 
 class _Lane:
-    """The receive buffer, peer addresses and call counters for one element width."""
+    """The receive buffers (each rank's, as this process reaches it), and the call counters, for one element width."""
 
-    def __init__(self, width: int, rank: int, size: int, device: torch.device, group_name: str):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.capacity = SLOT_BYTES // width  # elements per slot
-        dtype = INT_OF[width]
-        self.recv = symm_mem.empty(SLOTS * size * self.capacity, dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(self.recv, group_name)
-        self.recv.fill_(SENTINEL[width])
-        self.buffers = torch.tensor([handle.get_buffer(peer, (self.recv.numel(),), dtype).data_ptr()
-                                   for peer in range(size)], dtype=torch.int64, device=device)
+    def __init__(self, width: int, size: int, peers: list[torch.Tensor], device: torch.device):
+        self.capacity = peers[0].numel() // (SLOTS * size)  # elements per slot
+        self.peers = peers  # keeps every mapping open
+        self.buffers = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
         self.counters = torch.zeros(-(-self.capacity // BLOCK), dtype=torch.int64, device=device)
 
 
-def _fresh_group(control) -> object:
+def _symmetric_buffers(width: int, rank: int, size: int, device: torch.device, group_name: str) -> list[torch.Tensor]:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    dtype = INT_OF[width]
+    recv = symm_mem.empty(SLOTS * size * (SLOT_BYTES // width), dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(recv, group_name)
+    recv.fill_(SENTINEL[width])
+    return [recv if peer == rank else handle.get_buffer(peer, (recv.numel(),), dtype) for peer in range(size)]
+
+
+def _shared_file_buffers(width: int, rank: int, size: int, tag: str, control) -> list[torch.Tensor]:
+    """CPU processes (the kernel under Triton's interpreter, for tests): one shared-memory file per rank, which every
+    rank maps; unlinked once all have (the mappings stay)."""
+    numel = SLOTS * size * (SLOT_BYTES // width)
+    path = f"/dev/shm/hyperdraft-push-{tag}-{width}-{{}}"
+    mine = torch.from_file(path.format(rank), shared=True, size=numel, dtype=INT_OF[width])
+    mine.fill_(SENTINEL[width])
+    dist.barrier(group=control)
+    peers = [mine if peer == rank else torch.from_file(path.format(peer), shared=True, size=numel, dtype=mine.dtype)
+             for peer in range(size)]
+    dist.barrier(group=control)
+    os.unlink(path.format(rank))
+    return peers
+
+
+def _rank0_token(control) -> tuple[int, int]:
+    """(how many PushAllReduce rank 0's process has made, its pid), on every rank (collective)."""
+    token = [(next(_GROUPS_MADE), os.getpid())]
+    dist.broadcast_object_list(token, src=0, group=control)
+    return token[0]
+
+
+def _fresh_group(made: int) -> object:
     """A new group over every rank whose name no earlier group of rank 0's process had (collective)."""
-    made = [next(_GROUPS_MADE)]
-    dist.broadcast_object_list(made, src=0, group=control)
     world = dist.distributed_c10d._world
-    world.group_count = max(world.group_count, 1000 + made[0])  # names "1000", "1001", ...: above the engine's own
+    world.group_count = max(world.group_count, 1000 + made)  # names "1000", "1001", ...: above the engine's own
     return dist.new_group(ranks=list(range(dist.get_world_size())))
 
 
 class PushAllReduce:
     def __init__(self, rank: int, size: int, device: torch.device, control=None, wait_limit_s: float = WAIT_LIMIT_S):
-        """control: a group for the host-side agreement on the new group's name (None: the default group);
-        wait_limit_s: how long a call waits for a peer's part before its kernel traps (the engine's dist_timeout)."""
-        self.rank, self.size, self.wait_limit_s = rank, size, wait_limit_s
-        self.group = _fresh_group(control)
-        self.lanes = {width: _Lane(width, rank, size, device, self.group.group_name) for width in (2, 4)}
-        torch.cuda.synchronize(device)
+        """control: a group for the host-side agreements (None: the default group); wait_limit_s: how long a call
+        waits for a peer's part before its kernel traps (the engine's dist_timeout). On the CPU the buffers are
+        shared-memory files and the kernel runs under Triton's interpreter (tests of the engine with it)."""
+        self.rank, self.size, self.wait_limit_s, self.device = rank, size, wait_limit_s, device
+        made, pid = _rank0_token(control)
+        if device.type == "cuda":
+            group_name = _fresh_group(made).group_name
+            peers = {width: _symmetric_buffers(width, rank, size, device, group_name) for width in (2, 4)}
+            torch.cuda.synchronize(device)
+        else:
+            peers = {width: _shared_file_buffers(width, rank, size, f"{pid}-{made}", control) for width in (2, 4)}
+        self.lanes = {width: _Lane(width, size, buffers, device) for width, buffers in peers.items()}
         dist.barrier(group=control)  # every rank's sentinels are written before any rank pushes
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype in DTYPES and x.is_cuda and x.numel() <= self.lanes[x.element_size()].capacity
+        return x.dtype in DTYPES and x.device.type == self.device.type and \
+            x.numel() <= self.lanes[x.element_size()].capacity
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the group, a new tensor of x's shape (fits(x) must hold, on every rank alike)."""

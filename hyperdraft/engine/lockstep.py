@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from hyperdraft.config import EngineArgs
 from hyperdraft.distributed.push_all_reduce import PushAllReduce
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
-from hyperdraft.options import RuntimeOptions
+from hyperdraft.options import RuntimeOptions, triton_interpreted
 
 
 @dataclass(frozen=True)
@@ -82,18 +82,21 @@ def start_followers(args: EngineArgs, follow: Callable, options, ranks, address:
 def init_group(args: EngineArgs, rank: int, address: str, device: torch.device,
                options: RuntimeOptions) -> TensorParallel:
     """Join the group: NCCL for the model's tensors on CUDA (bound to this rank's GPU), gloo on the CPU; on CUDA a
-    gloo group beside it for the control messages, and on one node the push all-reduce's buffers."""
+    gloo group beside it for the control messages. With RuntimeOptions.push_all_reduce on one node, the push
+    all-reduce's buffers (on the CPU only under Triton's interpreter, which runs its kernel there: tests)."""
     timeout = datetime.timedelta(seconds=args.dist_timeout)
+    wanted = options.push_all_reduce and args.nnodes == 1
     if device.type != "cuda":
         dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                                 timeout=timeout)
-        return TensorParallel(rank, args.tp_size)
+        push = PushAllReduce(rank, args.tp_size, device, None, args.dist_timeout) if wanted and triton_interpreted() \
+            else None
+        return TensorParallel(rank, args.tp_size, push=push)
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                             timeout=timeout, device_id=device)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    wanted = options.push_all_reduce and args.nnodes == 1
     push = PushAllReduce(rank, args.tp_size, device, control, args.dist_timeout) if wanted else None
     return TensorParallel(rank, args.tp_size, control=control, push=push)
 

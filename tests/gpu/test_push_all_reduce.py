@@ -7,7 +7,11 @@
   of a zero that both parts hold as -0.0: the reference sum starts from +0.0), eagerly and replayed inside a CUDA
   graph; a peer that never arrives traps instead of hanging.
 
-- Wherever triton is installed: its sm_90 compile moves the buffers' data 16 bytes per access.
+- The engine at TP 2 on the CPU with the kernel (interpreter, shared-memory files for buffers): plain decoding,
+  NGRAM, EAGLE-3 and a split STANDALONE draft give TP 1's output, so every rank makes the same all-reduces in the
+  same order (else a part never arrives and the run hangs).
+- Wherever triton is installed (not under the interpreter): its sm_90 compile moves the buffers' data 16 bytes per
+  access.
 
 `python3 -m pytest tests/gpu/test_push_all_reduce.py -q` (two GPUs), or with TRITON_INTERPRET=1 on the CPU.
 """
@@ -80,6 +84,75 @@ def test_protocol_under_interpreter(world, dtype):
             assert torch.equal(outs[c][rank].view(INT_OF[width]), want.view(INT_OF[width])), (c, rank)
     assert all(torch.equal(counters[0], k) for k in counters)
     assert counters[0][:2].tolist() == [20, 12]  # chunk 0 in every call, chunk 1 in the 12 wider than BLOCK
+
+
+# ---- the engine with it, on the CPU under the interpreter ----------------------------------------------------------
+ENGINE_CASES = {
+    "plain": {},
+    "ngram": dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4),
+    "eagle3-chain": dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1),
+    "standalone-tree": dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, speculative_eagle_topk=2,
+                            speculative_num_draft_tokens=6),
+}
+
+
+def _engine_outputs(model: str, extra: dict, tp_size: int, push: bool, out_path: str | None = None):
+    from hyperdraft import LLM, SamplingParams
+    from hyperdraft.options import RuntimeOptions
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 380, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (12, 5, 16, 9)]
+    llm = LLM(model, device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=24, tp_size=tp_size,
+              dist_timeout=120, runtime_options=RuntimeOptions.from_env(push_all_reduce=push), **extra)
+    try:
+        outs = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        pushed = llm.engine.lockstep.tp.push is not None
+        states = llm.engine.rank_states()
+        free = [s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"] for s in states]
+    finally:
+        llm.shutdown()
+    if out_path is not None:
+        torch.save((outs, pushed, free), out_path)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def engine_models(tmp_path_factory):
+    from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("push_engine")
+    target = make_tiny_model(str(root / "llama"), "llama", seed=2, num_hidden_layers=4)
+    return {"target": target, "head": write_random_eagle_checkpoint(str(root / "e3"), target, kind="eagle3",
+                                                                     draft_vocab_size=200),
+            "draft": make_tiny_model(str(root / "draft"), "qwen3", seed=1)}
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the kernel under Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_the_engine_at_tp2_with_push_equals_tp1(engine_models, case, tmp_path):
+    """Every rank must make the same all-reduces, of the same shapes, in the same order, or the push kernel waits
+    for a part that never comes (NCCL would not notice a different order of equal sizes). The engine at TP 2 with
+    it, on the CPU (gloo for everything else), through plain decoding and each drafter: TP 1's output, pools free."""
+    extra = dict(ENGINE_CASES[case])
+    if case == "eagle3-chain":
+        extra["speculative_draft_model_path"] = engine_models["head"]
+    if case == "standalone-tree":
+        extra["speculative_draft_model_path"] = engine_models["draft"]  # split over the ranks too: its own sums
+    want = _engine_outputs(engine_models["target"], extra, 1, False)
+    out_path = str(tmp_path / "tp2.pt")
+    proc = mp.get_context("spawn").Process(target=_engine_outputs,
+                                           args=(engine_models["target"], extra, 2, True, out_path))
+    proc.start()
+    proc.join(timeout=900)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("TP 2 with the push all-reduce hung: the ranks' all-reduces differ")
+    assert proc.exitcode == 0
+    got, pushed, free = torch.load(out_path)
+    assert pushed and all(free)
+    assert got == want
 
 
 # ---- two GPUs ------------------------------------------------------------------------------------------------------
@@ -163,6 +236,7 @@ def test_a_missing_peer_traps_instead_of_hanging(tmp_path):
     assert open(path).read().startswith("raised"), open(path).read()
 
 
+@pytest.mark.skipif(INTERPRET, reason="compiles the kernel: run without TRITON_INTERPRET")
 @pytest.mark.parametrize("dtype,sentinel", [("*bf16", SENTINEL[2]), ("*fp32", SENTINEL[4])])
 def test_buffer_accesses_compile_16_bytes_wide(dtype, sentinel):
     """The receive buffers' addresses come from memory, so the kernel states their alignment; without it every push,
