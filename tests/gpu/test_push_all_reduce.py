@@ -8,8 +8,9 @@
   graph; a peer that never arrives traps instead of hanging.
 
 - The engine at TP 2 on the CPU with the kernel (interpreter, shared-memory files for buffers): plain decoding,
-  NGRAM, EAGLE-3 and a split STANDALONE draft give TP 1's output, so every rank makes the same all-reduces in the
-  same order (else a part never arrives and the run hangs).
+  NGRAM, EAGLE-3 (a chain; adaptive trees), a split STANDALONE draft, a Qwen3.5 hybrid with its MTP head and a
+  Qwen3-Next sparse model give TP 1's output, so every rank makes the same all-reduces in the same order (else a part
+  never arrives and the run hangs).
 - Wherever triton is installed (not under the interpreter): its sm_90 compile moves the buffers' data 16 bytes per
   access.
 
@@ -93,7 +94,12 @@ ENGINE_CASES = {
     "eagle3-chain": dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1),
     "standalone-tree": dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, speculative_eagle_topk=2,
                             speculative_num_draft_tokens=6),
+    "eagle3-tree-adaptive": dict(speculative_algorithm="EAGLE3", speculative_adaptive=True),
+    "hybrid-mtp": dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=2,
+                       speculative_num_draft_tokens=5),
+    "moe": {},
 }
+TARGETS = {"hybrid-mtp": "qwen3_5", "moe": "qwen3_next"}  # the rest: the 4-layer Llama
 
 
 def _engine_outputs(model: str, extra: dict, tp_size: int, push: bool, out_path: str | None = None):
@@ -122,11 +128,15 @@ def engine_models(tmp_path_factory):
     from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
     from hyperdraft.testing.tiny import make_tiny_model
 
+    from helpers.hybrid_fixtures import with_mtp_weights
+
     root = tmp_path_factory.mktemp("push_engine")
     target = make_tiny_model(str(root / "llama"), "llama", seed=2, num_hidden_layers=4)
     return {"target": target, "head": write_random_eagle_checkpoint(str(root / "e3"), target, kind="eagle3",
                                                                      draft_vocab_size=200),
-            "draft": make_tiny_model(str(root / "draft"), "qwen3", seed=1)}
+            "draft": make_tiny_model(str(root / "draft"), "qwen3", seed=1),
+            "qwen3_5": with_mtp_weights(make_tiny_model(str(root / "q35"), "qwen3_5", seed=3), str(root / "q35_mtp")),
+            "qwen3_next": make_tiny_model(str(root / "qn"), "qwen3_next", seed=4)}
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the kernel under Triton's interpreter (TRITON_INTERPRET=1)")
@@ -136,14 +146,14 @@ def test_the_engine_at_tp2_with_push_equals_tp1(engine_models, case, tmp_path):
     for a part that never comes (NCCL would not notice a different order of equal sizes). The engine at TP 2 with
     it, on the CPU (gloo for everything else), through plain decoding and each drafter: TP 1's output, pools free."""
     extra = dict(ENGINE_CASES[case])
-    if case == "eagle3-chain":
+    if case.startswith("eagle3"):
         extra["speculative_draft_model_path"] = engine_models["head"]
     if case == "standalone-tree":
         extra["speculative_draft_model_path"] = engine_models["draft"]  # split over the ranks too: its own sums
-    want = _engine_outputs(engine_models["target"], extra, 1, False)
+    target = engine_models[TARGETS.get(case, "target")]
+    want = _engine_outputs(target, extra, 1, False)
     out_path = str(tmp_path / "tp2.pt")
-    proc = mp.get_context("spawn").Process(target=_engine_outputs,
-                                           args=(engine_models["target"], extra, 2, True, out_path))
+    proc = mp.get_context("spawn").Process(target=_engine_outputs, args=(target, extra, 2, True, out_path))
     proc.start()
     proc.join(timeout=900)
     if proc.is_alive():
