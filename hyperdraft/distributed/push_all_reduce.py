@@ -8,6 +8,9 @@ Torch's symmetric memory remembers a group by its name for the life of the proce
 process outlives each engine's followers) would rendezvous through the first engine's dead store and hang. So each
 PushAllReduce makes its own group, named after how many rank 0's process has made (rank 0 broadcasts the count).
 
+On the CPU, under Triton's interpreter (which runs the same kernel on CPU tensors), the buffers are shared-memory
+files each rank maps: tests run the whole engine with it there (tests/gpu/test_push_all_reduce.py).
+
 One receive buffer per element width (2 bytes: bf16 and fp16; 4 bytes: fp32), because an empty slot holds that
 width's -0.0: a buffer shared by both widths would read one width's sentinel as the other's data. Every rank builds
 its buffers in the same order at group start-up (a collective), before any model exists, so a draft model split over
