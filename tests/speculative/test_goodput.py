@@ -112,9 +112,9 @@ def test_exploration_visits_least_recently_run_tiers_then_returns():
     # a huge hysteresis: ordinary decisions never switch, so every move below is exploration or the return from it
     slot = GoodputSlot([Tier(0), Tier(1), Tier(3)], 1, hysteresis=100.0, decide_every=1, warmup=0, explore_every=2)
     ran = run(slot, 1, lambda t, r, i: t.steps, linear_cost(0.010, 1e-6, 0.004), 8)
-    # decision 2 explores the never-run tier with fewest steps (0), 3 returns home, 4 explores the other never-run
-    # tier (3), 6 the one run longest ago (0)
-    assert ran == [Tier(1), Tier(1), Tier(0), Tier(1), Tier(3), Tier(1), Tier(0), Tier(1)]
+    # never-run tiers are explored at once: decision 1 explores the one with fewest steps (0), 2 returns home, 3
+    # explores the other (3), 4 returns; then every explore_every-th decision (6) the one run longest ago (0)
+    assert ran == [Tier(1), Tier(0), Tier(1), Tier(3), Tier(1), Tier(1), Tier(0), Tier(1)]
     assert {t for (t, _) in slot.timed} == {Tier(0), Tier(1), Tier(3)}
     off = GoodputSlot([Tier(0), Tier(1), Tier(3)], 1, hysteresis=100.0, decide_every=1, warmup=0, explore_every=0)
     assert run(off, 1, lambda t, r, i: t.steps, linear_cost(0.010, 1e-6, 0.004), 8) == [Tier(1)] * 8

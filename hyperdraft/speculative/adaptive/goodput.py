@@ -112,7 +112,9 @@ class GoodputSlot:
     warmup: counted steps before the first decision.
     explore_every: every this many decisions, run instead the tier run longest ago (never run first; ties: the
         smaller tier) for one decision interval, so its cost and acceptance stay measured; the next decision then
-        compares against the tier left for it. 0 disables. Deterministic.
+        compares against the tier left for it. While a tier has never run, every decision not returning from an
+        exploration explores one, so each candidate is timed within the first few decisions. 0 disables.
+        Deterministic.
     draft_cost_ratio, ridge_tokens: the cost prior (module docstring).
     """
 
@@ -174,7 +176,11 @@ class GoodputSlot:
         old = self._tier
         self.decisions += 1
         others = [t for t in self.tiers if t != old]
-        if self.explore_every and self.decisions % self.explore_every == 0 and others and self.home is None:
+        # A tier never run is explored at once (every other decision until each has run): until then its cost is
+        # the fit's guess, and waiting explore_every decisions for each kept a slow CPU on guesses for most of a run.
+        due = self.explore_every and (any(self.last_run[t] < 0 for t in others)
+                                      or self.decisions % self.explore_every == 0)
+        if due and others and self.home is None:
             self.home = old
             self._tier = min(others, key=lambda t: (self.last_run[t], t))
             return True
