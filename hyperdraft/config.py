@@ -27,14 +27,15 @@ class AlgorithmTraits:
     draft_model: bool  # runs a draft model or head (speculative_draft_model_path)
     trees: bool  # can draft trees (speculative_eagle_topk > 1) and draw drafts from q (rejection sampling)
     own_mtp: bool = False  # without speculative_draft_model_path, drafts with the target's own MTP module
+    head: bool = False  # drafts with a head over the target's hidden states (split under TP by split_draft_head)
 
 
 # SGLang's algorithm names. speculative/proposers/__init__.py registers one Proposer class under each.
 SPECULATIVE_ALGORITHMS = {
     "NGRAM": AlgorithmTraits(draft_model=False, trees=False),
     "STANDALONE": AlgorithmTraits(draft_model=True, trees=True),
-    "EAGLE": AlgorithmTraits(draft_model=True, trees=True, own_mtp=True),
-    "EAGLE3": AlgorithmTraits(draft_model=True, trees=True),
+    "EAGLE": AlgorithmTraits(draft_model=True, trees=True, own_mtp=True, head=True),
+    "EAGLE3": AlgorithmTraits(draft_model=True, trees=True, head=True),
 }
 SPECULATIVE_ALIASES = {"NEXTN": "EAGLE", "MTP": "EAGLE"}  # NEXTN / MTP: the target's own MTP module
 SPECULATIVE_NOT_YET: tuple[str, ...] = ()

@@ -35,7 +35,7 @@ _GROUPS_MADE = itertools.count()  # in this process (rank 0's counts for every r
 class _Lane:
     """The receive buffers (each rank's, as this process reaches it), and the call counters, for one element width."""
 
-    def __init__(self, width: int, size: int, peers: list[torch.Tensor], device: torch.device):
+    def __init__(self, size: int, peers: list[torch.Tensor], device: torch.device):
         self.capacity = peers[0].numel() // (SLOTS * size)  # elements per slot
         self.peers = peers  # keeps every mapping open
         self.buffers = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
@@ -94,7 +94,7 @@ class PushAllReduce:
             torch.cuda.synchronize(device)
         else:
             peers = {width: _shared_file_buffers(width, rank, size, f"{pid}-{made}", control) for width in (2, 4)}
-        self.lanes = {width: _Lane(width, size, buffers, device) for width, buffers in peers.items()}
+        self.lanes = {width: _Lane(size, buffers, device) for width, buffers in peers.items()}
         dist.barrier(group=control)  # every rank's sentinels are written before any rank pushes
 
     def fits(self, x: torch.Tensor) -> bool:

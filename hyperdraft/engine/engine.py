@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from hyperdraft.config import EngineArgs
+from hyperdraft.config import SPECULATIVE_ALGORITHMS, EngineArgs
 from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.engine.lockstep import (Command, Lockstep, check_devices, init_group, local_rank, node_ranks,
@@ -114,9 +114,9 @@ class Engine:
         self.context_len = args.context_length or self.model_config.max_position_embeddings
         self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
         proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
-        split = self.options.split_draft_head if self.spec and self.spec.algorithm in ("EAGLE", "EAGLE3") else \
-            self.options.split_draft_model
-        draft_tp = self.lockstep.tp if split else SINGLE
+        heads = self.spec is not None and SPECULATIVE_ALGORITHMS[self.spec.algorithm].head
+        draft_tp = self.lockstep.tp if (self.options.split_draft_head if heads else self.options.split_draft_model) \
+            else SINGLE
         draft = proposer_cls.load_draft(self.spec, model, args, self.device, draft_tp) if proposer_cls else None
         tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
         self.max_rows, self.page_table = self._page_table(model, draft, tree)
