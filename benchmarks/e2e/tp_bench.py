@@ -56,13 +56,14 @@ def spec_args(name: str | None, drafts: dict[str, str]) -> dict:
 
 
 def run_rows(target: str, drafts: dict[str, str], device: str, rows: list[tuple], capacity: int,
-             repeats: int) -> list[dict]:
+             repeats: int, results: list[dict], save) -> list[dict]:
     """rows: (tp_size, speculation name or None, batch sizes, extra engine args[, RuntimeOptions switches]). One engine
-    per row, dropped (and its followers stopped) before the next is built: the 70B part needs the whole GPU."""
-    results = []
+    per row, dropped (and its followers stopped) before the next is built: the 70B part needs the whole GPU. Rows are
+    appended to `results` and `save()` runs after each, so a run cut short by a time limit still leaves its report."""
     for tp, spec_name, batches, extra, *switches in rows:
         results += measure_row(target, drafts, device, tp, spec_name, batches, extra, capacity, repeats,
                                switches[0] if switches else {})
+        save()
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -151,6 +152,7 @@ def main() -> None:
                     help="only the 8B rows that compare all-reduces: plain and chain 5 at TP 1, TP 2 with NCCL's, "
                          "TP 2 with the push all-reduce")
     ap.add_argument("--repeats", type=int, default=4, help="batch-1 decode runs per plain row (chain rows: twice)")
+    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes to keep from each 8B row")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
     if not args.tiny:
@@ -177,15 +179,25 @@ def main() -> None:
         rows = [(1, None, (1, 8), {}), (2, None, (1, 8), {}, nccl), (2, None, (1, 8), {}, push),
                 (2, "chain5", (1, 8), {}, push), (2, "chain5", (1, 8), {}, nccl), (1, "chain5", (1, 8), {})]
         args.no_big = True
+    keep = {int(b) for b in args.batches.split(",")}
+    rows = [(tp, spec, tuple(b for b in batches if b in keep), *rest) for tp, spec, batches, *rest in rows
+            if keep & set(batches)]
     repeats = 1 if args.tiny else args.repeats
-    results = [] if args.only_big else run_rows(target, drafts, device, rows, capacity, repeats)
+    results: list[dict] = []
     shapes = {} if args.only_big else {"Llama-3.1-8B shape, every row": results}
+    save = lambda: save_report(results, shapes, device, args)  # noqa: E731
+    if not args.only_big:
+        run_rows(target, drafts, device, rows, capacity, repeats, results, save)
     if not args.no_big:
         big_cfg = dict(TINY, num_hidden_layers=16) if args.tiny else LLAMA_70B
         big, big_head = write_configs(os.path.join(root, "70b"), big_cfg, 512 if args.tiny else 32000)
         big_rows = [(2, None, (1, 4), {}), (2, "chain5", (1,), {}), (2, "chain5", (1,), {}, dict(split_draft_head=True))]
-        shapes["Llama-3.1-70B shape (141 GB of bf16 weights: does not fit one GPU), TP 2"] = run_rows(
-            big, {"head": big_head}, device, big_rows, BIG_CAPACITY, repeats)
+        shapes["Llama-3.1-70B shape (141 GB of bf16 weights: does not fit one GPU), TP 2"] = big_results = []
+        run_rows(big, {"head": big_head}, device, big_rows, BIG_CAPACITY, repeats, big_results, save)
+    print(save_report(results, shapes, device, args))
+
+
+def save_report(results: list[dict], shapes: dict[str, list[dict]], device: str, args) -> str:
     text = report(results, shapes, device)
     if args.only_big:
         text = text.replace("## Llama-3.1-8B shape\n", "## Llama-3.1-8B shape (not run: --only-big)\n")
@@ -195,7 +207,7 @@ def main() -> None:
         f.write(text)
     with open(stem + ".json", "w") as f:
         json.dump(shapes, f, indent=1)
-    print(text)
+    return text
 
 
 if __name__ == "__main__":

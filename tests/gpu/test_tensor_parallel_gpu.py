@@ -126,6 +126,30 @@ def test_tp2_with_push_all_reduce_equals_tp1(models, case):
         assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
 
 
+def test_push_after_an_nccl_engine_in_bf16_equals_nccl(tmp_path):
+    """What tp_bench --all-reduce-rows does, which hung on two H100s (2026-11-27; its engine build trapped once the
+    wait limit was cut to 30 s): in one process a TP 2 engine with NCCL's all-reduces, then one with the push kernel,
+    bf16, a model wide enough that prefill chunks go through NCCL and decode rows through the push kernel. Two parts
+    summed in fp32 and rounded once are NCCL's bits, so greedy outputs must be equal; a hang fails at dist_timeout."""
+    path = make_tiny_model(str(tmp_path / "wide"), "llama", seed=6, hidden_size=1024, intermediate_size=2816,
+                           num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                           max_position_embeddings=2048)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 380, (n,), generator=g).tolist() for n in (700, 40, 513, 9)]  # 700 x 1024 > a slot
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (20, 33, 8, 27)]
+    outputs = []
+    for options in (RuntimeOptions.from_env(push_all_reduce=False), PUSH):
+        llm = LLM(path, device="cuda", dtype="bfloat16", max_running_requests=4, chunked_prefill_size=1024,
+                  dist_timeout=120, max_total_tokens=8192, tp_size=2, runtime_options=options)
+        try:
+            outputs.append([o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params,
+                                                              use_tqdm=False)])
+            assert (llm.engine.lockstep.tp.push is not None) == options.push_all_reduce
+        finally:
+            llm.shutdown()
+    assert outputs[1] == outputs[0]
+
+
 @pytest.mark.parametrize("case", ["eagle3-chain", "eagle-tree"])
 def test_tp2_with_the_head_split_equals_tp1(models, case):
     """RuntimeOptions.split_draft_head: the head's layers split over the ranks, its all-reduces in its graphs."""
