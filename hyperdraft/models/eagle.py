@@ -39,30 +39,25 @@ target's h_n..h_{n+a} and tokens t_{n+1}..t_{n+a+1}, overwriting the speculative
 
 from __future__ import annotations
 
-import dataclasses
-import glob
 import json
 import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.config import ModelConfig, model_config_from_dict
 from hyperdraft.models.decoder import (MLP, Attention, AttentionFn, DecoderLayer, DecoderLM, IdentityNorm, RMSNorm,
                                        attention_and_mlp_groups, rope_inv_freq)
-from hyperdraft.models.cpu_linear import Linear, fuse_projections
-from hyperdraft.models.loader import DTYPES
+from hyperdraft.models.cpu_linear import Linear
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_reference
 from hyperdraft.kernels.rope import rope_table
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.models.hot_vocab import HotVocab
-from hyperdraft.models.tensor_parallel import (VocabParallelEmbedding, head_vocab_modules, rank_config, rank_part,
-                                               split_problem)
+from hyperdraft.models.tensor_parallel import VocabParallelEmbedding, head_vocab_modules
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
 
@@ -343,119 +338,3 @@ def target_capture_layers(head: EagleHead | Eagle3Head) -> tuple[int, ...]:
     """The capture_layers to pass to the target's DecoderLM.forward (it captures layer inputs: output of i = input
     of i+1; the last layer's output is capture index num_layers)."""
     return tuple(sorted(i + 1 for i in head.aux_layer_ids))
-
-
-def _read_weights(path: str) -> dict[str, torch.Tensor]:
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    bins = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
-    if not files and not bins:
-        raise ValueError(f"draft model path {path!r} has no *.safetensors or pytorch_model*.bin weights")
-    weights = {}
-    for f in files or bins:
-        weights.update(load_file(f) if files else torch.load(f, map_location="cpu", weights_only=True))
-    return {n[len("model."):] if n.startswith("model.") else n: t for n, t in weights.items()}
-
-
-def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None, load_format: str = "auto",
-                    hot_ids: torch.Tensor | None = None, tp: TensorParallel = SINGLE) -> EagleHead | Eagle3Head:
-    """Load an EAGLE-1/EAGLE-3 head for `target`; dtype/device default to the target's ("auto" = the target's dtype).
-    hot_ids: a token map's ids (EAGLE-1 only: an EAGLE-3 head carries its own draft vocabulary, d2t). tp: split the
-    head's layers over a tensor-parallel group as the target's are (heads and MLP columns; fc, embedding and lm_head
-    whole on every rank), or SINGLE for a whole head on every rank; a head whose heads do not divide stays whole."""
-    whole_cfg, tcfg = load_eagle_config(path), target.config
-    tp = tp if split_problem(whole_cfg.layer, tp) is None else SINGLE
-    cfg = dataclasses.replace(whole_cfg, layer=rank_config(whole_cfg.layer, tp))
-    param = next(target.parameters())
-    device = torch.device(device) if device is not None else param.device
-    if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; allowed values: auto, {', '.join(DTYPES)}")
-    dtype = param.dtype if dtype in (None, "auto") else DTYPES.get(dtype, dtype)
-    ids = _check_against_target(cfg, tcfg)
-    if hot_ids is not None and cfg.kind == "eagle3":
-        raise ValueError("speculative_token_map is for heads that score the whole vocabulary (EAGLE, NEXTN, MTP); "
-                         "an EAGLE3 head carries its own draft vocabulary (draft_vocab_size, d2t)")
-    weights, own_embed, own_lm_head = _head_weights(path, cfg, tcfg, load_format)
-    if weights is not None and tp.size > 1:
-        weights = {n: rank_part(n, t, whole_cfg.layer, tp, vocab_parallel=False) for n, t in weights.items()}
-    with torch.device("meta"):
-        head = (Eagle3Head(cfg, target, own_embed, own_lm_head, ids, tp) if cfg.kind == "eagle3"
-                else EagleHead(cfg, target, own_embed, own_lm_head, hot_ids, tp))
-    head = head.to_empty(device=device)
-    _fill_state(head, path, cfg, weights)
-    head.to(dtype)  # floating tensors only: d2t/t2d keep their integer/bool dtypes
-    head.inv_freq = rope_inv_freq(cfg.layer).to(device)  # RoPE frequencies stay fp32 whatever the weights' dtype
-    head.finish_loading()
-    fuse_projections(head.layers if cfg.kind != "eagle3" else [head.midlayer])
-    return head.eval().requires_grad_(False)
-
-
-def _check_against_target(cfg: EagleConfig, tcfg) -> tuple[int, ...]:
-    """Refuse a head that cannot draft for this target -> the target layers an EAGLE-3 head reads (() for EAGLE-1)."""
-    if cfg.vocab_size != tcfg.vocab_size:
-        raise ValueError(f"draft vocab_size={cfg.vocab_size} differs from the target's vocab_size={tcfg.vocab_size}")
-    field, size = ("target_hidden_size", cfg.target_hidden_size) if cfg.kind == "eagle3" else ("hidden_size", cfg.hidden_size)
-    if size != tcfg.hidden_size:
-        raise ValueError(f"draft {field}={size} differs from the target's hidden_size={tcfg.hidden_size}")
-    if cfg.kind != "eagle3":
-        return ()
-    ids = cfg.eagle_aux_hidden_state_layer_ids or default_aux_layer_ids(tcfg.num_layers)
-    if len(ids) != 3 or len(set(ids)) != 3:
-        raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)}: EAGLE-3 needs exactly 3 distinct target layers")
-    if not all(0 <= i < tcfg.num_layers for i in ids):
-        raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)} must lie in [0, {tcfg.num_layers}) "
-                         f"(the target has num_layers={tcfg.num_layers})")
-    return tuple(ids)
-
-
-def _head_weights(path: str, cfg: EagleConfig, tcfg, load_format: str) -> tuple[dict | None, bool, bool]:
-    """-> (the checkpoint's weights, None for dummy weights; whether the head owns its embedding; its lm_head)."""
-    if load_format == "dummy":  # random weights (benchmarks); own embeddings / lm_head only where sharing is impossible
-        weights = None
-        own_embed = cfg.hidden_size != tcfg.hidden_size
-        own_lm_head = (cfg.hidden_size, cfg.draft_vocab_size) != (tcfg.hidden_size, tcfg.vocab_size)
-    else:
-        weights = _read_weights(path)
-        own_embed, own_lm_head = "embed_tokens.weight" in weights, "lm_head.weight" in weights
-    if not own_embed and cfg.hidden_size != tcfg.hidden_size:
-        raise ValueError(f"the draft has no embed_tokens.weight, and with hidden_size={cfg.hidden_size} it cannot share "
-                         f"the target's (hidden_size={tcfg.hidden_size})")
-    if not own_lm_head and (cfg.hidden_size, cfg.draft_vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
-        raise ValueError(f"the draft has no lm_head.weight, and with hidden_size={cfg.hidden_size}, draft_vocab_size="
-                         f"{cfg.draft_vocab_size} it cannot share the target's ({tcfg.hidden_size}, {tcfg.vocab_size})")
-    return weights, own_embed, own_lm_head
-
-
-def _fill_state(head: EagleHead | Eagle3Head, path: str, cfg: EagleConfig, weights: dict | None) -> None:
-    """The checkpoint's tensors into the head's state (random ones for dummy weights), checked by name and shape."""
-    state = {n: t for n, t in head.state_dict().items() if not n.startswith("hot_vocab.")}  # copied at finish_loading
-    if cfg.kind == "eagle3":
-        state["d2t"].zero_()  # identity defaults for a full-vocabulary head that ships no d2t/t2d
-        state["t2d"].fill_(True)
-    if weights is None:
-        from hyperdraft.models.loader import fill_dummy_weights
-
-        fill_dummy_weights(head)
-        weights = {}
-        if cfg.kind == "eagle3":  # the draft vocabulary is the first draft_vocab_size target ids
-            state["t2d"].zero_()
-            state["t2d"][: cfg.draft_vocab_size] = True
-    else:
-        _check_weight_names(path, cfg, state, weights)
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            if name not in state:
-                continue
-            if tensor.shape != state[name].shape:
-                raise ValueError(f"draft weight {name} has shape {tuple(tensor.shape)}, the head expects {tuple(state[name].shape)}")
-            state[name].copy_(tensor)
-
-
-def _check_weight_names(path: str, cfg, state: dict, weights: dict) -> None:
-    optional = {"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set()
-    unexpected = sorted(n for n in weights if n not in state and not n.endswith("rotary_emb.inv_freq"))
-    if unexpected:
-        raise ValueError(f"draft checkpoint {path!r} has weights the {cfg.architecture} layout lacks: {unexpected[:5]}")
-    missing = sorted(set(state) - set(weights) - optional)
-    if missing:
-        raise ValueError(f"draft checkpoint {path!r} lacks weights: {missing[:5]}")

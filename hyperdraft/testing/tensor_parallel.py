@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.decoder import rotated
-from hyperdraft.models.eagle import load_eagle_head
+from hyperdraft.models.eagle_loader import load_eagle_head
 from hyperdraft.models.loader import load_model
 
 

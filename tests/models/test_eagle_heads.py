@@ -20,9 +20,9 @@ from hyperdraft.models.eagle import (
     aux_layer_ids,
     default_aux_layer_ids,
     load_eagle_config,
-    load_eagle_head,
     target_capture_layers,
 )
+from hyperdraft.models.eagle_loader import load_eagle_head
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 import hyperdraft.speculative.proposers.eagle as eagle_proposer
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.decoder import rotated
-from hyperdraft.models.eagle import load_eagle_head, target_capture_layers
+from hyperdraft.models.eagle import target_capture_layers
+from hyperdraft.models.eagle_loader import load_eagle_head
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model

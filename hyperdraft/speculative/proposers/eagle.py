@@ -33,7 +33,8 @@ from hyperdraft.kernels.draft_plan import pack_catch_up
 from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.decoder import DecoderLM
-from hyperdraft.models.eagle import Eagle3Head, EagleHead, load_eagle_head, target_capture_layers
+from hyperdraft.models.eagle import Eagle3Head, EagleHead, target_capture_layers
+from hyperdraft.models.eagle_loader import load_eagle_head
 from hyperdraft.models.hot_vocab import load_token_map
 from hyperdraft.models.hybrid import HybridLM
 from hyperdraft.models.mtp import MtpHead, load_mtp_head, load_model_config_if_model
