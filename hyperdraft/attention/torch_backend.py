@@ -24,6 +24,7 @@ class TorchAttentionMeta:
     q_index: torch.Tensor  # [B, Qmax] packed row of each query, padding -> T (a zero row)
     mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool, True = may attend
     valid: torch.Tensor  # [B, Qmax] bool, real queries
+    all_valid: bool  # every request has Qmax queries (decodes, verifies): no padding to drop
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -48,7 +49,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = self._apply_tail_mask(fb.tail_mask, seq_lens, key_pos, qmax)
         mask &= (key_pos[None, None, :] < seq_lens[:, None, None])
         mask |= ~valid[:, :, None]  # padded queries attend to something so softmax stays finite
-        return TorchAttentionMeta(kv_slots, q_index, mask[:, None], valid)
+        return TorchAttentionMeta(kv_slots, q_index, mask[:, None], valid, min(fb.extend_lens) == qmax)
 
     @staticmethod
     def _apply_tail_mask(tail: torch.Tensor, seq_lens: torch.Tensor, key_pos: torch.Tensor, qmax: int) -> torch.Tensor:
@@ -70,4 +71,6 @@ class TorchAttentionBackend(AttentionBackend):
         q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.mask, enable_gqa=True)
         out = out.transpose(1, 2)  # [B, Qmax, Hq, D]
+        if meta.all_valid:  # a boolean-mask copy cost 37 us a layer in a CPU verify (profiled); a reshape, ~1
+            return out.reshape(-1, *out.shape[2:])
         return out[meta.valid]  # packed order == request order, so this is [T, Hq, D]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,8 +66,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if m == 1:
         rows = torch.cat([rows, rows])  # two rows take the fast kernel; one would be a slow gemv
     out = torch.mm(weight, rows.t()) if bias is None else torch.addmm(bias[:, None], weight, rows.t())  # [out, m]
-    out = (out[:, :1] if m == 1 else out).t().contiguous()
+    out = transposed(out[:, :1] if m == 1 else out)
     return out if flat else out.view(*x.shape[:-1], weight.shape[0])
+
+
+def transposed(columns: torch.Tensor) -> torch.Tensor:
+    """[n, m] (m a few rows' outputs side by side) -> a contiguous [m, n] (torch-allocated). torch's copy of the
+    transposed view took 350 us for SmolLM2's logits (n = 49152, m = 4) and 25 us for its gate/up product (n = 3072)
+    on a 2-core EPYC, and inside a four-row verify 2.7 ms and 80 us (profiled: 5.7 ms of a 41 ms forward); numpy's
+    strided copy takes 92 and 7 us."""
+    rows = torch.empty(columns.shape[1], columns.shape[0], dtype=columns.dtype)
+    np.copyto(rows.numpy(), columns.numpy().T)
+    return rows
 
 
 class Linear(nn.Linear):

@@ -33,6 +33,17 @@ def test_matches_f_linear_for_every_row_count(out_f, in_f, bias):
         _close(got, F.linear(x, w, b))
 
 
+def test_transposed_equals_torchs_transposed_copy():
+    """The numpy copy that turns [n, m] product columns into rows: the same bits as torch's, contiguous, for a
+    one-row product's column slice (stride 2) too."""
+    gen = torch.Generator().manual_seed(4)
+    for columns in (torch.randn(300, 4, generator=gen), torch.randn(7, 11, generator=gen),
+                    torch.randn(500, 2, generator=gen)[:, :1]):
+        got = cpu_linear.transposed(columns)
+        assert got.is_contiguous() and got.shape == (columns.shape[1], columns.shape[0])
+        assert torch.equal(got, columns.t().contiguous())
+
+
 def test_fast_path_covers_few_rows_only():
     w = torch.randn(16, 8)
     with torch.inference_mode():
