@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,13 +70,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def transposed(columns: torch.Tensor) -> torch.Tensor:
-    """[n, m] (m a few rows' outputs side by side) -> a contiguous [m, n] (torch-allocated). torch's copy of the
-    transposed view took 350 us for SmolLM2's logits (n = 49152, m = 4) and 25 us for its gate/up product (n = 3072)
-    on a 2-core EPYC, and inside a four-row verify 2.7 ms and 80 us (profiled: 5.7 ms of a 41 ms forward); numpy's
-    strided copy takes 92 and 7 us."""
-    rows = torch.empty(columns.shape[1], columns.shape[0], dtype=columns.dtype)
-    np.copyto(rows.numpy(), columns.numpy().T)
-    return rows
+    """[n, m] (m a few rows' outputs side by side) -> a contiguous [m, n]. torch's copy of the transposed view took
+    310 us for SmolLM2's logits (n = 49152, m = 4) and 23 us for its gate/up product (n = 3072) on a 2-core EPYC, and
+    inside a four-row verify 2.7 ms and 80 us (profiled: 5.7 ms of a 41 ms forward); stacking the columns takes 66 and
+    12 us (numpy's copy 63 and 7, but a .numpy() reads as a host sync to the step's sync check). Below ~1000 outputs
+    (576 x 4: 6.5 against 3.9 us) the plain copy wins."""
+    if columns.shape[1] == 1 or columns.shape[0] < 1024:
+        return columns.t().contiguous()
+    return torch.stack(columns.unbind(1))
 
 
 class Linear(nn.Linear):

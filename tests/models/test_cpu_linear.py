@@ -34,11 +34,12 @@ def test_matches_f_linear_for_every_row_count(out_f, in_f, bias):
 
 
 def test_transposed_equals_torchs_transposed_copy():
-    """The numpy copy that turns [n, m] product columns into rows: the same bits as torch's, contiguous, for a
-    one-row product's column slice (stride 2) too."""
+    """The copy that turns [n, m] product columns into rows (stacked columns from 1024 outputs, torch's copy below):
+    the same bits as torch's, contiguous, for a one-row product's column slice and strided columns too."""
     gen = torch.Generator().manual_seed(4)
-    for columns in (torch.randn(300, 4, generator=gen), torch.randn(7, 11, generator=gen),
-                    torch.randn(500, 2, generator=gen)[:, :1]):
+    for columns in (torch.randn(3000, 4, generator=gen), torch.randn(300, 4, generator=gen),
+                    torch.randn(7, 11, generator=gen), torch.randn(2048, 2, generator=gen)[:, :1],
+                    torch.randn(1100, 6, generator=gen)[:, ::2]):
         got = cpu_linear.transposed(columns)
         assert got.is_contiguous() and got.shape == (columns.shape[1], columns.shape[0])
         assert torch.equal(got, columns.t().contiguous())
