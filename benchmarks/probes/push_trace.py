@@ -43,7 +43,8 @@ def _traced_call(self, x: torch.Tensor) -> torch.Tensor:
     caller = "/".join(f"{f.name}:{f.lineno}" for f in traceback.extract_stack(limit=6)[:-1])
     where = (f"cur={torch.cuda.current_device()} stream={torch.cuda.current_stream().cuda_stream} "
              f"capturing={torch.cuda.is_current_stream_capturing()}") if x.is_cuda else "cpu"
-    _Log.file.write(f"{_Log.calls} | {time.time():.3f} | {tuple(x.shape)} | {x.dtype} | {x.device} | {where} | {caller}\n")
+    fields = (_Log.calls, f"{time.time():.3f}", tuple(x.shape), x.dtype, x.device, where, caller)
+    _Log.file.write(" | ".join(map(str, fields)) + "\n")
     return _untraced_call(self, x)
 
 
