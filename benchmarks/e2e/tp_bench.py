@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -185,7 +186,7 @@ def main() -> None:
     repeats = 1 if args.tiny else args.repeats
     results: list[dict] = []
     shapes = {} if args.only_big else {"Llama-3.1-8B shape, every row": results}
-    save = lambda: save_report(results, shapes, device, args)  # noqa: E731
+    save = functools.partial(save_report, results, shapes, device, args)
     if not args.only_big:
         run_rows(target, drafts, device, rows, capacity, repeats, results, save)
     if not args.no_big:

@@ -90,20 +90,28 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_tp2_greedy_equals_tp1(models, case):
+def _tp2_against_tp1(models, case: str, **tp2_args) -> list[dict]:
+    """CASES[case] greedily at TP 1 and at TP 2 (with tp2_args): equal outputs, every rank's pool free -> the ranks'
+    states."""
     kind, extra = CASES[case]
     extra = {k: (models[v] if k in ("speculative_draft_model", "speculative_adaptive_config") else v)
              for k, v in extra.items()}
     prompts = _prompts(len(NEW_TOKENS), seed=len(case))
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
     want, _ = _outputs(models[kind], prompts, params, **extra)
-    got, states = _outputs(models[kind], prompts, params, tp_size=2, **extra)
+    got, states = _outputs(models[kind], prompts, params, tp_size=2, **tp2_args, **extra)
     assert got == want
+    for s in states:
+        assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
+    return states
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_greedy_equals_tp1(models, case):
+    states = _tp2_against_tp1(models, case)
     assert len(states) == 2
     for s in states:
         assert s["num_running_reqs"] == s["num_waiting_reqs"] == 0, s
-        assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
     assert states[0]["kv_capacity_tokens"] == states[1]["kv_capacity_tokens"]
     assert states[0].get("speculative_adaptive_slots") == states[1].get("speculative_adaptive_slots")
 
@@ -115,15 +123,7 @@ PUSH = RuntimeOptions.from_env(push_all_reduce=True)
 def test_tp2_with_push_all_reduce_equals_tp1(models, case):
     """The push all-reduce (kernels/all_reduce.py) in place of NCCL's for small tensors: TP 2 still equals TP 1, and
     the engines of the cases, one after another in this process, each rendezvous afresh (push_all_reduce.py)."""
-    kind, extra = CASES[case]
-    extra = {k: (models[v] if k == "speculative_draft_model" else v) for k, v in extra.items()}
-    prompts = _prompts(len(NEW_TOKENS), seed=len(case))
-    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
-    want, _ = _outputs(models[kind], prompts, params, **extra)
-    got, states = _outputs(models[kind], prompts, params, tp_size=2, runtime_options=PUSH, **extra)
-    assert got == want
-    for s in states:
-        assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
+    _tp2_against_tp1(models, case, runtime_options=PUSH)
 
 
 def test_push_after_an_nccl_engine_in_bf16_equals_nccl(tmp_path):
@@ -145,6 +145,8 @@ def test_push_after_an_nccl_engine_in_bf16_equals_nccl(tmp_path):
             outputs.append([o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params,
                                                               use_tqdm=False)])
             assert (llm.engine.lockstep.tp.push is not None) == options.push_all_reduce
+            for s in llm.engine.rank_states():
+                assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
         finally:
             llm.shutdown()
     assert outputs[1] == outputs[0]
@@ -153,16 +155,7 @@ def test_push_after_an_nccl_engine_in_bf16_equals_nccl(tmp_path):
 @pytest.mark.parametrize("case", ["eagle3-chain", "eagle-tree"])
 def test_tp2_with_the_head_split_equals_tp1(models, case):
     """RuntimeOptions.split_draft_head: the head's layers split over the ranks, its all-reduces in its graphs."""
-    kind, extra = CASES[case]
-    extra = {k: (models[v] if k == "speculative_draft_model" else v) for k, v in extra.items()}
-    prompts = _prompts(len(NEW_TOKENS), seed=len(case))
-    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
-    want, _ = _outputs(models[kind], prompts, params, **extra)
-    split = RuntimeOptions.from_env(split_draft_head=True)
-    got, states = _outputs(models[kind], prompts, params, tp_size=2, runtime_options=split, **extra)
-    assert got == want
-    for s in states:
-        assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
+    _tp2_against_tp1(models, case, runtime_options=RuntimeOptions.from_env(split_draft_head=True))
 
 
 def test_tp2_seeded_sampling_equals_tp1(models):
