@@ -15,6 +15,15 @@ data is its own ready flag, so there is no separate signal and no memory-orderin
                 with the sentinel. A peer cannot run more than one call ahead (call e + 1 needs this rank's part), so
                 it writes slot (e + 1) % 3 at most while this rank reads slot e % 3; slot (e + 2) % 3 is idle.
 
+The slots are safe only if call e - 1 has finished on this rank before call e starts (call e refills the slot that
+e - 1 reads). So this kernel is launched plainly, never with programmatic dependent launch (kernels/pdl.py): a plain
+launch waits for all earlier work in the stream, while a PDL kernel waits only for the kernel just before it, and the
+chain back to the previous all-reduce holds only if every kernel between keeps pdl.py's rule. Measured on two H100s
+(Llama-8B shape, TP 2, bf16): with PDL the engine hung in its first forward (the kernel trapped at its time limit)
+whenever the nvcc-built GEMV (gemv_mma.cu) ran before it; with the GEMV off, with PDL off, with launches made blocking,
+or with only this kernel launched plainly, it ran (benchmarks/probes/push_trace.py). Which link of the chain breaks
+was not found.
+
 Every rank adds the parts in rank order in fp32 and rounds once, so all ranks hold the same bits (for two ranks,
 those of NCCL's sum). Programs spin on their own chunk only, so there is no grid-wide barrier; a chunk that never
 arrives (a dead or diverged peer) traps after WAIT_LIMIT_S seconds instead of hanging the GPU. The plain-torch
@@ -27,7 +36,6 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.kernels._triton import jit, tl
-from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 from hyperdraft.options import triton_interpreted
 
 BLOCK = 1024  # elements per program: a Llama-8B row (4096) spreads over 4 SMs' pushes
@@ -68,8 +76,7 @@ def _trap_after(start_ns, LIMIT_NS: tl.constexpr, TRAP: tl.constexpr):
 
 @jit
 def _push_all_reduce(X, Out, Buffers, Counters, n, slot_size, SENTINEL: tl.constexpr, RANK: tl.constexpr,
-                     WORLD: tl.constexpr, BLOCK: tl.constexpr, LIMIT_NS: tl.constexpr, TRAP: tl.constexpr,
-                     PDL: tl.constexpr):
+                     WORLD: tl.constexpr, BLOCK: tl.constexpr, LIMIT_NS: tl.constexpr, TRAP: tl.constexpr):
     # The buffers travel as addresses, this rank's own too: a tensor argument would be copied back whole after the
     # launch by Triton's interpreter, over the parts peers pushed meanwhile. Addresses loaded from memory have no
     # known alignment, so each buffer access states it (buffers are allocation-aligned, chunks BLOCK-aligned): without
@@ -78,7 +85,6 @@ def _push_all_reduce(X, Out, Buffers, Counters, n, slot_size, SENTINEL: tl.const
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
-    pdl_wait(PDL)
     calls = tl.load(Counters + pid)
     tl.store(Counters + pid, calls + 1)
     here = (calls % 3).to(tl.int64)
@@ -124,7 +130,6 @@ def push_all_reduce(x: torch.Tensor, buffers: torch.Tensor, slot_size: int, coun
     grid = (-(-n // BLOCK),)
     _push_all_reduce[grid](x, out, buffers, counters, n, slot_size, SENTINEL=SENTINEL[x.element_size()],
                            RANK=rank, WORLD=world, BLOCK=BLOCK, LIMIT_NS=int(wait_limit_s * 1e9),
-                           TRAP=not triton_interpreted(),
-                           num_warps=4, **pdl_args(x.device))
+                           TRAP=not triton_interpreted(), num_warps=4)
     return out
 

@@ -261,7 +261,7 @@ def test_buffer_accesses_compile_16_bytes_wide(dtype, sentinel):
 
     names = ("X", "Out", "Buffers", "Counters", "n", "slot_size")
     types = (dtype, dtype, "*i64", "*i64", "i32", "i32")
-    consts = dict(SENTINEL=sentinel, RANK=1, WORLD=2, BLOCK=BLOCK, LIMIT_NS=10**9, TRAP=True, PDL=False)
+    consts = dict(SENTINEL=sentinel, RANK=1, WORLD=2, BLOCK=BLOCK, LIMIT_NS=10**9, TRAP=True)
     signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
     aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 4, 5)}  # as a launch specialises them
     source = ASTSource(fn=_push_all_reduce, signature=signature, constexprs=consts, attrs=aligned)
