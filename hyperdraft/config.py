@@ -82,6 +82,7 @@ class EngineArgs:
     # ---- tensor parallelism (SGLang names) ----
     tp_size: int = _opt(1, "tensor-parallel ranks, one process each, the model split over them (alias: --tensor-parallel-size); on GPUs one GPU per rank (NCCL), on the CPU gloo; dense and Qwen3.5 models")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")
+    disable_custom_all_reduce: bool = _opt(False, "tensor parallelism: every all-reduce through NCCL (default: on one node of GPUs that reach each other's memory, decode and verify rows go through the one-launch push kernel, kernels/all_reduce.py: 1.61x TP 1's Llama-8B step latency on two H100s against NCCL's 1.48x)")
     dist_timeout: float = _opt(600.0, "seconds a rank waits in a collective before the engine stops with an error")
     nnodes: int = _opt(1, "machines the tensor-parallel ranks run on, tp_size / nnodes on each (with --dist-init-addr)")
     node_rank: int = _opt(0, "this machine's index among nnodes: node 0 runs rank 0 (the engine that serves); another node only hosts its ranks (`hyperdraft serve --node-rank K` blocks until rank 0 stops)")

@@ -27,10 +27,11 @@ passes options instead of patching modules.
   HYPERDRAFT_SPLIT_DRAFT_HEAD=1         split_draft_head=True      under tensor parallelism an EAGLE / EAGLE-3 head's
                                                                    layers split over the ranks like the target's
                                                                    (default: whole on every rank, the measured layout)
-  HYPERDRAFT_PUSH_ALL_REDUCE=1          push_all_reduce=True       under tensor parallelism on one node, small
-                                                                   all-reduces pushed through symmetric memory in one
-                                                                   launch (kernels/all_reduce.py) instead of NCCL;
-                                                                   off until its engine runs finish on two GPUs
+  HYPERDRAFT_PUSH_ALL_REDUCE=0          push_all_reduce=False      under tensor parallelism every all-reduce through
+                                                                   NCCL (default: on one node of GPUs that reach each
+                                                                   other's memory, small ones pushed through symmetric
+                                                                   memory in one launch, kernels/all_reduce.py; the
+                                                                   user's flag is EngineArgs' disable_custom_all_reduce)
   HYPERDRAFT_SIMULATE_ACCEPT_RATE=a     simulate_accept_rate=a     BENCHMARK ONLY, lossy (speculative/verify/simulated.py)
 
 `deterministic` has no variable: it is EngineArgs' enable_deterministic_inference (batch-invariant kernels only,
@@ -68,7 +69,7 @@ _SWITCHES = {
     "emulate_cuda_graphs": ("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1"),
     "record_step_time": ("HYPERDRAFT_RECORD_STEP_TIME", "1"),
     "split_draft_model": ("HYPERDRAFT_SPLIT_DRAFT_MODEL", "0"),
-    "push_all_reduce": ("HYPERDRAFT_PUSH_ALL_REDUCE", "1"),
+    "push_all_reduce": ("HYPERDRAFT_PUSH_ALL_REDUCE", "0"),
     "split_draft_head": ("HYPERDRAFT_SPLIT_DRAFT_HEAD", "1"),
 }
 
@@ -89,7 +90,7 @@ class RuntimeOptions:
     record_step_time: bool = False
     split_draft_model: bool = True  # measured faster on two H100s: tp_bench_h100.md
     split_draft_head: bool = False  # not yet measured split (tp_bench chain rows: replicated, 1.19x at batch 1)
-    push_all_reduce: bool = False  # one row in a graph on two H100s: 2.6 us against NCCL's 13.3 (allreduce_latency)
+    push_all_reduce: bool = True  # 8B TP 2 step on two H100s 3.69 ms against NCCL's 4.03 (tp_bench_h100.md)
     simulate_accept_rate: float | None = None
     deterministic: bool = False
 

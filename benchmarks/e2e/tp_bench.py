@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs: per-token latency and throughput of TP 2 against TP 1 in the same run, on random
 bf16 weights of a Llama-3.1-8B shape (load_format="dummy"), plain decoding and EAGLE-3 chain 5 at simulated
-acceptance 0.8 (its head replicated on both ranks), CUDA graphs with NCCL's all-reduces inside (and one eager row);
+acceptance 0.8 (its head replicated on both ranks), CUDA graphs with the all-reduces inside (the small ones through
+the push kernel, the default; --all-reduce-rows compares it with NCCL's) and one eager row;
 then a target that does not fit one GPU (a Llama-3.1-70B shape, 141 GB in bf16) on two.
 
 Each row: input 512 random tokens, output 256, the median step time of several decode runs (engines.median_run).
@@ -115,8 +116,8 @@ def report(results: list[dict], shape_rows: dict[str, list[dict]], device: str) 
            f"- **Date:** {now}. **Device:** {gpu}, torch {torch.__version__}. **Commit:** {git_commit()}.",
            f"- **Command:** `{command_line()}`",
            f"- **What runs:** random bf16 weights, input {INPUT_LEN}, output {OUTPUT_LEN}, CUDA graphs up to batch "
-           f"{MAX_BS} with the all-reduces captured inside (NCCL's; the push kernel, "
-           "kernels/all_reduce.py, for those that fit in rows marked so); EAGLE-3 chain 5 at simulated acceptance "
+           f"{MAX_BS} with the all-reduces captured inside (the push kernel, kernels/all_reduce.py, for "
+           "those that fit, NCCL's for the rest and in rows marked so); EAGLE-3 chain 5 at simulated acceptance "
            "0.8 (LOSSY: speed only), its head whole on every rank unless marked split. Step time = median over the "
            "runs.", "",
            "## Llama-3.1-8B shape", "",

@@ -1,7 +1,7 @@
 """PushAllReduce: the small all-reduces of a split model (decode rows, verify rows) as one kernel launch each,
 through buffers every rank of one node can write (torch's symmetric memory); kernels/all_reduce.py has the protocol
-and the measured reason. Larger tensors (prefill chunks) and other dtypes go through NCCL. Opt-in
-(RuntimeOptions.push_all_reduce, HYPERDRAFT_PUSH_ALL_REDUCE=1) until the engine's two-GPU runs with it complete.
+and the measured reason. Larger tensors (prefill chunks) and other dtypes go through NCCL. The default on one node
+of GPUs that reach each other's memory (engine/lockstep.py push_wanted); --disable-custom-all-reduce turns it off.
 
 Torch's symmetric memory remembers a group by its name for the life of the process, but group names restart from
 "0" whenever the default group is destroyed and made again: a second tensor-parallel engine in one process (rank 0's

@@ -79,24 +79,36 @@ def start_followers(args: EngineArgs, follow: Callable, options, ranks, address:
     return followers
 
 
+def push_wanted(args: EngineArgs, options: RuntimeOptions, rank: int, device: torch.device) -> bool:
+    """Whether the small all-reduces go through the push kernel: on one node whose GPUs all reach each other's
+    memory (the kernel writes into its peers' buffers), unless turned off; on the CPU only under Triton's interpreter,
+    which runs the kernel there (tests). Every rank of a node computes the same answer: the ranks must agree."""
+    if not options.push_all_reduce or args.disable_custom_all_reduce or args.nnodes > 1 or args.tp_size == 1:
+        return False
+    if device.type != "cuda":
+        return triton_interpreted()
+    first = (device.index or 0) - local_rank(args, rank)
+    gpus = range(first, first + ranks_per_node(args))
+    return all(torch.cuda.can_device_access_peer(a, b) for a in gpus for b in gpus if a != b)
+
+
 def init_group(args: EngineArgs, rank: int, address: str, device: torch.device,
                options: RuntimeOptions) -> TensorParallel:
     """Join the group: NCCL for the model's tensors on CUDA (bound to this rank's GPU), gloo on the CPU; on CUDA a
-    gloo group beside it for the control messages. With RuntimeOptions.push_all_reduce on one node, the push
-    all-reduce's buffers (on the CPU only under Triton's interpreter, which runs its kernel there: tests)."""
+    gloo group beside it for the control messages; the push all-reduce's buffers where push_wanted."""
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    wanted = options.push_all_reduce and args.nnodes == 1
     if device.type != "cuda":
         dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                                 timeout=timeout)
-        push = PushAllReduce(rank, args.tp_size, device, None, args.dist_timeout) if wanted and triton_interpreted() \
-            else None
+        wanted = push_wanted(args, options, rank, device)
+        push = PushAllReduce(rank, args.tp_size, device, None, args.dist_timeout) if wanted else None
         return TensorParallel(rank, args.tp_size, push=push)
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                             timeout=timeout, device_id=device)
     control = dist.new_group(backend="gloo", timeout=timeout)
+    wanted = push_wanted(args, options, rank, device)
     push = PushAllReduce(rank, args.tp_size, device, control, args.dist_timeout) if wanted else None
     return TensorParallel(rank, args.tp_size, control=control, push=push)
 

@@ -6,6 +6,7 @@ pool ends free; a rank that dies stops the engine with an error instead of a han
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -329,3 +330,25 @@ def test_tp2_hybrid_state_snapshots_equal_tp1(models, spec):
     assert runs[1] == runs[0]
     assert [cached for _, cached in runs[1]][2:] == [36] * 3  # (MTP: 35 tokens of pages + the snapshot's one)
     _check_pools_free(states, 2)
+
+
+def test_the_push_all_reduce_is_chosen_only_where_its_kernel_runs():
+    """On by default (RuntimeOptions.push_all_reduce) but only where its kernel can run: one node, more than one rank,
+    and on the CPU only under Triton's interpreter; SGLang's --disable-custom-all-reduce and the option turn it off."""
+    from hyperdraft.config import EngineArgs, add_engine_args, engine_args_from_namespace
+    from hyperdraft.engine.lockstep import push_wanted
+    from hyperdraft.options import triton_interpreted
+
+    cpu, on = torch.device("cpu"), RuntimeOptions.from_env({})
+    assert on.push_all_reduce and not RuntimeOptions.from_env({"HYPERDRAFT_PUSH_ALL_REDUCE": "0"}).push_all_reduce
+    assert push_wanted(EngineArgs(model_path="m", tp_size=2), on, 1, cpu) == triton_interpreted()
+    two_nodes = EngineArgs(model_path="m", tp_size=2, nnodes=2, dist_init_addr="10.0.0.1:29500")
+    for args in (EngineArgs(model_path="m", tp_size=1), two_nodes,
+                 EngineArgs(model_path="m", tp_size=2, disable_custom_all_reduce=True)):
+        assert not push_wanted(args, on, 0, cpu), args
+    assert not push_wanted(EngineArgs(model_path="m", tp_size=2), RuntimeOptions.from_env(push_all_reduce=False), 0,
+                           cpu)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from_namespace(parser.parse_args(["--model", "m", "--disable-custom-all-reduce"])) \
+        .disable_custom_all_reduce

@@ -120,22 +120,23 @@ PUSH = RuntimeOptions.from_env(push_all_reduce=True)
 
 
 @pytest.mark.parametrize("case", ["plain-graphs", "plain-eager", "eagle3-chain", "standalone-tree"])
-def test_tp2_with_push_all_reduce_equals_tp1(models, case):
-    """The push all-reduce (kernels/all_reduce.py) in place of NCCL's for small tensors: TP 2 still equals TP 1, and
-    the engines of the cases, one after another in this process, each rendezvous afresh (push_all_reduce.py)."""
-    _tp2_against_tp1(models, case, runtime_options=PUSH)
+def test_tp2_with_nccl_all_reduces_only_equals_tp1(models, case):
+    """The other all-reduce path: --disable-custom-all-reduce sends every all-reduce through NCCL (the cases above
+    push the small ones, kernels/all_reduce.py, the default on two GPUs that reach each other's memory)."""
+    _tp2_against_tp1(models, case, disable_custom_all_reduce=True)
 
 
 def test_push_after_an_nccl_engine_in_bf16_equals_nccl(tmp_path):
-    """What tp_bench --all-reduce-rows does, which hung on two H100s (2026-11-27; its engine build trapped once the
-    wait limit was cut to 30 s): in one process a TP 2 engine with NCCL's all-reduces, then one with the push kernel,
-    bf16, a model wide enough that prefill chunks go through NCCL and decode rows through the push kernel. Two parts
-    summed in fp32 and rounded once are NCCL's bits, so greedy outputs must be equal; a hang fails at dist_timeout."""
-    path = make_tiny_model(str(tmp_path / "wide"), "llama", seed=6, hidden_size=1024, intermediate_size=2816,
-                           num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+    """What tp_bench --all-reduce-rows does: in one process a TP 2 engine with NCCL's all-reduces, then one with the
+    push kernel, bf16, a model wide enough that prefill chunks go through NCCL and decode rows through the push kernel,
+    and whose row-parallel layers (K of 1024 and 2048 per rank) run the nvcc GEMV right before each push: that order
+    hung an 8B engine while the push kernel was launched with PDL (kernels/all_reduce.py). Two parts summed in fp32 and
+    rounded once are NCCL's bits, so greedy outputs must be equal; a hang fails at dist_timeout."""
+    path = make_tiny_model(str(tmp_path / "wide"), "llama", seed=6, hidden_size=2048, intermediate_size=4096,
+                           num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
                            max_position_embeddings=2048)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(5, 380, (n,), generator=g).tolist() for n in (700, 40, 513, 9)]  # 700 x 1024 > a slot
+    prompts = [torch.randint(5, 380, (n,), generator=g).tolist() for n in (700, 40, 513, 9)]  # 700 x 2048 > a slot
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (20, 33, 8, 27)]
     outputs = []
     for options in (RuntimeOptions.from_env(push_all_reduce=False), PUSH):
