@@ -34,13 +34,16 @@ where a plain decode of that branch has them, so the sums run in the same order.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from hyperdraft.kernels._triton import jit, tl
 from hyperdraft.kernels.attention_tiles import (INVARIANT_SPLIT_KEYS, Tiles, attention_workspace, next_pow2,
                                                 num_row_tiles, tile_config)
+from hyperdraft.kernels.kv_store import store_head_kv
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
+from hyperdraft.kernels.rope import rotated
 
 
 @jit
@@ -101,11 +104,14 @@ def _attend_keys(
 @jit
 def _attn_stage1(
     Q, K, V, Out, PartO, PartLse, Table, ReqRows, SeqLens, ExtStarts, ExtLens, Tail, Path, PathLen,
+    NewK, NewV, NewSlots, Cos, Sin,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_row,
     stride_tb, stride_tq, stride_tw, tail_q, tail_w, num_heads, head_dim, num_splits, scale_log2,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh, half,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAIL: tl.constexpr, IEEE: tl.constexpr, PATH: tl.constexpr,
-    FIXED: tl.constexpr, INLINE: tl.constexpr, SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr,
+    FIXED: tl.constexpr, INLINE: tl.constexpr, SPLIT_KEYS: tl.constexpr, NEW_KV: tl.constexpr, ROPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Kept whole: one GPU program. The key loops already live in _attend_keys; what is left (the tile's queries, the
     # split bounds, the mask start, the store) is read by both loops and the store, and a further @jit helper would
@@ -145,8 +151,12 @@ def _attn_stage1(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     tok = (start + qi).to(tl.int64)
-    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    if ROPE:
+        q = rotated(q_rows, Cos + tok[:, None] * 2 * half, Sin + tok[:, None] * 2 * half, d[None, :],
+                    row_ok[:, None] & d_ok[None, :], half)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     if PATH:  # causal over the branch: prefix is the query's own index (its qi is 0)
         kv_end = prefix + 1
@@ -165,6 +175,17 @@ def _attn_stage1(
     else:
         first_visible = prefix + (tile * BLOCK_M) // GROUP + 1
     mask = row_ok[:, None] & d_ok[None, :]
+    if FIXED:  # splits at fixed key positions: the same cut whatever the batch (the merge then sums them in order)
+        split_len = SPLIT_KEYS
+    else:
+        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    if NEW_KV:  # a decode (NewTokens): a program whose keys include the new (last) one stores it before reading it
+        if INLINE or (lo < kv_end and kv_end <= lo + split_len):
+            store_head_kv(NewK, NewV, K, V, NewSlots, Cos, Sin, start.to(tl.int64), kvh, stride_nkt, stride_nkh,
+                          stride_nvt, stride_nvh, stride_ks, stride_kh, stride_vs, stride_vh, head_dim, half,
+                          BLOCK_D=BLOCK_D, ROPE=ROPE)
+        tl.debug_barrier()  # the program's own stores are visible to all its threads before the key loads
     if INLINE:  # fixed splits walked in order by this program, merged as _attn_merge merges them (module doc)
         big_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         big_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -182,11 +203,6 @@ def _attn_stage1(
         tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
                  mask=mask)
         return
-    if FIXED:  # splits at fixed key positions: the same cut whatever the batch (the merge then sums them in order)
-        split_len = SPLIT_KEYS
-    else:
-        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
     o, lse = _attend_split(
         q, K, V, Table, Tail, path_row, row, kvh, b, lo, tl.minimum(lo + split_len, kv_end), first_visible, qi, prefix,
         row_ok, d, d_ok, seq_len, stride_ks, stride_kh, stride_vs, stride_vh, stride_row, stride_tb, stride_tq,
@@ -282,16 +298,29 @@ def _attn_merge(
     tl.store(Out + tok * stride_ot + h * stride_oh + d, o.to(Out.dtype.element_ty), mask=d_ok)
 
 
+@dataclass(frozen=True)
+class NewTokens:
+    """A decode's new tokens, one per request, for paged_attention to store into the pool itself: the programs that
+    read a request's last key write it first, so the separate store launch (kv_store.rope_kv_store) goes. The pool
+    and the output get the same bits as that launch followed by paged_attention."""
+
+    k: torch.Tensor  # [T, Hkv, D], last dim contiguous (a view into the q/k/v projection)
+    v: torch.Tensor  # [T, Hkv, D], last dim contiguous
+    slots: torch.Tensor  # [T] int64: each token's pool slot (its request's page-table entry for its position)
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin), [T, R] or [T, 1, R]: rotate q and k; None: rotated
+
+
 def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_starts, extend_lens, *,
                     page_size: int, max_extend_len: int, tail_mask=None, num_splits: int = 1, out=None, workspace=None,
                     tiles: Tiles | None = None, path: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    invariant: bool = False):
+                    invariant: bool = False, new_tokens: NewTokens | None = None):
     """q: [T, Hq, D]; k_cache/v_cache: [slots, Hkv, D]; page_table: [rows, pages] int64; req_rows: [B] int64;
     seq_lens/extend_starts/extend_lens: [B] int32; tail_mask: optional [B, Q, W] bool -> out [T, Hq, D].
     Launch sizes come from tensor shapes, max_extend_len and num_splits only (CUDA-graph safe). tiles overrides
     tile_config (benchmarks). invariant: deterministic mode (module doc): splits of INVARIANT_SPLIT_KEYS keys, run
     as num_splits parallel programs (num_splits = invariant_num_splits) or, with num_splits 1, walked in order by
-    one program; path: tail_paths(tail_mask), for batch-invariant trees (one query per program)."""
+    one program; path: tail_paths(tail_mask), for batch-invariant trees (one query per program); new_tokens: a
+    decode's (max_extend_len 1, no tail) new k/v, stored by this launch (NewTokens), q then being unrotated."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -311,15 +340,17 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
     tail_strides = tail.stride() if tail_mask is not None else (0, 0, 0)
     tail_q, tail_w = (tail_mask.shape[1], tail_mask.shape[2]) if tail_mask is not None else (0, 0)
     path_offsets, path_seen = path if path is not None else (seq_lens, seq_lens)  # any pointer; PATH=False
+    new, rope = _new_token_args(new_tokens, q, max_extend_len, tail_mask)
     _attn_stage1[(batch, num_kv_heads, row_tiles * num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, page_table, req_rows, seq_lens, extend_starts, extend_lens, tail,
-        path_offsets, path_seen,
+        path_offsets, path_seen, *new[:3], *rope[:2],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), *tail_strides, tail_q, tail_w, num_heads, head_dim,
-        num_splits, head_dim ** -0.5 * math.log2(math.e),
+        num_splits, head_dim ** -0.5 * math.log2(math.e), *new[3:], rope[2],
         GROUP=group, PAGE_SIZE=page_size, SPLIT=num_splits > 1, BLOCK_M=cfg.m, BLOCK_N=cfg.n, BLOCK_D=cfg.d,
         HAS_TAIL=tail_mask is not None and path is None, IEEE=q.dtype == torch.float32, PATH=path is not None,
         FIXED=invariant, INLINE=invariant and num_splits == 1, SPLIT_KEYS=INVARIANT_SPLIT_KEYS,
+        NEW_KV=new_tokens is not None, ROPE=new_tokens is not None and new_tokens.rope is not None,
         num_warps=cfg.warps, num_stages=cfg.stages,
         **pdl_args(q.device),
     )
@@ -330,6 +361,24 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
             SPLIT_KEYS=INVARIANT_SPLIT_KEYS, num_warps=4, **pdl_args(q.device),
         )
     return out
+
+
+def _new_token_args(new_tokens: NewTokens | None, q: torch.Tensor, max_extend_len: int, tail_mask) -> tuple:
+    """-> ((k, v, slots, k strides x 2, v strides x 2), (cos, sin, half)) for _attn_stage1; placeholders (q) when
+    there are no new tokens to store."""
+    if new_tokens is None:
+        return (q, q, q, 0, 0, 0, 0), (q, q, 0)
+    k, v = new_tokens.k, new_tokens.v
+    assert max_extend_len == 1 and tail_mask is None, "new_tokens: decode only (one query a request, no tail)"
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k.shape == v.shape and k.shape[0] == q.shape[0]
+    new = (k, v, new_tokens.slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    if new_tokens.rope is None:
+        return new, (q, q, 0)
+    cos, sin = new_tokens.rope
+    rotary = cos.shape[-1]
+    cos, sin = cos.reshape(-1, rotary), sin.reshape(-1, rotary)
+    assert cos.is_contiguous() and sin.is_contiguous() and rotary % 2 == 0 and rotary <= q.shape[2]
+    return new, (cos, sin, rotary // 2)
 
 
 def paged_attention_reference(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_starts, extend_lens, *,

@@ -13,7 +13,7 @@ import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
-from hyperdraft.kernels.rope import apply_rope_reference, rotate_heads_in_place, rotated_halves
+from hyperdraft.kernels.rope import apply_rope_reference, rotate_heads_in_place, rotated, rotated_halves
 
 
 @jit
@@ -30,6 +30,26 @@ def _kv_store(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt, stri
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
     tl.store(KCache + slot * stride_cs + h * stride_ch + d, k.to(KCache.dtype.element_ty), mask=mask)
     tl.store(VCache + slot * stride_vcs + h * stride_vch + d, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+@jit
+def store_head_kv(K, V, KCache, VCache, Slots, Cos, Sin, tok, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_cs, stride_ch, stride_vcs, stride_vch, head_dim, half, BLOCK_D: tl.constexpr,
+                  ROPE: tl.constexpr):
+    """Token tok's k (rotated when ROPE; cos/sin rows of 2 * half) and v of kv head kvh into the pool at Slots[tok]:
+    one head of _rope_kv_store's work, the same bits, for kernels that store the keys they are about to read
+    (kernels/attention.py, a decode's new tokens)."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    slot = tl.load(Slots + tok)
+    src = K + tok * stride_kt + kvh * stride_kh
+    if ROPE:
+        k = rotated(src, Cos + tok * 2 * half, Sin + tok * 2 * half, d, d_ok, half)
+    else:
+        k = tl.load(src + d, mask=d_ok)
+    tl.store(KCache + slot * stride_cs + kvh * stride_ch + d, k.to(KCache.dtype.element_ty), mask=d_ok)
+    v = tl.load(V + tok * stride_vt + kvh * stride_vh + d, mask=d_ok)
+    tl.store(VCache + slot * stride_vcs + kvh * stride_vch + d, v.to(VCache.dtype.element_ty), mask=d_ok)
 
 
 def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -43,6 +43,22 @@ def rotated_halves(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H:
 
 
 @jit
+def rotated(X, CosRow, SinRow, d, mask, half):
+    """Dims d of the head(s) at X rotated, the same bits as rotated_halves: X points at each head's dim 0 (a scalar
+    or a column of pointers, broadcast against d), CosRow/SinRow at the token's table row(s). Dims >= 2 * half (a
+    partial RoPE's tail) come back as they are; masked-off dims as 0. For kernels that rotate what they load."""
+    rot = d < 2 * half
+    first = d < half
+    x = tl.load(X + d, mask=mask, other=0.0)
+    partner = tl.load(X + tl.where(first, d + half, d - half), mask=mask & rot, other=0.0).to(tl.float32)
+    c = tl.load(CosRow + d, mask=mask & rot, other=0.0).to(tl.float32)
+    s = tl.load(SinRow + d, mask=mask & rot, other=0.0).to(tl.float32)
+    own = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+    other = (partner * s).to(x.dtype).to(tl.float32)
+    return tl.where(rot, tl.where(first, own - other, own + other).to(x.dtype), x)
+
+
+@jit
 def rotate_heads_in_place(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H: tl.constexpr,
                           BLOCK_HALF: tl.constexpr):
     """Rotates dims [0, 2 * half) of each head of token t; a partial RoPE's dims past them are never touched."""
