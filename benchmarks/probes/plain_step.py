@@ -1,17 +1,18 @@
 """A small model's plain decode step against its graph replay (issue 27: the step may cost at most 1.2x the replay),
-with the one-row norm-in-projection fusion (RuntimeOptions.fused_norm_gemv) off and on.
+with one RuntimeOptions switch off and on (default: fused_norm_gemv, the one-row norm-in-projection fusion).
 
 Two engines over the SmolLM2-135M shape (random bf16 weights, batch 1, CUDA graphs) live in one process and are
 measured in turns, so both see the same host. For each: the wall time of an engine step (scheduler, graph fill,
 replay, sampling, the host copy and the commit), and the GPU time of the step's target graph alone, replayed back to
 back between CUDA events (the replays queue faster than they run, so this is the graph's GPU time, not the host's).
 
-  python -m benchmarks.probes.plain_step [--steps 600] [--turns 3] [--out $OUT]
+  python -m benchmarks.probes.plain_step [--steps 600] [--turns 3] [--switch decode_kv_in_attention] [--out $OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -21,13 +22,14 @@ import torch
 
 from benchmarks.common import require_cuda
 from benchmarks.e2e.engines import SMOLLM2, make_engine, write_configs
+from hyperdraft.options import RuntimeOptions
 from hyperdraft.sampling_params import SamplingParams
 
 PROMPT_LEN = 512
 
 
-def started_engine(target: str, fused: bool, steps: int, turns: int):
-    engine, _ = make_engine(target, "cuda", 1, None, 8 * 4096, fused_norm_gemv=fused)
+def started_engine(target: str, switch: str, on: bool, steps: int, turns: int):
+    engine, _ = make_engine(target, "cuda", 1, None, 8 * 4096, **{switch: on})
     params = SamplingParams(temperature=0.0, max_new_tokens=(turns + 1) * steps + 100, ignore_eos=True)
     engine.add_request(input_ids=torch.randint(10, SMOLLM2["vocab_size"] - 10, (PROMPT_LEN,)).tolist(), params=params)
     for _ in range(30):
@@ -62,11 +64,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--switch", default="fused_norm_gemv",
+                    choices=[f.name for f in dataclasses.fields(RuntimeOptions) if f.type in (bool, "bool")])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     require_cuda()
     target, _ = write_configs(tempfile.mkdtemp(), SMOLLM2, 8192)
-    engines = {fused: started_engine(target, fused, a.steps, a.turns) for fused in (False, True)}
+    engines = {on: started_engine(target, a.switch, on, a.steps, a.turns) for on in (False, True)}
     walls: dict[bool, list[float]] = {False: [], True: []}
     replays: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(a.turns):
@@ -74,7 +78,7 @@ def main() -> None:
             walls[fused].append(step_us(engine, a.steps))
             replays[fused].append(replay_us(engine, a.steps))
     lines = [f"smollm2 plain decode, batch 1, {a.steps} steps x {a.turns} turns (medians, us)",
-             "| fused_norm_gemv | engine step | graph replay (GPU) | step / replay | turns (step) |",
+             f"| {a.switch} | engine step | graph replay (GPU) | step / replay | turns (step) |",
              "|---|---|---|---|---|"]
     for fused in (False, True):
         wall, replay = statistics.median(walls[fused]), statistics.median(replays[fused])
