@@ -32,9 +32,9 @@ passes options instead of patching modules.
                                                                    other's memory, small ones pushed through symmetric
                                                                    memory in one launch, kernels/all_reduce.py; the
                                                                    user's flag is EngineArgs' disable_custom_all_reduce)
-  HYPERDRAFT_DECODE_KV_IN_ATTENTION=1   decode_kv_in_attention=True a decode's new K/V stored (and q and k rotated)
-                                                                   by the triton attention launch itself, not by a
-                                                                   launch of its own before it (one launch a layer less)
+  HYPERDRAFT_KV_IN_ATTENTION=1          kv_in_attention=True       the new K/V of decodes, verifies and draft steps
+                                                                   stored (q and k rotated) by the Triton attention
+                                                                   launch itself (one launch a layer less; same bits)
   HYPERDRAFT_SIMULATE_ACCEPT_RATE=a     simulate_accept_rate=a     BENCHMARK ONLY, lossy (speculative/verify/simulated.py)
 
 `deterministic` has no variable: it is EngineArgs' enable_deterministic_inference (batch-invariant kernels only,
@@ -73,7 +73,7 @@ _SWITCHES = {
     "record_step_time": ("HYPERDRAFT_RECORD_STEP_TIME", "1"),
     "split_draft_model": ("HYPERDRAFT_SPLIT_DRAFT_MODEL", "0"),
     "push_all_reduce": ("HYPERDRAFT_PUSH_ALL_REDUCE", "0"),
-    "decode_kv_in_attention": ("HYPERDRAFT_DECODE_KV_IN_ATTENTION", "1"),
+    "kv_in_attention": ("HYPERDRAFT_KV_IN_ATTENTION", "1"),
     "split_draft_head": ("HYPERDRAFT_SPLIT_DRAFT_HEAD", "1"),
 }
 
@@ -95,7 +95,7 @@ class RuntimeOptions:
     split_draft_model: bool = True  # measured faster on two H100s: tp_bench_h100.md
     split_draft_head: bool = False  # not yet measured split (tp_bench chain rows: replicated, 1.19x at batch 1)
     push_all_reduce: bool = True  # 8B TP 2 step on two H100s 3.69 ms against NCCL's 4.03 (tp_bench_h100.md)
-    decode_kv_in_attention: bool = False  # not yet measured on a GPU (kernels/attention.py NewTokens)
+    kv_in_attention: bool = False  # not yet measured on a GPU (kernels/attention.py NewTokens)
     simulate_accept_rate: float | None = None
     deterministic: bool = False
 

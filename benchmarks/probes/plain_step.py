@@ -6,7 +6,7 @@ measured in turns, so both see the same host. For each: the wall time of an engi
 replay, sampling, the host copy and the commit), and the GPU time of the step's target graph alone, replayed back to
 back between CUDA events (the replays queue faster than they run, so this is the graph's GPU time, not the host's).
 
-  python -m benchmarks.probes.plain_step [--steps 600] [--turns 3] [--switch decode_kv_in_attention] [--out $OUT]
+  python -m benchmarks.probes.plain_step [--steps 600] [--turns 3] [--switch kv_in_attention] [--out $OUT]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from hyperdraft.attention.base import AttentionBackend
 from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft import options
 from hyperdraft.kernels import use_fused_kernels
-from hyperdraft.kernels.attention import NewTokens, paged_attention
+from hyperdraft.kernels.attention import NEW_TOKENS_MAX_EXTEND, NewTokens, paged_attention
 from hyperdraft.kernels.attention_tiles import (Tiles, attention_workspace, invariant_num_splits, invariant_tiles,
                                                 num_kv_splits, num_row_tiles, split_tiles, tail_paths, tile_config)
 from hyperdraft.kernels.kv_store import kv_store, rope_kv_store
@@ -59,8 +59,8 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, layer_id, q, k, v, fb, meta: TritonAttentionMeta, rope=None):
         k_cache, v_cache = self.pool.layer(layer_id)
         new_tokens = None
-        if meta.max_extend_len == 1 and meta.tail_mask is None and options.current().decode_kv_in_attention:
-            new_tokens = NewTokens(k, v, fb.out_slots, rope)  # a decode: stored by the attention launch itself
+        if meta.max_extend_len <= NEW_TOKENS_MAX_EXTEND and meta.path is None and options.current().kv_in_attention:
+            new_tokens = NewTokens(k, v, fb.out_slots, rope)  # stored by the attention launch itself
         elif rope is not None and use_fused_kernels(q):  # RoPE in the store's launch: one launch per layer less
             q = rope_kv_store(k_cache, v_cache, fb.out_slots, q, k, v, *rope)
         else:

@@ -45,6 +45,10 @@ from hyperdraft.kernels.kv_store import store_head_kv
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 from hyperdraft.kernels.rope import rotated
 
+# Extends up to this many tokens a request may store their own K/V (NewTokens): verify and draft widths. Every row
+# tile of a request stores the new keys it reads, so a prefill's tiles would each store all the keys before theirs.
+NEW_TOKENS_MAX_EXTEND = 16
+
 
 @jit
 def _attend_keys(
@@ -180,11 +184,15 @@ def _attn_stage1(
     else:
         split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
-    if NEW_KV:  # a decode (NewTokens): a program whose keys include the new (last) one stores it before reading it
-        if INLINE or (lo < kv_end and kv_end <= lo + split_len):
-            store_head_kv(NewK, NewV, K, V, NewSlots, Cos, Sin, start.to(tl.int64), kvh, stride_nkt, stride_nkh,
-                          stride_nvt, stride_nvh, stride_ks, stride_kh, stride_vs, stride_vh, head_dim, half,
-                          BLOCK_D=BLOCK_D, ROPE=ROPE)
+    if NEW_KV:  # NewTokens: each new key this program is about to read, it stores first (key n is token n - prefix)
+        if INLINE:
+            reads_to = kv_end
+        else:
+            reads_to = tl.minimum(lo + split_len, kv_end)
+        for n in range(tl.maximum(lo, prefix), reads_to):
+            store_head_kv(NewK, NewV, K, V, NewSlots, Cos, Sin, (start + n - prefix).to(tl.int64), kvh, stride_nkt,
+                          stride_nkh, stride_nvt, stride_nvh, stride_ks, stride_kh, stride_vs, stride_vh, head_dim,
+                          half, BLOCK_D=BLOCK_D, ROPE=ROPE)
         tl.debug_barrier()  # the program's own stores are visible to all its threads before the key loads
     if INLINE:  # fixed splits walked in order by this program, merged as _attn_merge merges them (module doc)
         big_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -300,9 +308,11 @@ def _attn_merge(
 
 @dataclass(frozen=True)
 class NewTokens:
-    """A decode's new tokens, one per request, for paged_attention to store into the pool itself: the programs that
-    read a request's last key write it first, so the separate store launch (kv_store.rope_kv_store) goes. The pool
-    and the output get the same bits as that launch followed by paged_attention."""
+    """A forward's new tokens, for paged_attention to store into the pool itself: each program writes the new keys
+    among those it reads before reading them, so the separate store launch (kv_store.rope_kv_store) goes. Programs
+    that read the same key write the same bits. The pool and the output get the bits of that launch followed by
+    paged_attention. For small extends (decode, verify, draft steps): a prefill's row tiles would each store every new
+    key before theirs; not for deterministic trees (path), whose programs read keys out of position order."""
 
     k: torch.Tensor  # [T, Hkv, D], last dim contiguous (a view into the q/k/v projection)
     v: torch.Tensor  # [T, Hkv, D], last dim contiguous
@@ -320,7 +330,7 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
     tile_config (benchmarks). invariant: deterministic mode (module doc): splits of INVARIANT_SPLIT_KEYS keys, run
     as num_splits parallel programs (num_splits = invariant_num_splits) or, with num_splits 1, walked in order by
     one program; path: tail_paths(tail_mask), for batch-invariant trees (one query per program); new_tokens: a
-    decode's (max_extend_len 1, no tail) new k/v, stored by this launch (NewTokens), q then being unrotated."""
+    forward's new k/v, stored by this launch (NewTokens; q is then unrotated when it carries the RoPE table)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -340,7 +350,7 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
     tail_strides = tail.stride() if tail_mask is not None else (0, 0, 0)
     tail_q, tail_w = (tail_mask.shape[1], tail_mask.shape[2]) if tail_mask is not None else (0, 0)
     path_offsets, path_seen = path if path is not None else (seq_lens, seq_lens)  # any pointer; PATH=False
-    new, rope = _new_token_args(new_tokens, q, max_extend_len, tail_mask)
+    new, rope = _new_token_args(new_tokens, q, max_extend_len, path)
     _attn_stage1[(batch, num_kv_heads, row_tiles * num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, page_table, req_rows, seq_lens, extend_starts, extend_lens, tail,
         path_offsets, path_seen, *new[:3], *rope[:2],
@@ -363,13 +373,13 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
     return out
 
 
-def _new_token_args(new_tokens: NewTokens | None, q: torch.Tensor, max_extend_len: int, tail_mask) -> tuple:
+def _new_token_args(new_tokens: NewTokens | None, q: torch.Tensor, max_extend_len: int, path) -> tuple:
     """-> ((k, v, slots, k strides x 2, v strides x 2), (cos, sin, half)) for _attn_stage1; placeholders (q) when
     there are no new tokens to store."""
     if new_tokens is None:
         return (q, q, q, 0, 0, 0, 0), (q, q, 0)
     k, v = new_tokens.k, new_tokens.v
-    assert max_extend_len == 1 and tail_mask is None, "new_tokens: decode only (one query a request, no tail)"
+    assert max_extend_len <= NEW_TOKENS_MAX_EXTEND and path is None, "new_tokens: small extends, no path"
     assert k.stride(2) == 1 and v.stride(2) == 1 and k.shape == v.shape and k.shape[0] == q.shape[0]
     new = (k, v, new_tokens.slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     if new_tokens.rope is None:

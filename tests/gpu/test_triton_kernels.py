@@ -227,16 +227,17 @@ def test_triton_backend_matches_torch_backend_end_to_end(tiny, case):
 
 
 def _new_tokens(args, rotary: int | None, seed: int):
-    """A decode's new k/v (one token a request, at its last position), the slots its page-table row gives that
-    position (padding entries of no keys: the padding page's slot 0), and the RoPE table of those positions."""
+    """A forward's new k/v (request b's extend_lens[b] tokens at its last positions), the slots its page-table row
+    gives those positions (padding entries of no keys: the padding page's slot 0), and their RoPE table."""
     from hyperdraft.kernels.attention import NewTokens
     from hyperdraft.kernels.rope import rope_cos_sin_reference
 
     g = torch.Generator().manual_seed(seed)
     q, table, page_size = args["q"], args["page_table"].cpu(), args["page_size"]
-    has_token = args["extend_lens"].cpu() > 0
-    positions = (args["seq_lens"].cpu().long() - 1).clamp_min(0)[has_token]
-    slots = table[args["req_rows"].cpu()[has_token], positions // page_size] * page_size + positions % page_size
+    seqs, exts, rows = (args[k].cpu().tolist() for k in ("seq_lens", "extend_lens", "req_rows"))
+    positions = torch.tensor([max(p, 0) for s, e in zip(seqs, exts) for p in range(s - e, s)])
+    token_rows = torch.tensor([r for r, e in zip(rows, exts) for _ in range(e)])
+    slots = table[token_rows, positions // page_size] * page_size + positions % page_size
     k, v = (torch.randn(q.shape[0], HKV, q.shape[2], generator=g).to(q.dtype).to(DEVICE) for _ in range(2))
     rope = None
     if rotary is not None:
@@ -245,51 +246,62 @@ def _new_tokens(args, rotary: int | None, seed: int):
     return NewTokens(k, v, slots.to(DEVICE), rope)
 
 
+STORE_CASES = [(kind, page_size, splits, rotary) for kind, page_sizes, rotaries in
+               [("decode", (1, 16), (None, 64, 16)), ("chain", (16,), (64,)), ("tree", (16,), (64,))]
+               for page_size in page_sizes for splits in ("auto", "one", "invariant", "invariant-inline")
+               for rotary in rotaries]
+STORE_SPECS = {"decode": [(0, 1), (6, 1), (299, 1), (LONG - 1, 1)],
+               "chain": [(0, 3), (6, 5), (299, 2), (LONG - 5, 5)], "tree": [(1, 4), (6, 5), (299, 2), (LONG - 5, 5)]}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rotary", [None, 64, 16], ids=["no-rope", "rope", "partial-rope"])
-@pytest.mark.parametrize("splits", ["auto", "one", "invariant", "invariant-inline"])
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_storing_its_new_tokens(page_size, splits, rotary, dtype):
-    """A decode whose attention launch stores the new tokens itself (NewTokens) gives the bits of rope_kv_store (or
-    kv_store) and then paged_attention: the same output, the same pool (the padding page aside: padding entries of
-    no keys store nothing there), whatever the split layout, deterministic mode's included."""
+@pytest.mark.parametrize("kind,page_size,splits,rotary", STORE_CASES, ids=lambda c: str(c))
+def test_attention_storing_its_new_tokens(kind, page_size, splits, rotary, dtype):
+    """An attention launch that stores the new tokens itself (NewTokens) gives the bits of rope_kv_store (or
+    kv_store) and then paged_attention: the same output and the same pool (the padding page aside: padding entries of
+    no keys store nothing there), for decodes, chain verifies and tree verifies (tail masks), whatever the split
+    layout, deterministic mode's included. Every new key is read by some program, so every one lands."""
     from hyperdraft.kernels.attention_tiles import invariant_num_splits, invariant_tiles
     from hyperdraft.kernels.kv_store import kv_store, rope_kv_store
 
-    args = _batch(page_size, 4, 64, dtype, [(0, 1), (6, 1), (299, 1), (LONG - 1, 1)], seed=40 + page_size)
+    specs = STORE_SPECS[kind]
+    args = _batch(page_size, 4, 64, dtype, specs, seed=40 + page_size)
     new = _new_tokens(args, rotary, seed=41)
+    if kind == "tree":
+        args["tail_mask"] = _tree_masks(specs, width_extra=2, seed=42)
     q = args.pop("q")
     mode = dict(num_splits=_auto_splits({**args, "q": q}) if splits == "auto" else 1)
     if splits.startswith("invariant"):
         max_seq = int(args["seq_lens"].max())
         mode = dict(invariant=True, tiles=invariant_tiles(4, 64, dtype),
-                    num_splits=invariant_num_splits(1, max_seq) if splits == "invariant" else 1)
+                    num_splits=invariant_num_splits(args["max_extend_len"], max_seq) if splits == "invariant" else 1)
+    rest = {k: a for k, a in args.items() if k not in ("k_cache", "v_cache")}
     pools = [(args["k_cache"].clone(), args["v_cache"].clone()) for _ in range(2)]
     two_q = q.clone()
     if rotary is None:
         kv_store(*pools[0], new.slots, new.k, new.v)
     else:
         rope_kv_store(*pools[0], new.slots, two_q, new.k, new.v, *new.rope)
-    two = paged_attention(two_q, *pools[0], **{k: a for k, a in args.items() if k not in ("k_cache", "v_cache")},
-                          **mode)
+    two = paged_attention(two_q, *pools[0], **rest, **mode)
     one_q = q.clone()
-    one = paged_attention(one_q, *pools[1], **{k: a for k, a in args.items() if k not in ("k_cache", "v_cache")},
-                          **mode, new_tokens=new)
+    one = paged_attention(one_q, *pools[1], **rest, **mode, new_tokens=new)
     assert torch.equal(one_q, q)  # q is rotated on its way in, not in place
     assert torch.isfinite(one).all() and torch.equal(one, two)
     real = slice(page_size, None)  # past the padding page; unused slots hold NaN
     for got, want in zip(pools[1], pools[0]):
         torch.testing.assert_close(got[real], want[real], atol=0, rtol=0, equal_nan=True)
-    assert torch.equal(pools[1][0][new.slots[:4]], pools[0][0][new.slots[:4]])  # the real requests' new keys
-    assert not torch.equal(pools[1][0][new.slots[:4]], args["k_cache"][new.slots[:4]])
+    news = new.slots[new.slots >= page_size]
+    assert torch.equal(pools[1][0][news], pools[0][0][news]) and not torch.equal(pools[1][0][news],
+                                                                                 args["k_cache"][news])
 
 
 @pytest.mark.skipif(INTERPRET, reason="end to end runs on CUDA only")
 @pytest.mark.parametrize("case", list(E2E_CASES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_kv_in_attention_end_to_end(tiny, case, dtype):
-    """RuntimeOptions.decode_kv_in_attention (decodes store their K/V inside the attention launch, CUDA graphs
-    included) gives the same tokens as the separate store launch, bit for bit in bf16 too, and every slot back free."""
+def test_kv_in_attention_end_to_end(tiny, case, dtype):
+    """RuntimeOptions.kv_in_attention (decodes, verifies and draft steps store their K/V inside the attention
+    launch, CUDA graphs included) gives the separate store launch's tokens, bit for bit in bf16 too, and every slot
+    back free."""
     from hyperdraft import LLM, SamplingParams
     from hyperdraft.options import RuntimeOptions
 
@@ -301,7 +313,7 @@ def test_decode_kv_in_attention_end_to_end(tiny, case, dtype):
     outs = []
     for on in (False, True):
         llm = LLM(target, device="cuda", dtype=dtype, max_total_tokens=1 << 14, chunked_prefill_size=64,
-                  runtime_options=RuntimeOptions.from_env(decode_kv_in_attention=on), **opts)
+                  runtime_options=RuntimeOptions.from_env(kv_in_attention=on), **opts)
         outs.append([o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=sp, use_tqdm=False)])
         assert llm.engine.flush_cache() and llm.engine.kv_free_slots == llm.engine.kv_capacity_slots
         llm.shutdown()
