@@ -90,8 +90,13 @@ class PushAllReduce:
         made, pid = _rank0_token(control)
         if device.type == "cuda":
             group_name = _fresh_group(made).group_name
-            peers = {width: _symmetric_buffers(width, rank, size, device, group_name) for width in (2, 4)}
-            torch.cuda.synchronize(device)
+            try:
+                peers = {width: _symmetric_buffers(width, rank, size, device, group_name) for width in (2, 4)}
+                torch.cuda.synchronize(device)
+            except RuntimeError as e:  # e.g. a container that forbids mapping another process's GPU memory
+                raise RuntimeError(f"tensor-parallel rank {rank}: the push all-reduce could not map its peers' GPU "
+                                   f"memory ({e}); run with --disable-custom-all-reduce to send every all-reduce "
+                                   "through NCCL") from e
         else:
             peers = {width: _shared_file_buffers(width, rank, size, f"{pid}-{made}", control) for width in (2, 4)}
         self.lanes = {width: _Lane(size, buffers, device) for width, buffers in peers.items()}
