@@ -116,6 +116,21 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope_scaling type {kind!r} is not supported; allowed values: default, linear, llama3, freq_factors")
 
 
+class RotaryFrequencies(nn.Module):
+    """RoPE's inverse frequencies as a buffer that stays fp32 and exact: `.to(bfloat16)` would round a plain buffer,
+    and `to_empty` (a model built on the meta device) would leave it uninitialised. Moves follow the module."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        with torch.device("cpu"):  # the exact values, even while the model is built on the meta device
+            self.exact = rope_inv_freq(cfg).float()
+        self.register_buffer("inv_freq", self.exact.clone(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        self.inv_freq = self.exact.to(fn(torch.empty(0, device=self.inv_freq.device)).device)  # only where fn moves
+        return self
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE):
         """cfg: the rank's own config under tensor parallelism (its share of the heads); o_proj then sums over tp."""
@@ -243,7 +258,9 @@ class DecoderLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, stop - start, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rotary = RotaryFrequencies(cfg)
+
+    inv_freq = property(lambda self: self.rotary.inv_freq)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (cos, sin), each [T, 1, D] in dtype, from fp32 angles as HF computes them."""

@@ -50,7 +50,7 @@ from torch import nn
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.config import ModelConfig, model_config_from_dict
 from hyperdraft.models.decoder import (MLP, Attention, AttentionFn, DecoderLayer, DecoderLM, IdentityNorm, RMSNorm,
-                                       attention_and_mlp_groups, rope_inv_freq)
+                                       RotaryFrequencies, attention_and_mlp_groups)
 from hyperdraft.models.cpu_linear import Linear
 from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_reference
@@ -155,8 +155,9 @@ class _Head(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, lm_rows, bias=False)
         else:
             self._shared["lm_head"] = lm_head
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer), persistent=False)
+        self.rotary = RotaryFrequencies(cfg.layer)
 
+    inv_freq = property(lambda self: self.rotary.inv_freq)
     num_layers = property(lambda self: self.config.num_layers)
     num_kv_heads = property(lambda self: self.config.num_kv_heads)
     head_dim = property(lambda self: self.config.head_dim)

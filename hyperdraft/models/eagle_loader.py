@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.cpu_linear import fuse_projections
-from hyperdraft.models.decoder import DecoderLM, rope_inv_freq
+from hyperdraft.models.decoder import DecoderLM
 from hyperdraft.models.eagle import (Eagle3Head, EagleConfig, EagleHead, default_aux_layer_ids,
                                      load_eagle_config)
 from hyperdraft.models.loader import DTYPES
@@ -59,7 +59,6 @@ def load_eagle_head(path: str, target: DecoderLM, dtype: torch.dtype | str | Non
     head = head.to_empty(device=device)
     _fill_state(head, path, cfg, weights)
     head.to(dtype)  # floating tensors only: d2t/t2d keep their integer/bool dtypes
-    head.inv_freq = rope_inv_freq(cfg.layer).to(device)  # RoPE frequencies stay fp32 whatever the weights' dtype
     head.finish_loading()
     fuse_projections(head.layers if cfg.kind != "eagle3" else [head.midlayer])
     return head.eval().requires_grad_(False)

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.config import ModelConfig, load_model_config
 from hyperdraft.models.cpu_linear import fuse_projections
-from hyperdraft.models.decoder import DecoderLM, rope_inv_freq
+from hyperdraft.models.decoder import DecoderLM
 from hyperdraft.models.gguf import is_gguf, load_gguf_weights
 from hyperdraft.models.hybrid import HybridLM, is_packed_gdn_projection, unpack_gdn_projections
 from hyperdraft.models.moe import pack_experts
@@ -116,7 +116,6 @@ def load_model(model_path: str, dtype: str, device: torch.device, load_format: s
     fuse_projections(model.model.layers)  # q/k/v and gate/up as one product each (models/cpu_linear.py)
     if cfg.moe is not None:
         pack_experts(model.model.layers)  # the routed experts' weights as two stacks (models/moe.py)
-    model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in fp32 whatever the weights' dtype
     return model.eval().requires_grad_(False)
 
 
@@ -133,5 +132,4 @@ def split_model(whole: DecoderLM | HybridLM, tp: TensorParallel) -> DecoderLM | 
     shard_state(part, whole, cfg, tp)
     part.to(param.dtype)
     fuse_projections(part.model.layers)
-    part.inv_freq = whole.inv_freq
     return part.eval().requires_grad_(False)

@@ -24,7 +24,7 @@ from torch import nn
 from hyperdraft.kernels.rope import rope_table
 from hyperdraft.models.config import ModelConfig, load_model_config
 from hyperdraft.models.cpu_linear import Linear, fuse_projections
-from hyperdraft.models.decoder import AttentionFn, rope_inv_freq
+from hyperdraft.models.decoder import AttentionFn, RotaryFrequencies
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.models.hot_vocab import HotVocab
 from hyperdraft.models.hybrid import FullAttentionLayer, HybridLM, ZeroCenteredRMSNorm
@@ -68,8 +68,9 @@ class MtpHead(nn.Module):
         # embedding, a whole copy of its lm_head)
         self._shared = {"embed_tokens": embed, "lm_head": lm_head}
         self.hot_vocab = None if hot_ids is None else HotVocab(h, layer_cfg.vocab_size, hot_ids)
-        self.register_buffer("inv_freq", rope_inv_freq(layer_cfg), persistent=False)
+        self.rotary = RotaryFrequencies(layer_cfg)
 
+    inv_freq = property(lambda self: self.rotary.inv_freq)
     num_layers = property(lambda self: self.config.num_layers)
     num_kv_heads = property(lambda self: self.config.num_kv_heads)
     head_dim = property(lambda self: self.config.head_dim)
@@ -168,7 +169,6 @@ def load_mtp_head(path: str, target: HybridLM, load_format: str = "auto",
         if missing:
             raise ValueError(f"{path!r}: the MTP module lacks weights {['mtp.' + n for n in missing[:5]]}")
     head.to(param.dtype)
-    head.inv_freq = rope_inv_freq(cfg.layer).to(param.device)
     head.finish_loading()
     fuse_projections(head.layers)
     if cfg.layer.moe is not None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hyperdraft.models.decoder import rope_inv_freq
 from hyperdraft.models.loader import load_model
 from tests.conftest import greedy, hf_greedy
 
@@ -51,6 +52,23 @@ def test_dtype_choice(llama_path, dtype, expected):
     model = load_model(llama_path, dtype, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {expected}
     assert model.inv_freq.dtype == torch.float32  # RoPE frequencies stay fp32 whatever the weights
+    assert torch.equal(model.inv_freq, rope_inv_freq(model.config))  # exact, though built on meta and cast
+
+
+def test_rope_frequencies_survive_meta_builds_casts_and_moves():
+    """RotaryFrequencies: a plain buffer would come back rounded from `.to(bfloat16)` and uninitialised from
+    `to_empty`; these keep rope_inv_freq's fp32 values and follow only the module's device."""
+    from hyperdraft.models.config import model_config_from_dict
+    from hyperdraft.models.decoder import RotaryFrequencies
+
+    cfg = model_config_from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+                                  "num_hidden_layers": 1, "intermediate_size": 128, "vocab_size": 32,
+                                  "rope_theta": 500000.0})
+    with torch.device("meta"):
+        rotary = RotaryFrequencies(cfg)
+    rotary = rotary.to_empty(device="cpu").to(torch.bfloat16)
+    assert rotary.inv_freq.dtype == torch.float32 and torch.equal(rotary.inv_freq, rope_inv_freq(cfg))
+    assert rotary.to("meta").inv_freq.is_meta
 
 
 def test_model_config_is_frozen(llama_path):
