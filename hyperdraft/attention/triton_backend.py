@@ -16,10 +16,10 @@ from hyperdraft.attention.base import AttentionBackend
 from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft import options
 from hyperdraft.kernels import use_fused_kernels
-from hyperdraft.kernels.attention import NEW_TOKENS_MAX_EXTEND, NewTokens, paged_attention
+from hyperdraft.kernels.attention import paged_attention
 from hyperdraft.kernels.attention_tiles import (Tiles, attention_workspace, invariant_num_splits, invariant_tiles,
                                                 num_kv_splits, num_row_tiles, split_tiles, tail_paths, tile_config)
-from hyperdraft.kernels.kv_store import kv_store, rope_kv_store
+from hyperdraft.kernels.kv_store import NEW_TOKENS_MAX_EXTEND, NewTokens, kv_store, rope_kv_store
 from hyperdraft.kernels.rope import apply_rope_reference
 
 

@@ -34,20 +34,16 @@ where a plain decode of that branch has them, so the sums run in the same order.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from hyperdraft.kernels._triton import jit, tl
 from hyperdraft.kernels.attention_tiles import (INVARIANT_SPLIT_KEYS, Tiles, attention_workspace, next_pow2,
                                                 num_row_tiles, tile_config)
-from hyperdraft.kernels.kv_store import store_head_kv
+from hyperdraft.kernels.kv_store import NewTokens, NewTokenArgs, store_head_kv
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 from hyperdraft.kernels.rope import rotated
 
-# Extends up to this many tokens a request may store their own K/V (NewTokens): verify and draft widths. Every row
-# tile of a request stores the new keys it reads, so a prefill's tiles would each store all the keys before theirs.
-NEW_TOKENS_MAX_EXTEND = 16
 
 
 @jit
@@ -306,20 +302,6 @@ def _attn_merge(
     tl.store(Out + tok * stride_ot + h * stride_oh + d, o.to(Out.dtype.element_ty), mask=d_ok)
 
 
-@dataclass(frozen=True)
-class NewTokens:
-    """A forward's new tokens, for paged_attention to store into the pool itself: each program writes the new keys
-    among those it reads before reading them, so the separate store launch (kv_store.rope_kv_store) goes. Programs
-    that read the same key write the same bits. The pool and the output get the bits of that launch followed by
-    paged_attention. For small extends (decode, verify, draft steps): a prefill's row tiles would each store every new
-    key before theirs; not for deterministic trees (path), whose programs read keys out of position order."""
-
-    k: torch.Tensor  # [T, Hkv, D], last dim contiguous (a view into the q/k/v projection)
-    v: torch.Tensor  # [T, Hkv, D], last dim contiguous
-    slots: torch.Tensor  # [T] int64: each token's pool slot (its request's page-table entry for its position)
-    rope: tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin), [T, R] or [T, 1, R]: rotate q and k; None: rotated
-
-
 def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_starts, extend_lens, *,
                     page_size: int, max_extend_len: int, tail_mask=None, num_splits: int = 1, out=None, workspace=None,
                     tiles: Tiles | None = None, path: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -350,13 +332,13 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
     tail_strides = tail.stride() if tail_mask is not None else (0, 0, 0)
     tail_q, tail_w = (tail_mask.shape[1], tail_mask.shape[2]) if tail_mask is not None else (0, 0)
     path_offsets, path_seen = path if path is not None else (seq_lens, seq_lens)  # any pointer; PATH=False
-    new, rope = _new_token_args(new_tokens, q, max_extend_len, path)
+    new = NewTokenArgs.of(new_tokens, q, max_extend_len, path)
     _attn_stage1[(batch, num_kv_heads, row_tiles * num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, page_table, req_rows, seq_lens, extend_starts, extend_lens, tail,
-        path_offsets, path_seen, *new[:3], *rope[:2],
+        path_offsets, path_seen, *new.tensors,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), *tail_strides, tail_q, tail_w, num_heads, head_dim,
-        num_splits, head_dim ** -0.5 * math.log2(math.e), *new[3:], rope[2],
+        num_splits, head_dim ** -0.5 * math.log2(math.e), *new.scalars,
         GROUP=group, PAGE_SIZE=page_size, SPLIT=num_splits > 1, BLOCK_M=cfg.m, BLOCK_N=cfg.n, BLOCK_D=cfg.d,
         HAS_TAIL=tail_mask is not None and path is None, IEEE=q.dtype == torch.float32, PATH=path is not None,
         FIXED=invariant, INLINE=invariant and num_splits == 1, SPLIT_KEYS=INVARIANT_SPLIT_KEYS,
@@ -371,24 +353,6 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
             SPLIT_KEYS=INVARIANT_SPLIT_KEYS, num_warps=4, **pdl_args(q.device),
         )
     return out
-
-
-def _new_token_args(new_tokens: NewTokens | None, q: torch.Tensor, max_extend_len: int, path) -> tuple:
-    """-> ((k, v, slots, k strides x 2, v strides x 2), (cos, sin, half)) for _attn_stage1; placeholders (q) when
-    there are no new tokens to store."""
-    if new_tokens is None:
-        return (q, q, q, 0, 0, 0, 0), (q, q, 0)
-    k, v = new_tokens.k, new_tokens.v
-    assert max_extend_len <= NEW_TOKENS_MAX_EXTEND and path is None, "new_tokens: small extends, no path"
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k.shape == v.shape and k.shape[0] == q.shape[0]
-    new = (k, v, new_tokens.slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-    if new_tokens.rope is None:
-        return new, (q, q, 0)
-    cos, sin = new_tokens.rope
-    rotary = cos.shape[-1]
-    cos, sin = cos.reshape(-1, rotary), sin.reshape(-1, rotary)
-    assert cos.is_contiguous() and sin.is_contiguous() and rotary % 2 == 0 and rotary <= q.shape[2]
-    return new, (cos, sin, rotary // 2)
 
 
 def paged_attention_reference(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_starts, extend_lens, *,

@@ -5,15 +5,65 @@ rope_kv_store also applies the layer's RoPE in the same launch: q rotated in pla
 pool (the pool is the only reader of the rotated k). A small model's layer is a chain of ~3-5 us launches, so on
 SmolLM2-135M (30 layers) the separate RoPE launch cost ~117 us of GPU time per chain-5 round and ~100 us per plain
 decode step on an H100 (benchmarks/results/round_host_h100.md). The rotation's arithmetic is kernels/rope.py's,
-so the pool and q hold the same bits as after apply_rope then kv_store."""
+so the pool and q hold the same bits as after apply_rope then kv_store.
+
+NewTokens hands the store to the attention launch itself (RuntimeOptions.kv_in_attention): store_head_kv is the
+per-head store its programs call."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 from hyperdraft.kernels.rope import apply_rope_reference, rotate_heads_in_place, rotated, rotated_halves
+
+
+# Extends up to this many tokens a request may store their own K/V (NewTokens): verify and draft widths. Every row
+# tile of a request stores the new keys it reads, so a prefill's tiles would each store all the keys before theirs.
+NEW_TOKENS_MAX_EXTEND = 16
+
+
+@dataclass(frozen=True)
+class NewTokens:
+    """A forward's new tokens, for kernels/attention.py's paged_attention to store into the pool itself: each
+    program writes the new keys among those it reads before reading them, so the separate store launch
+    (rope_kv_store) goes. Programs that read the same key write the same bits. The pool and the output get the bits
+    of that launch followed by paged_attention. For small extends (decode, verify, draft steps): a prefill's row
+    tiles would each store every new key before theirs; not for deterministic trees (path), whose programs read keys
+    out of position order."""
+
+    k: torch.Tensor  # [T, Hkv, D], last dim contiguous (a view into the q/k/v projection)
+    v: torch.Tensor  # [T, Hkv, D], last dim contiguous
+    slots: torch.Tensor  # [T] int64: each token's pool slot (its request's page-table entry for its position)
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin), [T, R] or [T, 1, R]: rotate q and k; None: rotated
+
+
+@dataclass(frozen=True)
+class NewTokenArgs:
+    """NewTokens as kernels/attention.py's _attn_stage1 takes them: its tensors (NewK, NewV, NewSlots, Cos, Sin)
+    and its scalars (the k and v token and head strides, half the rotary width); placeholders when nothing is
+    stored."""
+
+    tensors: tuple
+    scalars: tuple
+
+    @classmethod
+    def of(cls, new_tokens: NewTokens | None, q: torch.Tensor, max_extend_len: int, path) -> "NewTokenArgs":
+        if new_tokens is None:
+            return cls((q,) * 5, (0, 0, 0, 0, 0))
+        k, v = new_tokens.k, new_tokens.v
+        assert max_extend_len <= NEW_TOKENS_MAX_EXTEND and path is None, "new_tokens: small extends, no path"
+        assert k.stride(2) == 1 and v.stride(2) == 1 and k.shape == v.shape and k.shape[0] == q.shape[0]
+        cos, sin, half = q, q, 0  # placeholders: k is stored as it is
+        if new_tokens.rope is not None:
+            rotary = new_tokens.rope[0].shape[-1]
+            cos, sin = (t.reshape(-1, rotary) for t in new_tokens.rope)
+            assert cos.is_contiguous() and sin.is_contiguous() and rotary % 2 == 0 and rotary <= q.shape[2]
+            half = rotary // 2
+        return cls((k, v, new_tokens.slots, cos, sin), (k.stride(0), k.stride(1), v.stride(0), v.stride(1), half))
 
 
 @jit

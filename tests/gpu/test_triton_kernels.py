@@ -229,7 +229,7 @@ def test_triton_backend_matches_torch_backend_end_to_end(tiny, case):
 def _new_tokens(args, rotary: int | None, seed: int):
     """A forward's new k/v (request b's extend_lens[b] tokens at its last positions), the slots its page-table row
     gives those positions (padding entries of no keys: the padding page's slot 0), and their RoPE table."""
-    from hyperdraft.kernels.attention import NewTokens
+    from hyperdraft.kernels.kv_store import NewTokens
     from hyperdraft.kernels.rope import rope_cos_sin_reference
 
     g = torch.Generator().manual_seed(seed)
