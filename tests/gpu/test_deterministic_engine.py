@@ -84,6 +84,20 @@ def test_deterministic_greedy_equals_plain_batch_one(subject, greedy_reference, 
         assert run.state["spec_acceptance_rate"] == 1.0, run.state["spec_acceptance_rate"]
 
 
+def test_deterministic_with_the_kv_store_inside_attention(subject, greedy_reference):
+    """RuntimeOptions.kv_in_attention (decodes, verifies and draft steps store their K/V inside the attention
+    launch) keeps deterministic mode bit for bit plain decoding at batch one; the reference ran without it."""
+    from hyperdraft.options import RuntimeOptions
+
+    options = RuntimeOptions.from_env(kv_in_attention=True, deterministic=True)
+    for name in ("plain batched", "NGRAM chain 4", "self-draft chain 5", "EAGLE3 chain 3"):
+        run = generate(subject, True, CONFIGS[name], [GREEDY] * subject.count, runtime_options=options, **ENGINE)
+        assert run.pool_free, "KV pages still held after the run"
+        result = compare(greedy_reference, run.outputs)
+        _report({"mode": "deterministic, kv_in_attention", "config": name, **result})
+        assert result["identical"] == result["total"], f"{name}: {result}"
+
+
 def test_seeded_sampling_is_the_same_however_batched(subject):
     sampling = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_new_tokens=NEW_TOKENS, ignore_eos=True)
                 for i in range(subject.count)]
