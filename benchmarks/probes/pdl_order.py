@@ -27,6 +27,7 @@ import torch
 
 from hyperdraft import options
 from hyperdraft.kernels._triton import jit, tl
+from hyperdraft.kernels.all_reduce import clock_ns
 from hyperdraft.kernels.gemv import gemv, mma_fits
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 from hyperdraft.options import triton_interpreted
@@ -39,13 +40,10 @@ PRODUCTS = ("control", "none", "nvcc-gemv", "triton-gemv")
 @jit
 def _spin_then_set(Flag, value, spin_ns, TIMED: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
-    if TIMED:  # the interpreter has no clock; it runs programs in order anyway
-        start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                          pack=1)
-        now = start
-        while now - start < spin_ns:
-            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                            pack=1)
+    start = clock_ns(TIMED)  # the interpreter has no clock (0 there); it runs programs in order anyway
+    now = start
+    while now - start < spin_ns * TIMED:
+        now = clock_ns(TIMED)
     tl.store(Flag, value)
 
 

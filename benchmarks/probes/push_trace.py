@@ -50,11 +50,6 @@ def _traced_call(self, x: torch.Tensor) -> torch.Tensor:
 
 push_module.PushAllReduce.__call__ = _traced_call
 
-if os.environ.get("PUSH_TRACE_PLAIN_LAUNCH") == "1":  # probe-only A/B: the push kernel without PDL, the rest with it
-    import hyperdraft.kernels.all_reduce as all_reduce_module
-
-    all_reduce_module.pdl_args = lambda device: {"PDL": False}
-
 
 def main() -> None:
     from benchmarks.e2e.engines import LLAMA_8B, TINY, make_engine, median_run, write_configs

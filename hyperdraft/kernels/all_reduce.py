@@ -58,7 +58,7 @@ def all_reduce_reference(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 @jit
-def _clock_ns(TRAP: tl.constexpr):
+def clock_ns(TRAP: tl.constexpr):
     """The GPU's global nanosecond timer (0 under the interpreter, which never traps)."""
     if TRAP:
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
@@ -69,7 +69,7 @@ def _clock_ns(TRAP: tl.constexpr):
 @jit
 def _trap_after(start_ns, LIMIT_NS: tl.constexpr, TRAP: tl.constexpr):
     if TRAP:
-        if _clock_ns(TRAP) - start_ns > LIMIT_NS:
+        if clock_ns(TRAP) - start_ns > LIMIT_NS:
             tl.inline_asm_elementwise("trap; mov.u64 $0, $1;", "=l,l", [start_ns], dtype=tl.int64, is_pure=False,
                                       pack=1)
 
@@ -105,7 +105,7 @@ def _push_all_reduce(X, Out, Buffers, Counters, n, slot_size, SENTINEL: tl.const
         else:
             box = tl.multiple_of(recv + (here * WORLD + src) * slot_size + offs, 16)
             got = tl.load(box, mask=live, other=0, volatile=True)
-            start_ns = _clock_ns(TRAP)
+            start_ns = clock_ns(TRAP)
             while tl.max((got == SENTINEL).to(tl.int32), axis=0) > 0:
                 got = tl.load(box, mask=live, other=0, volatile=True)
                 _trap_after(start_ns, LIMIT_NS, TRAP)

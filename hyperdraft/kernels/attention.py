@@ -42,7 +42,7 @@ from hyperdraft.kernels.attention_tiles import (INVARIANT_SPLIT_KEYS, Tiles, att
                                                 num_row_tiles, tile_config)
 from hyperdraft.kernels.kv_store import NewTokens, NewTokenArgs, store_head_kv
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
-from hyperdraft.kernels.rope import rotated
+from hyperdraft.kernels.rope import rotated_dims
 
 
 
@@ -153,7 +153,7 @@ def _attn_stage1(
     tok = (start + qi).to(tl.int64)
     q_rows = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh
     if ROPE:
-        q = rotated(q_rows, Cos + tok[:, None] * 2 * half, Sin + tok[:, None] * 2 * half, d[None, :],
+        q = rotated_dims(q_rows, Cos + tok[:, None] * 2 * half, Sin + tok[:, None] * 2 * half, d[None, :],
                     row_ok[:, None] & d_ok[None, :], half)
     else:
         q = tl.load(q_rows + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)

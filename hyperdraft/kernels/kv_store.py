@@ -18,7 +18,7 @@ import torch
 
 from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
-from hyperdraft.kernels.rope import apply_rope_reference, rotate_heads_in_place, rotated, rotated_halves
+from hyperdraft.kernels.rope import apply_rope_reference, rotate_heads_in_place, rotated_dims, rotated_halves
 
 
 # Extends up to this many tokens a request may store their own K/V (NewTokens): verify and draft widths. Every row
@@ -94,7 +94,7 @@ def store_head_kv(K, V, KCache, VCache, Slots, Cos, Sin, tok, kvh, stride_kt, st
     slot = tl.load(Slots + tok)
     src = K + tok * stride_kt + kvh * stride_kh
     if ROPE:
-        k = rotated(src, Cos + tok * 2 * half, Sin + tok * 2 * half, d, d_ok, half)
+        k = rotated_dims(src, Cos + tok * 2 * half, Sin + tok * 2 * half, d, d_ok, half)
     else:
         k = tl.load(src + d, mask=d_ok)
     tl.store(KCache + slot * stride_cs + kvh * stride_ch + d, k.to(KCache.dtype.element_ty), mask=d_ok)

@@ -29,24 +29,18 @@ def rotated_halves(X, Cos, Sin, t, stride_t, stride_h, num_heads, half, BLOCK_H:
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (d < half)
-    c1 = tl.load(Cos + t * 2 * half + d, mask=d < half, other=0.0).to(tl.float32)
-    c2 = tl.load(Cos + t * 2 * half + half + d, mask=d < half, other=0.0).to(tl.float32)
-    s1 = tl.load(Sin + t * 2 * half + d, mask=d < half, other=0.0).to(tl.float32)
-    s2 = tl.load(Sin + t * 2 * half + half + d, mask=d < half, other=0.0).to(tl.float32)
-    ptr = X + t * stride_t + h * stride_h + d
-    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + half, mask=mask, other=0.0).to(tl.float32)
-    dt = X.dtype.element_ty
-    first = (x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)
-    second = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-    return first.to(dt), second.to(dt)
+    heads, row = X + t * stride_t + h * stride_h, t * 2 * half
+    return (rotated_dims(heads, Cos + row, Sin + row, d, mask, half),
+            rotated_dims(heads, Cos + row, Sin + row, d + half, mask, half))
 
 
 @jit
-def rotated(X, CosRow, SinRow, d, mask, half):
-    """Dims d of the head(s) at X rotated, the same bits as rotated_halves: X points at each head's dim 0 (a scalar
-    or a column of pointers, broadcast against d), CosRow/SinRow at the token's table row(s). Dims >= 2 * half (a
-    partial RoPE's tail) come back as they are; masked-off dims as 0. For kernels that rotate what they load."""
+def rotated_dims(X, CosRow, SinRow, d, mask, half):
+    """Dims d of the head(s) at X rotated: x * cos - partner * sin in the first half, x * cos + partner * sin in the
+    second (partner: the dim half away), each product rounded to X's dtype, then the sum, as `x * cos +
+    rotate_half(x) * sin` rounds in eager torch. X points at each head's dim 0 (a scalar or a column of pointers,
+    broadcast against d), CosRow/SinRow at the token's table row(s). Dims >= 2 * half (a partial RoPE's tail) come
+    back as they are; masked-off dims as 0. For kernels that rotate what they load (kernels/attention.py)."""
     rot = d < 2 * half
     first = d < half
     x = tl.load(X + d, mask=mask, other=0.0)
