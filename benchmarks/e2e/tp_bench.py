@@ -25,6 +25,7 @@ import os
 import tempfile
 
 import torch
+import torch.multiprocessing as mp
 
 from benchmarks.common import command_line, cpu_name, device_tag, git_commit, require_cuda
 from benchmarks.e2e.engines import LLAMA_8B, TINY, eagle3_spec, make_engine, median_run, write_configs
@@ -60,16 +61,33 @@ def spec_args(name: str | None, drafts: dict[str, str]) -> dict:
 def run_rows(target: str, drafts: dict[str, str], device: str, rows: list[tuple], capacity: int,
              repeats: int, results: list[dict], save) -> list[dict]:
     """rows: (tp_size, speculation name or None, batch sizes, extra engine args[, RuntimeOptions switches]). One engine
-    per row, dropped (and its followers stopped) before the next is built: the 70B part needs the whole GPU. Rows are
-    appended to `results` and `save()` runs after each, so a run cut short by a time limit still leaves its report."""
+    per row, each in a fresh process on CUDA: the 70B part needs the whole GPU, and torch's symmetric memory maps the
+    push all-reduce's buffers for one engine per process (a later one would fall back to NCCL). Rows are appended to
+    `results` and `save()` runs after each, so a run cut short by a time limit still leaves its report."""
     for tp, spec_name, batches, extra, *switches in rows:
-        results += measure_row(target, drafts, device, tp, spec_name, batches, extra, capacity, repeats,
-                               switches[0] if switches else {})
+        row_args = (target, drafts, device, tp, spec_name, batches, extra, capacity, repeats,
+                    switches[0] if switches else {})
+        results += measure_row(*row_args) if device == "cpu" else measure_in_fresh_process(row_args)
         save()
         gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
     return results
+
+
+def _measure_into(path: str, row_args: tuple) -> None:
+    with open(path, "w") as f:
+        json.dump(measure_row(*row_args), f)
+
+
+def measure_in_fresh_process(row_args: tuple) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rows.json")
+        proc = mp.get_context("spawn").Process(target=_measure_into, args=(path, row_args))
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0 or not os.path.exists(path):
+            return [dict(tp=row_args[3], spec=row_args[4] or "plain", error=f"its process exited with {proc.exitcode}")]
+        with open(path) as f:
+            return json.load(f)
 
 
 def measure_row(target, drafts, device, tp, spec_name, batches, extra, capacity, repeats, switches) -> list[dict]:
@@ -89,7 +107,9 @@ def measure_row(target, drafts, device, tp, spec_name, batches, extra, capacity,
         for bs in batches:
             row = median_run(engine, bs, INPUT_LEN, OUTPUT_LEN, seed=bs, repeats=repeats * (2 if spec_name else 1))
             row.update(info, tp=tp, spec=name, graphs=not extra.get("disable_cuda_graph", False),
-                       rank_weight_GB=weights / 1e9, captured_graphs=info["graphs"])
+                       rank_weight_GB=weights / 1e9, captured_graphs=info["graphs"],
+                       all_reduce="-" if tp == 1 else "push" if engine.lockstep.tp.push is not None else
+                       "NCCL" if device == "cuda" else "gloo")
             results.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -124,15 +144,16 @@ def report(results: list[dict], shape_rows: dict[str, list[dict]], device: str) 
            "| row | batch | TP 1 step ms | TP 2 step ms | latency TP1/TP2 | tok/s TP2/TP1 |", "|---|---|---|---|---|---|",
            *ratio_rows(results), ""]
     for title, rows in shape_rows.items():
-        out += [f"## {title}", "", "| TP | row | graphs | batch | step ms | tok/s | accept length | weights per rank GB |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += [f"## {title}", "", "| TP | row | all-reduces | graphs | batch | step ms | tok/s | accept length | "
+                "weights per rank GB |", "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "error" in r:
-                out.append(f"| {r['tp']} | {r['spec']} | | | {r['error']} | | | |")
+                out.append(f"| {r['tp']} | {r['spec']} | | | | {r['error']} | | | |")
                 continue
             accept = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
-            out.append(f"| {r['tp']} | {r['spec']} | {'yes' if r['graphs'] else 'no'} | {r['batch']} | "
-                       f"{r['step_ms']:.2f} | {r['tok_per_s']:.1f} | {accept} | {r['rank_weight_GB']:.1f} |")
+            out.append(f"| {r['tp']} | {r['spec']} | {r['all_reduce']} | {'yes' if r['graphs'] else 'no'} | "
+                       f"{r['batch']} | {r['step_ms']:.2f} | {r['tok_per_s']:.1f} | {accept} | "
+                       f"{r['rank_weight_GB']:.1f} |")
         out.append("")
     return "\n".join(out)
 
@@ -174,7 +195,7 @@ def main() -> None:
         args.no_big = True
     if args.head_rows:
         split = dict(split_draft_head=True)
-        rows = [(1, "chain5", (1, 8), {}), (2, "chain5", (1, 8), {}), (2, "chain5", (1, 8), {}, split)]
+        rows = [(2, "chain5", (1, 8), {}, split), (2, "chain5", (1, 8), {}), (1, "chain5", (1, 8), {})]  # the new first
         args.no_big = True
     if args.all_reduce_rows:
         nccl, push = dict(push_all_reduce=False), dict(push_all_reduce=True)

@@ -50,7 +50,7 @@ def rank_main(rank: int, port: int) -> None:
 
     from hyperdraft.distributed.push_all_reduce import PushAllReduce
 
-    push = PushAllReduce(rank, 2, device, dist.new_group(backend="gloo"))
+    push = PushAllReduce.start(rank, 2, device, dist.new_group(backend="gloo"))
     group = dist.group.WORLD.group_name
     for rows in (1, 8, 48):
         x = torch.full((rows, HIDDEN), rank + 1.0, dtype=torch.bfloat16, device=device)

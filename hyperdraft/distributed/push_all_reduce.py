@@ -3,10 +3,12 @@ through buffers every rank of one node can write (torch's symmetric memory); ker
 and the measured reason. Larger tensors (prefill chunks) and other dtypes go through NCCL. The default on one node
 of GPUs that reach each other's memory (engine/lockstep.py push_wanted); --disable-custom-all-reduce turns it off.
 
-Torch's symmetric memory remembers a group by its name for the life of the process, but group names restart from
-"0" whenever the default group is destroyed and made again: a second tensor-parallel engine in one process (rank 0's
-process outlives each engine's followers) would rendezvous through the first engine's dead store and hang. So each
-PushAllReduce makes its own group, named after how many rank 0's process has made (rank 0 broadcasts the count).
+One group per process on CUDA. Torch's symmetric memory numbers its store exchanges with one counter per process, so
+once rank 0's process has mapped buffers for an engine, the fresh follower processes of a later engine wait on keys
+rank 0 never writes (seen on two H200s: the second TP 2 engine of a test process hung in `rendezvous`, rank 0 at
+exchange 4, its new peer at 0). `PushAllReduce.start` therefore gives None, on every rank alike, to any engine after
+the first in rank 0's process: that engine sends its all-reduces through NCCL and says so in the log. A server runs
+one engine per process; tests and benchmarks that need the kernel in several engines start each in a fresh process.
 
 On the CPU, under Triton's interpreter (which runs the same kernel on CPU tensors), the buffers are shared-memory
 files each rank maps: tests run the whole engine with it there (tests/gpu/test_push_all_reduce.py).
@@ -19,8 +21,9 @@ the same ranks shares them.
 
 from __future__ import annotations
 
-import itertools
+import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,7 +32,17 @@ from hyperdraft.kernels.all_reduce import BLOCK, INT_OF, SENTINEL, SLOTS, WAIT_L
 
 SLOT_BYTES = 1 << 20  # per rank and slot: 64 rows of an 8192-wide bf16 model (a batch-8 chain-5 verify is 48 rows)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_GROUPS_MADE = itertools.count()  # in this process (rank 0's counts for every rank)
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _History:
+    """What this process has started; rank 0's copy decides for every rank (broadcast at each start)."""
+    starts: int = 0
+    cuda_mapped: bool = False  # torch's symmetric memory has made its exchanges here
+
+
+_THIS_PROCESS = _History()
 
 
 class _Lane:
@@ -67,29 +80,47 @@ def _shared_file_buffers(width: int, rank: int, size: int, tag: str, control) ->
     return peers
 
 
-def _rank0_token(control) -> tuple[int, int]:
-    """(how many PushAllReduce rank 0's process has made, its pid), on every rank (collective)."""
-    token = [(next(_GROUPS_MADE), os.getpid())]
+def _rank0_history(control) -> tuple[_History, int]:
+    """(rank 0's process history before this start, its pid), on every rank (collective)."""
+    token = [(_History(_THIS_PROCESS.starts, _THIS_PROCESS.cuda_mapped), os.getpid())]
     dist.broadcast_object_list(token, src=0, group=control)
+    _THIS_PROCESS.starts += 1
     return token[0]
 
 
-def _fresh_group(made: int) -> object:
-    """A new group over every rank whose name no earlier group of rank 0's process had (collective)."""
+def _fresh_group(starts: int) -> object:
+    """A new group over every rank named "1000" + rank 0's start count (collective): a name no group of an earlier
+    engine in rank 0's process had (names restart when the default group is made again, and torch's symmetric memory
+    would find an old name's dead store)."""
     world = dist.distributed_c10d._world
-    world.group_count = max(world.group_count, 1000 + made)  # names "1000", "1001", ...: above the engine's own
+    world.group_count = max(world.group_count, 1000 + starts)
     return dist.new_group(ranks=list(range(dist.get_world_size())))
 
 
 class PushAllReduce:
-    def __init__(self, rank: int, size: int, device: torch.device, control=None, wait_limit_s: float = WAIT_LIMIT_S):
-        """control: a group for the host-side agreements (None: the default group); wait_limit_s: how long a call
-        waits for a peer's part before its kernel traps (the engine's dist_timeout). On the CPU the buffers are
-        shared-memory files and the kernel runs under Triton's interpreter (tests of the engine with it)."""
+    @classmethod
+    def start(cls, rank: int, size: int, device: torch.device, control=None,
+              wait_limit_s: float = WAIT_LIMIT_S) -> "PushAllReduce | None":
+        """The push all-reduce of a new group (collective), or None on every rank where it cannot map its buffers:
+        on CUDA, when rank 0's process already has (see the module's docstring). control: a group for the host-side
+        agreements (None: the default group); wait_limit_s: how long a call waits for a peer's part before its kernel
+        traps (the engine's dist_timeout)."""
+        history, pid = _rank0_history(control)
+        if device.type == "cuda" and history.cuda_mapped:
+            if rank == 0:
+                log.warning("tensor parallelism: all-reduces go through NCCL, not the push kernel: torch's symmetric "
+                            "memory serves one engine per process and an earlier engine here used it")
+            return None
+        return cls(rank, size, device, control, wait_limit_s, history.starts, pid)
+
+    def __init__(self, rank: int, size: int, device: torch.device, control, wait_limit_s: float, starts: int,
+                 rank0_pid: int):
+        """Use start(). On the CPU the buffers are shared-memory files named after rank 0's pid and start count, and
+        the kernel runs under Triton's interpreter (tests of the engine with it)."""
         self.rank, self.size, self.wait_limit_s, self.device = rank, size, wait_limit_s, device
-        made, pid = _rank0_token(control)
         if device.type == "cuda":
-            group_name = _fresh_group(made).group_name
+            _THIS_PROCESS.cuda_mapped = True
+            group_name = _fresh_group(starts).group_name
             try:
                 peers = {width: _symmetric_buffers(width, rank, size, device, group_name) for width in (2, 4)}
                 torch.cuda.synchronize(device)
@@ -98,7 +129,7 @@ class PushAllReduce:
                                    f"memory ({e}); run with --disable-custom-all-reduce to send every all-reduce "
                                    "through NCCL") from e
         else:
-            peers = {width: _shared_file_buffers(width, rank, size, f"{pid}-{made}", control) for width in (2, 4)}
+            peers = {width: _shared_file_buffers(width, rank, size, f"{rank0_pid}-{starts}", control) for width in (2, 4)}
         self.lanes = {width: _Lane(size, buffers, device) for width, buffers in peers.items()}
         dist.barrier(group=control)  # every rank's sentinels are written before any rank pushes
 

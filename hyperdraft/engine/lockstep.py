@@ -100,7 +100,7 @@ def init_group(args: EngineArgs, rank: int, address: str, device: torch.device,
     if device.type != "cuda":
         dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                                 timeout=timeout)
-        push = PushAllReduce(rank, args.tp_size, device, None, args.dist_timeout) \
+        push = PushAllReduce.start(rank, args.tp_size, device, None, args.dist_timeout) \
             if push_wanted(args, options, rank, device) else None
         return TensorParallel(rank, args.tp_size, push=push)
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
@@ -108,7 +108,7 @@ def init_group(args: EngineArgs, rank: int, address: str, device: torch.device,
     dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                             timeout=timeout, device_id=device)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    push = PushAllReduce(rank, args.tp_size, device, control, args.dist_timeout) \
+    push = PushAllReduce.start(rank, args.tp_size, device, control, args.dist_timeout) \
         if push_wanted(args, options, rank, device) else None
     return TensorParallel(rank, args.tp_size, control=control, push=push)
 

@@ -177,7 +177,7 @@ def _gpu_rank(rank: int, port: int, result_path: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
-    push = PushAllReduce(rank, 2, device, dist.new_group(backend="gloo"))
+    push = PushAllReduce.start(rank, 2, device, dist.new_group(backend="gloo"))
     failures = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         calls = _parts(2, dtype, SHAPES * 3, seed=7)

@@ -2,9 +2,12 @@
 for the lockstep commands. fp32 tiny models: greedy output of TP 2 equals TP 1 for plain decoding (graphs and
 eager), NGRAM, STANDALONE, EAGLE and EAGLE-3 (chains and trees), adaptive goodput speculation, and a Qwen3.5 hybrid
 (its Gated DeltaNet split by key-head groups) plain and with its MTP head; seeded sampling
-equals too; every rank's pool ends free, and the ranks agree on their pool sizes and tiers. With the push
-all-reduce (opt-in, kernels/all_reduce.py) in place of NCCL's for small tensors, plain, eager, EAGLE-3 and STANDALONE
-cases still equal TP 1.
+equals too; every rank's pool ends free, and the ranks agree on their pool sizes and tiers. The small all-reduces go
+through the push kernel (kernels/all_reduce.py, the default); with --disable-custom-all-reduce (all NCCL) plain,
+eager, EAGLE-3 and STANDALONE cases still equal TP 1.
+
+Each TP 2 engine runs in a fresh process: torch's symmetric memory maps the push kernel's buffers for one engine per
+process (a later engine in the same process falls back to NCCL, tested below), and the test process builds many.
 
 Run on a machine with two GPUs: `python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q`. Not part of CI.
 """
@@ -12,9 +15,12 @@ Run on a machine with two GPUs: `python3 -m pytest tests/gpu/test_tensor_paralle
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.options import RuntimeOptions
@@ -50,15 +56,41 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(5, 380, (k,), generator=g).tolist() for k in lengths]
 
 
-def _outputs(path, prompts, params, **engine_args):
+def _engine_outputs(path, prompts, params, **engine_args) -> tuple[list, list[dict], bool]:
+    """(outputs, every rank's state, whether the push all-reduce ran) of one engine in this process."""
     llm = LLM(path, device="cuda", dtype="float32", max_running_requests=8, chunked_prefill_size=32, dist_timeout=120,
               max_total_tokens=4096, **engine_args)
     try:
         outs = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
-        states = llm.engine.rank_states()
+        return outs, llm.engine.rank_states(), llm.engine.lockstep.tp.push is not None
     finally:
         llm.shutdown()
-    return outs, states
+
+
+def _save(out_path: str, fn, *args, **kwargs) -> None:
+    torch.save(fn(*args, **kwargs), out_path)
+
+
+def _in_fresh_process(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a new process (spawned), whose result comes back through a file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.pt")
+        proc = mp.get_context("spawn").Process(target=_save, args=(out_path, fn, *args), kwargs=kwargs)
+        proc.start()
+        try:
+            proc.join(timeout=600)
+        finally:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        assert proc.exitcode == 0, f"the engine's process exited with {proc.exitcode}"
+        return torch.load(out_path)
+
+
+def _outputs(path, prompts, params, **engine_args) -> tuple[list, list[dict], bool]:
+    if engine_args.get("tp_size", 1) == 1:
+        return _engine_outputs(path, prompts, params, **engine_args)
+    return _in_fresh_process(_engine_outputs, path, prompts, params, **engine_args)
 
 
 CASES = {
@@ -90,25 +122,26 @@ CASES = {
 }
 
 
-def _tp2_against_tp1(models, case: str, **tp2_args) -> list[dict]:
-    """CASES[case] greedily at TP 1 and at TP 2 (with tp2_args): equal outputs, every rank's pool free -> the ranks'
-    states."""
+def _tp2_against_tp1(models, case: str, **tp2_args) -> tuple[list[dict], bool]:
+    """CASES[case] greedily at TP 1 and at TP 2 (with tp2_args): equal outputs, every rank's pool free -> (the ranks'
+    states, whether TP 2 pushed its small all-reduces)."""
     kind, extra = CASES[case]
     extra = {k: (models[v] if k in ("speculative_draft_model", "speculative_adaptive_config") else v)
              for k, v in extra.items()}
     prompts = _prompts(len(NEW_TOKENS), seed=len(case))
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
-    want, _ = _outputs(models[kind], prompts, params, **extra)
-    got, states = _outputs(models[kind], prompts, params, tp_size=2, **tp2_args, **extra)
+    want, _, _ = _outputs(models[kind], prompts, params, **extra)
+    got, states, pushed = _outputs(models[kind], prompts, params, tp_size=2, **tp2_args, **extra)
     assert got == want
     for s in states:
         assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
-    return states
+    return states, pushed
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp2_greedy_equals_tp1(models, case):
-    states = _tp2_against_tp1(models, case)
+    states, pushed = _tp2_against_tp1(models, case)
+    assert pushed  # the default on two GPUs that reach each other's memory
     assert len(states) == 2
     for s in states:
         assert s["num_running_reqs"] == s["num_waiting_reqs"] == 0, s
@@ -123,47 +156,59 @@ PUSH = RuntimeOptions.from_env(push_all_reduce=True)
 def test_tp2_with_nccl_all_reduces_only_equals_tp1(models, case):
     """The other all-reduce path: --disable-custom-all-reduce sends every all-reduce through NCCL (the cases above
     push the small ones, kernels/all_reduce.py, the default on two GPUs that reach each other's memory)."""
-    _tp2_against_tp1(models, case, disable_custom_all_reduce=True)
+    _, pushed = _tp2_against_tp1(models, case, disable_custom_all_reduce=True)
+    assert not pushed
 
 
-def test_push_after_an_nccl_engine_in_bf16_equals_nccl(tmp_path):
-    """What tp_bench --all-reduce-rows does: in one process a TP 2 engine with NCCL's all-reduces, then one with the
-    push kernel, bf16, a model wide enough that prefill chunks go through NCCL and decode rows through the push kernel,
-    and whose row-parallel layers (K of 1024 and 2048 per rank) run the nvcc GEMV right before each push: that order
-    hung an 8B engine while the push kernel was launched with PDL (kernels/all_reduce.py). Two parts summed in fp32 and
-    rounded once are NCCL's bits, so greedy outputs must be equal; a hang fails at dist_timeout."""
+def _engines_one_after_another(path: str, prompts, params) -> list[tuple[list, bool, bool]]:
+    """In this process, three bf16 TP 2 engines in turn: NCCL only, the default, the default again -> per engine
+    (outputs, whether it pushed, every rank's pool free)."""
+    results = []
+    for options in (RuntimeOptions.from_env(push_all_reduce=False), PUSH, PUSH):
+        llm = LLM(path, device="cuda", dtype="bfloat16", max_running_requests=4, chunked_prefill_size=1024,
+                  dist_timeout=120, max_total_tokens=8192, tp_size=2, runtime_options=options)
+        try:
+            outs = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+            free = all(s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"]
+                       for s in llm.engine.rank_states())
+            results.append((outs, llm.engine.lockstep.tp.push is not None, free))
+        finally:
+            llm.shutdown()
+    return results
+
+
+def test_push_engines_one_after_another_in_bf16_equal_nccl(tmp_path):
+    """What a notebook does: in one process a TP 2 engine with NCCL's all-reduces, then one with the push kernel, then
+    a third, which falls back to NCCL (torch's symmetric memory maps buffers for one engine per process) instead of
+    hanging in its rendezvous, as it did. bf16, a model wide enough that prefill chunks go through NCCL and decode rows
+    through the push kernel, and whose row-parallel layers (K of 1024 and 2048 per rank) run the nvcc GEMV right before
+    each push: that order hung an 8B engine while the push kernel was launched with PDL (kernels/all_reduce.py). Two
+    parts summed in fp32 and rounded once are NCCL's bits, so greedy outputs must be equal; a hang fails."""
     path = make_tiny_model(str(tmp_path / "wide"), "llama", seed=6, hidden_size=2048, intermediate_size=4096,
                            num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
                            max_position_embeddings=2048)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 380, (n,), generator=g).tolist() for n in (700, 40, 513, 9)]  # 700 x 2048 > a slot
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (20, 33, 8, 27)]
-    outputs = []
-    for options in (RuntimeOptions.from_env(push_all_reduce=False), PUSH):
-        llm = LLM(path, device="cuda", dtype="bfloat16", max_running_requests=4, chunked_prefill_size=1024,
-                  dist_timeout=120, max_total_tokens=8192, tp_size=2, runtime_options=options)
-        try:
-            outputs.append([o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params,
-                                                              use_tqdm=False)])
-            assert (llm.engine.lockstep.tp.push is not None) == options.push_all_reduce
-            for s in llm.engine.rank_states():
-                assert s["kv_free_tokens"] + s.get("cache_tokens", 0) == s["kv_capacity_tokens"], s
-        finally:
-            llm.shutdown()
-    assert outputs[1] == outputs[0]
+    (nccl, nccl_pushed, nccl_free), (push, pushed, push_free), (again, again_pushed, again_free) = \
+        _in_fresh_process(_engines_one_after_another, path, prompts, params)
+    assert (nccl_pushed, pushed, again_pushed) == (False, True, False)
+    assert nccl_free and push_free and again_free
+    assert push == nccl and again == nccl
 
 
 @pytest.mark.parametrize("case", ["eagle3-chain", "eagle-tree"])
 def test_tp2_with_the_head_split_equals_tp1(models, case):
     """RuntimeOptions.split_draft_head: the head's layers split over the ranks, its all-reduces in its graphs."""
-    _tp2_against_tp1(models, case, runtime_options=RuntimeOptions.from_env(split_draft_head=True))
+    _, pushed = _tp2_against_tp1(models, case, runtime_options=RuntimeOptions.from_env(split_draft_head=True))
+    assert pushed
 
 
 def test_tp2_seeded_sampling_equals_tp1(models):
     prompts = _prompts(6, seed=11)
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, ignore_eos=True, seed=i) for i in range(6)]
-    want, _ = _outputs(models["llama"], prompts, params)
-    got, _ = _outputs(models["llama"], prompts, params, tp_size=2)
+    want, _, _ = _outputs(models["llama"], prompts, params)
+    got, _, _ = _outputs(models["llama"], prompts, params, tp_size=2)
     assert got == want
 
 
