@@ -132,4 +132,6 @@ def split_model(whole: DecoderLM | HybridLM, tp: TensorParallel) -> DecoderLM | 
     shard_state(part, whole, cfg, tp)
     part.to(param.dtype)
     fuse_projections(part.model.layers)
+    if cfg.moe is not None:
+        pack_experts(part.model.layers)  # the part's own stacks: without them a CUDA graph captures the torch reference
     return part.eval().requires_grad_(False)

@@ -229,5 +229,5 @@ def test_a_dead_rank_stops_the_engine_with_an_error(models):
 
 def test_more_ranks_than_gpus_is_a_clear_error(models):
     last = torch.cuda.device_count() - 1
-    with pytest.raises(ValueError, match=f"tp_size=2 needs one GPU per rank from cuda:{last}"):
+    with pytest.raises(ValueError, match=f"tp_size=2 over nnodes=1 needs one GPU per rank from cuda:{last}"):
         LLM(models["llama"], device=f"cuda:{last}", dtype="float32", tp_size=2)

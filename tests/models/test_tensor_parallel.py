@@ -90,3 +90,22 @@ def test_random_weights_are_drawn_for_the_ranks_part_alone(tmp_path):
     want = {name: p.shape for name, p in split_model(whole, TensorParallel(1, 2)).named_parameters()}
     assert {name: p.shape for name, p in part.named_parameters()} == want
     assert want["model.embed_tokens.weight"][0] < whole.config.vocab_size
+
+
+def test_a_split_sparse_model_packs_its_own_expert_stacks(tmp_path):
+    """The routed experts run from two stacked buffers (moe.pack_experts); a split part must stack its own slices, or
+    its forward takes the torch reference, whose data-dependent loop cannot be captured in a CUDA graph (it aborted
+    TP 2 Qwen3-Next engines on GPUs)."""
+    from hyperdraft.models.moe import SparseMoe
+
+    path = make_tiny_model(str(tmp_path / "qn"), "qwen3_next", seed=4)
+    part = split_model(load_model(path, "float32", torch.device("cpu")), TensorParallel(1, 2))
+    sparse = [layer.mlp for layer in part.model.layers if isinstance(layer.mlp, SparseMoe)]
+    assert sparse
+    for mlp in sparse:
+        assert mlp.stack is not None
+        for e, expert in enumerate(mlp.experts):
+            inter = expert.gate_proj.weight.shape[0]
+            assert mlp.stack.gate_up.shape[1] == 2 * inter
+            assert expert.gate_proj.weight.data_ptr() == mlp.stack.gate_up[e, :inter].data_ptr()
+            assert torch.equal(mlp.stack.down[e], expert.down_proj.weight)
