@@ -352,10 +352,21 @@ class Engine:
     def close(self) -> None:
         """Destroy the CUDA graphs (their memory goes back; graphs holding NCCL collectives must go before the group),
         then stop the other ranks of a tensor-parallel group (rank 0) and leave it. Later steps would run eagerly."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.worker.release_graphs()
+        if not self.device_lost():
+            self.worker.release_graphs()
         self.lockstep.close()
+
+    def device_lost(self) -> bool:
+        """Whether this process's CUDA context is gone (after waiting for the device): a kernel trapped, as the push
+        all-reduce does when a rank stops arriving, so nothing can run on the device or be freed any more."""
+        if self.device.type != "cuda":
+            return False
+        try:
+            torch.cuda.synchronize(self.device)
+            return False
+        except torch.AcceleratorError as error:
+            logger.warning("the GPU context is lost (%s); closing without freeing the CUDA graphs", error)
+            return True
 
     def cache_state(self) -> dict:
         """The prefix cache's size and counters (internal_state, /metrics)."""
