@@ -93,7 +93,7 @@ class RuntimeOptions:
     emulate_cuda_graphs: bool = False
     record_step_time: bool = False
     split_draft_model: bool = True  # measured faster on two H100s: tp_bench_h100.md
-    split_draft_head: bool = False  # not yet measured split (tp_bench chain rows: replicated, 1.19x at batch 1)
+    split_draft_head: bool = False  # whole measured faster: 5.91 against 6.89 ms a chain-5 round (tp_bench_h200.md)
     push_all_reduce: bool = True  # 8B TP 2 step on two H100s 3.69 ms against NCCL's 4.03 (tp_bench_h100.md)
     kv_in_attention: bool = False  # not yet measured on a GPU (kernels/attention.py NewTokens)
     simulate_accept_rate: float | None = None
