@@ -86,10 +86,10 @@ def _reasoning(r: random.Random) -> str:
     n, m = r.randint(3, 12), r.randint(2, 9)
     return r.choice([
         f"{a} is taller than {b}, and {b} is taller than {c}. Who is the shortest? Explain your reasoning.",
-        f"{a} has {n} {r.choice(ITEMS)} and gives {b} {m} fewer than half of them. How many does {b} get? Think step "
-        f"by step.",
+        f"{a} has {2 * (n + m)} {r.choice(ITEMS)} and gives {b} {m} fewer than half of them. How many does {b} "
+        f"get? Think step by step.",  # {b} gets n: a whole, positive answer
         f"If every {r.choice(ITEMS)[:-1]} in a box is either red or blue, and there are {n} more red ones than blue "
-        f"ones out of {2 * n + 2 * m}, how many are blue?",
+        f"ones out of {n + 2 * m}, how many are blue?",  # blue = m: a whole answer
         f"{a}, {b} and {c} each own a different pet: a cat, a dog and a parrot. {a} does not own the dog, and {c} "
         f"owns the parrot. Who owns which pet?",
         f"A train leaves at {r.randint(1, 11)}:{r.choice(['00', '15', '30', '45'])} and the trip takes {n} hours "

@@ -129,7 +129,8 @@ class PushAllReduce:
                                    f"memory ({e}); run with --disable-custom-all-reduce to send every all-reduce "
                                    "through NCCL") from e
         else:
-            peers = {width: _shared_file_buffers(width, rank, size, f"{rank0_pid}-{starts}", control) for width in (2, 4)}
+            tag = f"{rank0_pid}-{starts}"
+            peers = {width: _shared_file_buffers(width, rank, size, tag, control) for width in (2, 4)}
         self.lanes = {width: _Lane(size, buffers, device) for width, buffers in peers.items()}
         dist.barrier(group=control)  # every rank's sentinels are written before any rank pushes
 
