@@ -12,6 +12,7 @@ import torch
 from hyperdraft.config import SPECULATIVE_ALGORITHMS, EngineArgs
 from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
+from hyperdraft.engine.device import device_lost, resolve_device
 from hyperdraft.engine.lockstep import (Command, Lockstep, check_devices, init_group, local_rank, node_ranks,
                                         rank_device, start_followers)
 from hyperdraft.engine.memory import (fitting_rows, kv_bytes_per_slot, kv_capacity_tokens, memory_budget_bytes,
@@ -40,18 +41,6 @@ from hyperdraft.speculative.proposers import proposer_class
 from hyperdraft.speculative.worker import SpecWorker
 
 logger = logging.getLogger("hyperdraft")
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device is cuda but no CUDA device is available")
-    return device
-
 
 def load_tokenizer(args: EngineArgs):
     if args.skip_tokenizer_init:
@@ -352,21 +341,9 @@ class Engine:
     def close(self) -> None:
         """Destroy the CUDA graphs (their memory goes back; graphs holding NCCL collectives must go before the group),
         then stop the other ranks of a tensor-parallel group (rank 0) and leave it. Later steps would run eagerly."""
-        if not self.device_lost():
+        if not device_lost(self.device):  # else a trapped kernel took the context: the graphs cannot be freed
             self.worker.release_graphs()
         self.lockstep.close()
-
-    def device_lost(self) -> bool:
-        """Whether this process's CUDA context is gone (after waiting for the device): a kernel trapped, as the push
-        all-reduce does when a rank stops arriving, so nothing can run on the device or be freed any more."""
-        if self.device.type != "cuda":
-            return False
-        try:
-            torch.cuda.synchronize(self.device)
-            return False
-        except torch.AcceleratorError as error:
-            logger.warning("the GPU context is lost (%s); closing without freeing the CUDA graphs", error)
-            return True
 
     def cache_state(self) -> dict:
         """The prefix cache's size and counters (internal_state, /metrics)."""
