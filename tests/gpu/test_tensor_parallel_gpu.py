@@ -1,8 +1,8 @@
 """--tp-size 2 on two GPUs: NCCL for the model's collectives, captured inside the CUDA graphs, a gloo group beside it
 for the lockstep commands. fp32 tiny models: greedy output of TP 2 equals TP 1 for plain decoding (graphs and
 eager), NGRAM, STANDALONE, EAGLE and EAGLE-3 (chains and trees), adaptive goodput speculation, and a Qwen3.5 hybrid
-(its Gated DeltaNet split by key-head groups) plain and with its MTP head; seeded sampling
-equals too; every rank's pool ends free, and the ranks agree on their pool sizes and tiers. The small all-reduces go
+(its Gated DeltaNet split by key-head groups) and a Qwen3-Next sparse model (experts split by their intermediate
+columns), plain and with their MTP heads; seeded sampling equals too; every rank's pool ends free, and the ranks agree on their pool sizes and tiers. The small all-reduces go
 through the push kernel (kernels/all_reduce.py, the default); with --disable-custom-all-reduce (all NCCL) plain,
 eager, EAGLE-3 and STANDALONE cases still equal TP 1.
 
