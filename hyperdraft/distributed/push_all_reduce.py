@@ -3,7 +3,7 @@ through buffers every rank of one node can write (torch's symmetric memory); ker
 and the measured reason. Larger tensors (prefill chunks) and other dtypes go through NCCL. The default on one node
 of GPUs that reach each other's memory (engine/lockstep.py push_wanted); --disable-custom-all-reduce turns it off.
 
-One group per process on CUDA. Torch's symmetric memory numbers its store exchanges with one counter per process, so
+One engine per process on CUDA. Torch's symmetric memory numbers its store exchanges with one counter per process, so
 once rank 0's process has mapped buffers for an engine, the fresh follower processes of a later engine wait on keys
 rank 0 never writes (seen on two H200s: the second TP 2 engine of a test process hung in `rendezvous`, rank 0 at
 exchange 4, its new peer at 0). `PushAllReduce.start` therefore gives None, on every rank alike, to any engine after
@@ -89,9 +89,10 @@ def _rank0_history(control) -> tuple[_History, int]:
 
 
 def _fresh_group(starts: int) -> object:
-    """A new group over every rank named "1000" + rank 0's start count (collective): a name no group of an earlier
-    engine in rank 0's process had (names restart when the default group is made again, and torch's symmetric memory
-    would find an old name's dead store)."""
+    """A new group over every rank named "1000" + rank 0's start count (collective), a name no earlier engine's group
+    in rank 0's process had. Kept from before the one-engine rule, when a reused name was suspected of pointing the
+    rendezvous at a dead engine's store (the hang's real cause was the exchange counter, above); it costs nothing and
+    keeps the names of an engine's groups apart from any earlier engine's."""
     world = dist.distributed_c10d._world
     world.group_count = max(world.group_count, 1000 + starts)
     return dist.new_group(ranks=list(range(dist.get_world_size())))
