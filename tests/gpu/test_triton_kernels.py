@@ -286,7 +286,11 @@ def test_attention_storing_its_new_tokens(kind, page_size, splits, rotary, dtype
     one_q = q.clone()
     one = paged_attention(one_q, *pools[1], **rest, **mode, new_tokens=new)
     assert torch.equal(one_q, q)  # q is rotated on its way in, not in place
-    assert torch.isfinite(one).all() and torch.equal(one, two)
+    # Real requests' rows only: the padding entries' two new keys both map to the padding page's slot 0, where the
+    # separate store's two programs race (on a GPU either key may land last), while here only the entry that reads
+    # a key stores it; a padding row's output is thrown away anyway.
+    tokens = slice(0, sum(e for _, e in specs))
+    assert torch.isfinite(one).all() and torch.equal(one[tokens], two[tokens])
     real = slice(page_size, None)  # past the padding page; unused slots hold NaN
     for got, want in zip(pools[1], pools[0]):
         torch.testing.assert_close(got[real], want[real], atol=0, rtol=0, equal_nan=True)
