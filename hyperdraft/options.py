@@ -32,9 +32,10 @@ passes options instead of patching modules.
                                                                    other's memory, small ones pushed through symmetric
                                                                    memory in one launch, kernels/all_reduce.py; the
                                                                    user's flag is EngineArgs' disable_custom_all_reduce)
-  HYPERDRAFT_KV_IN_ATTENTION=1          kv_in_attention=True       the new K/V of decodes, verifies and draft steps
-                                                                   stored (q and k rotated) by the Triton attention
-                                                                   launch itself (one launch a layer less; same bits)
+  HYPERDRAFT_KV_IN_ATTENTION=0          kv_in_attention=False      the new K/V of decodes, verifies and draft steps
+                                                                   stored (q and k rotated) by a launch of their own
+                                                                   before attention (default: by the Triton attention
+                                                                   launch itself, one launch a layer less; same bits)
   HYPERDRAFT_SIMULATE_ACCEPT_RATE=a     simulate_accept_rate=a     BENCHMARK ONLY, lossy (speculative/verify/simulated.py)
 
 `deterministic` has no variable: it is EngineArgs' enable_deterministic_inference (batch-invariant kernels only,
@@ -73,7 +74,7 @@ _SWITCHES = {
     "record_step_time": ("HYPERDRAFT_RECORD_STEP_TIME", "1"),
     "split_draft_model": ("HYPERDRAFT_SPLIT_DRAFT_MODEL", "0"),
     "push_all_reduce": ("HYPERDRAFT_PUSH_ALL_REDUCE", "0"),
-    "kv_in_attention": ("HYPERDRAFT_KV_IN_ATTENTION", "1"),
+    "kv_in_attention": ("HYPERDRAFT_KV_IN_ATTENTION", "0"),
     "split_draft_head": ("HYPERDRAFT_SPLIT_DRAFT_HEAD", "1"),
 }
 
@@ -95,7 +96,7 @@ class RuntimeOptions:
     split_draft_model: bool = True  # measured faster on two H100s: tp_bench_h100.md
     split_draft_head: bool = False  # whole measured faster: 5.91 against 6.89 ms a chain-5 round (tp_bench_h200.md)
     push_all_reduce: bool = True  # 8B TP 2 step on two H100s 3.69 ms against NCCL's 4.03 (tp_bench_h100.md)
-    kv_in_attention: bool = False  # not yet measured on a GPU (kernels/attention.py NewTokens)
+    kv_in_attention: bool = True  # SmolLM2 decode graph 586 -> 568 us on an H100 (plain_step_h100.md)
     simulate_accept_rate: float | None = None
     deterministic: bool = False
 

@@ -55,8 +55,10 @@ class Run:
 def random_heads(target: str, root: str) -> dict[str, str]:
     """Random EAGLE-3 and EAGLE heads shaped for the target (acceptance is not the point: losslessness is)."""
     src = head_config_source(target, root)
+    with open(os.path.join(src, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]  # a tiny target's vocabulary may be smaller than the draft's 2048
     return {"EAGLE3": write_random_eagle_checkpoint(os.path.join(root, "eagle3"), src, kind="eagle3",
-                                                    draft_vocab_size=2048),
+                                                    draft_vocab_size=min(2048, vocab)),
             "EAGLE": write_random_eagle_checkpoint(os.path.join(root, "eagle"), src, kind="eagle")}
 
 
