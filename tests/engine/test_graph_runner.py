@@ -80,7 +80,7 @@ def test_graphs_match_eager_and_spec_off(models, llm_factory, emulated_graphs, n
     draft_runner = getattr(proposer, "runner", None)
     if draft_runner is not None:  # greedy rounds, chains and beams, run as one graph each (tests/test_graph_draft.py)
         assert draft_runner.graphs is not None and proposer.draft_loop is not None
-        ran = {tier for (tier, _, _), n in proposer.draft_loop.replays.items() if n}
+        ran = {k.tier for k, n in proposer.draft_loop.replays.items() if n}
         assert any(tier.is_tree == ("tree" in name) for tier in ran), ran
 
 

@@ -72,10 +72,10 @@ def _prompts(vocab: int = 384) -> list[list[int]]:
     return out
 
 
-def _run(path, dtype, **args):
+def _run(path, dtype, params: list[SamplingParams] | None = None, **args):
     llm = LLM(path, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=8192,
               skip_tokenizer_init=True, **args)
-    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
+    params = params or [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
     prompts = _prompts(llm.engine.model_config.vocab_size)
     outs = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
     engine = llm.engine
@@ -87,7 +87,7 @@ def _run(path, dtype, **args):
     draft_graphs = getattr(getattr(proposer, "runner", None), "graphs", None)
     draft_shapes = set() if draft_graphs is None else {shape for (shape, _), n in draft_graphs.replays.items() if n}
     loop = getattr(proposer, "draft_loop", None)  # greedy rounds: one graph per round (speculative/drafting/graphs.py)
-    loop_keys = set() if loop is None else {(tier, w) for (tier, _, w), n in loop.replays.items() if n}
+    loop_keys = set() if loop is None else {k for k, n in loop.replays.items() if n}  # RoundKeys
     llm.shutdown()
     return outs, replays, draft_shapes, loop_keys
 
@@ -111,9 +111,9 @@ def test_graphs_on_equals_off(models, name, dtype):
     graphed, replays, draft_shapes, loop_keys = _run(target, dtype, cuda_graph_max_bs=4, **case)
     assert replays > 0, "no forward ran through a graph"
     if "tree" in name or "chain" in name:  # whole greedy rounds, catch-up included, one graph each
-        assert any(tier.is_tree == ("tree" in name) for tier, _ in loop_keys), f"no round ran as one graph: {loop_keys}"
+        assert any(k.tier.is_tree == ("tree" in name) for k in loop_keys), f"no round ran as one graph: {loop_keys}"
     if "small" in name:  # catch-ups padded to the captured width
-        assert any(w > 1 for _, w in loop_keys), loop_keys
+        assert any(k.width > 1 for k in loop_keys), loop_keys
     assert graphed == eager, f"{name} {dtype}: graphs on != graphs off"
     if dtype == "float32":
         assert graphed == _SPEC_OFF[key], f"{name}: spec on != spec off"
@@ -122,6 +122,28 @@ def test_graphs_on_equals_off(models, name, dtype):
         data = json.load(open(REPORT)) if os.path.exists(REPORT) else {}
         data[name] = {"identical_to_spec_off": same, "requests": len(graphed)}
         json.dump(data, open(REPORT, "w"), indent=1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["eagle3-chain", "standalone-tree"])
+def test_drawn_round_graphs_equal_step_by_step(models, monkeypatch, name, dtype):
+    """Drafts drawn from q (rejection sampling; seeded greedy and sampled requests, top-k, top-p and min-p among
+    them): whole-round graphs, captured on first use per DrawKey, give the outputs of the same rounds drawn step by
+    step through per-step graphs (drawn_round_graphs off), bit for bit: the same kernels at the same padded shapes,
+    and counter-based uniforms."""
+    case = dict(CASES[name], speculative_use_rejection_sampling=True)
+    target = models[case.pop("target", "target")]
+    case["speculative_draft_model_path"] = models[case.pop("draft")]
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.9),
+             dict(temperature=0.7, min_p=0.1)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, seed=100 + i, **kinds[i % len(kinds)])
+              for i, n in enumerate(NEW_TOKENS)]
+    graphed, _, _, loop_keys = _run(target, dtype, params=params, cuda_graph_max_bs=4, **case)
+    assert any(k.draw is not None for k in loop_keys), f"no drawn round ran as one graph: {loop_keys}"
+    monkeypatch.setenv("HYPERDRAFT_DRAWN_ROUND_GRAPH", "0")
+    stepped, _, _, stepped_keys = _run(target, dtype, params=params, cuda_graph_max_bs=4, **case)
+    assert not any(k.draw is not None for k in stepped_keys)
+    assert graphed == stepped, f"{name} {dtype}: drawn round graphs != step by step"
 
 
 def test_every_batch_size_of_a_shape_shares_one_set_of_outputs(models):

@@ -18,8 +18,9 @@ import json
 import pytest
 import torch
 
+import hyperdraft.speculative.drafting.graphs as draft_graphs
 import hyperdraft.speculative.proposers.eagle as eagle_proposer
-from hyperdraft import LLM
+from hyperdraft import LLM, SamplingParams
 from hyperdraft.core.forward_batch import ForwardMode
 from hyperdraft.models.decoder import rotated
 from hyperdraft.runner.graph_runner import GraphShape
@@ -88,7 +89,8 @@ def _record(llm: LLM) -> tuple[list, list]:
     for name in ("propose",):
         def spy(*args, _inner=getattr(proposer, name), **kw):
             out = _inner(*args, **kw)
-            proposals.append([out.tokens.clone()] + ([out.parents.clone()] if hasattr(out, "parents") else []))
+            proposals.append([out.tokens.clone()] + ([out.parents.clone()] if hasattr(out, "parents") else [])
+                             + ([out.q.clone()] if out.q is not None else []))
             return out
         setattr(proposer, name, spy)
     graphs = proposer.runner.graphs
@@ -142,41 +144,97 @@ def test_draft_graphs_replay_and_change_nothing(models, llm_factory, emulated_gr
     assert not any(s.one_logit for s in replayed), "a catch-up below cuda_graph_max_bs ran on its own"
     if "adaptive" not in name:  # both captured catch-up widths: 1 (after a rejection) and the widest (full acceptance:
         # steps + 1, or 2 for a draft model's chain, whose K/V of accepted drafts stays)
-        assert {w for (_, _, w), n in loop.replays.items() if n} == {1, 2 if name == "standalone-chain" else 4}
+        assert {k.width for k, n in loop.replays.items() if n} == {1, 2 if name == "standalone-chain" else 4}
     if "tree" in name or "adaptive" in name:
-        assert any(tier.is_tree for (tier, _, _), n in loop.replays.items() if n), "no tree round ran as one graph"
+        assert any(k.tier.is_tree for k, n in loop.replays.items() if n), "no tree round ran as one graph"
     catch_ups = [(bs, key) for mode, bs, _, key in matches if mode == ForwardMode.DRAFT_EXTEND and bs > MAX_BS]
     assert catch_ups and all(key is None for _, key in catch_ups), "a catch-up above cuda_graph_max_bs must run eagerly"
     steps = [(bs, key) for mode, bs, masked, key in matches if masked]  # tree steps outside a round graph: eager
     assert all(key is None and bs > MAX_BS for bs, key in steps), "a tree step ran on its own below max bs"
     assert "tree" not in name or steps, "no tree round ran above cuda_graph_max_bs"
 
-def test_sampled_chain_drafts_run_step_by_step(models, llm_factory, emulated_graphs, monkeypatch):
-    """Drafts drawn from q (or penalised) have host-chosen sampling branches: their chain rounds skip the whole-round
-    graph and run each step through the per-step graphs, with the same drafts as eagerly."""
+def _drawn_params() -> list[SamplingParams]:
+    """Greedy and seeded sampled requests side by side, with top-k, top-p and min-p on some: as requests finish, the
+    batch's sampling flags change, so the rounds need several DrawKeys."""
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.9),
+             dict(temperature=0.7, min_p=0.1)]
+    return [SamplingParams(max_new_tokens=n, ignore_eos=True, seed=100 + i, **kinds[i % len(kinds)])
+            for i, n in enumerate(NEW_TOKENS)]
+
+
+@pytest.mark.parametrize("name", ["eagle3-chain", "eagle3-tree", "standalone-chain", "standalone-tree"])
+def test_drawn_rounds_run_as_one_graph_with_the_step_by_step_drafts(models, llm_factory, emulated_graphs, monkeypatch,
+                                                                     name):
+    """Drafts drawn from q (rejection sampling): a round at most cuda_graph_max_bs wide runs as one graph per DrawKey,
+    captured on first use, and draws what the step-by-step round at the same padded shapes draws (per-step graphs:
+    drawn_round_graphs off): the same tokens and the same q, bit for bit, every round. Against the unpadded eager rounds
+    q may differ in the last bit (other GEMM shapes), the outputs not: seeded sampling gives the same tokens, and
+    greedy requests still equal spec off."""
+    path, args = _args(models, name, speculative_use_rejection_sampling=True)
+    prompts, params = _prompts(CASES[name][0]), _drawn_params()
+    llm, outs, proposals, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
+    loop = llm.engine.worker.proposer.draft_loop
+    drawn = {k.draw for k, n in loop.replays.items() if n and k.draw is not None}
+    assert drawn, "no drawn round ran as one graph"
+    assert all(k.draw is not None for k, n in loop.replays.items() if n), "a greedy graph ran a drawn round"
+    monkeypatch.setenv("HYPERDRAFT_DRAWN_ROUND_GRAPH", "0")
+    stepped_llm, stepped_outs, stepped_proposals, _ = _run(llm_factory, path, prompts, params,
+                                                           cuda_graph_max_bs=MAX_BS, **args)
+    assert stepped_llm.engine.worker.proposer.draft_loop.num_replays == 0
+    assert outs == stepped_outs
+    _assert_same_drafts(proposals, stepped_proposals, exact_q=True)
+    monkeypatch.delenv(EMULATE_GRAPHS_ENV)
+    _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
+    assert outs == eager_outs, "drawn round graphs changed the sampled outputs"
+    _assert_same_drafts(proposals, eager_proposals, exact_q=False)
+    reference = _spec_off(path, prompts, [greedy(n) for n in NEW_TOKENS])
+    assert all(outs[i] == reference[i] for i, p in enumerate(params) if p.temperature == 0)
+
+
+def test_drawn_round_graphs_are_bounded(models, llm_factory, emulated_graphs, monkeypatch):
+    """Past MAX_DRAWN_GRAPHS, a round with a new DrawKey runs step by step, with the same drafts."""
+    monkeypatch.setattr(draft_graphs, "MAX_DRAWN_GRAPHS", 1)
     path, args = _args(models, "eagle3-chain", speculative_use_rejection_sampling=True)
-    prompts, params = _prompts("small"), [greedy(n) for n in NEW_TOKENS]
+    prompts, params = _prompts("small"), _drawn_params()
+    llm, outs, proposals, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
+    proposer = llm.engine.worker.proposer
+    assert len({k.draw for k in proposer.draft_loop.outputs if k.draw is not None}) == 1
+    assert proposer.runner.graphs.replays[(GraphShape(1, 0), 1)] > 0  # other flag sets: per-step graphs
+    monkeypatch.delenv(EMULATE_GRAPHS_ENV)
+    _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
+    assert outs == eager_outs
+    _assert_same_drafts(proposals, eager_proposals, exact_q=False)
+
+
+def _assert_same_drafts(proposals: list, others: list, exact_q: bool) -> None:
+    """Round by round: the same draft tokens (and tree parents) and the same q; exact_q False: q to the last bits
+    (GEMMs of other shapes round differently)."""
+    assert len(proposals) == len(others)
+    for i, (a, b) in enumerate(zip(proposals, others)):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a[:-1], b[:-1])), f"round {i}: drafts"
+        if exact_q:
+            assert torch.equal(a[-1], b[-1]), f"round {i}: q"
+        else:
+            torch.testing.assert_close(a[-1], b[-1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["eagle3-chain", "eagle3-tree"])
+def test_penalised_drawn_rounds_run_step_by_step(models, llm_factory, emulated_graphs, monkeypatch, name):
+    """Penalised drafts drawn from q run step by step (their penalty tables are per-round [B, V] tensors), each
+    forward through a per-step graph: a sampled tree's level budgets feed frontiers narrower than topk (budgets 1, 1,
+    1 here), whose shapes are captured too. The same drafts as eagerly; greedy requests equal spec off."""
+    path, args = _args(models, name, speculative_use_rejection_sampling=True, speculative_num_draft_tokens=4)
+    prompts, params = _prompts("small"), [greedy(n, repetition_penalty=1.3) for n in NEW_TOKENS]
     llm, outs, proposals, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
     proposer = llm.engine.worker.proposer
     assert proposer.draft_loop.num_replays == 0
-    assert proposer.runner.graphs.replays[(GraphShape(1, 0), 1)] > 0
+    replayed = {s for (s, _), n in proposer.runner.graphs.replays.items() if n}
+    assert ({GraphShape(1, 2), GraphShape(1, 4)} if "tree" in name else {GraphShape(1, 0)}) <= replayed
     monkeypatch.delenv(EMULATE_GRAPHS_ENV)
     _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
-    assert outs == eager_outs == _spec_off(path, prompts, params)
-    assert all(torch.equal(x, y) for a, b in zip(proposals, eager_proposals) for x, y in zip(a, b))
-
-
-def test_sampled_tree_frontiers_replay(models, llm_factory, emulated_graphs, monkeypatch):
-    """Drafts drawn from q (speculative_use_rejection_sampling): a sampled tree's level budgets feed frontiers
-    narrower than topk (budgets 1, 1, 1 here), whose shapes are captured too. Greedy requests stay exact."""
-    path, args = _args(models, "eagle3-tree", speculative_use_rejection_sampling=True, speculative_num_draft_tokens=4)
-    prompts, params = _prompts("small"), [greedy(n) for n in NEW_TOKENS]
-    llm, outs, proposals, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
-    graphs = llm.engine.worker.proposer.runner.graphs
-    assert {GraphShape(1, 2), GraphShape(1, 4)} <= {s for (s, _), n in graphs.replays.items() if n}
-    monkeypatch.delenv(EMULATE_GRAPHS_ENV)
-    _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
-    assert outs == eager_outs == _spec_off(path, prompts, params)
+    spec_off = [o.token_ids for o in gen(LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True),
+                                         prompts, params)]
+    assert outs == eager_outs == spec_off
     assert all(torch.equal(x, y) for a, b in zip(proposals, eager_proposals) for x, y in zip(a, b))
 
 

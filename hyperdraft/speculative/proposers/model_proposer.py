@@ -41,13 +41,12 @@ import torch
 from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.model_runner import ForwardOutput, GraphedRunner
-from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits
+from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.drafting.anchor import CatchUpRows, DraftAnchor
 from hyperdraft.speculative.drafting.chain import draft_chain
-from hyperdraft.speculative.drafting.choice import choose_draft, draws_from_q
-from hyperdraft.speculative.drafting.graphs import DraftLoopGraphs
-from hyperdraft.speculative.drafting.sampled_tree import draft_q
+from hyperdraft.speculative.drafting.choice import DrawKey, chain_chooser, draws_from_q, tree_distribution
+from hyperdraft.speculative.drafting.graphs import DraftLoopGraphs, RoundKey
 from hyperdraft.speculative.drafting.tree import draft_tree
 from hyperdraft.speculative.graph_plan import CapturePlan, draft_loop_plan, draft_step_shapes
 from hyperdraft.speculative.proposal import Proposal, TreeProposal
@@ -75,7 +74,8 @@ class ModelProposer(Proposer):
         self.sample_drafts = ctx.spec.use_rejection_sampling  # True: draw from q; False: greedy / top-k; None: auto
         self.coupled = ctx.spec.sampling == "coupled"
         loops = runner.graphs is not None and ctx.options.draft_loop_graphs
-        self.draft_loop = DraftLoopGraphs(runner, capabilities.feeds_hidden, self.catch_up_hidden) if loops else None
+        self.draft_loop = DraftLoopGraphs(runner, capabilities.feeds_hidden, self.catch_up_hidden,
+                                          ctx.options.drawn_round_graphs) if loops else None
         self.capabilities = replace(capabilities, runs_as_graph=True,
                                     drafts_ahead=capabilities.drafts_ahead and loops and ctx.options.draft_ahead)
         self.ahead: AheadDraft | None = None
@@ -90,10 +90,11 @@ class ModelProposer(Proposer):
         if ahead is not None:
             return TreeProposal(*ahead) if tier.is_tree else Proposal(ahead[0], [tier.steps] * len(reqs))
         rows = self._catch_up_rows(reqs)
-        fit = self._loop_fit(tier, rows, sampled, sampling)
+        draw = DrawKey.of(sampling, self.coupled) if sampled else None
+        fit = self._loop_fit(tier, rows, draw, sampling)
         if fit is not None:
-            out = self.draft_loop.run(rows, tier, *fit)
-            proposal = TreeProposal(*out) if tier.is_tree else Proposal(out[0], [tier.steps] * len(reqs))
+            out = self.draft_loop.run(rows, RoundKey(tier, *fit, draw), sampling)
+            proposal = TreeProposal(*out) if tier.is_tree else Proposal(out[0], [tier.steps] * len(reqs), *out[1:])
         else:
             fb, first = self.catch_up(reqs, rows.tokens)
             anchor = DraftAnchor.after(fb, rows.step_bases)
@@ -105,12 +106,7 @@ class ModelProposer(Proposer):
     def _draft_chain(self, fb: ForwardBatch, first: ForwardOutput, anchor: DraftAnchor, tier: Tier,
                      sampling: SamplingBatch, sampled: bool) -> Proposal:
         """A chain of tier.steps drafts per request, step by step."""
-
-        def choose(j: int, out, prefix: torch.Tensor, dest: torch.Tensor):
-            tokens, q = choose_draft(out.target_logits(), sampling.at_offset(prefix), sampled, self.coupled)
-            dest.copy_(tokens)
-            return q
-
+        choose = chain_chooser(sampling, sampled, self.coupled)
         tokens, qs = draft_chain(self.runner.forward, fb, first, anchor, tier.steps, choose, self.runner.page_table,
                                  self.capabilities.feeds_hidden, self.capabilities.recurrent_state)
         return Proposal(tokens, [tier.steps] * fb.batch_size, torch.stack(qs, 1) if qs else None)
@@ -120,13 +116,7 @@ class ModelProposer(Proposer):
         """A tree of tier.num_draft_tokens per request: a beam over top-k children, or children drawn from q (a
         sampled tree, verified with the real q). Depth d's frontier sits at RoPE position root + d, written at
         offsets 1 + (d-1)*topk + f past the root."""
-
-        def distribution(logits: torch.Tensor, k: int) -> torch.Tensor:
-            siblings = sampling if k == 1 else sampling.repeat_rows(k)
-            if sampled:
-                return draft_q(logits, siblings, tier.topk)
-            return torch.log_softmax(penalised_logits(logits, siblings), -1)
-
+        distribution = tree_distribution(sampling, sampled, tier.topk)
         plain_beam = not sampled and sampling.penalties is None  # greedy rows read no parameter: top-k of the logits
         out = draft_tree(self.runner.forward, fb, first, anchor, tier.steps, tier.topk, tier.num_draft_tokens,
                          None if plain_beam else distribution, self.runner.page_table, self.capabilities.feeds_hidden,
@@ -152,7 +142,7 @@ class ModelProposer(Proposer):
                                                     hold=hold):
             return
         self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit), kept)
-        self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(tier, *fit, len(reqs)))
+        self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(RoundKey(tier, *fit), len(reqs)))
 
     def discard_ahead(self) -> None:
         self.ahead_discarded += self.ahead is not None
@@ -192,11 +182,12 @@ class ModelProposer(Proposer):
         return CatchUpRows([r.row for r in reqs], [r.draft_num_computed for r in reqs],
                            [self.catch_up_tokens(r) for r in reqs])
 
-    def _loop_fit(self, tier: Tier, rows: CatchUpRows, sampled: bool, sampling: SamplingBatch):
-        """(padded batch size, width) of the whole-round graph that can run this round, or None."""
-        if self.draft_loop is None or sampled or sampling.penalties is not None:
+    def _loop_fit(self, tier: Tier, rows: CatchUpRows, draw: DrawKey | None, sampling: SamplingBatch):
+        """(padded batch size, width) of the whole-round graph that can run this round, or None. Penalised rounds
+        run step by step: their penalty tables are per-round [B, V] tensors the graph would have to copy in."""
+        if self.draft_loop is None or sampling.penalties is not None:
             return None
-        return self.draft_loop.padded(tier, len(rows.rows), rows.widest)
+        return self.draft_loop.padded(tier, len(rows.rows), rows.widest, draw)
 
     def catch_up(self, reqs: list[Request], tokens_in: list[list[int]] | None = None):
         """Run the catch-up alone -> (its ForwardBatch, its ForwardOutput): padded to a captured width when a
