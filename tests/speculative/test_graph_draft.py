@@ -166,23 +166,27 @@ def _drawn_params() -> list[SamplingParams]:
 def test_drawn_rounds_run_as_one_graph_with_the_step_by_step_drafts(models, llm_factory, emulated_graphs, monkeypatch,
                                                                      name):
     """Drafts drawn from q (rejection sampling): a round at most cuda_graph_max_bs wide runs as one graph per DrawKey,
-    captured on first use, and draws what the step-by-step round at the same padded shapes draws (per-step graphs:
-    drawn_round_graphs off): the same tokens and the same q, bit for bit, every round. Against the unpadded eager rounds
-    q may differ in the last bit (other GEMM shapes), the outputs not: seeded sampling gives the same tokens, and
-    greedy requests still equal spec off."""
+    captured on first use, and draws what the step-by-step round at the same padded shapes draws (per-step graphs,
+    drawn_round_graphs off; draft-ahead off in both, as its catch-ups are padded wider): the same tokens and the same
+    q, bit for bit, every round. With draft-ahead, and against the unpadded eager rounds, q may differ in the last
+    bits (other GEMM shapes), the drafts and outputs not: seeded sampling gives the same tokens, and greedy requests
+    still equal spec off."""
     path, args = _args(models, name, speculative_use_rejection_sampling=True)
     prompts, params = _prompts(CASES[name][0]), _drawn_params()
     llm, outs, proposals, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
-    loop = llm.engine.worker.proposer.draft_loop
-    drawn = {k.draw for k, n in loop.replays.items() if n and k.draw is not None}
+    proposer = llm.engine.worker.proposer
+    drawn = {k.draw for k, n in proposer.draft_loop.replays.items() if n and k.draw is not None}
     assert drawn, "no drawn round ran as one graph"
-    assert all(k.draw is not None for k, n in loop.replays.items() if n), "a greedy graph ran a drawn round"
+    assert all(k.draw is not None for k, n in proposer.draft_loop.replays.items() if n), "a greedy graph ran"
+    assert proposer.ahead_used > 0, "no drawn round was drafted ahead"
+    monkeypatch.setenv("HYPERDRAFT_DRAFT_AHEAD", "0")
+    _, graphed_outs, graphed, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
     monkeypatch.setenv("HYPERDRAFT_DRAWN_ROUND_GRAPH", "0")
-    stepped_llm, stepped_outs, stepped_proposals, _ = _run(llm_factory, path, prompts, params,
-                                                           cuda_graph_max_bs=MAX_BS, **args)
+    stepped_llm, stepped_outs, stepped, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
     assert stepped_llm.engine.worker.proposer.draft_loop.num_replays == 0
-    assert outs == stepped_outs
-    _assert_same_drafts(proposals, stepped_proposals, exact_q=True)
+    assert outs == graphed_outs == stepped_outs
+    _assert_same_drafts(graphed, stepped, exact_q=True)
+    _assert_same_drafts(proposals, stepped, exact_q=False)
     monkeypatch.delenv(EMULATE_GRAPHS_ENV)
     _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
     assert outs == eager_outs, "drawn round graphs changed the sampled outputs"

@@ -66,10 +66,13 @@ class RoundSampling:
         self.ints = torch.tensor([[1, 0, 0]] * size, device=device).T.contiguous()  # top_k, seed, position
         self.greedy = torch.zeros(size, dtype=torch.bool, device=device)
 
-    def load(self, sb: SamplingBatch) -> None:
+    def load(self, sb: SamplingBatch, advance: torch.Tensor | None = None) -> None:
+        """sb's rows; advance [B] (draft-ahead: the tokens each request commits before the queued round): positions
+        that far on."""
         n = sb.temperature.shape[0]
+        positions = sb.positions if advance is None else sb.positions + advance
         for dst, src in zip((*self.floats, *self.ints, self.greedy),
-                            (sb.temperature, sb.top_p, sb.min_p, sb.top_k, sb.seeds, sb.positions, sb.greedy)):
+                            (sb.temperature, sb.top_p, sb.min_p, sb.top_k, sb.seeds, positions, sb.greedy)):
             dst[:n].copy_(src)
 
     def batch(self, bs: int, draw: DrawKey) -> SamplingBatch:
@@ -223,6 +226,10 @@ class DraftLoopGraphs:
         self.capture_seconds += time.perf_counter() - start
         logger.info("draft round graph for drafts drawn from q captured: %s, %.0f ms", key,
                     1e3 * (time.perf_counter() - start))
+
+    def has(self, key: RoundKey) -> bool:
+        """Whether this round's graph exists (a drawn one is captured on first use)."""
+        return key in self.outputs
 
     def packed_rows(self, bs: int, width: int) -> torch.Tensor:
         """The [bs, PACKED_FIELDS + width] input block a caller may fill on the device before run_packed."""

@@ -1,16 +1,18 @@
 """ModelProposer: propose() for a drafter that runs a model of its own (a STANDALONE draft model, an EAGLE head).
 
 A round is a catch-up (the positions the drafter has not consumed yet, ending at the root: the last committed token)
-followed by the draft steps, as a chain (drafting/chain.py) or a tree (drafting/tree.py). A greedy round that fits a
-captured graph runs as one (drafting/graphs.py); any other runs the catch-up and each step through the runner's own
-graph-or-eager dispatch. Either way the step batches are the ones DraftAnchor builds on the device.
+followed by the draft steps, as a chain (drafting/chain.py) or a tree (drafting/tree.py). An unpenalised round that
+fits a captured graph runs as one (drafting/graphs.py: greedy, or drawn from q); any other runs the catch-up and each
+step through the runner's own graph-or-eager dispatch. Either way the step batches are the ones DraftAnchor builds
+on the device.
 
-Draft-ahead (capabilities.drafts_ahead): right after a greedy round's verify and accept are queued, and before its
-results reach the host, draft_ahead() queues the NEXT round's whole draft graph, its catch-up packed on the device
-from the accepted tokens (the subclass's ahead_catch_up). The GPU drafts while the host commits and schedules,
-instead of idling until the next propose(). That propose() takes the queued drafts when its batch is the same
-requests under the same tier (nothing finished, joined or was retracted) and discards them otherwise. Discarding is
-harmless: the queued graph wrote only draft K/V that the next catch-up rewrites (catch-up positions, with the same
+Draft-ahead (capabilities.drafts_ahead): right after a round's verify and accept are queued, and before its results
+reach the host, draft_ahead() queues the NEXT round's whole draft graph (greedy, or drawn from q once that round's
+graph exists, its sampling rows' positions moved on by the tokens the round commits), its catch-up packed on the
+device from the accepted tokens (the subclass's ahead_catch_up). The GPU drafts while the host commits and
+schedules, instead of idling until the next propose(). That propose() takes the queued drafts when its batch is the
+same requests under the same tier and sampling flags (nothing finished, joined or was retracted) and discards them
+otherwise. Discarding is harmless: the queued graph wrote only draft K/V that the next catch-up rewrites (catch-up positions, with the same
 values) or that no one reads before a draft step overwrites it, in slots reserved for it when it was queued, or since
 released and written by their new owner after it (one stream). The drafts equal those propose() would make.
 RuntimeOptions.draft_ahead turns it off. EAGLE heads and STANDALONE draft models draft ahead, chains and trees. A
@@ -59,10 +61,11 @@ class AheadDraft:
 
     reqs: list[Request]
     tier: Tier
+    draw: DrawKey | None  # drafts drawn from q under these sampling flags; None: greedy
     outputs: tuple[torch.Tensor, ...]  # static graph outputs (DraftLoopGraphs.run)
 
-    def serves(self, reqs: list[Request], tier: Tier) -> bool:
-        return tier == self.tier and same_requests(reqs, self.reqs)
+    def serves(self, reqs: list[Request], tier: Tier, draw: DrawKey | None) -> bool:
+        return tier == self.tier and draw == self.draw and same_requests(reqs, self.reqs)
 
 
 class ModelProposer(Proposer):
@@ -86,15 +89,14 @@ class ModelProposer(Proposer):
         # Coupled trees keep the beam over the draft's top-k: verification takes any tokens, and the beam's children
         # are the likeliest winners of the target's race.
         sampled = draws_from_q(self.sample_drafts, sampling) and not (self.coupled and tier.is_tree)
-        ahead = self._take_ahead(reqs, tier, sampled, sampling)
-        if ahead is not None:
-            return TreeProposal(*ahead) if tier.is_tree else Proposal(ahead[0], [tier.steps] * len(reqs))
-        rows = self._catch_up_rows(reqs)
         draw = DrawKey.of(sampling, self.coupled) if sampled else None
+        ahead = self._take_ahead(reqs, tier, draw, sampling)
+        if ahead is not None:
+            return _graph_proposal(ahead, tier, len(reqs))
+        rows = self._catch_up_rows(reqs)
         fit = self._loop_fit(tier, rows, draw, sampling)
         if fit is not None:
-            out = self.draft_loop.run(rows, RoundKey(tier, *fit, draw), sampling)
-            proposal = TreeProposal(*out) if tier.is_tree else Proposal(out[0], [tier.steps] * len(reqs), *out[1:])
+            proposal = _graph_proposal(self.draft_loop.run(rows, RoundKey(tier, *fit, draw), sampling), tier, len(reqs))
         else:
             fb, first = self.catch_up(reqs, rows.tokens)
             anchor = DraftAnchor.after(fb, rows.step_bases)
@@ -127,13 +129,18 @@ class ModelProposer(Proposer):
                     tokens: torch.Tensor, kept: torch.Tensor | None = None) -> None:
         """Queue the next round's draft for these requests from this round's results (num_accepted [B], tokens
         [B, steps + 1]: the accepted drafts or accepted path, then the bonus token), if a whole-round graph can run
-        it. Called before the scheduler commits this round: req.num_computed is still this round's n."""
+        it. Called before the scheduler commits this round: req.num_computed is still this round's n. Drafts drawn
+        from q are drafted ahead by their round graph if one was captured already (never captured here), its rows'
+        positions moved on by the round's a + 1 committed tokens on the device."""
         self.discard_ahead()
-        if not self.capabilities.drafts_ahead or draws_from_q(self.sample_drafts, sampling) or sampling.penalties is not None:
+        if not self.capabilities.drafts_ahead or sampling.penalties is not None:
             return
+        sampled = draws_from_q(self.sample_drafts, sampling) and not (self.coupled and tier.is_tree)
+        draw = DrawKey.of(sampling, self.coupled) if sampled else None
         width, room = self.catch_up_width(tier), self.ahead_room(tier)
         fit = self.draft_loop.padded(tier, len(reqs), width)
-        if room is None or fit is None or fit[1] != width or tokens.shape[1] < width:
+        key = None if fit is None else RoundKey(tier, *fit, draw)
+        if room is None or fit is None or fit[1] != width or tokens.shape[1] < width or not self.draft_loop.has(key):
             return
         # Reserve the room the queued round writes now, as the next schedule would have; the part the next round
         # reads is held through this round's commit.
@@ -142,7 +149,9 @@ class ModelProposer(Proposer):
                                                     hold=hold):
             return
         self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit), kept)
-        self.ahead = AheadDraft(list(reqs), tier, self.draft_loop.run_packed(RoundKey(tier, *fit), len(reqs)))
+        if draw is not None:
+            self.draft_loop.sampling.load(sampling, advance=num_accepted + 1)
+        self.ahead = AheadDraft(list(reqs), tier, draw, self.draft_loop.run_packed(key, len(reqs)))
 
     def discard_ahead(self) -> None:
         self.ahead_discarded += self.ahead is not None
@@ -165,13 +174,14 @@ class ModelProposer(Proposer):
             self.draft_loop.release()
         self.runner.release_graphs()
 
-    def _take_ahead(self, reqs: list[Request], tier: Tier, sampled: bool, sampling: SamplingBatch):
-        """The outputs of the draft queued for exactly this round, or None (a queued draft for another batch or tier
-        is thrown away)."""
+    def _take_ahead(self, reqs: list[Request], tier: Tier, draw: DrawKey | None, sampling: SamplingBatch):
+        """The outputs of the draft queued for exactly this round, or None (a queued draft for another batch, tier or
+        set of sampling flags is thrown away). The same requests sample at the positions it drew for: each one's
+        committed length, which moved on by exactly the a + 1 tokens it was queued with."""
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return None
-        if not ahead.serves(reqs, tier) or sampled or sampling.penalties is not None:
+        if not ahead.serves(reqs, tier, draw) or sampling.penalties is not None:
             self.ahead_discarded += 1
             return None
         self.ahead_used += 1
@@ -221,3 +231,10 @@ class ModelProposer(Proposer):
 
     def ahead_room(self, tier: Tier) -> tuple[int, int] | None:
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
+
+
+def _graph_proposal(outputs: tuple[torch.Tensor, ...], tier: Tier, batch_size: int) -> Proposal | TreeProposal:
+    """A round graph's outputs (DraftLoopGraphs.run) as the proposal the step-by-step round would return."""
+    if tier.is_tree:
+        return TreeProposal(*outputs)
+    return Proposal(outputs[0], [tier.steps] * batch_size, *outputs[1:])
