@@ -19,8 +19,10 @@ passes options instead of patching modules.
   HYPERDRAFT_DECODE_AHEAD=0             decode_ahead=False         no plain decode queued before the host reads
   HYPERDRAFT_DRAFT_AHEAD=0              draft_ahead=False          no draft queued before the host reads
   HYPERDRAFT_DRAFT_LOOP_GRAPH=0         draft_loop_graphs=False    per-step draft graphs only, no whole-round graphs
-  HYPERDRAFT_DRAWN_ROUND_GRAPH=0        drawn_round_graphs=False   whole-round draft graphs for greedy drafts only;
-                                                                   rounds drawing drafts from q run step by step
+  HYPERDRAFT_SAMPLING_ROUND_GRAPH=0     sampling_round_graphs=False
+                                                                   whole-round draft graphs for greedy, unpenalised
+                                                                   drafts only; rounds that draw drafts from q or
+                                                                   apply penalties run step by step
   HYPERDRAFT_EMULATE_CUDA_GRAPH=1       emulate_cuda_graphs=True   on CPU: graph bookkeeping with eager forwards
   HYPERDRAFT_RECORD_STEP_TIME=1         record_step_time=True      per-phase wall time of speculative steps (syncs)
   HYPERDRAFT_SPLIT_DRAFT_MODEL=0        split_draft_model=False    under tensor parallelism a STANDALONE draft model is
@@ -72,7 +74,7 @@ _SWITCHES = {
     "decode_ahead": ("HYPERDRAFT_DECODE_AHEAD", "0"),
     "draft_ahead": ("HYPERDRAFT_DRAFT_AHEAD", "0"),
     "draft_loop_graphs": ("HYPERDRAFT_DRAFT_LOOP_GRAPH", "0"),
-    "drawn_round_graphs": ("HYPERDRAFT_DRAWN_ROUND_GRAPH", "0"),
+    "sampling_round_graphs": ("HYPERDRAFT_SAMPLING_ROUND_GRAPH", "0"),
     "emulate_cuda_graphs": ("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1"),
     "record_step_time": ("HYPERDRAFT_RECORD_STEP_TIME", "1"),
     "split_draft_model": ("HYPERDRAFT_SPLIT_DRAFT_MODEL", "0"),
@@ -94,7 +96,7 @@ class RuntimeOptions:
     decode_ahead: bool = True
     draft_ahead: bool = True
     draft_loop_graphs: bool = True
-    drawn_round_graphs: bool = True
+    sampling_round_graphs: bool = True
     emulate_cuda_graphs: bool = False
     record_step_time: bool = False
     split_draft_model: bool = True  # measured faster on two H100s: tp_bench_h100.md

@@ -2,7 +2,7 @@
 
 Issue 27 asks for sampled rounds in one graph. Two engines over the SmolLM2-135M shape (random bf16 weights, an
 EAGLE-3 head with an 8k draft vocabulary, simulated acceptance alpha 0.8: the accept decision is replaced, every
-draft, sampling and verify kernel still runs) differ in RuntimeOptions.drawn_round_graphs alone. Every request
+draft, sampling and verify kernel still runs) differ in RuntimeOptions.sampling_round_graphs alone. Every request
 samples (temperature 0.8, top-p 0.95, its own seed), so every round draws its drafts from q. The engines run in
 turns in one process and the table gives the median wall time of an engine step; the simulated coins are seeded,
 so both engines accept the same tokens and the step time ratio is the speed ratio.
@@ -31,7 +31,7 @@ PROMPT_LEN = 256
 def started_engine(target: str, head: str, row: tuple, drawn: bool, device: str, steps: int, turns: int):
     _, num_steps, topk, tokens, batch = row
     spec = dict(eagle3_spec(head, num_steps, topk, tokens, alpha=0.8), speculative_use_rejection_sampling=True)
-    engine, _ = make_engine(target, device, batch, spec, 8 * 4096, drawn_round_graphs=drawn)
+    engine, _ = make_engine(target, device, batch, spec, 8 * 4096, sampling_round_graphs=drawn)
     vocab = engine.model_config.vocab_size
     for i in range(batch):
         params = SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_new_tokens=(turns + 1) * steps * 8 + 200,
@@ -72,7 +72,7 @@ def main() -> None:
             for drawn, engine in engines.items():
                 times[drawn].append(step_us(engine, a.steps, sync))
         loop = engines[True].worker.proposer.draft_loop
-        replayed = sum(n for k, n in loop.replays.items() if k.draw is not None)
+        replayed = sum(n for k, n in loop.replays.items() if k.sampling is not None)
         off, on = (statistics.median(times[d]) for d in (False, True))
         lines.append(f"| {row[0]} | {row[4]} | {off:.1f} | {on:.1f} | {off / on:.2f}x | {replayed} |")
         print(lines[-1], flush=True)

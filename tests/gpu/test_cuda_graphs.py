@@ -124,29 +124,37 @@ def test_graphs_on_equals_off(models, name, dtype):
         json.dump(data, open(REPORT, "w"), indent=1)
 
 
+SAMPLING_KINDS = {  # requests whose rounds read sampling rows: drafts drawn from q, or penalised
+    "drawn": [dict(temperature=0.0), dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.9),
+              dict(temperature=0.7, min_p=0.1)],
+    "penalised": [dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=0.8, frequency_penalty=0.4),
+                  dict(temperature=0.0, presence_penalty=0.5), dict(temperature=0.9, top_k=5, repetition_penalty=1.2)],
+}
+
+
 @pytest.mark.parametrize("dtype,ahead", [("float32", False), ("bfloat16", False), ("float32", True)])
+@pytest.mark.parametrize("kind", list(SAMPLING_KINDS))
 @pytest.mark.parametrize("name", ["eagle3-chain", "standalone-tree"])
-def test_drawn_round_graphs_equal_step_by_step(models, monkeypatch, name, dtype, ahead):
-    """Drafts drawn from q (rejection sampling; seeded greedy and sampled requests, top-k, top-p and min-p among
-    them): whole-round graphs, captured on first use per DrawKey, give the outputs of the same rounds drawn step by
-    step through per-step graphs (drawn_round_graphs off), bit for bit: the same kernels at the same padded shapes,
-    and counter-based uniforms. Draft-ahead pads its catch-ups wider, so q may differ in the last bits: compared in
-    fp32 only, where a flipped draw would take a near-tie at float32 resolution."""
+def test_sampling_round_graphs_equal_step_by_step(models, monkeypatch, name, kind, dtype, ahead):
+    """Drafts drawn from q (rejection sampling; seeded greedy and sampled requests, top-k, top-p, min-p and
+    penalties among them): whole-round graphs, captured on first use per SamplingKey, give the outputs of the same
+    rounds drafted step by step through per-step graphs (sampling_round_graphs off), bit for bit: the same kernels at
+    the same padded shapes, and counter-based uniforms. Draft-ahead pads its catch-ups wider, so q may differ in the
+    last bits: compared in fp32 only, where a flipped draw would take a near-tie at float32 resolution."""
     monkeypatch.setenv("HYPERDRAFT_DRAFT_AHEAD", "1" if ahead else "0")
     case = dict(CASES[name], speculative_use_rejection_sampling=True)
     target = models[case.pop("target", "target")]
     case["speculative_draft_model_path"] = models[case.pop("draft")]
-    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.9),
-             dict(temperature=0.7, min_p=0.1)]
+    kinds = SAMPLING_KINDS[kind]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True, seed=100 + i, **kinds[i % len(kinds)])
               for i, n in enumerate(NEW_TOKENS)]
     graphed, _, _, loop_keys = _run(target, dtype, params=params, cuda_graph_max_bs=4, **case)
-    assert any(k.draw is not None for k in loop_keys), f"no drawn round ran as one graph: {loop_keys}"
+    assert any(k.sampling is not None for k in loop_keys), f"no sampling round ran as one graph: {loop_keys}"
     monkeypatch.setenv("HYPERDRAFT_DRAFT_AHEAD", "0")
-    monkeypatch.setenv("HYPERDRAFT_DRAWN_ROUND_GRAPH", "0")
+    monkeypatch.setenv("HYPERDRAFT_SAMPLING_ROUND_GRAPH", "0")
     stepped, _, _, stepped_keys = _run(target, dtype, params=params, cuda_graph_max_bs=4, **case)
-    assert not any(k.draw is not None for k in stepped_keys)
-    assert graphed == stepped, f"{name} {dtype}: drawn round graphs != step by step"
+    assert not any(k.sampling is not None for k in stepped_keys)
+    assert graphed == stepped, f"{name} {kind} {dtype}: sampling round graphs != step by step"
 
 
 def test_every_batch_size_of_a_shape_shares_one_set_of_outputs(models):

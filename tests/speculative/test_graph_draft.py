@@ -155,33 +155,52 @@ def test_draft_graphs_replay_and_change_nothing(models, llm_factory, emulated_gr
 
 def _drawn_params() -> list[SamplingParams]:
     """Greedy and seeded sampled requests side by side, with top-k, top-p and min-p on some: as requests finish, the
-    batch's sampling flags change, so the rounds need several DrawKeys."""
+    batch's sampling flags change, so the rounds need several SamplingKeys."""
     kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.9),
              dict(temperature=0.7, min_p=0.1)]
     return [SamplingParams(max_new_tokens=n, ignore_eos=True, seed=100 + i, **kinds[i % len(kinds)])
             for i, n in enumerate(NEW_TOKENS)]
 
 
+def _penalised_params() -> list[SamplingParams]:
+    """Greedy and sampled requests, every one penalised (repetition, frequency, presence)."""
+    kinds = [dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=0.8, frequency_penalty=0.4),
+             dict(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.2),
+             dict(temperature=0.9, top_k=5, repetition_penalty=1.2)]
+    return [SamplingParams(max_new_tokens=n, ignore_eos=True, seed=200 + i, **kinds[i % len(kinds)])
+            for i, n in enumerate(NEW_TOKENS)]
+
+
+SAMPLING_KINDS = {  # name -> (engine arguments, requests): rounds whose drafts read the batch's sampling rows
+    "drawn": (dict(speculative_use_rejection_sampling=True), _drawn_params),
+    "penalised-greedy-drafts": (dict(speculative_use_rejection_sampling=False), _penalised_params),
+    "penalised-drawn": (dict(speculative_use_rejection_sampling=True), _penalised_params),
+}
+
+
+@pytest.mark.parametrize("kind", list(SAMPLING_KINDS))
 @pytest.mark.parametrize("name", ["eagle3-chain", "eagle3-tree", "standalone-chain", "standalone-tree"])
-def test_drawn_rounds_run_as_one_graph_with_the_step_by_step_drafts(models, llm_factory, emulated_graphs, monkeypatch,
-                                                                     name):
-    """Drafts drawn from q (rejection sampling): a round at most cuda_graph_max_bs wide runs as one graph per DrawKey,
-    captured on first use, and draws what the step-by-step round at the same padded shapes draws (per-step graphs,
-    drawn_round_graphs off; draft-ahead off in both, as its catch-ups are padded wider): the same tokens and the same
-    q, bit for bit, every round. With draft-ahead, and against the unpadded eager rounds, q may differ in the last
-    bits (other GEMM shapes), the drafts and outputs not: seeded sampling gives the same tokens, and greedy requests
-    still equal spec off."""
-    path, args = _args(models, name, speculative_use_rejection_sampling=True)
-    prompts, params = _prompts(CASES[name][0]), _drawn_params()
+def test_sampling_rounds_run_as_one_graph_with_the_step_by_step_drafts(models, llm_factory, emulated_graphs,
+                                                                        monkeypatch, name, kind):
+    """Drafts drawn from q (rejection sampling), or penalised (argmax / top-k of penalised logits, or draws): a round
+    at most cuda_graph_max_bs wide runs as one graph per SamplingKey, captured on first use, and drafts what the
+    step-by-step round at the same padded shapes drafts (per-step graphs, sampling_round_graphs off; draft-ahead off
+    in both, as its catch-ups are padded wider): the same tokens and the same q, bit for bit, every round. With
+    draft-ahead (its rows built on the device: positions and penalty counts moved on by the committed tokens), and
+    against the unpadded eager rounds, q may differ in the last bits (other GEMM shapes), the drafts and outputs not:
+    seeded sampling gives the same tokens, and greedy requests equal spec off."""
+    engine_args, make_params = SAMPLING_KINDS[kind]
+    path, args = _args(models, name, **engine_args)
+    prompts, params = _prompts(CASES[name][0]), make_params()
     llm, outs, proposals, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
     proposer = llm.engine.worker.proposer
-    drawn = {k.draw for k, n in proposer.draft_loop.replays.items() if n and k.draw is not None}
-    assert drawn, "no drawn round ran as one graph"
-    assert all(k.draw is not None for k, n in proposer.draft_loop.replays.items() if n), "a greedy graph ran"
-    assert proposer.ahead_used > 0, "no drawn round was drafted ahead"
+    ran = [k for k, n in proposer.draft_loop.replays.items() if n]
+    assert ran and all(k.sampling is not None for k in ran), f"rounds of a sampling batch in greedy graphs: {ran}"
+    assert all(k.sampling.penalised == kind.startswith("penalised") for k in ran)
+    assert proposer.ahead_used > 0, "no sampling round was drafted ahead"
     monkeypatch.setenv("HYPERDRAFT_DRAFT_AHEAD", "0")
     _, graphed_outs, graphed, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
-    monkeypatch.setenv("HYPERDRAFT_DRAWN_ROUND_GRAPH", "0")
+    monkeypatch.setenv("HYPERDRAFT_SAMPLING_ROUND_GRAPH", "0")
     stepped_llm, stepped_outs, stepped, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
     assert stepped_llm.engine.worker.proposer.draft_loop.num_replays == 0
     assert outs == graphed_outs == stepped_outs
@@ -189,20 +208,22 @@ def test_drawn_rounds_run_as_one_graph_with_the_step_by_step_drafts(models, llm_
     _assert_same_drafts(proposals, stepped, exact_q=False)
     monkeypatch.delenv(EMULATE_GRAPHS_ENV)
     _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
-    assert outs == eager_outs, "drawn round graphs changed the sampled outputs"
+    assert outs == eager_outs, "sampling round graphs changed the outputs"
     _assert_same_drafts(proposals, eager_proposals, exact_q=False)
-    reference = _spec_off(path, prompts, [greedy(n) for n in NEW_TOKENS])
-    assert all(outs[i] == reference[i] for i, p in enumerate(params) if p.temperature == 0)
+    greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
+    spec_off = [o.token_ids for o in gen(LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True),
+                                         [prompts[i] for i in greedy_rows], [params[i] for i in greedy_rows])]
+    assert [outs[i] for i in greedy_rows] == spec_off
 
 
-def test_drawn_round_graphs_are_bounded(models, llm_factory, emulated_graphs, monkeypatch):
-    """Past MAX_DRAWN_GRAPHS, a round with a new DrawKey runs step by step, with the same drafts."""
-    monkeypatch.setattr(draft_graphs, "MAX_DRAWN_GRAPHS", 1)
+def test_sampling_round_graphs_are_bounded(models, llm_factory, emulated_graphs, monkeypatch):
+    """Past MAX_SAMPLING_GRAPHS, a round with a new SamplingKey runs step by step, with the same drafts."""
+    monkeypatch.setattr(draft_graphs, "MAX_SAMPLING_GRAPHS", 1)
     path, args = _args(models, "eagle3-chain", speculative_use_rejection_sampling=True)
     prompts, params = _prompts("small"), _drawn_params()
     llm, outs, proposals, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
     proposer = llm.engine.worker.proposer
-    assert len({k.draw for k in proposer.draft_loop.outputs if k.draw is not None}) == 1
+    assert len({k.sampling for k in proposer.draft_loop.outputs if k.sampling is not None}) == 1
     assert proposer.runner.graphs.replays[(GraphShape(1, 0), 1)] > 0  # other flag sets: per-step graphs
     monkeypatch.delenv(EMULATE_GRAPHS_ENV)
     _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
@@ -215,31 +236,28 @@ def _assert_same_drafts(proposals: list, others: list, exact_q: bool) -> None:
     (GEMMs of other shapes round differently)."""
     assert len(proposals) == len(others)
     for i, (a, b) in enumerate(zip(proposals, others)):
-        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a[:-1], b[:-1])), f"round {i}: drafts"
-        if exact_q:
-            assert torch.equal(a[-1], b[-1]), f"round {i}: q"
-        else:
-            torch.testing.assert_close(a[-1], b[-1], rtol=1e-5, atol=1e-6)
+        assert len(a) == len(b), f"round {i}"
+        for x, y in zip(a, b):
+            if x.is_floating_point() and not exact_q:  # q
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(x, y), f"round {i}"
 
 
-@pytest.mark.parametrize("name", ["eagle3-chain", "eagle3-tree"])
-def test_penalised_drawn_rounds_run_step_by_step(models, llm_factory, emulated_graphs, monkeypatch, name):
-    """Penalised drafts drawn from q run step by step (their penalty tables are per-round [B, V] tensors), each
-    forward through a per-step graph: a sampled tree's level budgets feed frontiers narrower than topk (budgets 1, 1,
-    1 here), whose shapes are captured too. The same drafts as eagerly; greedy requests equal spec off."""
-    path, args = _args(models, name, speculative_use_rejection_sampling=True, speculative_num_draft_tokens=4)
-    prompts, params = _prompts("small"), [greedy(n, repetition_penalty=1.3) for n in NEW_TOKENS]
+def test_sampled_tree_frontiers_replay_step_by_step(models, llm_factory, emulated_graphs, monkeypatch):
+    """Without sampling round graphs (sampling_round_graphs off, or past their bound), drafts drawn from q run step
+    by step, each forward through a per-step graph: a sampled tree's level budgets feed frontiers narrower than topk
+    (budgets 1, 1, 1 here), whose shapes are captured too. The same drafts as eagerly; greedy requests stay exact."""
+    monkeypatch.setenv("HYPERDRAFT_SAMPLING_ROUND_GRAPH", "0")
+    path, args = _args(models, "eagle3-tree", speculative_use_rejection_sampling=True, speculative_num_draft_tokens=4)
+    prompts, params = _prompts("small"), [greedy(n) for n in NEW_TOKENS]
     llm, outs, proposals, _ = _run(llm_factory, path, prompts, params, cuda_graph_max_bs=MAX_BS, **args)
-    proposer = llm.engine.worker.proposer
-    assert proposer.draft_loop.num_replays == 0
-    replayed = {s for (s, _), n in proposer.runner.graphs.replays.items() if n}
-    assert ({GraphShape(1, 2), GraphShape(1, 4)} if "tree" in name else {GraphShape(1, 0)}) <= replayed
+    graphs = llm.engine.worker.proposer.runner.graphs
+    assert {GraphShape(1, 2), GraphShape(1, 4)} <= {s for (s, _), n in graphs.replays.items() if n}
     monkeypatch.delenv(EMULATE_GRAPHS_ENV)
     _, eager_outs, eager_proposals, _ = _run(llm_factory, path, prompts, params, **args)
-    spec_off = [o.token_ids for o in gen(LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True),
-                                         prompts, params)]
-    assert outs == eager_outs == spec_off
-    assert all(torch.equal(x, y) for a, b in zip(proposals, eager_proposals) for x, y in zip(a, b))
+    assert outs == eager_outs == _spec_off(path, prompts, params)
+    _assert_same_drafts(proposals, eager_proposals, exact_q=True)
 
 
 def test_catch_up_widths_follow_the_tiers_routed_to_each_batch_size(models, llm_factory, emulated_graphs, tmp_path):

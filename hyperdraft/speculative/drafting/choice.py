@@ -3,7 +3,7 @@ sampling, or a draw from q with the target's own noise (coupled verification, ve
 
 chain_chooser and tree_distribution build the per-step choice of a round from its SamplingBatch; the step-by-step
 path and the whole-round graphs of drawn drafts (drafting/graphs.py) both call them, so a graph runs the same ops.
-Which ops those are is decided by the batch's host flags alone (DrawKey), never by device values."""
+Which ops those are is decided by the batch's host flags alone (SamplingKey), never by device values."""
 
 from __future__ import annotations
 
@@ -24,21 +24,29 @@ def draws_from_q(forced: bool | None, sampling: SamplingBatch) -> bool:
 
 
 @dataclass(frozen=True)
-class DrawKey:
-    """Everything that picks the ops of a round whose drafts are drawn from q: the SamplingBatch's host flags
-    (probs_from_logits branches on them) and coupled verification (its draws need no q). Two rounds with the same
-    key run the same kernels, whatever their rows' values, so a graph captured for one replays the other exactly."""
+class SamplingKey:
+    """Everything that picks the ops of a round whose drafts read its sampling rows (drawn from q, or penalised):
+    whether they are drawn, whether penalties apply, and for draws the SamplingBatch's host flags (probs_from_logits
+    branches on them) and coupled verification (its draws need no q). Two rounds with the same key run the same
+    kernels, whatever their rows' values, so a graph captured for one replays the other exactly."""
 
-    all_greedy: bool
-    any_greedy: bool
-    need_top_k: bool
-    need_top_p: bool
-    need_min_p: bool
-    coupled: bool
+    drawn: bool
+    penalised: bool
+    all_greedy: bool = False
+    any_greedy: bool = False
+    need_top_k: bool = False
+    need_top_p: bool = False
+    need_min_p: bool = False
+    coupled: bool = False
 
     @classmethod
-    def of(cls, sb: SamplingBatch, coupled: bool) -> "DrawKey":
-        return cls(sb.all_greedy, sb.any_greedy, sb.need_top_k, sb.need_top_p, sb.need_min_p, coupled)
+    def of(cls, sb: SamplingBatch, drawn: bool, coupled: bool) -> "SamplingKey | None":
+        """None for greedy, unpenalised drafts (argmax chains and top-k beams read no sampling row). Undrawn,
+        penalised drafts take the argmax (chains) or top-k (beams) of the penalised logits: no flag matters."""
+        penalised = sb.penalties is not None
+        if not drawn:
+            return cls(False, True) if penalised else None
+        return cls(True, penalised, sb.all_greedy, sb.any_greedy, sb.need_top_k, sb.need_top_p, sb.need_min_p, coupled)
 
 
 def chain_chooser(sampling: SamplingBatch, sampled: bool, coupled: bool):

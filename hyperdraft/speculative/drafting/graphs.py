@@ -1,24 +1,23 @@
 """Whole draft rounds as CUDA graphs: the catch-up and every draft step of a round in one captured run.
 
 A round's draft (chain_loop.draft_chain, tree_loop.draft_tree) builds its step batches on the device, so the whole
-loop is capturable. DraftLoopGraphs captures it per RoundKey (tier, batch size, catch-up width, draw): a round then
-launches one draft graph instead of one per step, and the host work between steps (a batch build, a graph launch,
-the beam's bookkeeping and sampling ops) is gone. The graph and the eager path run the
-same functions; only `forward` differs (the runner's eager forward under capture, its graph-or-eager dispatch
+loop is capturable. DraftLoopGraphs captures it per RoundKey (tier, batch size, catch-up width, sampling key): a
+round then launches one draft graph instead of one per step, and the host work between steps (a batch build, a
+graph launch, the beam's bookkeeping and sampling ops) is gone. The graph and the eager path run the same functions; only `forward` differs (the runner's eager forward under capture, its graph-or-eager dispatch
 outside). The round is captured as three segments, launched back to back: the batch plan (a few kernels), the
 catch-up forward, then every draft step. A launch call's host time grows with the graph's kernel count and its first
 kernel starts only when the call returns, so a short first segment gets the GPU going while the host launches the
 rest, and the catch-up runs while the host launches the steps (measured on an H100: ~0.5 ms of GPU idle per round
 with one graph; a segment per draft step instead costs ~5 us of GPU idle at each boundary).
 
-Greedy rounds (argmax chains, unpenalised beams) are captured up front. Rounds whose drafts are drawn from q run the
-sampling transform, whose ops are chosen by the batch's host flags alone (choice.DrawKey): a graph per flag set, so
-each is captured on the first round that needs it, after that round's inputs are loaded (the capture's two eager
-warm-up runs then write exactly the draft K/V its replay writes), bounded in number and in output memory (each holds
-its q, [B, steps or nodes, V] float32). Its per-row parameters (temperature, top-k/p, min-p, greedy, seed, position)
-are copied into static rows (RoundSampling) before each replay, so the graph draws what the step-by-step round draws:
-the uniforms are counter-based, keyed by seed and position, so no generator state is captured. Penalised rounds run
-step by step (each forward may still replay a per-step graph): their penalty tables are per-round [B, V] tensors.
+Greedy, unpenalised rounds (argmax chains, top-k beams) read no sampling row and are captured up front. Rounds whose
+drafts are drawn from q, or penalised, read the batch's sampling rows, and which ops they run is chosen by host
+values alone (choice.SamplingKey: drawn, penalised, and a draw's sampling flags): a graph per key, so each is
+captured on the first round that needs it, after that round's inputs are loaded (the capture's two eager warm-up runs
+then write exactly the draft K/V its replay writes), bounded in number and in output memory (a drawn round's graph
+holds its q, [B, steps or nodes, V] float32). The rows (parameters, seeds, positions, penalty tables) are copied into
+RoundSampling's static tensors before each replay, so the graph draws what the step-by-step round draws: the
+uniforms are counter-based, keyed by seed and position, so no generator state is captured.
 """
 
 from __future__ import annotations
@@ -36,66 +35,42 @@ from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.speculative.drafting.chain import choose_argmax, draft_chain
 from hyperdraft.speculative.drafting.anchor import PACKED_FIELDS, CatchUpRows, unpack_round
 from hyperdraft.speculative.adaptive.tier import Tier
-from hyperdraft.speculative.drafting.choice import DrawKey, chain_chooser, tree_distribution
+from hyperdraft.speculative.drafting.choice import SamplingKey, chain_chooser, tree_distribution
+from hyperdraft.speculative.drafting.round_sampling import RoundSampling
 from hyperdraft.speculative.drafting.tree import draft_tree
 
 logger = logging.getLogger("hyperdraft")
 
-# Drawn rounds' graphs, captured on first use: at most this many, holding at most this much output (their q).
-MAX_DRAWN_GRAPHS = 32
-MAX_DRAWN_OUTPUT_BYTES = 512 << 20
+# Graphs of rounds that read sampling rows, captured on first use: at most this many, holding at most this much output
+# (a drawn round's q).
+MAX_SAMPLING_GRAPHS = 32
+MAX_SAMPLING_OUTPUT_BYTES = 512 << 20
 
 
 class RoundKey(NamedTuple):
-    """One whole-round graph: the tier, the padded batch size, the catch-up width, and for drafts drawn from q the
-    DrawKey that picks their sampling ops (None: greedy)."""
+    """One whole-round graph: the tier, the padded batch size, the catch-up width, and for drafts drawn from q or
+    penalised the SamplingKey that picks their sampling ops (None: greedy, unpenalised)."""
 
     tier: Tier
     batch_size: int
     width: int
-    draw: DrawKey | None = None
-
-
-class RoundSampling:
-    """The per-row sampling parameters a drawn round's graph reads: static [largest batch size] tensors, loaded from
-    the round's SamplingBatch before each replay. Rows past the batch keep earlier values (any valid row will do:
-    their drafts are cut off)."""
-
-    def __init__(self, size: int, device):
-        self.floats = torch.tensor([[1.0, 1.0, 0.0]] * size, device=device).T.contiguous()  # temperature, top_p, min_p
-        self.ints = torch.tensor([[1, 0, 0]] * size, device=device).T.contiguous()  # top_k, seed, position
-        self.greedy = torch.zeros(size, dtype=torch.bool, device=device)
-
-    def load(self, sb: SamplingBatch, advance: torch.Tensor | None = None) -> None:
-        """sb's rows; advance [B] (draft-ahead: the tokens each request commits before the queued round): positions
-        that far on."""
-        n = sb.temperature.shape[0]
-        positions = sb.positions if advance is None else sb.positions + advance
-        for dst, src in zip((*self.floats, *self.ints, self.greedy),
-                            (sb.temperature, sb.top_p, sb.min_p, sb.top_k, sb.seeds, positions, sb.greedy)):
-            dst[:n].copy_(src)
-
-    def batch(self, bs: int, draw: DrawKey) -> SamplingBatch:
-        (temperature, top_p, min_p), (top_k, seeds, positions) = (t[:, :bs] for t in (self.floats, self.ints))
-        return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, greedy=self.greedy[:bs],
-                             seeds=seeds, positions=positions, penalties=None, need_top_k=draw.need_top_k,
-                             need_top_p=draw.need_top_p, need_min_p=draw.need_min_p, all_greedy=draw.all_greedy,
-                             any_greedy=draw.any_greedy, want_logprobs=False)
+    sampling: SamplingKey | None = None
 
 
 class DraftLoopGraphs:
     """Draft rounds, one captured graph per RoundKey. The widths captured for a batch size are 1 (the common round
     after a rejection: the same shapes as the eager path) and the widest catch-up its tiers can leave. The input is
     one packed int64 buffer per width (CatchUpRows.packed), filled by ONE host-to-device copy: the graph builds the
-    catch-up batch from it (unpack_round) and gathers the head's hidden inputs itself (catch_up_hidden); a drawn
-    round also reads RoundSampling. The outputs are static buffers valid until the next replay: a chain's draft
+    catch-up batch from it (unpack_round) and gathers the head's hidden inputs itself (catch_up_hidden); a round
+    with a SamplingKey also reads RoundSampling. The outputs are static buffers valid until the next replay: a chain's draft
     tokens [bs, steps] (and, drawn for rejection sampling, their q [bs, steps, V]); a tree's (tokens, parents, fed),
     each [bs, N] (and, drawn, q_nodes [bs, N, V])."""
 
-    def __init__(self, runner, feeds_hidden: bool, catch_up_hidden, drawn: bool):
-        """runner: the drafter's runner, with graphs (whose memory pool these graphs share); drawn: capture graphs of
-        rounds whose drafts are drawn from q too (RuntimeOptions.drawn_round_graphs)."""
-        self.runner, self.page_table, self.feeds_hidden, self.drawn = runner, runner.page_table, feeds_hidden, drawn
+    def __init__(self, runner, feeds_hidden: bool, catch_up_hidden, sampling_rounds: bool):
+        """runner: the drafter's runner, with graphs (whose memory pool these graphs share); sampling_rounds: capture
+        graphs of rounds drawn from q or penalised too (RuntimeOptions.sampling_round_graphs)."""
+        self.runner, self.page_table, self.feeds_hidden = runner, runner.page_table, feeds_hidden
+        self.sampling_rounds = sampling_rounds
         self.emulate = runner.graphs.emulate
         self.catch_up_hidden = catch_up_hidden  # (rows [bs], width) -> [bs * width, H] hidden inputs, or None
         self.max_seq_len = self.page_table.max_pages_per_row * self.page_table.page_size
@@ -104,8 +79,8 @@ class DraftLoopGraphs:
         self.graphs: dict[RoundKey, list] = {}  # graph segments
         self.outputs: dict[RoundKey, tuple[torch.Tensor, ...] | None] = {}  # None: emulated, not run yet
         self.replays: Counter[RoundKey] = Counter()
-        self.sampling: RoundSampling | None = None  # drawn rounds' rows, sized at capture()
-        self.drawn_output_bytes = 0
+        self.sampling: RoundSampling | None = None  # sampling rounds' rows, sized at capture()
+        self.sampling_output_bytes = 0
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -118,7 +93,7 @@ class DraftLoopGraphs:
         reset_graphs(self.graphs)
         self.outputs.clear()
         self.widths.clear()
-        self.drawn_output_bytes = 0
+        self.sampling_output_bytes = 0
 
     def capture(self, plan: dict[Tier, dict[int, int]]) -> None:
         """plan: tier -> {batch size: widest catch-up}."""
@@ -160,20 +135,23 @@ class DraftLoopGraphs:
             first_step = False
             return self.runner.forward_eager(step_fb)
 
-        tier, bs, width, draw = key
+        tier, bs, width, sampling_key = key
         fb, anchor = unpack_round(self.packed[width][:bs], self.page_table, self.max_seq_len, starts or [0] * bs,
                                   base_host, tier.steps - 1, tier.topk)
         fb.input_hidden = self.catch_up_hidden(fb.req_rows, width)
         if cut is not None:  # a few-kernel first segment: the GPU starts while the host launches the catch-up
             cut()
         first = self.runner.forward_eager(fb)
-        sampling = None if draw is None else self.sampling.batch(bs, draw)
+        if sampling_key is None:  # greedy, unpenalised: argmax chains, top-k beams straight from the logits
+            distribution, streams, choose = None, None, choose_argmax
+        else:
+            rows, drawn = self.sampling.batch(bs, sampling_key), sampling_key.drawn
+            distribution = tree_distribution(rows, drawn, tier.topk)
+            streams = (rows.seeds, rows.positions) if drawn else None
+            choose = chain_chooser(rows, drawn, sampling_key.coupled)
         if tier.is_tree:
             return tuple(draft_tree(step_forward, fb, first, anchor, tier.steps, tier.topk, tier.num_draft_tokens,
-                                    None if draw is None else tree_distribution(sampling, True, tier.topk),
-                                    self.page_table, self.feeds_hidden,
-                                    None if draw is None else (sampling.seeds, sampling.positions)))
-        choose = choose_argmax if draw is None else chain_chooser(sampling, True, draw.coupled)
+                                    distribution, self.page_table, self.feeds_hidden, streams))
         tokens, qs = draft_chain(step_forward, fb, first, anchor, tier.steps, choose, self.page_table,
                                  self.feeds_hidden)
         return (tokens, torch.stack(qs, 1)) if qs else (tokens,)
@@ -186,9 +164,10 @@ class DraftLoopGraphs:
             self.runner.graphs.memory_pool(), self.runner.device, lambda cut: self._loop(key, None, None, cut))
 
     def padded(self, tier: Tier, batch_size: int, max_count: int,
-               draw: DrawKey | None = None) -> tuple[int, int] | None:
-        """(padded batch size, catch-up width) of the graph that can run this round, or None. A drawn round's graph
-        may not exist yet: then there must be room to capture it (MAX_DRAWN_GRAPHS, MAX_DRAWN_OUTPUT_BYTES)."""
+               sampling: SamplingKey | None = None) -> tuple[int, int] | None:
+        """(padded batch size, catch-up width) of the graph that can run this round, or None. A graph with a sampling
+        key may not exist yet: then there must be room to capture it (MAX_SAMPLING_GRAPHS,
+        MAX_SAMPLING_OUTPUT_BYTES)."""
         by_size = self.widths.get(tier)
         if not by_size:
             return None
@@ -196,39 +175,39 @@ class DraftLoopGraphs:
         width = None if bs is None else next((w for w in by_size[bs] if w >= max_count), None)
         if width is None:
             return None
-        if draw is not None and not self.drawn:
+        if sampling is not None and not self.sampling_rounds:
             return None
-        if draw is not None and RoundKey(tier, bs, width, draw) not in self.outputs:
-            drawn = sum(k.draw is not None for k in self.outputs)
-            if drawn >= MAX_DRAWN_GRAPHS or self.drawn_output_bytes >= MAX_DRAWN_OUTPUT_BYTES:
+        if sampling is not None and RoundKey(tier, bs, width, sampling) not in self.outputs:
+            captured = sum(k.sampling is not None for k in self.outputs)
+            if captured >= MAX_SAMPLING_GRAPHS or self.sampling_output_bytes >= MAX_SAMPLING_OUTPUT_BYTES:
                 return None
         return bs, width
 
     def run(self, catch_up: CatchUpRows, key: RoundKey, sampling: SamplingBatch) -> tuple[torch.Tensor, ...]:
         """-> the round's outputs (see the class doc), first dimension B = the real requests (counts <= width).
-        key: a greedy graph, or a drawn one (captured now if it is new: padded() said there is room)."""
+        key: a greedy graph, or one with a sampling key (captured now if it is new: padded() said there is room)."""
         bs, width = key.batch_size, key.width
         packed = torch.tensor(catch_up.packed(bs, width), dtype=torch.int64, pin_memory=not self.emulate)
         self.packed[width][:bs].view(-1).copy_(packed, non_blocking=True)  # the round's one host-to-device copy
-        if key.draw is not None:
+        if key.sampling is not None:
             self.sampling.load(sampling)
             if key not in self.outputs:
-                self._capture_drawn(key)
+                self._capture_sampling(key)
         return self._replay(key, len(catch_up.rows))
 
-    def _capture_drawn(self, key: RoundKey) -> None:
-        """Capture a drawn round's graph with this round's inputs already loaded (the module doc says why)."""
+    def _capture_sampling(self, key: RoundKey) -> None:
+        """Capture a sampling round's graph with this round's inputs already loaded (the module doc says why)."""
         start = time.perf_counter()
         self.page_table.flush()  # the warm-up runs read the device page table, as the replay will
         self._capture_one(key)
         outputs = self.outputs[key] or ()
-        self.drawn_output_bytes += sum(t.numel() * t.element_size() for t in outputs)
+        self.sampling_output_bytes += sum(t.numel() * t.element_size() for t in outputs)
         self.capture_seconds += time.perf_counter() - start
-        logger.info("draft round graph for drafts drawn from q captured: %s, %.0f ms", key,
+        logger.info("draft round graph for sampling rows captured: %s, %.0f ms", key,
                     1e3 * (time.perf_counter() - start))
 
     def has(self, key: RoundKey) -> bool:
-        """Whether this round's graph exists (a drawn one is captured on first use)."""
+        """Whether this round's graph exists (one with a sampling key is captured on first use)."""
         return key in self.outputs
 
     def packed_rows(self, bs: int, width: int) -> torch.Tensor:

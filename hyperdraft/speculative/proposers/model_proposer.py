@@ -1,24 +1,24 @@
 """ModelProposer: propose() for a drafter that runs a model of its own (a STANDALONE draft model, an EAGLE head).
 
 A round is a catch-up (the positions the drafter has not consumed yet, ending at the root: the last committed token)
-followed by the draft steps, as a chain (drafting/chain.py) or a tree (drafting/tree.py). An unpenalised round that
-fits a captured graph runs as one (drafting/graphs.py: greedy, or drawn from q); any other runs the catch-up and each
-step through the runner's own graph-or-eager dispatch. Either way the step batches are the ones DraftAnchor builds
-on the device.
+followed by the draft steps, as a chain (drafting/chain.py) or a tree (drafting/tree.py). A round that fits a
+captured graph runs as one (drafting/graphs.py: greedy, drawn from q or penalised); any other runs the catch-up and
+each step through the runner's own graph-or-eager dispatch. Either way the step batches are the ones DraftAnchor
+builds on the device.
 
 Draft-ahead (capabilities.drafts_ahead): right after a round's verify and accept are queued, and before its results
-reach the host, draft_ahead() queues the NEXT round's whole draft graph (greedy, or drawn from q once that round's
-graph exists, its sampling rows' positions moved on by the tokens the round commits), its catch-up packed on the
-device from the accepted tokens (the subclass's ahead_catch_up). The GPU drafts while the host commits and
-schedules, instead of idling until the next propose(). That propose() takes the queued drafts when its batch is the
-same requests under the same tier and sampling flags (nothing finished, joined or was retracted) and discards them
-otherwise. Discarding is harmless: the queued graph wrote only draft K/V that the next catch-up rewrites (catch-up positions, with the same
-values) or that no one reads before a draft step overwrites it, in slots reserved for it when it was queued, or since
-released and written by their new owner after it (one stream). The drafts equal those propose() would make.
-RuntimeOptions.draft_ahead turns it off. EAGLE heads and STANDALONE draft models draft ahead, chains and trees. A
-draft model's K/V of accepted drafts is kept across rounds (draft_num_computed reaches past the committed tokens),
-so the part of the queued draft's room that the next round reads is held through the commit that follows
-(PageTable.reserve_ahead's hold): the next round finds that K/V in the row's own pages.
+reach the host, draft_ahead() queues the NEXT round's whole draft graph (greedy; drawn from q or penalised once that
+round's graph exists, its sampling rows moved on by the tokens the round commits), its catch-up packed on the device
+from the accepted tokens (the subclass's ahead_catch_up). The GPU drafts while the host commits and schedules,
+instead of idling until the next propose(). That propose() takes the queued drafts when its batch is the same
+requests under the same tier and sampling key (nothing finished, joined or was retracted) and discards them
+otherwise. Discarding is harmless: the queued graph wrote only draft K/V that the next catch-up rewrites (catch-up
+positions, with the same values) or that no one reads before a draft step overwrites it, in slots reserved for it
+when it was queued, or since released and written by their new owner after it (one stream). The drafts equal those
+propose() would make. RuntimeOptions.draft_ahead turns it off. EAGLE heads and STANDALONE draft models draft ahead,
+chains and trees. A draft model's K/V of accepted drafts is kept across rounds (draft_num_computed reaches past the
+committed tokens), so the part of the queued draft's room that the next round reads is held through the commit that
+follows (PageTable.reserve_ahead's hold): the next round finds that K/V in the row's own pages.
 
 A subclass gives:
   catch_up_tokens(req)                  the tokens its catch-up feeds, from index req.draft_num_computed on (>= 1);
@@ -47,7 +47,7 @@ from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.drafting.anchor import CatchUpRows, DraftAnchor
 from hyperdraft.speculative.drafting.chain import draft_chain
-from hyperdraft.speculative.drafting.choice import DrawKey, chain_chooser, draws_from_q, tree_distribution
+from hyperdraft.speculative.drafting.choice import SamplingKey, chain_chooser, draws_from_q, tree_distribution
 from hyperdraft.speculative.drafting.graphs import DraftLoopGraphs, RoundKey
 from hyperdraft.speculative.drafting.tree import draft_tree
 from hyperdraft.speculative.graph_plan import CapturePlan, draft_loop_plan, draft_step_shapes
@@ -61,11 +61,11 @@ class AheadDraft:
 
     reqs: list[Request]
     tier: Tier
-    draw: DrawKey | None  # drafts drawn from q under these sampling flags; None: greedy
+    sampling: SamplingKey | None  # drafts drawn from q or penalised under this key; None: greedy, unpenalised
     outputs: tuple[torch.Tensor, ...]  # static graph outputs (DraftLoopGraphs.run)
 
-    def serves(self, reqs: list[Request], tier: Tier, draw: DrawKey | None) -> bool:
-        return tier == self.tier and draw == self.draw and same_requests(reqs, self.reqs)
+    def serves(self, reqs: list[Request], tier: Tier, sampling: SamplingKey | None) -> bool:
+        return tier == self.tier and sampling == self.sampling and same_requests(reqs, self.reqs)
 
 
 class ModelProposer(Proposer):
@@ -78,7 +78,7 @@ class ModelProposer(Proposer):
         self.coupled = ctx.spec.sampling == "coupled"
         loops = runner.graphs is not None and ctx.options.draft_loop_graphs
         self.draft_loop = DraftLoopGraphs(runner, capabilities.feeds_hidden, self.catch_up_hidden,
-                                          ctx.options.drawn_round_graphs) if loops else None
+                                          ctx.options.sampling_round_graphs) if loops else None
         self.capabilities = replace(capabilities, runs_as_graph=True,
                                     drafts_ahead=capabilities.drafts_ahead and loops and ctx.options.draft_ahead)
         self.ahead: AheadDraft | None = None
@@ -89,14 +89,14 @@ class ModelProposer(Proposer):
         # Coupled trees keep the beam over the draft's top-k: verification takes any tokens, and the beam's children
         # are the likeliest winners of the target's race.
         sampled = draws_from_q(self.sample_drafts, sampling) and not (self.coupled and tier.is_tree)
-        draw = DrawKey.of(sampling, self.coupled) if sampled else None
-        ahead = self._take_ahead(reqs, tier, draw, sampling)
+        key = SamplingKey.of(sampling, sampled, self.coupled)
+        ahead = self._take_ahead(reqs, tier, key)
         if ahead is not None:
             return _graph_proposal(ahead, tier, len(reqs))
         rows = self._catch_up_rows(reqs)
-        fit = self._loop_fit(tier, rows, draw, sampling)
+        fit = self._loop_fit(tier, rows, key)
         if fit is not None:
-            proposal = _graph_proposal(self.draft_loop.run(rows, RoundKey(tier, *fit, draw), sampling), tier, len(reqs))
+            proposal = _graph_proposal(self.draft_loop.run(rows, RoundKey(tier, *fit, key), sampling), tier, len(reqs))
         else:
             fb, first = self.catch_up(reqs, rows.tokens)
             anchor = DraftAnchor.after(fb, rows.step_bases)
@@ -130,16 +130,16 @@ class ModelProposer(Proposer):
         """Queue the next round's draft for these requests from this round's results (num_accepted [B], tokens
         [B, steps + 1]: the accepted drafts or accepted path, then the bonus token), if a whole-round graph can run
         it. Called before the scheduler commits this round: req.num_computed is still this round's n. Drafts drawn
-        from q are drafted ahead by their round graph if one was captured already (never captured here), its rows'
-        positions moved on by the round's a + 1 committed tokens on the device."""
+        from q or penalised are drafted ahead by their round graph if one was captured already (never captured
+        here), its sampling rows moved on by the round's a + 1 committed tokens on the device (RoundSampling)."""
         self.discard_ahead()
-        if not self.capabilities.drafts_ahead or sampling.penalties is not None:
+        if not self.capabilities.drafts_ahead:
             return
         sampled = draws_from_q(self.sample_drafts, sampling) and not (self.coupled and tier.is_tree)
-        draw = DrawKey.of(sampling, self.coupled) if sampled else None
+        sampling_key = SamplingKey.of(sampling, sampled, self.coupled)
         width, room = self.catch_up_width(tier), self.ahead_room(tier)
         fit = self.draft_loop.padded(tier, len(reqs), width)
-        key = None if fit is None else RoundKey(tier, *fit, draw)
+        key = None if fit is None else RoundKey(tier, *fit, sampling_key)
         if room is None or fit is None or fit[1] != width or tokens.shape[1] < width or not self.draft_loop.has(key):
             return
         # Reserve the room the queued round writes now, as the next schedule would have; the part the next round
@@ -149,9 +149,9 @@ class ModelProposer(Proposer):
                                                     hold=hold):
             return
         self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit), kept)
-        if draw is not None:
-            self.draft_loop.sampling.load(sampling, advance=num_accepted + 1)
-        self.ahead = AheadDraft(list(reqs), tier, draw, self.draft_loop.run_packed(key, len(reqs)))
+        if sampling_key is not None:
+            self.draft_loop.sampling.load(sampling, committed=(num_accepted, tokens))
+        self.ahead = AheadDraft(list(reqs), tier, sampling_key, self.draft_loop.run_packed(key, len(reqs)))
 
     def discard_ahead(self) -> None:
         self.ahead_discarded += self.ahead is not None
@@ -174,14 +174,15 @@ class ModelProposer(Proposer):
             self.draft_loop.release()
         self.runner.release_graphs()
 
-    def _take_ahead(self, reqs: list[Request], tier: Tier, draw: DrawKey | None, sampling: SamplingBatch):
+    def _take_ahead(self, reqs: list[Request], tier: Tier, key: SamplingKey | None):
         """The outputs of the draft queued for exactly this round, or None (a queued draft for another batch, tier or
-        set of sampling flags is thrown away). The same requests sample at the positions it drew for: each one's
-        committed length, which moved on by exactly the a + 1 tokens it was queued with."""
+        sampling key is thrown away). The same requests sample at the positions it drew for, with the output counts
+        it penalised with: each one's committed length and outputs moved on by exactly the a + 1 tokens it was
+        queued with."""
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return None
-        if not ahead.serves(reqs, tier, draw) or sampling.penalties is not None:
+        if not ahead.serves(reqs, tier, key):
             self.ahead_discarded += 1
             return None
         self.ahead_used += 1
@@ -192,12 +193,11 @@ class ModelProposer(Proposer):
         return CatchUpRows([r.row for r in reqs], [r.draft_num_computed for r in reqs],
                            [self.catch_up_tokens(r) for r in reqs])
 
-    def _loop_fit(self, tier: Tier, rows: CatchUpRows, draw: DrawKey | None, sampling: SamplingBatch):
-        """(padded batch size, width) of the whole-round graph that can run this round, or None. Penalised rounds
-        run step by step: their penalty tables are per-round [B, V] tensors the graph would have to copy in."""
-        if self.draft_loop is None or sampling.penalties is not None:
+    def _loop_fit(self, tier: Tier, rows: CatchUpRows, key: SamplingKey | None):
+        """(padded batch size, width) of the whole-round graph that can run this round, or None."""
+        if self.draft_loop is None:
             return None
-        return self.draft_loop.padded(tier, len(rows.rows), rows.widest, draw)
+        return self.draft_loop.padded(tier, len(rows.rows), rows.widest, key)
 
     def catch_up(self, reqs: list[Request], tokens_in: list[list[int]] | None = None):
         """Run the catch-up alone -> (its ForwardBatch, its ForwardOutput): padded to a captured width when a
