@@ -226,6 +226,39 @@ def test_tp2_seeded_sampling_equals_tp1(models):
     assert got == want
 
 
+@pytest.mark.parametrize("spec", [
+    dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3", speculative_num_steps=3,
+         speculative_eagle_topk=1),
+    dict(speculative_algorithm="STANDALONE", speculative_draft_model="llama", speculative_num_steps=3,
+         speculative_eagle_topk=2, speculative_num_draft_tokens=6),
+], ids=["eagle3-chain", "standalone-tree"])
+def test_tp2_sampling_round_graphs_equal_tp1(models, monkeypatch, spec):
+    """Rounds drawn from q or penalised run as one graph, captured on the first round of each SamplingKey: under
+    tensor parallelism every rank captures it in the same step (emulated graphs here), and TP 2 gives TP 1's seeded
+    outputs with every pool free."""
+    monkeypatch.setenv("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1")  # the spawned ranks inherit it
+    spec = {k: (models[v] if k == "speculative_draft_model" else v) for k, v in spec.items()}
+    target = "llama6" if spec["speculative_algorithm"] == "EAGLE3" else "qwen3"
+    prompts = mixed_prompts(6, seed=6, max_len=30)
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=20), dict(temperature=1.0, repetition_penalty=1.2),
+             dict(temperature=0.0, frequency_penalty=0.5)]
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, seed=i, **kinds[i % len(kinds)]) for i in range(6)]
+    args = dict(spec, speculative_use_rejection_sampling=True, cuda_graph_max_bs=4)
+    want, _ = _outputs(models[target], prompts, params, **args)
+    llm = LLM(models[target], device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=24,
+              dist_timeout=120, tp_size=2, **args)
+    try:
+        got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        replays = llm.engine.worker.proposer.draft_loop.replays  # rank 0's
+        states = llm.engine.rank_states()
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+    assert got == want
+    _check_pools_free(states, 2)
+    assert sum(n for k, n in replays.items() if k.sampling is not None) > 0, replays
+
+
 def test_a_dead_rank_stops_the_engine_with_an_error(models):
     llm = LLM(models["llama"], device="cpu", dtype="float32", tp_size=2, dist_timeout=30)
     try:
