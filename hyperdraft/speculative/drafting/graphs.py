@@ -42,7 +42,9 @@ from hyperdraft.speculative.drafting.tree import draft_tree
 logger = logging.getLogger("hyperdraft")
 
 # Graphs of rounds that read sampling rows, captured on first use: at most this many, holding at most this much output
-# (a drawn round's q).
+# (a drawn round's q). Fixed budgets, not the device's free memory: under tensor parallelism every rank must decide the
+# same (a capture runs collectives), and free memory differs between ranks. They come out of the memory the K/V
+# budget leaves free (mem_fraction_static).
 MAX_SAMPLING_GRAPHS = 32
 MAX_SAMPLING_OUTPUT_BYTES = 512 << 20
 
