@@ -77,7 +77,8 @@ def main() -> None:
     target, head = write_configs(tempfile.mkdtemp(), SMOLLM2 if cuda else TINY, 8192 if cuda else 256)
     lines = [f"drawn rounds (temperature 0.8, top-p 0.95), EAGLE-3 head, alpha 0.8; median us per engine step over "
              f"{a.turns} turns of {a.steps} steps", "",
-             "| round | batch | step by step | one graph | speed-up | sampling graphs replayed |", "|---|---|---|---|---|---|"]
+             "| round | batch | step by step | one graph | speed-up | sampling graphs replayed |",
+             "|---|---|---|---|---|---|"]
     for row in ROWS:
         engines = {on: started_engine(target, head, row, on, a.device, a.steps, a.turns) for on in (False, True)}
         times: dict[bool, list[float]] = {False: [], True: []}

@@ -3,12 +3,13 @@
 A round's draft (chain_loop.draft_chain, tree_loop.draft_tree) builds its step batches on the device, so the whole
 loop is capturable. DraftLoopGraphs captures it per RoundKey (tier, batch size, catch-up width, sampling key): a
 round then launches one draft graph instead of one per step, and the host work between steps (a batch build, a
-graph launch, the beam's bookkeeping and sampling ops) is gone. The graph and the eager path run the same functions; only `forward` differs (the runner's eager forward under capture, its graph-or-eager dispatch
-outside). The round is captured as three segments, launched back to back: the batch plan (a few kernels), the
-catch-up forward, then every draft step. A launch call's host time grows with the graph's kernel count and its first
-kernel starts only when the call returns, so a short first segment gets the GPU going while the host launches the
-rest, and the catch-up runs while the host launches the steps (measured on an H100: ~0.5 ms of GPU idle per round
-with one graph; a segment per draft step instead costs ~5 us of GPU idle at each boundary).
+graph launch, the beam's bookkeeping and sampling ops) is gone. The graph and the eager path run the same functions;
+only `forward` differs (the runner's eager forward under capture, its graph-or-eager dispatch outside). The round is
+captured as three segments, launched back to back: the batch plan (a few kernels), the catch-up forward, then every
+draft step. A launch call's host time grows with the graph's kernel count and its first kernel starts only when the
+call returns, so a short first segment gets the GPU going while the host launches the rest, and the catch-up runs
+while the host launches the steps (measured on an H100: ~0.5 ms of GPU idle per round with one graph; a segment per
+draft step instead costs ~5 us of GPU idle at each boundary).
 
 Greedy, unpenalised rounds (argmax chains, top-k beams) read no sampling row and are captured up front. Rounds whose
 drafts are drawn from q, or penalised, read the batch's sampling rows, and which ops they run is chosen by host
@@ -64,9 +65,9 @@ class DraftLoopGraphs:
     after a rejection: the same shapes as the eager path) and the widest catch-up its tiers can leave. The input is
     one packed int64 buffer per width (CatchUpRows.packed), filled by ONE host-to-device copy: the graph builds the
     catch-up batch from it (unpack_round) and gathers the head's hidden inputs itself (catch_up_hidden); a round
-    with a SamplingKey also reads RoundSampling. The outputs are static buffers valid until the next replay: a chain's draft
-    tokens [bs, steps] (and, drawn for rejection sampling, their q [bs, steps, V]); a tree's (tokens, parents, fed),
-    each [bs, N] (and, drawn, q_nodes [bs, N, V])."""
+    with a SamplingKey also reads RoundSampling. The outputs are static buffers valid until the next replay: a
+    chain's draft tokens [bs, steps] (and, drawn for rejection sampling, their q [bs, steps, V]); a tree's (tokens,
+    parents, fed), each [bs, N] (and, drawn, q_nodes [bs, N, V])."""
 
     def __init__(self, runner, feeds_hidden: bool, catch_up_hidden, sampling_rounds: bool):
         """runner: the drafter's runner, with graphs (whose memory pool these graphs share); sampling_rounds: capture
