@@ -86,9 +86,7 @@ class ModelProposer(Proposer):
         self.ahead_discarded = 0
 
     def propose(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch) -> Proposal | TreeProposal:
-        # Coupled trees keep the beam over the draft's top-k: verification takes any tokens, and the beam's children
-        # are the likeliest winners of the target's race.
-        sampled = draws_from_q(self.sample_drafts, sampling) and not (self.coupled and tier.is_tree)
+        sampled = self._draws(tier, sampling)
         key = SamplingKey.of(sampling, sampled, self.coupled)
         ahead = self._take_ahead(reqs, tier, key)
         if ahead is not None:
@@ -135,8 +133,7 @@ class ModelProposer(Proposer):
         self.discard_ahead()
         if not self.capabilities.drafts_ahead:
             return
-        sampled = draws_from_q(self.sample_drafts, sampling) and not (self.coupled and tier.is_tree)
-        sampling_key = SamplingKey.of(sampling, sampled, self.coupled)
+        sampling_key = SamplingKey.of(sampling, self._draws(tier, sampling), self.coupled)
         width, room = self.catch_up_width(tier), self.ahead_room(tier)
         fit = self.draft_loop.padded(tier, len(reqs), width)
         key = None if fit is None else RoundKey(tier, *fit, sampling_key)
@@ -173,6 +170,11 @@ class ModelProposer(Proposer):
         if self.draft_loop is not None:
             self.draft_loop.release()
         self.runner.release_graphs()
+
+    def _draws(self, tier: Tier, sampling: SamplingBatch) -> bool:
+        """Whether this round's drafts are drawn from q. Coupled trees keep the beam over the draft's top-k:
+        verification takes any tokens, and the beam's children are the likeliest winners of the target's race."""
+        return draws_from_q(self.sample_drafts, sampling) and not (self.coupled and tier.is_tree)
 
     def _take_ahead(self, reqs: list[Request], tier: Tier, key: SamplingKey | None):
         """The outputs of the draft queued for exactly this round, or None (a queued draft for another batch, tier or
