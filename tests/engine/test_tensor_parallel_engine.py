@@ -51,15 +51,22 @@ def _one_thread():
 
 
 def _outputs(path, prompts, params, **engine_args):
+    outs, states, _ = _outputs_inspected(None, path, prompts, params, **engine_args)
+    return outs, states
+
+
+def _outputs_inspected(inspect, path, prompts, params, **engine_args):
+    """-> (outputs, every rank's state, inspect(llm) taken from rank 0 after the run, before shutdown)."""
     llm = LLM(path, device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=24, dist_timeout=120,
               **engine_args)
     try:
         outs = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        seen = inspect(llm) if inspect is not None else None
         states = llm.engine.rank_states()
         assert_engine_clean(llm)
     finally:
         llm.shutdown()
-    return outs, states
+    return outs, states, seen
 
 
 def _check_pools_free(states, tp_size):
@@ -125,15 +132,9 @@ def test_step_zero_as_plain_decodes_on_every_rank(models, tmp_path):
     spec = dict(speculative_algorithm="NGRAM", speculative_adaptive=True, speculative_adaptive_config=str(cfg),
                 speculative_num_steps=0)
     want, _ = _outputs(models["llama"], prompts, params)
-    llm = LLM(models["llama"], device="cpu", dtype="float32", max_running_requests=4, dist_timeout=120, tp_size=2,
-              **spec)
-    try:
-        got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
-        tiers = llm.get_server_info()["internal_states"][0]["spec_steps_per_tier"]  # rank 0's
-        states = llm.engine.rank_states()
-        assert_engine_clean(llm)
-    finally:
-        llm.shutdown()
+    got, states, tiers = _outputs_inspected(  # rank 0's tiers
+        lambda llm: llm.get_server_info()["internal_states"][0]["spec_steps_per_tier"], models["llama"], prompts,
+        params, tp_size=2, **spec)
     assert got == want
     _check_pools_free(states, 2)
     assert tiers.get("0", 0) > 5 and tiers.get("3", 0) > 5, tiers
@@ -172,15 +173,8 @@ def test_a_standalone_draft_split_or_whole_gives_tp1s_output(models, draft, tree
     prompts = mixed_prompts(len(NEW_TOKENS), seed=7, max_len=60)
     params = [greedy(n) for n in NEW_TOKENS]
     want, _ = _outputs(models["qwen3"], prompts, params, page_size=4, **spec)
-    llm = LLM(models["qwen3"], device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=24,
-              dist_timeout=120, page_size=4, tp_size=2, **spec)
-    try:
-        got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
-        draft_cfg = llm.engine.worker.proposer.runner.model.config
-        states = llm.engine.rank_states()
-        assert_engine_clean(llm)
-    finally:
-        llm.shutdown()
+    got, states, draft_cfg = _outputs_inspected(lambda llm: llm.engine.worker.proposer.runner.model.config,
+                                                models["qwen3"], prompts, params, page_size=4, tp_size=2, **spec)
     assert draft_cfg.num_heads * (2 if split else 1) == load_model_config(models[draft]).num_heads
     assert got == want
     _check_pools_free(states, 2)
@@ -198,16 +192,10 @@ def test_a_split_draft_head_gives_tp1s_output(models, algo, tree):
     prompts = mixed_prompts(len(NEW_TOKENS), seed=9, max_len=60)
     params = [greedy(n) for n in NEW_TOKENS]
     want, _ = _outputs(models["llama6"], prompts, params, **spec)
-    llm = LLM(models["llama6"], device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=24,
-              dist_timeout=120, tp_size=2, runtime_options=RuntimeOptions.from_env(split_draft_head=True), **spec)
-    try:
-        got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
-        head = llm.engine.worker.proposer.head
-        head_cfg, borrowed = head.config, set(head._shared)
-        states = llm.engine.rank_states()
-        assert_engine_clean(llm)
-    finally:
-        llm.shutdown()
+    got, states, (head_cfg, borrowed) = _outputs_inspected(
+        lambda llm: (llm.engine.worker.proposer.head.config, set(llm.engine.worker.proposer.head._shared)),
+        models["llama6"], prompts, params, tp_size=2, runtime_options=RuntimeOptions.from_env(split_draft_head=True),
+        **spec)
     whole = load_eagle_config(models[algo.lower()])
     assert (head_cfg.num_attention_heads * 2, head_cfg.intermediate_size * 2) == (whole.num_attention_heads,
                                                                                   whole.intermediate_size)
@@ -245,15 +233,8 @@ def test_tp2_sampling_round_graphs_equal_tp1(models, monkeypatch, spec):
     params = [SamplingParams(max_new_tokens=12, ignore_eos=True, seed=i, **kinds[i % len(kinds)]) for i in range(6)]
     args = dict(spec, speculative_use_rejection_sampling=True, cuda_graph_max_bs=4)
     want, _ = _outputs(models[target], prompts, params, **args)
-    llm = LLM(models[target], device="cpu", dtype="float32", max_running_requests=4, chunked_prefill_size=24,
-              dist_timeout=120, tp_size=2, **args)
-    try:
-        got = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
-        replays = llm.engine.worker.proposer.draft_loop.replays  # rank 0's
-        states = llm.engine.rank_states()
-        assert_engine_clean(llm)
-    finally:
-        llm.shutdown()
+    got, states, replays = _outputs_inspected(  # rank 0's round graphs
+        lambda llm: llm.engine.worker.proposer.draft_loop.replays, models[target], prompts, params, tp_size=2, **args)
     assert got == want
     _check_pools_free(states, 2)
     assert sum(n for k, n in replays.items() if k.sampling is not None) > 0, replays
