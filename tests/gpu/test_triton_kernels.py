@@ -188,8 +188,13 @@ def test_kv_move_with_overlapping_slots(dtype):
 def tiny(tmp_path_factory):
     from hyperdraft.testing.tiny import make_tiny_model
 
+    from helpers.hybrid_fixtures import with_mtp_weights
+
     root = tmp_path_factory.mktemp("triton_models")
-    return {kind: make_tiny_model(str(root / kind), kind, seed=1) for kind in ("llama", "qwen3")}
+    models = {kind: make_tiny_model(str(root / kind), kind, seed=1) for kind in ("llama", "qwen3", "qwen3_next")}
+    models["qwen3_5"] = with_mtp_weights(make_tiny_model(str(root / "qwen3_5"), "qwen3_5", seed=1),
+                                         str(root / "qwen3_5_mtp"))
+    return models
 
 
 E2E_CASES = {
@@ -299,17 +304,27 @@ def test_attention_storing_its_new_tokens(kind, page_size, splits, rotary, dtype
                                                                                  args["k_cache"][news])
 
 
+KV_IN_ATTENTION_CASES = {
+    **E2E_CASES,
+    # hybrids: full-attention layers between linear ones; MTP chains and trees; a sparse MoE model
+    "hybrid-qwen3.5-mtp-tree": dict(page_size=16, target="qwen3_5", speculative_algorithm="NEXTN",
+                                    speculative_num_steps=3, speculative_eagle_topk=2,
+                                    speculative_num_draft_tokens=5),
+    "hybrid-qwen3-next-moe": dict(page_size=16, target="qwen3_next"),
+}
+
+
 @pytest.mark.skipif(INTERPRET, reason="end to end runs on CUDA only")
-@pytest.mark.parametrize("case", list(E2E_CASES))
+@pytest.mark.parametrize("case", list(KV_IN_ATTENTION_CASES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kv_in_attention_end_to_end(tiny, case, dtype):
     """RuntimeOptions.kv_in_attention (decodes, verifies and draft steps store their K/V inside the attention
-    launch, CUDA graphs included) gives the separate store launch's tokens, bit for bit in bf16 too, and every slot
-    back free."""
+    launch, CUDA graphs included; the default) gives the separate store launch's tokens, bit for bit in bf16 too,
+    and every slot back free."""
     from hyperdraft import LLM, SamplingParams
     from hyperdraft.options import RuntimeOptions
 
-    opts = {k: (tiny[v] if k == "speculative_draft_model" else v) for k, v in E2E_CASES[case].items()}
+    opts = {k: (tiny[v] if k == "speculative_draft_model" else v) for k, v in KV_IN_ATTENTION_CASES[case].items()}
     target = tiny[opts.pop("target", "llama")]
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 9, 40, 130, 6, 77)]
