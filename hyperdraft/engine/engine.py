@@ -42,6 +42,7 @@ from hyperdraft.speculative.worker import SpecWorker
 
 logger = logging.getLogger("hyperdraft")
 
+
 def load_tokenizer(args: EngineArgs):
     if args.skip_tokenizer_init:
         return None

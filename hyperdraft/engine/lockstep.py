@@ -97,19 +97,18 @@ def init_group(args: EngineArgs, rank: int, address: str, device: torch.device,
     """Join the group: NCCL for the model's tensors on CUDA (bound to this rank's GPU), gloo on the CPU; on CUDA a
     gloo group beside it for the control messages; the push all-reduce's buffers where push_wanted."""
     timeout = datetime.timedelta(seconds=args.dist_timeout)
+    control = None  # the CPU's one gloo group carries both
     if device.type != "cuda":
         dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                                 timeout=timeout)
-        push = PushAllReduce.start(rank, args.tp_size, device, None, args.dist_timeout) \
-            if push_wanted(args, options, rank, device) else None
-        return TensorParallel(rank, args.tp_size, push=push)
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
-                            timeout=timeout, device_id=device)
-    control = dist.new_group(backend="gloo", timeout=timeout)
-    push = PushAllReduce.start(rank, args.tp_size, device, control, args.dist_timeout) \
-        if push_wanted(args, options, rank, device) else None
+    else:
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
+                                timeout=timeout, device_id=device)
+        control = dist.new_group(backend="gloo", timeout=timeout)
+    wanted = push_wanted(args, options, rank, device)
+    push = PushAllReduce.start(rank, args.tp_size, device, control, args.dist_timeout) if wanted else None
     return TensorParallel(rank, args.tp_size, control=control, push=push)
 
 

@@ -45,7 +45,6 @@ from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 from hyperdraft.kernels.rope import rotated_dims
 
 
-
 @jit
 def _attend_keys(
     acc, l_i, m_i, q, K, V, Table, Tail, PathRow, row, kvh, b, lo, hi, qi, prefix, row_ok, d, d_ok, seq_len,
