@@ -1,8 +1,9 @@
 """Tokens/s against batch size, 1 to 256, on the default model (SmolLM2-135M-Instruct, bf16, GPU): plain decoding
-with the graph bound derived from free memory (up to 256) against the old fixed bound of 64, and NGRAM and a
-STANDALONE self-draft under adaptive tiers (`--rows NAME ...` runs a subset). A batch of B is B MT-bench first turns (repeated past 80) submitted at once, greedy, --new-tokens
-each, on one engine per row (room for 256 requests); tok/s = output tokens / wall time of the generate call, the median of
-three, after an unmeasured run of the same batch.
+with the graph bound derived from free memory (up to 256) against the old fixed bound of 64, and NGRAM, a STANDALONE
+self-draft and (with --head) a trained EAGLE-3 head under adaptive tiers (`--rows NAME ...` runs a subset). A batch
+of B is B MT-bench first turns (repeated past 80) submitted at once, greedy, --new-tokens each, on one engine per row
+(room for 256 requests); tok/s = output tokens / wall time of the generate call, the median of three, after an
+unmeasured run of the same batch.
 
   python -m benchmarks.e2e.batch_curve --out $OUT       # GPU -> $OUT/batch_curve_<device>.md
 """
@@ -22,6 +23,7 @@ from hyperdraft.models.default_model import ensure_default_model
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
 SELF = "<the model>"  # a row's draft path that stands for the model itself
+HEAD = "<the head>"  # ... for --head, an EAGLE-3 head for the model (rows with it run only when it is given)
 REPEATS = 3  # timed runs per batch size; the median is reported (a batch-1 run is a few tenths of a second)
 ROWS = {  # name -> engine arguments over the common ones
     "plain, graphs to 64 (the old default)": dict(cuda_graph_max_bs=64),
@@ -31,6 +33,8 @@ ROWS = {  # name -> engine arguments over the common ones
     # accepted and the curve shows what the tiers cost, not what a draft gains).
     "STANDALONE self-draft, adaptive": dict(speculative_algorithm="STANDALONE", speculative_adaptive=True,
                                             speculative_draft_model_path=SELF),
+    "EAGLE-3 trained head, adaptive": dict(speculative_algorithm="EAGLE3", speculative_adaptive=True,
+                                           speculative_draft_model_path=HEAD),
 }
 
 
@@ -77,6 +81,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--rows", nargs="*", default=None, help="run only the rows whose names contain one of these")
+    ap.add_argument("--head", help="EAGLE-3 head for the model (hyperdraft train-draft); its row runs only with it")
     args = ap.parse_args()
     require_cuda()
     model = ensure_default_model()
@@ -93,7 +98,9 @@ def main() -> None:
     for name, extra in ROWS.items():
         if args.rows is not None and not any(r in name for r in args.rows):
             continue
-        extra = {k: (model if v == SELF else v) for k, v in extra.items()}
+        if HEAD in extra.values() and not args.head:
+            continue
+        extra = {k: {SELF: model, HEAD: args.head}.get(v, v) if isinstance(v, str) else v for k, v in extra.items()}
         points = curve(model, prompts, args.new_tokens, {**common, **extra})
         lines.append(f"| {name} | " + " | ".join(f"{p.tok_s:.0f}" for p in points) + " |")
         if points[0].accept_length is not None:  # why a drafter's curve bends: the tier it ran and what it accepted
