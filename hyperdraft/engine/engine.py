@@ -298,13 +298,18 @@ class Engine:
         return self.page_table.cache.num_pages * self.page_table.page_size if self.page_table.cache else 0
 
     def flush_cache(self) -> bool:
-        """Free every cached page, as SGLang's flush_cache: only while no request is queued or running (their
-        pages are referenced) -> whether it flushed."""
+        """Free every cached page and empty the drafter's history of earlier requests, as SGLang's flush_cache: only
+        while no request is queued or running (their pages are referenced) -> whether it flushed."""
         if self.scheduler.has_unfinished():
             return False
         self.lockstep.record("flush")
-        self.page_table.flush_cache()
+        self._flush()
         return True
+
+    def _flush(self) -> None:
+        self.page_table.flush_cache()
+        if self.spec is not None:  # every rank drafts for itself, so every rank forgets
+            self.worker.proposer.flush_history()
 
     # ---- tensor parallelism -------------------------------------------------------------------------------------
     def replay_until_stopped(self) -> None:
@@ -321,7 +326,7 @@ class Engine:
         elif command.kind == "abort":
             self.scheduler.abort(command.payload)
         elif command.kind == "flush":
-            self.page_table.flush_cache()
+            self._flush()
         elif command.kind == "report":
             self.lockstep.report(self.pool_state())
         else:

@@ -122,6 +122,10 @@ class Proposer(Protocol):
     def discard_ahead(self) -> None:
         """Forget a draft queued ahead (capabilities.drafts_ahead): a step ran without a round; it follows nothing."""
 
+    def flush_history(self) -> None:
+        """Forget what earlier requests taught the drafter (flush_cache, as SGLang's resets its n-gram cache): a
+        benchmark that repeats its prompts must not be drafted their earlier answers."""
+
     def capture_graphs(self, plan: CapturePlan) -> None:
         """Capture the draft shapes `plan` can run (capabilities.runs_as_graph)."""
 

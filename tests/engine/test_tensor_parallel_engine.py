@@ -142,6 +142,23 @@ def test_step_zero_as_plain_decodes_on_every_rank(models, tmp_path):
     assert slots[0] == slots[1], slots  # every rank switched with rank 0
 
 
+def test_flush_cache_empties_every_ranks_ngram_history(models):
+    """Every rank drafts for itself, so a flush (recorded, replayed by the followers) must empty every rank's NGRAM
+    history: a follower still drafting the first run's answers would verify other tokens than rank 0."""
+    prompts = [[5, 6, 7] * 6, [9, 8] * 8, [1, 2, 3, 4] * 4]
+    params = [greedy(20) for _ in prompts]
+    want, _ = _outputs(models["llama"], prompts, params)
+
+    def run_again(llm):
+        assert llm.flush_cache()
+        return [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+
+    got, states, again = _outputs_inspected(run_again, models["llama"], prompts, params, tp_size=2,
+                                            speculative_algorithm="NGRAM", speculative_num_steps=4)
+    assert got == want and again == want
+    _check_pools_free(states, 2)
+
+
 def test_two_nodes_give_one_nodes_output(models):
     """nnodes 2, one rank each, on this machine: "node 1" is `hyperdraft serve --node-rank 1` in its own process
     (it hosts rank 1 and serves nothing), node 0 the LLM; it equals TP 1, and node 1 exits cleanly when node 0 stops."""

@@ -106,6 +106,22 @@ def test_engine_history_is_lossless_and_drafts_from_earlier_answers(spec_models,
         assert b.meta_info["spec_accepted_tokens"] > a.meta_info["spec_accepted_tokens"]
 
 
+def test_flush_cache_empties_the_history(spec_models, llm_factory):
+    """A benchmark repeats its prompts after a warm-up and flushes between: the repeat must draft as on a fresh
+    engine, not from its own earlier answer."""
+    prompts = [[5, 9, 14, 3, 8], [7, 1, 2]]
+    fresh = [gen(llm_factory(spec_models["target"], speculative_algorithm="NGRAM", speculative_num_steps=4), [p],
+                 greedy(40))[0] for p in prompts]
+    llm = llm_factory(spec_models["target"], speculative_algorithm="NGRAM", speculative_num_steps=4)
+    gen(llm, prompts, greedy(40))
+    gen(llm, [[1, 2, 3]], greedy(4))  # collects the two finished requests into the history
+    assert llm.flush_cache()
+    again = [gen(llm, [p], greedy(40))[0] for p in prompts]
+    for a, b in zip(fresh, again):
+        assert b.token_ids == a.token_ids
+        assert b.meta_info["spec_accepted_tokens"] == a.meta_info["spec_accepted_tokens"]
+
+
 def test_saved_history_restores_collected_and_pending_requests():
     proposer = NgramProposer(1, 12, torch.device("cpu"), history_tokens=100)
     first = _request("a", [10, 11, 12], [13, 14, 15])

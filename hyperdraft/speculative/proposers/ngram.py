@@ -103,6 +103,11 @@ class NgramProposer(Proposer):
                 del self.live[rid]
         self.live.update((r.rid, r) for r in reqs)
 
+    def flush_history(self) -> None:
+        if self.history is not None:
+            self.history.tokens = self.history.tokens[:0]
+        self.live.clear()
+
     def save_history(self) -> tuple:
         """The history as it stands, including finished requests not yet collected (for benchmarks that repeat a
         prompt: a repeat must not find its own earlier answer)."""
