@@ -200,7 +200,8 @@ class Engine:
         plain = (ModelWorker(self.runner, self.options.decode_ahead)
                  if self.spec.adaptive is not None and proposer.capabilities.idle_at_step_zero
                  and self.runner.state_pool is None else None)
-        return SpecWorker(self.runner, proposer, self.spec, tiers, timer, self.lockstep.tp, plain)
+        return SpecWorker(self.runner, proposer, self.spec, tiers, timer, self.lockstep.tp, plain,
+                          verify_ahead=self.options.decode_ahead)
 
     def _graph_settings(self, backend: str, dtype: torch.dtype) -> GraphSettings | None:
         """The batch sizes to capture CUDA graphs for, or None when every forward runs eagerly."""

@@ -17,7 +17,8 @@ A step of decodes only whose tier is step 0, for a drafter idle there (NGRAM, ST
 worker's decode step instead of a round of one-row verifies: the plain worker queues the next decode before the host
 waits (engine/model_worker.py), which a round cannot. On an H100 NGRAM's step-0 rounds ran 17-35% below plain
 decoding at 64-256 requests (benchmarks/results/batch_curve_h100.md). Any other step first discards that queued
-decode.
+decode. A drafter that must see every token (an EAGLE head) keeps its step-0 rounds; each queues the next round's
+verify instead (verify_ahead.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from hyperdraft.speculative.verify.batch import verify_batch
 from hyperdraft.speculative.verify.chain import ChainPieces, ChainRound
 from hyperdraft.speculative.verify.round import RoundContext, RoundOutcome
 from hyperdraft.speculative.verify.tree import TreePieces, TreeRound
+from hyperdraft.speculative.verify_ahead import VerifyAhead
 
 
 class StepPieces(NamedTuple):
@@ -66,15 +68,17 @@ class PlainDecoder(Protocol):
 
 class SpecWorker:
     def __init__(self, target: ModelRunner, proposer: Proposer, spec: SpecConfig, tiers: TierSource,
-                 timer: PhaseTimer, tp: TensorParallel = SINGLE, plain: PlainDecoder | None = None):
+                 timer: PhaseTimer, tp: TensorParallel = SINGLE, plain: PlainDecoder | None = None,
+                 verify_ahead: bool = True):
         """tp: the engine's tensor-parallel group. Under adaptive speculation every rank's tier source learns rank 0's
         step times, so the ranks pick the same tier (goodput decides from step times; each GPU's clock differs).
         plain: the worker that runs step-0 batches of decodes (module doc), over the same target runner; None: rounds
-        run them."""
+        run them. verify_ahead: queue a step-0 round's next verify (verify_ahead.py; RuntimeOptions.decode_ahead)."""
         self.runner, self.proposer, self.spec, self.tiers, self.timer = target, proposer, spec, tiers, timer
         self.plain = plain
         self.tp = tp if spec.adaptive is not None else SINGLE
         self.capabilities = proposer.capabilities
+        self.verify_ahead = VerifyAhead(target, proposer.capabilities.capture_layers, verify_ahead and plain is None)
         self.round_context = RoundContext(target, proposer, spec.simulate_accept_rate, spec.sampling == "coupled",
                                           spec.simulate_sibling_rate)
         self.decode_reserve = spec.max_verify_tokens  # the scheduler reserves the widest round, never less
@@ -95,15 +99,15 @@ class SpecWorker:
                 return self._decode_plainly(batch, tier, start)
             self.plain.discard_ahead()
         round_ = self._draft([it.req for it in decodes], tier) if decodes else None
+        out = self.verify_ahead.take(round_, with_prefills=bool(prefills))  # queued by the step before, or None
         prefill_inputs = [it.forward_input() for it in prefills]
         tails = padded_tails(self.runner.graphs, prefill_inputs)  # run as a forward of their own where they fit
-        out = target_hidden = None
-        if round_ is not None or not tails:
+        if out is None and (round_ is not None or not tails):
             fb = verify_batch(round_, [] if tails else prefill_inputs, self.runner.page_table, self.runner.device,
                               stateful=self.runner.state_pool is not None)
             with self.timer.phase("verify"):
                 out = self.runner.forward(fb, capture_layers=self.capabilities.capture_layers)
-            target_hidden = self.proposer.target_hidden(out) if self.capabilities.feeds_hidden else None
+        target_hidden = self.proposer.target_hidden(out) if out is not None and self.capabilities.feeds_hidden else None
         num_rows = round_.num_rows if round_ is not None else 0
         if tails:
             prefill_logits, prefill_hidden = self._forward_tails(tails)
@@ -121,6 +125,8 @@ class SpecWorker:
             kept = round_.draft_kv_valid if isinstance(round_, TreeRound) else None
             self.proposer.draft_ahead(round_.reqs, round_.tier, round_.sampling, round_.num_accepted, round_.tokens,
                                       kept)
+        if round_ is not None and not prefills:
+            self.verify_ahead.queue(round_)
         host = copy.wait()
         results = [] if round_ is None else self._commit(round_, round_.decode(host.round), None if prefills else start)
         return results + _prefill_results(prefills, host.prefill)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 
@@ -228,3 +229,28 @@ def test_step_zero_as_plain_decodes_in_graphs(models, algo, tmp_path):
     assert outs == _SPEC_OFF[key], f"{algo}: step 0 as plain decodes changed the output"
     assert tiers.get("0", 0) > 5 and tiers.get("3", 0) > 5, tiers
     assert discarded > 0, "no queued decode was thrown away: the plain steps never queued one"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eagle_step_zero_verifies_ahead_in_graphs(models, dtype, tmp_path):
+    """EAGLE-3 at adaptive step 0 (a ladder of step 0 only): each round queues the next round's verify
+    (speculative/verify_ahead.py), a replay of the one-token graph, used when the next step is a step-0 round of the
+    same requests. fp32: token for token spec off; bf16: bitwise the same engine with queuing off (same graphs)."""
+    cfg = tmp_path / "zero_only.json"
+    cfg.write_text(json.dumps({"1": {"candidate_steps": [0]}}))
+    case = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"], cuda_graph_max_bs=4,
+                max_running_requests=4, speculative_adaptive=True, speculative_adaptive_config=str(cfg), speculative_num_steps=0)
+    target = models["target6"]
+    outs = {}
+    for ahead in (True, False):
+        llm = LLM(target, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=8192,
+                  skip_tokenizer_init=True, runtime_options=RuntimeOptions.from_env(decode_ahead=ahead), **case)
+        params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
+        outs[ahead] = [o.token_ids for o in llm.generate(input_ids=_prompts(), sampling_params=params, use_tqdm=False)]
+        used = llm.engine.worker.verify_ahead.used
+        assert llm.engine.flush_cache() and llm.engine.kv_free_slots == llm.engine.kv_capacity_slots
+        llm.shutdown()
+        assert (used > 5) == ahead, used
+    assert outs[True] == outs[False], f"{dtype}: a queued verify changed the output"
+    if dtype == "float32":
+        assert outs[True] == _run(target, dtype, disable_cuda_graph=True)[0], "spec on != spec off"

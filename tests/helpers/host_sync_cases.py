@@ -3,6 +3,8 @@ on a GPU): one table and one set of tiny checkpoints, so both count transfers ov
 
 from __future__ import annotations
 
+import json
+
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 
@@ -20,6 +22,9 @@ CASES = {  # "draft" names a checkpoint of write_models
     "ngram": dict(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=4),
     "eagle3-chain-simulated": dict(speculative_algorithm="EAGLE3", draft="eagle3", speculative_simulate_accept_rate=0.7,
                                    **CHAIN),
+    # adaptive tiers of step 0 only: rounds that draft nothing, each queuing the next verify where graphs run
+    "eagle3-step-zero": dict(speculative_algorithm="EAGLE3", draft="eagle3", speculative_adaptive=True,
+                             adaptive_config="zero_only", speculative_num_steps=0),
 }
 PARAMS = {
     "greedy": dict(temperature=0.0),
@@ -29,9 +34,12 @@ PARAMS = {
 
 
 def write_models(root: str) -> dict[str, str]:
-    """A 3-layer target, an EAGLE-3 head for it and a smaller STANDALONE draft (other hidden size and heads)."""
+    """A 3-layer target, an EAGLE-3 head for it, a smaller STANDALONE draft (other hidden size and heads), and an
+    adaptive config of step 0 only."""
     target = make_tiny_model(f"{root}/target", "llama", num_hidden_layers=3)
-    return {"target": target, "eagle3": write_random_eagle_checkpoint(f"{root}/e3", target, kind="eagle3"),
+    with open(f"{root}/zero_only.json", "w") as f:
+        json.dump({"1": {"candidate_steps": [0]}}, f)
+    return {"target": target, "zero_only": f"{root}/zero_only.json", "eagle3": write_random_eagle_checkpoint(f"{root}/e3", target, kind="eagle3"),
             "draft": make_tiny_model(f"{root}/draft", "qwen3", seed=2, with_tokenizer=False, hidden_size=32,
                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                      num_key_value_heads=1, head_dim=16)}
@@ -42,4 +50,6 @@ def engine_args(models: dict[str, str], case: str) -> dict:
     args = dict(CASES[case])
     if "draft" in args:
         args["speculative_draft_model_path"] = models[args.pop("draft")]
+    if "adaptive_config" in args:
+        args["speculative_adaptive_config"] = models[args.pop("adaptive_config")]
     return args

@@ -3,6 +3,7 @@ and every buffer was sized for the largest tier before the first switch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -193,14 +194,19 @@ def test_draft_state_survives_step_zero(models, plain):
     assert state["spec_acceptance_rate"] > 0.99, state
 
 
-def _run_graphed(models, prompts, params, target="target", **engine_args):
-    """Emulated CUDA graphs (CPU): the plain worker queues each next decode ahead only where a graph runs it."""
-    llm = LLM(models[target], device="cpu", dtype="float32", runtime_options=RuntimeOptions(emulate_cuda_graphs=True),
-              cuda_graph_max_bs=4, **engine_args)
+def _run_graphed(models, prompts, params, target="target", ahead=True, **engine_args):
+    """Emulated CUDA graphs (CPU): the plain worker queues each next decode ahead only where a graph runs it, and so
+    does a speculative worker a step-0 round's next verify (counts: the plain worker's, else the verify-ahead's)."""
+    options = RuntimeOptions(emulate_cuda_graphs=True, decode_ahead=ahead)
+    llm = LLM(models[target], device="cpu", dtype="float32", runtime_options=options, cuda_graph_max_bs=4,
+              **engine_args)
     outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
     worker = llm.engine.worker
-    counts = {"ahead_used": worker.plain.ahead_used, "ahead_discarded": worker.plain.ahead_discarded} if engine_args \
-        else {}
+    counts = {}
+    if engine_args and worker.plain is not None:
+        counts = {"ahead_used": worker.plain.ahead_used, "ahead_discarded": worker.plain.ahead_discarded}
+    elif engine_args:
+        counts = {"ahead_used": worker.verify_ahead.used, "ahead_discarded": worker.verify_ahead.dropped}
     state = llm.get_server_info()["internal_states"][0] if engine_args else {}
     assert_engine_clean(llm)
     return outs, counts, state
@@ -246,3 +252,37 @@ def test_between_step_zero_and_rounds(models, algo, penalty):
         assert state["spec_acceptance_rate"] > 0.99, state
     elif penalty == 1.0:  # the rounds between the plain steps really drafted (penalised text stops repeating)
         assert state["spec_acceptance_rate"] > 0.5, state
+
+
+@pytest.mark.parametrize("ladder", ["zero_only", "zero_three"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True),
+    SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, repetition_penalty=1.3),
+    SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=32, ignore_eos=True, seed=11),
+], ids=["greedy", "penalised", "sampled"])
+def test_eagle_step_zero_verifies_ahead(models, ladder, params):
+    """An EAGLE-3 head must see every token, so its step-0 rounds stay rounds; each queues the next round's verify
+    (verify_ahead.py) and the next step-0 round of the same requests uses it. Tiers 0 only, or 3, 0, 3, 0 (every
+    round after a step-0 round drops the queued verify), requests finishing at different steps (the batch changes):
+    the output equals plain decoding's (greedy, penalised) and the same engine's without queuing (seeded sampling),
+    and the pool ends free."""
+    steps = {"zero_only": {"1": {"candidate_steps": [0]}},
+             "zero_three": {"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1,
+                            "1": {"candidate_steps": [0, 3], "down_hysteresis": 10.0}}}[ladder]
+    cfg = _config(models, f"eagle_{ladder}", steps)
+    lengths = [32, 20, 27, 32]
+    batch_params = [dataclasses.replace(params, max_new_tokens=n) for n in lengths]
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"],
+                speculative_adaptive=True, speculative_adaptive_config=cfg, speculative_num_steps=0)
+    outs, counts, state = _run_graphed(models, REPETITIVE, batch_params, **spec)
+    if params.temperature == 0:
+        want, _, _ = _run_graphed(models, REPETITIVE, batch_params)
+    else:
+        want, _, _ = _run_graphed(models, REPETITIVE, batch_params, ahead=False, **spec)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    if ladder == "zero_only":  # queued verifies served the step-0 rounds after them, and went where the batch changed
+        assert counts["ahead_used"] > 20 and counts["ahead_discarded"] > 0, counts
+    else:  # every step-0 round is followed by a round of 3: each queued verify is dropped
+        assert counts["ahead_used"] == 0 and counts["ahead_discarded"] > 5, counts
+    tiers = state["spec_steps_per_tier"]
+    assert tiers.get("0", 0) > 5 and (ladder == "zero_only") == ("3" not in tiers), tiers
