@@ -35,7 +35,7 @@ LAYERS: list[set[str]] = [
     {"speculative.drafting"},
     {"speculative.graph_plan"},
     {"speculative.proposer"},
-    {"speculative.proposers", "speculative.verify"},
+    {"speculative.proposers", "speculative.verify", "speculative.verify_ahead"},
     {"speculative.worker"},
     {"engine", "detokenizer"},
     {"llm"},
