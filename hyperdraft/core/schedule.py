@@ -47,7 +47,8 @@ class RequestResult:
     logprobs: list[float] = field(default_factory=list)
     num_drafted: int | None = None  # draft tokens verified this step; None when the step was no verify
     num_accepted: int = 0  # of those, accepted by verification
-    keeps_room: bool = False  # a plain decode step: its room past num_committed stays (a queued decode wrote there)
+    keeps_room: bool = False  # a plain decode step or a step-0 round: its room past num_committed stays (work queued
+    # ahead wrote there)
 
 
 @dataclass

@@ -133,7 +133,9 @@ def decode_chain(host: ChainPieces, draft_lens: list[int], width: int) -> RoundO
     model fed the root and drafts 0 .. K-2 of its own chain, so min(K - 1, accepted) of the accepted ones are in
     its K/V."""
     logprobs = logprob_rows(host.logprobs, len(host.tokens))
-    results = [RequestResult(a + 1, tokens[: a + 1], lp[: a + 1], k, a)
+    # A round of width 0 (step 0) wrote no K/V past its one row, so it keeps its room as a plain step does: nothing to
+    # roll back, and a verify queued ahead (verify_ahead.py) wrote the next index there.
+    results = [RequestResult(a + 1, tokens[: a + 1], lp[: a + 1], k, a, keeps_room=width == 0)
                for a, tokens, lp, k in zip(host.num_accepted, host.tokens, logprobs, draft_lens)]
     return RoundOutcome(results, list(host.num_accepted), list(draft_lens), list(draft_lens),
                         [min(width - 1, a) for a in host.num_accepted])
