@@ -69,11 +69,14 @@ def catch_up_widths(plan: CapturePlan, catch_up_width: Callable[[Tier], int]) ->
     return width_of
 
 
-def draft_loop_plan(plan: CapturePlan, catch_up_width: Callable[[Tier], int]) -> dict[Tier, dict[int, int]]:
+def draft_loop_plan(plan: CapturePlan, catch_up_width: Callable[[Tier], int],
+                    step_zero: bool = False) -> dict[Tier, dict[int, int]]:
     """Tier -> {batch size: widest catch-up}: the whole-round draft graphs of every drafting tier, chain or tree, at
-    the batch sizes routed to it (drafting/graphs.py)."""
+    the batch sizes routed to it (drafting/graphs.py). step_zero: the drafter catches up at step 0 too (an EAGLE head
+    feeds on every token), so step-0 tiers get a round graph of the catch-up alone, which it can queue ahead."""
     width_of = catch_up_widths(plan, catch_up_width)
-    return {tier: {size: width_of[size] for size in sizes} for tier, sizes in plan.drafting().items()}
+    tiers = {t: sizes for t, sizes in plan.tier_sizes.items() if sizes and (t.steps > 0 or step_zero)}
+    return {tier: {size: width_of.get(size, 1) for size in sizes} for tier, sizes in tiers.items()}
 
 
 def tree_step_shapes(steps: int, topk: int, num_nodes: int, sampled: bool) -> set[tuple[int, int]]:

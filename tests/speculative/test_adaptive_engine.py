@@ -206,7 +206,8 @@ def _run_graphed(models, prompts, params, target="target", ahead=True, **engine_
     if engine_args and worker.plain is not None:
         counts = {"ahead_used": worker.plain.ahead_used, "ahead_discarded": worker.plain.ahead_discarded}
     elif engine_args:
-        counts = {"ahead_used": worker.verify_ahead.used, "ahead_discarded": worker.verify_ahead.dropped}
+        counts = {"ahead_used": worker.verify_ahead.used, "ahead_discarded": worker.verify_ahead.dropped,
+                  "drafts_ahead_used": worker.proposer.ahead_used}
     state = llm.get_server_info()["internal_states"][0] if engine_args else {}
     assert_engine_clean(llm)
     return outs, counts, state
@@ -280,8 +281,10 @@ def test_eagle_step_zero_verifies_ahead(models, ladder, params):
     else:
         want, _, _ = _run_graphed(models, REPETITIVE, batch_params, ahead=False, **spec)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-    if ladder == "zero_only":  # queued verifies served the step-0 rounds after them, and went where the batch changed
+    if ladder == "zero_only":  # queued verifies served the step-0 rounds after them, and went where the batch changed;
+        # so did the head's catch-ups, queued as round graphs of the catch-up alone
         assert counts["ahead_used"] > 20 and counts["ahead_discarded"] > 0, counts
+        assert counts["drafts_ahead_used"] > 20, counts
     else:  # every step-0 round is followed by a round of 3: each queued verify is dropped
         assert counts["ahead_used"] == 0 and counts["ahead_discarded"] > 5, counts
     tiers = state["spec_steps_per_tier"]

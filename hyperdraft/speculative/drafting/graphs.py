@@ -140,7 +140,7 @@ class DraftLoopGraphs:
 
         tier, bs, width, sampling_key = key
         fb, anchor = unpack_round(self.packed[width][:bs], self.page_table, self.max_seq_len, starts or [0] * bs,
-                                  base_host, tier.steps - 1, tier.topk)
+                                  base_host, max(tier.steps - 1, 0), tier.topk)
         fb.input_hidden = self.catch_up_hidden(fb.req_rows, width)
         if cut is not None:  # a few-kernel first segment: the GPU starts while the host launches the catch-up
             cut()

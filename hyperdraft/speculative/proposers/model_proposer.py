@@ -87,7 +87,7 @@ class ModelProposer(Proposer):
 
     def propose(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch) -> Proposal | TreeProposal:
         sampled = self._draws(tier, sampling)
-        key = SamplingKey.of(sampling, sampled, self.coupled)
+        key = self._sampling_key(tier, sampling, sampled)
         ahead = self._take_ahead(reqs, tier, key)
         if ahead is not None:
             return _graph_proposal(ahead, tier, len(reqs))
@@ -133,7 +133,7 @@ class ModelProposer(Proposer):
         self.discard_ahead()
         if not self.capabilities.drafts_ahead:
             return
-        sampling_key = SamplingKey.of(sampling, self._draws(tier, sampling), self.coupled)
+        sampling_key = self._sampling_key(tier, sampling, self._draws(tier, sampling))
         width, room = self.catch_up_width(tier), self.ahead_room(tier)
         fit = self.draft_loop.padded(tier, len(reqs), width)
         key = None if fit is None else RoundKey(tier, *fit, sampling_key)
@@ -162,7 +162,7 @@ class ModelProposer(Proposer):
             return
         for mode, shapes in draft_step_shapes(plan, self.catch_up_width).items():
             graphs.capture(shapes, mode)
-        loops = draft_loop_plan(plan, self.catch_up_width)
+        loops = draft_loop_plan(plan, self.catch_up_width, step_zero=not self.capabilities.idle_at_step_zero)
         if self.draft_loop is not None and loops:
             self.draft_loop.capture(loops)
 
@@ -176,6 +176,10 @@ class ModelProposer(Proposer):
         """Whether this round's drafts are drawn from q. Coupled trees keep the beam over the draft's top-k:
         verification takes any tokens, and the beam's children are the likeliest winners of the target's race."""
         return draws_from_q(self.sample_drafts, sampling) and not (self.coupled and tier.is_tree)
+
+    def _sampling_key(self, tier: Tier, sampling: SamplingBatch, sampled: bool) -> SamplingKey | None:
+        """The round graph's sampling key; None at step 0, which chooses no draft (its graph is the catch-up alone)."""
+        return SamplingKey.of(sampling, sampled, self.coupled) if tier.steps > 0 else None
 
     def _take_ahead(self, reqs: list[Request], tier: Tier, key: SamplingKey | None):
         """The outputs of the draft queued for exactly this round, or None (a queued draft for another batch, tier or
