@@ -37,6 +37,8 @@ NEW_TOKENS = [24, 7, 31, 12, 40, 5]
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_gpu")
     llama6 = make_tiny_model(str(root / "llama6"), "llama", seed=2, num_hidden_layers=6)
+    zero_only = root / "zero_only.json"  # adaptive step 0 only: EAGLE rounds queue the next verify and catch-up ahead
+    zero_only.write_text(json.dumps({"1": {"candidate_steps": [0]}}))
     goodput = root / "goodput.json"
     goodput.write_text(json.dumps({"strategy": "goodput", "goodput": {"warmup": 2, "decide_every": 2,
                                                                       "explore_every": 4}, "1": [1, 3, 5], "8": [0, 1, 3]}))
@@ -47,7 +49,8 @@ def models(tmp_path_factory):
     return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0), "qwen3_5": hybrid, "qwen3_next": moe,
             "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1), "llama6": llama6,
             "eagle3": write_random_eagle_checkpoint(str(root / "e3"), llama6, kind="eagle3", draft_vocab_size=200),
-            "eagle": write_random_eagle_checkpoint(str(root / "e1"), llama6, kind="eagle"), "goodput": str(goodput)}
+            "eagle": write_random_eagle_checkpoint(str(root / "e1"), llama6, kind="eagle"), "goodput": str(goodput),
+            "zero_only": str(zero_only)}
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -111,6 +114,9 @@ CASES = {
                                   speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)),
     "ngram-goodput": ("llama", dict(speculative_algorithm="NGRAM", speculative_adaptive=True,
                                     speculative_adaptive_config="goodput")),
+    "eagle3-step-zero": ("llama6", dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3",
+                                        speculative_adaptive=True, speculative_adaptive_config="zero_only",
+                                        speculative_num_steps=0)),
     "hybrid-plain": ("qwen3_5", {}),
     "hybrid-mtp-chain": ("qwen3_5", dict(speculative_algorithm="NEXTN", speculative_num_steps=3,
                                          speculative_eagle_topk=1)),
