@@ -3,9 +3,11 @@
 A round at step 0 (adaptive tiers give it to large batches: 64 requests and up on SGLang's default ladder) drafts
 nothing, so its verify is one row per request, [last token], the shape of a plain decode. For a drafter that must
 see every token (an EAGLE head's catch-up feeds on the target's hidden states) it cannot run as the plain worker's
-step (speculative/worker.py), and without this the GPU idles while the host commits: on an H100, at 256 requests,
-EAGLE-3 under adaptive tiers decoded at 16.3k tok/s against plain decoding's 28.0k
-(benchmarks/results/batch_curve_h100.md).
+step (speculative/worker.py), and without this the GPU idles while the host commits. Measured on an H100 with the
+SmolLM2 shape (benchmarks/results/step_zero_h100.md): at 64 requests a step-0 round took 2847 us without it and 2136
+with it (plain decoding: 1292); at 128 and 256 requests the round is host-bound (about 20 us of host work per
+request) and it changes nothing beyond the spread. Where the verify outlasts the host (a larger target) it should
+hide the host's whole step, as decode-ahead does for plain decoding; not yet measured there.
 
 Such a round's output token is on the device before the host reads it, so the next verify's input is known: this
 queues it (the same TARGET_VERIFY batch a round would build, one index further, a captured graph) right after the
