@@ -137,6 +137,15 @@ def sync(engine) -> None:
         torch.cuda.synchronize(engine.device)
 
 
+def step_us(engine, steps: int) -> float:
+    """Wall time per engine step over `steps` steps, the device drained at the end (us)."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(engine)
+    return (time.perf_counter() - start) / steps * 1e6
+
+
 def decode_run(engine, bs: int, input_len: int, output_len: int, seed: int) -> dict:
     """Prefill bs random prompts, then time the decode steps until every request has output_len tokens."""
     vocab = engine.model_config.vocab_size

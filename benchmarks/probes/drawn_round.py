@@ -17,13 +17,12 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 
 import torch
 
 from benchmarks.common import require_cuda
-from benchmarks.e2e.engines import SMOLLM2, TINY, eagle3_spec, make_engine, write_configs
+from benchmarks.e2e.engines import SMOLLM2, TINY, eagle3_spec, make_engine, step_us, write_configs
 from hyperdraft.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
@@ -55,14 +54,6 @@ def started_engine(target: str, head: str, row: Row, graphs: bool, device: str, 
     return engine
 
 
-def step_us(engine, steps: int, sync) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
-    return (time.perf_counter() - start) / steps * 1e6
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
@@ -72,7 +63,6 @@ def main() -> None:
     a = ap.parse_args()
     if a.device == "cuda":
         require_cuda()
-    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     cuda = a.device == "cuda"
     target, head = write_configs(tempfile.mkdtemp(), SMOLLM2 if cuda else TINY, 8192 if cuda else 256)
     lines = [f"drawn rounds (temperature 0.8, top-p 0.95), EAGLE-3 head, alpha 0.8; median us per engine step over "
@@ -84,7 +74,7 @@ def main() -> None:
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(a.turns):
             for on, engine in engines.items():
-                times[on].append(step_us(engine, a.steps, sync))
+                times[on].append(step_us(engine, a.steps))
         loop = engines[True].worker.proposer.draft_loop
         replayed = sum(n for k, n in loop.replays.items() if k.sampling is not None)
         off, on = (statistics.median(times[d]) for d in (False, True))

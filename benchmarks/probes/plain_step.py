@@ -16,12 +16,11 @@ import dataclasses
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 
 from benchmarks.common import require_cuda
-from benchmarks.e2e.engines import SMOLLM2, make_engine, write_configs
+from benchmarks.e2e.engines import SMOLLM2, make_engine, step_us, write_configs
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.sampling_params import SamplingParams
 
@@ -36,14 +35,6 @@ def started_engine(target: str, switch: str, on: bool, steps: int, turns: int):
         engine.step()
     torch.cuda.synchronize()
     return engine
-
-
-def step_us(engine, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e6
 
 
 def replay_us(engine, steps: int) -> float:

@@ -16,12 +16,11 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 
 from benchmarks.common import require_cuda
-from benchmarks.e2e.engines import SMOLLM2, free, make_engine, write_configs
+from benchmarks.e2e.engines import SMOLLM2, free, make_engine, step_us, write_configs
 from hyperdraft.sampling_params import SamplingParams
 
 PROMPT_LEN = 128
@@ -37,14 +36,6 @@ def started_engine(target: str, spec: dict | None, batch: int, steps: int, turns
         engine.step()
     torch.cuda.synchronize()
     return engine
-
-
-def step_us(engine, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e6
 
 
 def measure(target: str, head: str, batch: int, steps: int, turns: int) -> dict[str, list[float]]:
