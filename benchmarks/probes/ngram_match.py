@@ -41,6 +41,7 @@ def main() -> None:
         lines.append(f"| {int((history == token).sum())} | {(time.perf_counter() - start) / a.calls * 1e6:.1f} |")
     text = "\n".join(lines)
     print(text)
+    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "ngram_match.md"), "w") as f:
         f.write(text + "\n")
 
