@@ -59,6 +59,10 @@ class VerifyAhead:
         self.dropped += 1
         return None
 
+    def discard(self) -> None:
+        self.dropped += self.queued is not None
+        self.queued = None
+
     def queue(self, round_: ChainRound) -> None:
         """After a step-0 round of decodes only, before the scheduler commits it (req.num_computed is still n): verify
         each request's output token (round_.tokens[:, 0], on the device) at index n + 1, if a graph runs it."""

@@ -125,7 +125,7 @@ class SpecWorker:
             kept = round_.draft_kv_valid if isinstance(round_, TreeRound) else None
             self.proposer.draft_ahead(round_.reqs, round_.tier, round_.sampling, round_.num_accepted, round_.tokens,
                                       kept)
-        if round_ is not None and not prefills:
+        if round_ is not None and not prefills and round_.tier.steps == 0:  # a chain of no drafts
             self.verify_ahead.queue(round_)
         host = copy.wait()
         results = [] if round_ is None else self._commit(round_, round_.decode(host.round), None if prefills else start)
@@ -187,6 +187,7 @@ class SpecWorker:
         self.proposer.capture_graphs(plan)
 
     def release_graphs(self) -> None:
+        self.verify_ahead.discard()  # its outputs live in the graphs' memory
         if self.plain is not None:
             self.plain.discard_ahead()
         self.proposer.release_graphs()
