@@ -134,3 +134,20 @@ def test_saved_history_restores_collected_and_pending_requests():
     assert proposer.propose([second], Tier(3), None).lens == [0]  # an emptied history drafts nothing
     proposer.restore_history(saved)
     assert proposer.propose([second], Tier(3), None).lens == [2]  # "a", pending in the saved state, is collected again
+
+
+def test_sequence_arrays_follow_growing_outputs_and_reused_ids():
+    """The proposer keeps each request's tokens as an array it appends to: drafts equal those from the whole list,
+    round after round, and a finished request's id reused by a new request starts a fresh array."""
+    proposer = NgramProposer(1, 12, torch.device("cpu"), history_tokens=0)
+    rng = np.random.default_rng(3)
+    req = _request("a", rng.integers(0, 5, 30).tolist(), [])
+    for _ in range(40):
+        got = proposer.propose([req], Tier(3), None)
+        want = ngram_match(np.asarray(req.prompt_ids + req.output_ids), 3, 1, 12)
+        assert got.lens == [len(want)] and got.tokens[0, : len(want)].tolist() == want.tolist()
+        req.output_ids += rng.integers(0, 5, int(rng.integers(1, 4))).tolist()  # 1-3 tokens a round, as accepted
+    req.finish_reason = "stop"
+    again = _request("a", [7, 8, 9, 7, 8], [])  # same id, other tokens
+    assert proposer.propose([again], Tier(3), None).tokens[0, :1].tolist() == [9]  # "7 8" -> 9, not a's tokens
+    assert proposer._sequence(again).tolist() == [7, 8, 9, 7, 8]

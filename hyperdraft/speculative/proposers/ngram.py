@@ -83,6 +83,9 @@ class NgramProposer(Proposer):
         self.pool = None
         self.history = NgramHistory(history_tokens) if history_tokens > 0 else None
         self.live: dict[str, Request] = {}  # requests drafted for and not yet finished
+        # Each live request's tokens as an int64 array that grows with its outputs, and how many it holds: converting
+        # the whole token list every round cost 20-150 us a request at 1k-4k tokens, more than the lookup itself.
+        self.sequences: dict[str, tuple[Request, np.ndarray, int]] = {}
 
     def propose(self, reqs: list[Request], tier: Tier, sampling) -> Proposal:
         steps = tier.steps
@@ -90,27 +93,44 @@ class NgramProposer(Proposer):
         if steps == 0:  # adaptive step 0: no speculation, and no drafter state to keep warm
             return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.device), [0] * len(reqs))
         history = self.history.tokens if self.history is not None else None
-        drafts = [ngram_match(np.asarray(r.prompt_ids + r.output_ids), steps, self.min_window, self.max_window, history)
-                  for r in reqs]
+        drafts = [ngram_match(self._sequence(r), steps, self.min_window, self.max_window, history) for r in reqs]
         padded = np.zeros((len(reqs), steps), dtype=np.int64)
         for b, d in enumerate(drafts):
             padded[b, : len(d)] = d
         return Proposal(host_to_device(torch.from_numpy(padded), self.device), [len(d) for d in drafts])
 
+    def _sequence(self, req: Request) -> np.ndarray:
+        """req's tokens, appending only those added since its last round to its array (grown by doubling)."""
+        n = req.seq_len
+        owner, buf, filled = self.sequences.get(req.rid, (req, np.empty(0, dtype=np.int64), 0))
+        if owner is not req:  # a finished request's id, reused
+            buf, filled = np.empty(0, dtype=np.int64), 0
+        filled = min(filled, n)  # outputs only grow while a request runs; a shorter one is refilled from there
+        if buf.shape[0] < n:
+            grown = np.empty(max(n, 2 * buf.shape[0]), dtype=np.int64)
+            grown[:filled] = buf[:filled]
+            buf = grown
+        buf[filled:n] = req.token_ids(filled, n)
+        self.sequences[req.rid] = (req, buf, n)
+        return buf[:n]
+
     def _collect_finished(self, reqs: list[Request]) -> None:
-        """Finished requests' sequences join the history (noticed lazily: at the next propose after they finish)."""
-        if self.history is None:
-            return
+        """Finished requests' sequences join the history (noticed lazily: at the next propose after they finish), and
+        their arrays go."""
         for rid, req in list(self.live.items()):
             if req.finished:
-                self.history.add(req.prompt_ids + req.output_ids)
+                if self.history is not None:
+                    self.history.add(req.prompt_ids + req.output_ids)
                 del self.live[rid]
         self.live.update((r.rid, r) for r in reqs)
+        for rid in self.sequences.keys() - self.live.keys():
+            del self.sequences[rid]
 
     def flush_history(self) -> None:
         if self.history is not None:
             self.history.tokens = self.history.tokens[:0]
         self.live.clear()
+        self.sequences.clear()
 
     def save_history(self) -> tuple:
         """The history as it stands, including finished requests not yet collected (for benchmarks that repeat a
