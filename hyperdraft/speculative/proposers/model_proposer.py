@@ -140,10 +140,11 @@ class ModelProposer(Proposer):
         if room is None or fit is None or fit[1] != width or tokens.shape[1] < width or not self.draft_loop.has(key):
             return
         # Reserve the room the queued round writes now, as the next schedule would have; the part the next round
-        # reads is held through this round's commit.
+        # reads is held through this round's commit. Up to index n (reach 1) the round itself had it: a step-0 round's
+        # catch-up needs nothing more, and skips a call per request.
         reach, hold = room
-        if not self.runner.page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + reach for r in reqs],
-                                                    hold=hold):
+        if (reach > 1 or hold) and not self.runner.page_table.reserve_ahead(
+                [r.row for r in reqs], [r.num_computed + reach for r in reqs], hold=hold):
             return
         self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit), kept)
         if sampling_key is not None:
