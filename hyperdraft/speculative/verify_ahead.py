@@ -52,8 +52,9 @@ class VerifyAhead:
         queued, self.queued = self.queued, None
         if queued is None:
             return None
-        if round_ is not None and not with_prefills and round_.tier.steps == 0 and same_requests(round_.reqs,
-                                                                                                 queued.reqs):
+        serves = (round_ is not None and not with_prefills and round_.tier.steps == 0
+                  and same_requests(round_.reqs, queued.reqs))
+        if serves:
             self.used += 1
             return queued.out
         self.dropped += 1
