@@ -111,7 +111,7 @@ class DraftLoopGraphs:
                         self.packed[w] = torch.tensor(CatchUpRows([], [], []).packed(bs, w), dtype=torch.int64,
                                                       device=device).view(bs, PACKED_FIELDS + w)
         largest = max((bs for by_size in self.widths.values() for bs in by_size), default=0)
-        if self.sampling is None or self.sampling.greedy.shape[0] < largest:
+        if self.sampling is None or self.sampling.size < largest:
             self.sampling = RoundSampling(largest, device)
         for tier, by_size in sorted(self.widths.items()):
             for bs in sorted(by_size, reverse=True):  # largest first: smaller ones reuse its memory

@@ -159,7 +159,7 @@ class ModelProposer(Proposer):
         """The per-step draft and catch-up shapes of every tier the plan can run, then the whole-round graphs."""
         graphs = self.runner.graphs
         # A drafter that catches up at step 0 (an EAGLE head) runs its one-token forward there too, as a graph.
-        if graphs is None or not any(t.steps > 0 for t in plan.tier_sizes) and self.capabilities.idle_at_step_zero:
+        if graphs is None or (not any(t.steps > 0 for t in plan.tier_sizes) and self.capabilities.idle_at_step_zero):
             return
         for mode, shapes in draft_step_shapes(plan, self.catch_up_width).items():
             graphs.capture(shapes, mode)
