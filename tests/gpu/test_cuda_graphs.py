@@ -1,9 +1,12 @@
 """CUDA graphs on a GPU: graphs on == graphs off == spec off, for every drafter, chain and tree, with batches that
 start above cuda_graph_max_bs (eager fallback) and shrink into it (graph replays at padded sizes).
 
-fp32: token ids must be identical. bf16: a graph replays the same kernels as the eager path on the same shapes,
-so graphs on vs off must still be identical; spec on vs off may differ where a verify forward of width q rounds
-differently from a one-token decode (reported, with the mismatch rate, in $OUT/cuda_graphs_bf16.json).
+fp32: token ids must be identical. bf16 in deterministic mode (batch-invariant kernels): graphs on == off ==
+spec off, bit for bit. bf16 in the default mode promises neither: a graph replays a batch padded to its captured
+size and its attention splits keys by static bounds, and the default kernels are not batch invariant, so a row may
+round differently from the eager step; a different draft then changes the verify's shapes, and a near tie can flip
+(seen for the EAGLE-3 tree from e4f4fd3, also with every Triton kernel off). Both rates are reported in
+$OUT/cuda_graphs_bf16.json.
 
 Run: `PYTHONPATH=. python3 -m pytest tests/gpu/test_cuda_graphs.py -q -s`. Not part of CI.
 """
@@ -96,18 +99,20 @@ def _run(path, dtype, params: list[SamplingParams] | None = None, **args):
 _SPEC_OFF: dict = {}
 
 
-# The small-vocabulary cases run fp32 only: their multi-position catch-ups run padded to the captured width with graphs
-# and ragged without, so in bf16 the draft's GEMM shapes differ between the two runs and a draft may round differently.
-@pytest.mark.parametrize("name,dtype", [(n, d) for d in ("float32", "bfloat16") for n in CASES
-                                        if d == "float32" or "small" not in n])
-def test_graphs_on_equals_off(models, name, dtype):
-    case = dict(CASES[name])
+MODES = {"float32": ("float32", False), "bfloat16-deterministic": ("bfloat16", True), "bfloat16": ("bfloat16", False)}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_graphs_on_equals_off(models, name, mode):
+    dtype, deterministic = MODES[mode]
+    case = dict(CASES[name], enable_deterministic_inference=deterministic)
     target = models[case.pop("target", "target")]
     if "draft" in case:
         case["speculative_draft_model_path"] = models[case.pop("draft")]
-    key = (target, dtype)
+    key = (target, mode)
     if key not in _SPEC_OFF:
-        _SPEC_OFF[key] = _run(target, dtype, disable_cuda_graph=True)[0]
+        _SPEC_OFF[key] = _run(target, dtype, disable_cuda_graph=True, enable_deterministic_inference=deterministic)[0]
     eager = _run(target, dtype, disable_cuda_graph=True, **case)[0]
     graphed, replays, draft_shapes, loop_keys = _run(target, dtype, cuda_graph_max_bs=4, **case)
     assert replays > 0, "no forward ran through a graph"
@@ -115,13 +120,14 @@ def test_graphs_on_equals_off(models, name, dtype):
         assert any(k.tier.is_tree == ("tree" in name) for k in loop_keys), f"no round ran as one graph: {loop_keys}"
     if "small" in name:  # catch-ups padded to the captured width
         assert any(k.width > 1 for k in loop_keys), loop_keys
-    assert graphed == eager, f"{name} {dtype}: graphs on != graphs off"
-    if dtype == "float32":
-        assert graphed == _SPEC_OFF[key], f"{name}: spec on != spec off"
-    else:
-        same = sum(a == b for a, b in zip(graphed, _SPEC_OFF[key]))
+    if mode != "bfloat16":
+        assert graphed == eager, f"{name} {mode}: graphs on != graphs off"
+        assert graphed == _SPEC_OFF[key], f"{name} {mode}: spec on != spec off"
+    if dtype == "bfloat16":
         data = json.load(open(REPORT)) if os.path.exists(REPORT) else {}
-        data[name] = {"identical_to_spec_off": same, "requests": len(graphed)}
+        data[f"{name} {mode}"] = {"graphs_on_identical_to_off": sum(a == b for a, b in zip(graphed, eager)),
+                                  "identical_to_spec_off": sum(a == b for a, b in zip(graphed, _SPEC_OFF[key])),
+                                  "requests": len(graphed)}
         json.dump(data, open(REPORT, "w"), indent=1)
 
 
