@@ -60,13 +60,20 @@ class Scheduler:
 
     # ---- schedule -----------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        items = self._schedule_decodes()
-        items += self._schedule_prefills(self.prefill_budget)
+        decoding, prefilling = [], []
+        for req in self.running:
+            (decoding if req.is_decoding else prefilling).append(req)
+        items = self._schedule_decodes(decoding)
+        prefilling = [r for r in prefilling if r.row is not None]  # a retraction above may have taken one back
+        items += self._schedule_prefills(prefilling, self.prefill_budget)
         return ScheduledBatch(items) if items else None
 
-    def _schedule_decodes(self) -> list[ScheduledRequest]:
+    def _schedule_decodes(self, decoding: list[Request]) -> list[ScheduledRequest]:
+        reserve = self.decode_reserve
+        if self.page_table.reserve_all([r.row for r in decoding], [r.num_computed + reserve for r in decoding]):
+            return [ScheduledRequest(req, 1, True) for req in decoding]  # the common step: the pool had room for all
         items = []
-        for req in [r for r in self.running if r.is_decoding]:
+        for req in decoding:
             if req.finished or req.row is None:
                 continue  # retracted (or aborted) earlier in this loop
             while not self.page_table.reserve(req.row, req.num_computed + self.decode_reserve):
@@ -88,9 +95,9 @@ class Scheduler:
                 items.append(ScheduledRequest(req, 1, True))
         return items
 
-    def _schedule_prefills(self, budget: int) -> list[ScheduledRequest]:
+    def _schedule_prefills(self, prefilling: list[Request], budget: int) -> list[ScheduledRequest]:
         items = []
-        for req in [r for r in self.running if not r.is_decoding]:
+        for req in prefilling:
             chunk = min(req.num_uncomputed, budget)
             if req.num_computed < req.prefill_cut:  # chunked: the cut may lie past the first chunk
                 chunk = min(chunk, req.prefill_cut - req.num_computed)
@@ -161,10 +168,13 @@ class Scheduler:
                 continue  # aborted while its step ran
             prefill = not item.is_decode
             req.num_computed += res.num_committed
-            if res.num_drafted is not None and not res.keeps_room:  # rollback by length after a verify: rejected
-                # drafts' slots go back (a plain step keeps its room: a decode queued ahead has written the next index,
-                # engine/model_worker.py)
-                self.page_table.truncate(req.row, req.num_computed)
+            if res.num_drafted is not None and not res.keeps_room:  # rollback by length after a verify: room past
+                # the next round's goes back. The next schedule reserves decode_reserve past the new length for every
+                # decode, so releasing the rejected drafts' slots only to take them again cost each request a page
+                # round trip per round (benchmarks/probes/scheduler_host.py); their stale K/V is rewritten before it
+                # is read. A plain step keeps all its room: a decode queued ahead wrote the next index
+                # (engine/model_worker.py).
+                self.page_table.truncate(req.row, req.num_computed, room=self.decode_reserve)
             if prefill and self.cache is not None:  # a later request with this prefix skips it (no decode pays this)
                 self.cache.save(req)
             if not item.samples:

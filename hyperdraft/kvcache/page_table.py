@@ -161,25 +161,51 @@ class PageTable:
         self._set_pages(row, len(pages), [self._free_pages.pop() for _ in range(need)])
         return True
 
+    def reserve_all(self, rows: list[int], num_tokens: list[int]) -> bool:
+        """reserve() for many rows, all or nothing: every row gets room for its num_tokens, or nothing changes and
+        the answer is False (the pool, after evicting unreferenced cached pages, is short). Pages go to the rows in
+        order, as one reserve() per row would hand them out. One pass instead of a chain of calls per row: with page
+        size 1 every decode takes a page a step, and at 256 requests the per-row calls cost ~1 us each on the host
+        (benchmarks/probes/scheduler_host.py)."""
+        size, row_pages, width = self.page_size, self._row_pages, self.max_pages_per_row
+        needs = [-(-n // size) - len(row_pages[row]) for row, n in zip(rows, num_tokens)]
+        total = sum(need for need in needs if need > 0)
+        if total == 0:
+            return True
+        if any(len(row_pages[row]) + need > width for row, need in zip(rows, needs)):
+            raise ValueError(f"a request needs {max(num_tokens)} tokens, more than the page table row holds")
+        if not self._take(total):
+            return False
+        free, pending = self._free_pages, self._pending
+        for row, need in zip(rows, needs):
+            if need > 0:
+                pages = row_pages[row]
+                base = row * width + len(pages)
+                for i in range(need):
+                    page = free.pop()
+                    pages.append(page)
+                    pending[base + i] = page
+        return True
+
     def reserve_ahead(self, rows: list[int], num_tokens: list[int], hold: int = 0) -> bool:
         """reserve() for work queued ahead of the scheduler (engine/model_worker.py, speculative/proposers/model_proposer.py): every row
-        gets its room or the caller skips the work; a row whose room would pass its page-table width is a refusal,
-        not an error. Rows reserved before a refusal keep their room (their next schedule asks for it anyway).
+        gets its room or none does and the caller skips the work; a row whose room would pass its page-table width
+        is a refusal, not an error.
         hold: the row's next truncate (the commit that follows the queuing) keeps `hold` tokens of room past its
         truncation point, so K/V the queued work wrote there, which the next round reads, stays in the row's own pages
         instead of pages released and reserved again. It is room the next schedule reserves anyway (a hold never
         exceeds the decode reserve), so the scheduler decides as it would without the queued work."""
         width = self.max_pages_per_row * self.page_size
-        ok = all(n <= width for n in num_tokens) and all(map(self.reserve, rows, num_tokens))
+        ok = all(n <= width for n in num_tokens) and self.reserve_all(rows, num_tokens)
         if ok and hold:
             self._held.update(dict.fromkeys(rows, hold))
         return ok
 
-    def truncate(self, row: int, num_tokens: int) -> None:
-        """Release the pages past the first num_tokens tokens (rollback by length); the tree's pages are only dropped
-        from the row, never freed by it."""
+    def truncate(self, row: int, num_tokens: int, room: int = 0) -> None:
+        """Release the pages past the first num_tokens tokens (rollback by length), but for `room` tokens past them,
+        or the row's hold if larger; the tree's pages are only dropped from the row, never freed by it."""
         pages = self._row_pages[row]
-        keep = self.pages_for(num_tokens + self._held.pop(row, 0))
+        keep = self.pages_for(num_tokens + max(room, self._held.pop(row, 0)))
         if keep < len(pages):
             shared = self._row_shared[row]
             self._free_pages.extend(reversed(pages[max(keep, shared):]))

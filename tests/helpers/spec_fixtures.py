@@ -207,17 +207,21 @@ def spec_off_reference(cache: dict, spec_models, prompts, params, key) -> list:
 
 
 def step_until_done(engine, reqs, page_size: int, max_steps: int, check_draft: bool = False) -> tuple[list[int], int]:
-    """Step the engine to completion, asserting after every step that the running requests hold K/V for exactly
-    their committed tokens (rejected drafts and reservations went back to the pool), and, with check_draft, that
-    no draft is ahead of its target. -> (retractions seen per request, retractions of requests already verified)."""
+    """Step the engine to completion, asserting after every step that each running request holds room for its
+    committed tokens and at most the next round's beyond them (room past that, rejected drafts' included, went back
+    to the pool), and, with check_draft, that no draft is ahead of its target. -> (retractions seen per request,
+    retractions of requests already verified)."""
     seen = [0] * len(reqs)
     while_speculating = 0
+    reserve = engine.scheduler.decode_reserve
     for _ in range(max_steps):
         if not engine.has_unfinished():
             break
         engine.step()
-        held = sum(-(-r.num_computed // page_size) * page_size for r in engine.scheduler.running)
-        assert sum(engine.page_table.num_slots(r.row) for r in engine.scheduler.running) == held
+        for r in engine.scheduler.running:
+            room = engine.page_table.num_slots(r.row)
+            assert ceil_div(r.num_computed, page_size) * page_size <= room, "a request lost committed K/V"
+            assert room <= ceil_div(r.num_computed + reserve, page_size) * page_size, "room past the next round kept"
         assert_kv_accounted(engine)
         if check_draft:
             for r in engine.scheduler.running:

@@ -331,16 +331,16 @@ def test_draft_ahead_under_a_tight_pool_and_aborts(models, llm_factory, emulated
         proposer, page_table = engine.worker.proposer, engine.page_table
         refused = []  # reservations draft-ahead asked for and did not get (observed, not changed)
 
-        def draft_ahead(*a, _inner=proposer.draft_ahead, _reserve=page_table.reserve):
-            def reserve(row, n):
-                ok = _reserve(row, n)
-                refused.extend([] if ok else [n])
+        def draft_ahead(*a, _inner=proposer.draft_ahead, _reserve=page_table.reserve_ahead):
+            def reserve_ahead(rows, num_tokens, hold=0):
+                ok = _reserve(rows, num_tokens, hold)
+                refused.extend([] if ok else [num_tokens])
                 return ok
-            page_table.reserve = reserve
+            page_table.reserve_ahead = reserve_ahead
             try:
                 return _inner(*a)
             finally:
-                page_table.reserve = _reserve
+                page_table.reserve_ahead = _reserve
 
         proposer.draft_ahead = draft_ahead
         reqs = [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts, params)]
