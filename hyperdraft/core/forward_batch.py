@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.core.host_copy import to_device
+from hyperdraft.core.host_copy import aligned_concat, aligned_sizes, to_device
 
 
 class ForwardMode(enum.Enum):
@@ -141,15 +141,17 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
     rows = [inp.row for inp in inputs]
     seq = [p + e for p, e in zip(prefix, ext)]
     starts = list(itertools.accumulate(ext, initial=0))
-    num_tokens = starts.pop()
+    starts.pop()  # the total
     own_positions = positions is None and any(inp.positions is not None for inp in inputs)
     ids, pos, seq_index, row_of_token, logits_idx = _token_lists(inputs, starts, input_ids is None, own_positions)
-    # int32 lengths last, so one conversion serves all three
-    flat = to_device(list(itertools.chain(ids, pos, seq_index, row_of_token, logits_idx, rows, seq, starts, ext)),
-                     torch.int64, device)
-    d_ids, d_pos, d_seq_index, d_row_of_token, d_logits, d_rows, lengths = flat.split(
-        [len(ids), len(pos), num_tokens, num_tokens, len(logits_idx), bsz, 3 * bsz])
-    d_seq, d_starts, d_ext = lengths.to(torch.int32).split([bsz] * 3)
+    # int32 lengths last, so one conversion serves all three; every part starts 16-byte aligned (host_copy.ALIGN_BYTES:
+    # else a kernel compiles again for each alignment the batch's sizes give its pointers)
+    lengths = aligned_concat([seq, starts, ext], torch.int32)
+    parts = [ids, pos, seq_index, row_of_token, logits_idx, rows, lengths]
+    flat = to_device(aligned_concat(parts, torch.int64), torch.int64, device)
+    d_ids, d_pos, d_seq_index, d_row_of_token, d_logits, d_rows, d_lengths = flat.split(
+        aligned_sizes([len(p) for p in parts], torch.int64))[::2]
+    d_seq, d_starts, d_ext = d_lengths.to(torch.int32).split(aligned_sizes([bsz] * 3, torch.int32))[::2]
     out_slots = page_table.token_slots(d_row_of_token, d_seq_index)
     if tail_mask is None and any(inp.mask is not None for inp in inputs):
         tail_mask = _stack_tail_masks(inputs, device)

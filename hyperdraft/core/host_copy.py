@@ -28,10 +28,31 @@ def host_to_device(host: torch.Tensor, device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+# Triton specializes a kernel on whether each pointer argument is 16-byte aligned. Parts of one packed copy that
+# started wherever the previous part ended made that depend on the batch (a batch of 3: int32 lengths at offset 12), so
+# eager forwards compiled the attention kernel again, about a second each, in the middle of serving or of a timed run
+# (seen on an H100: 1-6 compiles in a timed run after a full warm-up). Every part starts aligned instead.
+ALIGN_BYTES = 16
+
+
+def aligned_sizes(sizes: list[int], dtype: torch.dtype) -> list[int]:
+    """Split sizes with a padding size after each part, so that every part of a packed tensor starts 16-byte
+    aligned: split(aligned_sizes(...))[::2] are the parts."""
+    per = ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    return [n for size in sizes for n in (size, -size % per)]
+
+
+def aligned_concat(parts: list[list], dtype: torch.dtype) -> list:
+    """The parts as one list, each padded with zeros to a 16-byte multiple (aligned_sizes' layout)."""
+    per = ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    return list(itertools.chain.from_iterable(p + [0] * (-len(p) % per) for p in parts))
+
+
 def to_device_many(parts: list[list], dtype: torch.dtype, device) -> list[torch.Tensor]:
-    """Several lists -> device tensors of one dtype through ONE copy (then split on the device)."""
-    flat = to_device(list(itertools.chain.from_iterable(parts)), dtype, device)
-    return list(flat.split([len(p) for p in parts]))
+    """Several lists -> device tensors of one dtype through ONE copy (then split on the device), each 16-byte
+    aligned (ALIGN_BYTES)."""
+    flat = to_device(aligned_concat(parts, dtype), dtype, device)
+    return list(flat.split(aligned_sizes([len(p) for p in parts], dtype))[::2])
 
 
 # ---- the step's one device-to-host copy ----------------------------------------------------------------------------

@@ -14,5 +14,10 @@ except ImportError:
     libdevice = None
 
 
-def jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+    """triton.jit where triton exists. do_not_specialize: integer arguments that follow the batch (a row or request
+    count, a split count): Triton otherwise compiles the kernel again when one of them first equals 1 or a multiple
+    of 16, a second or so in the middle of serving (tests/gpu/test_compiles.py)."""
+    if fn is None:
+        return lambda f: jit(f, do_not_specialize=do_not_specialize)
+    return triton.jit(fn, do_not_specialize=list(do_not_specialize)) if triton is not None else fn

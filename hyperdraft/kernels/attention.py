@@ -38,8 +38,8 @@ import math
 import torch
 
 from hyperdraft.kernels._triton import jit, tl
-from hyperdraft.kernels.attention_tiles import (INVARIANT_SPLIT_KEYS, Tiles, attention_workspace, next_pow2,
-                                                num_row_tiles, tile_config)
+from hyperdraft.kernels.attention_tiles import (INVARIANT_SPLIT_KEYS, MAX_SPLITS, Tiles, attention_workspace,
+                                                next_pow2, num_row_tiles, tile_config)
 from hyperdraft.kernels.kv_store import NewTokens, NewTokenArgs, store_head_kv
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 from hyperdraft.kernels.rope import rotated_dims
@@ -100,7 +100,7 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@jit
+@jit(do_not_specialize=("num_splits",))
 def _attn_stage1(
     Q, K, V, Out, PartO, PartLse, Table, ReqRows, SeqLens, ExtStarts, ExtLens, Tail, Path, PathLen,
     NewK, NewV, NewSlots, Cos, Sin,
@@ -257,7 +257,7 @@ def _merge_weights(m, lse):
     return m_new, tl.exp2(m - m_safe), tl.exp2(lse - m_safe)
 
 
-@jit
+@jit(do_not_specialize=("num_splits",))
 def _attn_merge(
     Out, PartO, PartLse, SeqLens, ExtStarts, ExtLens, stride_ot, stride_oh, num_heads, head_dim, num_splits,
     SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, IN_ORDER: tl.constexpr, SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr,
@@ -299,6 +299,13 @@ def _attn_merge(
     den = tl.sum(w, 0)
     o = tl.sum(w[:, None] * part, 0) / tl.where(den == 0.0, 1.0, den)
     tl.store(Out + tok * stride_ot + h * stride_oh + d, o.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def _merge_width(num_splits: int, invariant: bool) -> int:
+    """_attn_merge's SPLITS: one value for every split count up to MAX_SPLITS (masked lanes add nothing), so an
+    eager forward whose key bound crosses a power of two does not compile the merge again (~1 s, seen inside timed
+    runs); the in-order merge of deterministic mode loops and never reads it."""
+    return 1 if invariant else next_pow2(max(num_splits, MAX_SPLITS))
 
 
 def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_starts, extend_lens, *,
@@ -348,7 +355,7 @@ def paged_attention(q, k_cache, v_cache, page_table, req_rows, seq_lens, extend_
     if num_splits > 1:
         _attn_merge[(max_extend_len, num_heads, batch)](
             out, part_o, part_lse, seq_lens, extend_starts, extend_lens, out.stride(0), out.stride(1), num_heads,
-            head_dim, num_splits, SPLITS=next_pow2(num_splits), BLOCK_D=cfg.d, IN_ORDER=invariant,
+            head_dim, num_splits, SPLITS=_merge_width(num_splits, invariant), BLOCK_D=cfg.d, IN_ORDER=invariant,
             SPLIT_KEYS=INVARIANT_SPLIT_KEYS, num_warps=4, **pdl_args(q.device),
         )
     return out

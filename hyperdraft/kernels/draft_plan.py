@@ -136,7 +136,7 @@ def round_plan(packed: torch.Tensor, table: torch.Tensor, page_size: int, depths
     return plan
 
 
-@jit
+@jit(do_not_specialize=("real",))
 def _pack_catch_up(RowsStarts, NumAccepted, Tokens, Out, real, stride_tokens, stride_out,
                    FIELDS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     """Program b: the packed catch-up of request b (< real), or a padding row (row 0, start 0, count W, not live)."""

@@ -115,7 +115,7 @@ def _gemv_vec(X, Up, W, Bias, Res, Out, N, K, GATED: tl.constexpr, HAS_BIAS: tl.
     tl.store(Out + cols, out.to(X.dtype.element_ty).to(Out.dtype.element_ty), mask=cols < N)
 
 
-@jit
+@jit(do_not_specialize=("M",))
 def _gemv_dot(X, W, Bias, Res, Out, M, N, K, stride_xm, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
               HAS_RES: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):

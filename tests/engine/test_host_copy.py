@@ -1,13 +1,16 @@
 """HostCopy: a record of named device tensors comes back as the same record of host values, shapes and integer types
-kept, in one read of one buffer."""
+kept, in one read of one buffer; host-to-device packs start every part 16-byte aligned."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import pytest
 import torch
 
-from hyperdraft.core.host_copy import HostCopy
+from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.core.host_copy import ALIGN_BYTES, HostCopy, to_device_many
+from hyperdraft.kvcache.page_table import PageTable
 from helpers.host_reads import HostReadCounter
 
 
@@ -60,3 +63,26 @@ def test_integer_records_travel_as_int64():
     assert host.counts == [big, -7] and all(type(t) is int for t in host.counts)
     pair = HostCopy(Outer(torch.tensor([[big, 1]]), Inner(torch.tensor([2], dtype=torch.int32), None), None)).wait()
     assert pair.tokens == [[big, 1]] and pair.inner.counts == [2]
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 3], [3, 0, 5, 1], [4, 4], [7]])
+def test_packed_parts_start_16_byte_aligned(sizes):
+    """Triton compiles a kernel again for each alignment class of its pointers (host_copy.ALIGN_BYTES): every part of
+    a packed copy, and every tensor of a forward batch, starts on a 16-byte boundary whatever the batch's sizes."""
+    for dtype in (torch.int64, torch.int32, torch.float32):
+        parts = [list(range(n)) for n in sizes]
+        out = to_device_many(parts, dtype, "cpu")
+        assert [t.tolist() for t in out] == parts
+        assert all(t.data_ptr() % ALIGN_BYTES == 0 for t in out)
+    table = PageTable(num_pages=64, page_size=1, max_rows=8, max_pages_per_row=32, device="cpu")
+    rows = [table.acquire_row() for _ in sizes]
+    for row, n in zip(rows, sizes):
+        assert table.reserve(row, 2 + n)
+    inputs = [ForwardInput(row, 2, list(range(n)), min(n, 1)) for row, n in zip(rows, sizes)]
+    fb = build_forward_batch(ForwardMode.EXTEND, inputs, table, "cpu")
+    tensors = [fb.input_ids, fb.positions, fb.out_slots, fb.req_rows, fb.logits_indices, fb.seq_lens_t,
+               fb.extend_starts_t, fb.extend_lens_t]
+    assert all(t.data_ptr() % ALIGN_BYTES == 0 for t in tensors)
+    assert fb.seq_lens_t.tolist() == [2 + n for n in sizes] and fb.extend_lens_t.tolist() == sizes
+    assert fb.extend_starts_t.tolist() == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert fb.req_rows.tolist() == rows and fb.input_ids.tolist() == [t for n in sizes for t in range(n)]
