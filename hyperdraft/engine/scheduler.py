@@ -13,7 +13,7 @@ Each step, in order:
 Decodes and prefill chunks share one forward.
 
 After the forward, commit() applies the worker's results: K/V kept by
-length, tokens appended one at a time through the StopChecker, finished
+length (and the next round's room), tokens appended one at a time through the StopChecker, finished
 requests freed. The prefix cache takes a request's computed whole pages after
 each prefill chunk, and when it finishes or is retracted; pages it holds that
 no running request references are evicted (LRU) before anyone is retracted.
