@@ -35,7 +35,8 @@ class StopChecker:
         p = req.params
         if not tokens:
             return [], None
-        if p.stop and self.tokenizer is not None:  # stop strings need the text after every token
+        if len(tokens) == 1 or (p.stop and self.tokenizer is not None):  # a plain decode's token (the common case:
+            # check() is the shortest test), or stop strings, which need the text after every token
             return self._append_one_by_one(req, tokens, logprobs)
         # check() fires at the first token that reaches a length limit, or earlier at a stop id (at the same token
         # the stop id wins: check() tests it first).
