@@ -35,17 +35,20 @@ def host_to_device(host: torch.Tensor, device) -> torch.Tensor:
 ALIGN_BYTES = 16
 
 
+def _padding(size: int, dtype: torch.dtype) -> int:
+    """Elements of dtype after `size` of them up to the next ALIGN_BYTES boundary."""
+    return -size % (ALIGN_BYTES // dtype.itemsize)
+
+
 def aligned_sizes(sizes: list[int], dtype: torch.dtype) -> list[int]:
     """Split sizes with a padding size after each part, so that every part of a packed tensor starts 16-byte
     aligned: split(aligned_sizes(...))[::2] are the parts."""
-    per = ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
-    return [n for size in sizes for n in (size, -size % per)]
+    return [n for size in sizes for n in (size, _padding(size, dtype))]
 
 
 def aligned_concat(parts: list[list], dtype: torch.dtype) -> list:
-    """The parts as one list, each padded with zeros to a 16-byte multiple (aligned_sizes' layout)."""
-    per = ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
-    return list(itertools.chain.from_iterable(p + [0] * (-len(p) % per) for p in parts))
+    """The parts as one list, each followed by zeros up to a 16-byte multiple (aligned_sizes' layout)."""
+    return list(itertools.chain.from_iterable(itertools.chain(p, [0] * _padding(len(p), dtype)) for p in parts))
 
 
 def to_device_many(parts: list[list], dtype: torch.dtype, device) -> list[torch.Tensor]:
