@@ -44,6 +44,11 @@ from hyperdraft.kernels.kv_store import NewTokens, NewTokenArgs, store_head_kv
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 from hyperdraft.kernels.rope import rotated_dims
 
+# A tree mask's shape arguments ([B, Q, W] bool): they follow the verify width, and Triton would compile the kernel
+# again when one of them first lands on a multiple of 16 (measured: a tree's first timed run compiled _attn_stage1
+# for stride_tb, benchmarks/results/first_use_compiles_h100.md).
+TAIL_SHAPE = ("stride_tb", "stride_tq", "tail_q", "tail_w")
+
 
 @jit
 def _attend_keys(
@@ -100,7 +105,7 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@jit(do_not_specialize=("num_splits",))
+@jit(do_not_specialize=("num_splits",) + TAIL_SHAPE)
 def _attn_stage1(
     Q, K, V, Out, PartO, PartLse, Table, ReqRows, SeqLens, ExtStarts, ExtLens, Tail, Path, PathLen,
     NewK, NewV, NewSlots, Cos, Sin,

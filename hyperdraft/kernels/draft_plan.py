@@ -55,12 +55,12 @@ def _token_slots(Table, row, index, stride_table, page_size, last_page, mask):
     return page * page_size + index % page_size
 
 
-@jit
+@jit(do_not_specialize=("batch", "depths", "stride", "k", "width"))
 def _round_plan(
     Packed, Table, Ids, Positions, Slots, Rows, LogitsIdx, SeqLens, ExtStarts, ExtLens, Base, Live,
     StepSlots, StepPositions, StepSeqLens, StepExtStarts, StepExtLens, StepLogitsIdx,
-    batch, stride_packed, stride_table, page_size, last_page, depths, stride, k,
-    FIELDS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    batch, stride_packed, stride_table, page_size, last_page, depths, stride, k, width,
+    FIELDS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program b: request b's catch-up rows, anchor, and its nodes at every planned depth."""
@@ -72,18 +72,18 @@ def _round_plan(
     packed_live = tl.load(Packed + b * stride_packed + 3) != 0
 
     w = tl.arange(0, BLOCK_W)
-    w_ok = w < WIDTH
+    w_ok = w < width
     index = start + w
     slot = _token_slots(Table, row, index, stride_table, page_size, last_page, w_ok & packed_live)
     slot = tl.where(packed_live, slot, 0)
-    tl.store(Ids + b * WIDTH + w, tl.load(Packed + b * stride_packed + FIELDS + w, mask=w_ok), mask=w_ok)
-    tl.store(Positions + b * WIDTH + w, index, mask=w_ok)
-    tl.store(Slots + b * WIDTH + w, slot, mask=w_ok)
+    tl.store(Ids + b * width + w, tl.load(Packed + b * stride_packed + FIELDS + w, mask=w_ok), mask=w_ok)
+    tl.store(Positions + b * width + w, index, mask=w_ok)
+    tl.store(Slots + b * width + w, slot, mask=w_ok)
     tl.store(Rows + b, row)
-    tl.store(LogitsIdx + b, b * WIDTH + count - 1)
-    tl.store(SeqLens + b, (start + WIDTH).to(tl.int32))
-    tl.store(ExtStarts + b, (b * WIDTH).to(tl.int32))
-    tl.store(ExtLens + b, tl.full((), WIDTH, tl.int32))
+    tl.store(LogitsIdx + b, b * width + count - 1)
+    tl.store(SeqLens + b, (start + width).to(tl.int32))
+    tl.store(ExtStarts + b, (b * width).to(tl.int32))
+    tl.store(ExtLens + b, (b * 0 + width).to(tl.int32))
 
     # The anchor: a real token always has a real slot (page 0 is never handed out), a padding row's are all 0.
     live = tl.sum(tl.where(w == count - 1, slot, 0), 0) != 0
@@ -104,13 +104,20 @@ def _round_plan(
     depth = tl.arange(0, BLOCK_D)
     tl.store(StepSeqLens + depth * batch + b, (base + depth * stride + k).to(tl.int32), mask=depth < depths)
     tl.store(StepExtStarts + b, (b * k).to(tl.int32))
-    tl.store(StepExtLens + b, (b * 0 + k).to(tl.int32))  # k may arrive as a specialised constant 1
+    tl.store(StepExtLens + b, (b * 0 + k).to(tl.int32))  # b * 0: a tensor, whatever k arrives as
     f1 = tl.arange(0, BLOCK_K)
     tl.store(StepLogitsIdx + b * k + f1, b * k + f1, mask=f1 < k)
 
 
 def _pow2(x: int) -> int:
     return triton.next_power_of_2(max(1, x))
+
+
+def _block(x: int) -> int:
+    """A block over a tier's width, draft count or depth: one compile for every value up to 8, so an adaptive tier
+    first used in the middle of serving finds its kernels built (first_use_compiles_h100.md: a tier's first round
+    compiled _accept_chain and _pack_catch_up, their blocks sized from the tier)."""
+    return max(8, _pow2(x))
 
 
 def round_plan(packed: torch.Tensor, table: torch.Tensor, page_size: int, depths: int, stride: int,
@@ -130,24 +137,24 @@ def round_plan(packed: torch.Tensor, table: torch.Tensor, page_size: int, depths
     assert packed.stride(1) == 1 and table.stride(1) == 1
     if batch:
         _round_plan[(batch,)](packed, table, *plan, batch, packed.stride(0), table.stride(0), page_size,
-                              table.shape[1] - 1, depths, stride, k, FIELDS=PACKED_FIELDS, WIDTH=width,
-                              BLOCK_W=_pow2(width), BLOCK_K=_pow2(k), BLOCK_D=_pow2(depths), num_warps=1,
+                              table.shape[1] - 1, depths, stride, k, width, FIELDS=PACKED_FIELDS,
+                              BLOCK_W=_block(width), BLOCK_K=_block(k), BLOCK_D=_block(depths), num_warps=1,
                               **pdl_args(dev))
     return plan
 
 
-@jit(do_not_specialize=("real",))
-def _pack_catch_up(RowsStarts, NumAccepted, Tokens, Out, real, stride_tokens, stride_out,
-                   FIELDS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+@jit(do_not_specialize=("real", "width"))
+def _pack_catch_up(RowsStarts, NumAccepted, Tokens, Out, real, width, stride_tokens, stride_out,
+                   FIELDS: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     """Program b: the packed catch-up of request b (< real), or a padding row (row 0, start 0, count W, not live)."""
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     w = tl.arange(0, BLOCK_W)
-    w_ok = w < WIDTH
+    w_ok = w < width
     is_real = b < real
     row = tl.load(RowsStarts + 2 * b, mask=is_real, other=0)
     start = tl.load(RowsStarts + 2 * b + 1, mask=is_real, other=0)
-    count = tl.where(is_real, tl.load(NumAccepted + b, mask=is_real, other=0) + 1, WIDTH)
+    count = tl.where(is_real, tl.load(NumAccepted + b, mask=is_real, other=0) + 1, width)
     fed = tl.load(Tokens + b * stride_tokens + w, mask=w_ok & is_real & (w < count), other=0)
     base = Out + b * stride_out
     tl.store(base, row)
@@ -172,8 +179,8 @@ def pack_catch_up_kernel(rows_starts, num_accepted, tokens, out):
     assert rows_starts.is_contiguous() and num_accepted.is_contiguous() and tokens.stride(1) == 1
     assert out.stride(1) == 1 and tokens.shape[1] >= width
     if out.shape[0]:
-        _pack_catch_up[(out.shape[0],)](rows_starts, num_accepted, tokens, out, rows_starts.shape[0], tokens.stride(0),
-                                        out.stride(0), FIELDS=PACKED_FIELDS, WIDTH=width, BLOCK_W=_pow2(width),
+        _pack_catch_up[(out.shape[0],)](rows_starts, num_accepted, tokens, out, rows_starts.shape[0], width,
+                                        tokens.stride(0), out.stride(0), FIELDS=PACKED_FIELDS, BLOCK_W=_block(width),
                                         num_warps=1, **pdl_args(out.device))
     return out
 
@@ -188,7 +195,7 @@ def pack_catch_up_reference(rows_starts, num_accepted, tokens, out):
     return out
 
 
-@jit
+@jit(do_not_specialize=("k",))
 def _accept_chain(Target, Draft, DraftLen, Seeds, SeqLens, NumAccepted, Tokens, alpha, domain_hash,
                   stride_target, stride_draft, k, SIMULATE: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program b. Draft j passes iff j < len_b and (SIMULATE: its coin < alpha; else: it equals the target's argmax
@@ -227,5 +234,5 @@ def accept_chain(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Ten
     if bsz:
         _accept_chain[(bsz,)](target, draft, draft_len, seeds, seq_lens, num_accepted, tokens, float(alpha),
                               domain_hash, target.stride(0), draft.stride(0), k, SIMULATE=simulate is not None,
-                              BLOCK_K=_pow2(k + 1), num_warps=1, **pdl_args(draft.device))
+                              BLOCK_K=_block(k + 1), num_warps=1, **pdl_args(draft.device))
     return num_accepted, tokens

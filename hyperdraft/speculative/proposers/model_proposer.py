@@ -46,7 +46,7 @@ from hyperdraft.runner.model_runner import ForwardOutput, GraphedRunner
 from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.drafting.anchor import CatchUpRows, DraftAnchor
-from hyperdraft.speculative.drafting.chain import draft_chain
+from hyperdraft.speculative.drafting.chain import choose_argmax, draft_chain
 from hyperdraft.speculative.drafting.choice import SamplingKey, chain_chooser, draws_from_q, tree_distribution
 from hyperdraft.speculative.drafting.graphs import DraftLoopGraphs, RoundKey
 from hyperdraft.speculative.drafting.tree import draft_tree
@@ -105,8 +105,10 @@ class ModelProposer(Proposer):
 
     def _draft_chain(self, fb: ForwardBatch, first: ForwardOutput, anchor: DraftAnchor, tier: Tier,
                      sampling: SamplingBatch, sampled: bool) -> Proposal:
-        """A chain of tier.steps drafts per request, step by step."""
-        choose = chain_chooser(sampling, sampled, self.coupled)
+        """A chain of tier.steps drafts per request, step by step. Greedy, unpenalised rows take the argmax as the
+        draft-loop graphs do: over a draft vocabulary's own logits, never spread to the target's."""
+        greedy = not sampled and sampling.penalties is None
+        choose = choose_argmax if greedy else chain_chooser(sampling, sampled, self.coupled)
         tokens, qs = draft_chain(self.runner.forward, fb, first, anchor, tier.steps, choose, self.runner.page_table,
                                  self.capabilities.feeds_hidden, self.capabilities.recurrent_state)
         return Proposal(tokens, [tier.steps] * fb.batch_size, torch.stack(qs, 1) if qs else None)
