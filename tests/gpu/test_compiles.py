@@ -7,6 +7,10 @@ each of the first pass had, every batch holding a prompt over 128 tokens as befo
 count): the second pass must compile nothing (new entries in the fresh Triton cache directory of a process of its
 own, as the in-process cache would hide what an earlier case compiled).
 
+The round kernels get a second test: an adaptive ladder picks its tier by acceptance, so a tier can first run in
+the middle of serving; every chain tier up to 7 steps, at several batch sizes, must share one binary per kernel
+(first_use_compiles_h100.md: a 3-step tier compiled _accept_chain and _pack_catch_up in a timed run).
+
 Run: `python -m pytest tests/gpu/test_compiles.py -q`. Not part of CI.
 """
 
@@ -62,6 +66,38 @@ def _passes(deterministic: bool, graphs: bool, root: str) -> dict:
             "same": all(len({tuple(t) for t in runs}) == 1 for runs in outputs.values())}
 
 
+def _round_kernel_keys() -> dict[str, int]:
+    """Specialization keys each round kernel takes over every chain tier of 1-7 steps at 1, 3 and 16 requests."""
+    import triton
+
+    from hyperdraft.kernels.draft_plan import PACKED_FIELDS, accept_chain, pack_catch_up, round_plan
+
+    keys: dict[str, int] = {}
+    triton.knobs.runtime.jit_cache_hook = lambda *, fn, **_: keys.__setitem__(fn.name, keys.get(fn.name, 0) + 1)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for steps in range(1, 8):
+        for bsz in (1, 3, 16):
+            draft = torch.randint(0, 4, (bsz, steps), device="cuda", generator=g)
+            target = torch.randint(0, 4, (bsz, steps + 1), device="cuda", generator=g)
+            num_accepted, tokens = accept_chain(target, draft, torch.full((bsz,), steps, device="cuda"))
+            rows_starts = torch.stack([torch.arange(bsz, device="cuda"), torch.full((bsz,), 10, device="cuda")], 1)
+            packed = torch.empty(bsz, PACKED_FIELDS + steps + 1, dtype=torch.int64, device="cuda")
+            pack_catch_up(rows_starts, num_accepted, tokens, packed)
+            table = torch.arange(1, bsz * 64 + 1, device="cuda").view(bsz, 64)
+            round_plan(packed, table, 1, steps - 1, 1, 1)
+    torch.cuda.synchronize()
+    return keys
+
+
+def test_every_chain_tier_shares_the_round_kernels(tmp_path):
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    run = subprocess.run([sys.executable, __file__, "rounds"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    keys = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(keys) == {"_accept_chain", "_pack_catch_up", "_round_plan"}, keys
+    assert all(n == 1 for n in keys.values()), f"keys per kernel over the tiers: {keys}"
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("graphs", [False, True])
 def test_regrouped_batches_compile_nothing_new(tmp_path, deterministic, graphs):
@@ -78,4 +114,7 @@ def test_regrouped_batches_compile_nothing_new(tmp_path, deterministic, graphs):
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    print(json.dumps(_passes(bool(int(sys.argv[1])), bool(int(sys.argv[2])), sys.argv[3])))
+    if sys.argv[1] == "rounds":
+        print(json.dumps(_round_kernel_keys()))
+    else:
+        print(json.dumps(_passes(bool(int(sys.argv[1])), bool(int(sys.argv[2])), sys.argv[3])))
