@@ -55,7 +55,7 @@ def _token_slots(Table, row, index, stride_table, page_size, last_page, mask):
     return page * page_size + index % page_size
 
 
-@jit(do_not_specialize=("batch", "depths", "stride", "k", "width"))
+@jit(do_not_specialize=("batch", "stride_packed", "depths", "stride", "k", "width"))
 def _round_plan(
     Packed, Table, Ids, Positions, Slots, Rows, LogitsIdx, SeqLens, ExtStarts, ExtLens, Base, Live,
     StepSlots, StepPositions, StepSeqLens, StepExtStarts, StepExtLens, StepLogitsIdx,
@@ -143,7 +143,7 @@ def round_plan(packed: torch.Tensor, table: torch.Tensor, page_size: int, depths
     return plan
 
 
-@jit(do_not_specialize=("real", "width"))
+@jit(do_not_specialize=("real", "width", "stride_tokens", "stride_out"))
 def _pack_catch_up(RowsStarts, NumAccepted, Tokens, Out, real, width, stride_tokens, stride_out,
                    FIELDS: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     """Program b: the packed catch-up of request b (< real), or a padding row (row 0, start 0, count W, not live)."""
@@ -195,7 +195,7 @@ def pack_catch_up_reference(rows_starts, num_accepted, tokens, out):
     return out
 
 
-@jit(do_not_specialize=("k",))
+@jit(do_not_specialize=("k", "stride_target", "stride_draft"))
 def _accept_chain(Target, Draft, DraftLen, Seeds, SeqLens, NumAccepted, Tokens, alpha, domain_hash,
                   stride_target, stride_draft, k, SIMULATE: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program b. Draft j passes iff j < len_b and (SIMULATE: its coin < alpha; else: it equals the target's argmax
