@@ -108,3 +108,27 @@ def timed_generate(llm, prompts: list[list[int]], params, warm_up: int, warm_up_
     after = llm.get_server_info()["internal_states"][0]
     llm.shutdown()
     return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / seconds, before, after
+
+
+def generate_rate(llm, prompts: list[list[int]], params) -> float:
+    """Output tokens per second of one generate over `prompts` on a CUDA device, drained before and after."""
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
+    torch.cuda.synchronize()
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def close_llm(llm) -> None:
+    """Shut an LLM down and hand its GPU memory back before the next one is built in the same process."""
+    import gc
+
+    import torch
+
+    llm.shutdown()
+    gc.collect()
+    torch.cuda.empty_cache()

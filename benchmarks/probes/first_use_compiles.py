@@ -14,16 +14,14 @@ arguments' specialization made the key new.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import tempfile
-import time
 import traceback
 
 import torch
 import triton
 
-from benchmarks.common import require_cuda
+from benchmarks.common import close_llm, generate_rate, require_cuda
 from benchmarks.e2e.engines import SMOLLM2, write_configs
 from hyperdraft import LLM, SamplingParams
 
@@ -86,16 +84,9 @@ def measure(log: CompileLog, row: str, llm_args: dict, prompts: list[list[int]])
     for run in range(1, 4):
         llm.flush_cache()
         log.phase = f"{row}, run {run}"
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
-        torch.cuda.synchronize()
-        rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+        rate = generate_rate(llm, prompts, params)
         cells.append(f"{rate:.0f} tok/s, {' '.join(log.names(log.phase)) or 'none'}")
-    llm.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    close_llm(llm)
     return cells
 
 

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 import triton
 
-from benchmarks.common import require_cuda
+from benchmarks.common import close_llm, generate_rate, require_cuda
 from benchmarks.e2e.engines import SMOLLM2, write_configs
 from hyperdraft import LLM, SamplingParams
 import hyperdraft.kernels.attention as attention
@@ -54,15 +52,8 @@ def tok_per_s(target: str, spec: dict, batch: int, prompts: list[list[int]]) -> 
     params = SamplingParams(temperature=0, max_new_tokens=128, ignore_eos=True)
     llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
     llm.flush_cache()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
-    torch.cuda.synchronize()
-    rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
-    llm.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    rate = generate_rate(llm, prompts, params)
+    close_llm(llm)
     return rate
 
 
