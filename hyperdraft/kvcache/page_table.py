@@ -42,7 +42,6 @@ class PageTable:
         self.cache = cache
         self._table = torch.zeros(max_rows, max_pages_per_row, dtype=torch.int64, device=device)  # [rows, pages]
         self._pending: dict[int, int] = {}  # flat entry row * max_pages_per_row + page index -> page, not yet written
-        self._held: dict[int, int] = {}  # row -> tokens past its next truncation point that queued work wrote: kept
 
     @property
     def table(self) -> torch.Tensor:
@@ -97,7 +96,6 @@ class PageTable:
         return row
 
     def release_row(self, row: int) -> None:
-        self._held.pop(row, None)
         self.truncate(row, 0)
         del self._row_pages[row], self._row_shared[row]
         self._free_rows.append(row)
@@ -187,25 +185,20 @@ class PageTable:
                     pending[base + i] = page
         return True
 
-    def reserve_ahead(self, rows: list[int], num_tokens: list[int], hold: int = 0) -> bool:
-        """reserve() for work queued ahead of the scheduler (engine/model_worker.py, speculative/proposers/model_proposer.py): every row
-        gets its room or none does and the caller skips the work; a row whose room would pass its page-table width
-        is a refusal, not an error.
-        hold: the row's next truncate (the commit that follows the queuing) keeps `hold` tokens of room past its
-        truncation point, so K/V the queued work wrote there, which the next round reads, stays in the row's own pages
-        instead of pages released and reserved again. It is room the next schedule reserves anyway (a hold never
-        exceeds the decode reserve), so the scheduler decides as it would without the queued work."""
+    def reserve_ahead(self, rows: list[int], num_tokens: list[int]) -> bool:
+        """reserve() for work queued ahead of the scheduler (engine/model_worker.py, speculative/verify_ahead.py,
+        speculative/proposers/model_proposer.py): every row gets its room or none does and the caller skips the work;
+        a row whose room would pass its page-table width is a refusal, not an error. What the next round reads of that
+        room survives the commit in between: a verified round keeps decode-reserve tokens of room past its new length
+        (Scheduler.commit's truncate), and every tier's queued writes past it fit there (Tier.reserve_tokens)."""
         width = self.max_pages_per_row * self.page_size
-        ok = all(n <= width for n in num_tokens) and self.reserve_all(rows, num_tokens)
-        if ok and hold:
-            self._held.update(dict.fromkeys(rows, hold))
-        return ok
+        return all(n <= width for n in num_tokens) and self.reserve_all(rows, num_tokens)
 
     def truncate(self, row: int, num_tokens: int, room: int = 0) -> None:
-        """Release the pages past the first num_tokens tokens (rollback by length), but for `room` tokens past them,
-        or the row's hold if larger; the tree's pages are only dropped from the row, never freed by it."""
+        """Release the pages past the first num_tokens tokens (rollback by length), but for `room` tokens past them;
+        the tree's pages are only dropped from the row, never freed by it."""
         pages = self._row_pages[row]
-        keep = self.pages_for(num_tokens + max(room, self._held.pop(row, 0)))
+        keep = self.pages_for(num_tokens + room)
         if keep < len(pages):
             shared = self._row_shared[row]
             self._free_pages.extend(reversed(pages[max(keep, shared):]))

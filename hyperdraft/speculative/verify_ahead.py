@@ -14,7 +14,7 @@ queues it (the same TARGET_VERIFY batch a round would build, one index further, 
 round's results copy. The next step uses its outputs when it is again a step-0 round of decodes over the same
 requests; otherwise they are dropped. Dropping is harmless: the queued forward wrote only the target K/V of each
 request's committed next token at its own next index (what the next verify writes anyway), in room reserved when it
-was queued and held through the commit (PageTable.reserve_ahead), or in a finished request's released slots before
+was queued and kept through the commit (a step-0 round keeps its room, as a plain step does), or in a finished request's released slots before
 their next owner writes them (one stream).
 
 Not for hybrid targets: their recurrent state would need the plain worker's two-location walk.
@@ -70,7 +70,7 @@ class VerifyAhead:
         reqs, graphs, table = round_.reqs, self.runner.graphs, self.runner.page_table
         if not self.enabled or round_.tier.steps != 0 or graphs is None or not graphs.fits(GraphShape(1, 0), len(reqs)):
             return
-        if not table.reserve_ahead([r.row for r in reqs], [r.num_computed + 2 for r in reqs], hold=1):
+        if not table.reserve_ahead([r.row for r in reqs], [r.num_computed + 2 for r in reqs]):
             return  # the pool is dry: the next schedule decides who keeps running
         inputs = [ForwardInput(r.row, r.num_computed + 1, [0], 1) for r in reqs]
         fb = build_forward_batch(ForwardMode.TARGET_VERIFY, inputs, table, self.runner.device,

@@ -1,6 +1,5 @@
 """PageTable's room: reserve_all for many rows at once; room kept past a truncation; and room for work queued ahead
-of the scheduler: a held reservation survives the row's next truncate (the commit right after the queuing) and no
-later one; releasing the row frees it."""
+of the scheduler, all or nothing, rolled back by length like any other and freed with the row."""
 
 from __future__ import annotations
 
@@ -11,35 +10,20 @@ def _table() -> PageTable:
     return PageTable(num_pages=17, page_size=2, max_rows=2, max_pages_per_row=8, device="cpu")
 
 
-def test_held_room_survives_the_next_truncate_only():
+def test_queued_room_is_rolled_back_past_the_kept_room_and_release_frees_it():
     table = _table()
     row = table.acquire_row()
     assert table.reserve(row, 5)
-    assert table.reserve_ahead([row], [11], hold=4)
+    assert table.reserve_ahead([row], [11])  # work queued ahead writes up to token 10
     pages = table.row_pages(row)[:]
     assert len(pages) == 6
-    table.truncate(row, 5)  # the commit after the queuing keeps 4 tokens past its 5: the pages of tokens 0 .. 8
+    table.truncate(row, 5, room=4)  # the commit after it keeps the next round's room: tokens 0 .. 8
     assert table.row_pages(row) == pages[:5]
-    table.truncate(row, 5)  # a later commit rolls back by length as always
+    table.truncate(row, 5)  # rollback by length
     assert table.row_pages(row) == pages[:3]
-    table.release_row(row)
-    assert table.num_free_slots == table.capacity_slots
-
-
-def test_room_without_hold_is_rolled_back_and_release_clears_a_hold():
-    table = _table()
-    row = table.acquire_row()
     assert table.reserve_ahead([row], [11])
-    table.truncate(row, 5)
-    assert len(table.row_pages(row)) == 3
-    assert table.reserve_ahead([row], [11], hold=4)
-    table.release_row(row)  # finished or retracted: everything goes back, held or not
+    table.release_row(row)  # finished or retracted: everything goes back
     assert table.num_free_slots == table.capacity_slots
-    row = table.acquire_row()
-    assert table.reserve(row, 3)
-    table.truncate(row, 1)  # no hold left over from the row's previous owner
-    assert len(table.row_pages(row)) == 1
-    table.release_row(row)
 
 
 def test_reserve_all_is_all_or_nothing_and_hands_out_pages_as_reserve_does():
@@ -68,17 +52,15 @@ def test_reserve_all_is_all_or_nothing_and_hands_out_pages_as_reserve_does():
     assert bulk.num_free_slots == bulk.capacity_slots
 
 
-def test_truncate_keeps_room_or_the_hold_whichever_is_larger():
+def test_truncate_keeps_its_room():
     table = _table()
     row = table.acquire_row()
     assert table.reserve(row, 12)
     table.truncate(row, 5, room=4)  # tokens 0 .. 8: 5 pages of 2
     assert len(table.row_pages(row)) == 5
-    assert table.reserve_ahead([row], [12], hold=2)
-    table.truncate(row, 5, room=4)  # the hold (2) is within the room: not added to it
+    table.truncate(row, 5, room=6)  # room is kept, never taken: still 5 pages
     assert len(table.row_pages(row)) == 5
-    assert table.reserve_ahead([row], [14], hold=6)
-    table.truncate(row, 5, room=4)  # the hold wins: tokens 0 .. 10
-    assert len(table.row_pages(row)) == 6
+    table.truncate(row, 5, room=1)  # tokens 0 .. 5: 3 pages
+    assert len(table.row_pages(row)) == 3
     table.release_row(row)
     assert table.num_free_slots == table.capacity_slots

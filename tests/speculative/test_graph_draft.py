@@ -332,8 +332,8 @@ def test_draft_ahead_under_a_tight_pool_and_aborts(models, llm_factory, emulated
         refused = []  # reservations draft-ahead asked for and did not get (observed, not changed)
 
         def draft_ahead(*a, _inner=proposer.draft_ahead, _reserve=page_table.reserve_ahead):
-            def reserve_ahead(rows, num_tokens, hold=0):
-                ok = _reserve(rows, num_tokens, hold)
+            def reserve_ahead(rows, num_tokens):
+                ok = _reserve(rows, num_tokens)
                 refused.extend([] if ok else [num_tokens])
                 return ok
             page_table.reserve_ahead = reserve_ahead

@@ -110,14 +110,14 @@ class DraftModelProposer(ModelProposer):
         bonus token, after a fully accepted round); a tree the root plus the accepted nodes the draft never fed."""
         return tier.steps + 1 if tier.is_tree else 2
 
-    def ahead_room(self, tier: Tier) -> tuple[int, int]:
-        """(reach past n, tokens held past n'). After a round at n accepting a (n' = n + a + 1 committed, a <= steps),
-        the queued catch-up feeds up to index n' and its steps write past n': a chain's n'+1 .. n'+K-1 <= n + 2K, a
-        tree's nodes at offsets 1 .. (steps-1)*topk past n'. That K/V the next round keeps for the drafts it accepts
-        (a tree's moves to n'+1, ... by compaction), so those tokens from n' are held through the commit (at most the
-        decode reserve, Tier.reserve_tokens, which the next schedule reserves past n' anyway)."""
+    def ahead_room(self, tier: Tier) -> int:
+        """Reach past n. After a round at n accepting a (n' = n + a + 1 committed, a <= steps), the queued catch-up
+        feeds up to index n' and its steps write past n': a chain's n'+1 .. n'+K-1 <= n + 2K, a tree's nodes at
+        offsets 1 .. (steps-1)*topk past n'. That K/V the next round keeps for the drafts it accepts (a tree's moves to
+        n'+1, ... by compaction); the commit in between keeps it, as it keeps the decode reserve past n' (at least
+        Tier.reserve_tokens, which covers those 1 + (steps-1)*topk tokens)."""
         written = max(tier.steps - 1, 0) * tier.topk + 1  # n' itself, then the steps' offsets
-        return tier.steps + 1 + written, written
+        return tier.steps + 1 + written
 
     def ahead_catch_up(self, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
                        out: torch.Tensor, kept: torch.Tensor | None = None) -> None:

@@ -191,11 +191,11 @@ class EagleProposer(ModelProposer):
         """Positions the catch-up after a round of `tier` can feed: the root and every accepted draft."""
         return tier.steps + 1
 
-    def ahead_room(self, tier: Tier) -> tuple[int, int]:
+    def ahead_room(self, tier: Tier) -> int:
         """The queued round writes catch-up positions from n (padded to its width) and steps up to
-        width + (steps-1)*topk - 1 past n. Nothing to hold: the catch-up's real positions end below the committed
-        tokens, and the steps' K/V past them is speculative (the round after rewrites it)."""
-        return self.catch_up_width(tier) + (tier.steps - 1) * tier.topk, 0
+        width + (steps-1)*topk - 1 past n. None of it need survive the commit: the catch-up's real positions end below
+        the committed tokens, and the steps' K/V past them is speculative (the round after rewrites it)."""
+        return self.catch_up_width(tier) + (tier.steps - 1) * tier.topk
 
     # ---- after verify -------------------------------------------------------------------------------------------
     def store_accepted_hidden(self, rows: torch.Tensor, accepted_hidden: torch.Tensor) -> None:

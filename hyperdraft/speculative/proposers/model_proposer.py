@@ -17,8 +17,9 @@ positions, with the same values) or that no one reads before a draft step overwr
 when it was queued, or since released and written by their new owner after it (one stream). The drafts equal those
 propose() would make. RuntimeOptions.draft_ahead turns it off. EAGLE heads and STANDALONE draft models draft ahead,
 chains and trees. A draft model's K/V of accepted drafts is kept across rounds (draft_num_computed reaches past the
-committed tokens), so the part of the queued draft's room that the next round reads is held through the commit that
-follows (PageTable.reserve_ahead's hold): the next round finds that K/V in the row's own pages.
+committed tokens), so the part of the queued draft's room that the next round reads must survive the commit that
+follows: it does, as the commit keeps the decode reserve past the new length (Scheduler.commit), which covers what any
+tier writes past it (Tier.reserve_tokens); the next round finds that K/V in the row's own pages.
 
 A subclass gives:
   catch_up_tokens(req)                  the tokens its catch-up feeds, from index req.draft_num_computed on (>= 1);
@@ -29,9 +30,8 @@ A subclass gives:
   catch_up_width(tier)                  the widest catch-up a round of tier can leave for the next one
   ahead_catch_up(reqs, a, tokens, out)  (drafting ahead only) the next round's packed catch-up from this round's
                                         results, written into out (padding rows too)
-  ahead_room(tier)                      (drafting ahead only) (tokens of room past n the queued round writes, tokens
-                                        of it past the committed ones the next round reads), or None where the
-                                        subclass does not draft this tier ahead
+  ahead_room(tier)                      (drafting ahead only) tokens of room past n the queued round writes, or
+                                        None where the subclass does not draft this tier ahead
 """
 
 from __future__ import annotations
@@ -141,12 +141,10 @@ class ModelProposer(Proposer):
         key = None if fit is None else RoundKey(tier, *fit, sampling_key)
         if room is None or fit is None or fit[1] != width or tokens.shape[1] < width or not self.draft_loop.has(key):
             return
-        # Reserve the room the queued round writes now, as the next schedule would have; the part the next round
-        # reads is held through this round's commit. Up to index n (reach 1) the round itself had it: a step-0 round's
-        # catch-up needs nothing more, and skips a call per request.
-        reach, hold = room
-        if (reach > 1 or hold) and not self.runner.page_table.reserve_ahead(
-                [r.row for r in reqs], [r.num_computed + reach for r in reqs], hold=hold):
+        # Reserve the room the queued round writes now, as the next schedule would have. Up to index n (reach 1) the
+        # round itself had it: a step-0 round's catch-up needs nothing more, and skips a call per request.
+        if room > 1 and not self.runner.page_table.reserve_ahead([r.row for r in reqs],
+                                                                 [r.num_computed + room for r in reqs]):
             return
         self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit), kept)
         if sampling_key is not None:
@@ -239,7 +237,7 @@ class ModelProposer(Proposer):
                        out: torch.Tensor, kept: torch.Tensor | None = None) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
 
-    def ahead_room(self, tier: Tier) -> tuple[int, int] | None:
+    def ahead_room(self, tier: Tier) -> int | None:
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
 
 
