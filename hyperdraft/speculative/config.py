@@ -92,6 +92,10 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
             llama_eagle = algo != "STANDALONE" and target_architecture == "LlamaForCausalLM"
             steps, topk, draft_tokens = (5, 4, 8) if llama_eagle else (3, 1, 4)
     else:  # a deterministic chain of up to num_draft_tokens - 1 tokens
+        given = args.speculative_num_draft_tokens  # an adaptive step-0 tier's own count is 1
+        if given is not None and given < 2:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 2 for {algo} (the last token and at least one "
+                             f"draft), got {given}")
         if steps is None:
             draft_tokens = draft_tokens or NGRAM_DEFAULT_DRAFT_TOKENS
             steps = draft_tokens - 1

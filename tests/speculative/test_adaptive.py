@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -315,7 +316,8 @@ def test_strategy_and_goodput_globals():
     assert cfg.strategy == "goodput" and cfg.goodput == goodput
     assert load_adaptive_config({"strategy": "ema", "1": [1]}).strategy == "ema"
     for bad in ("throughput_aware", "EMA", None, 1):
-        with pytest.raises(ValueError, match="^'strategy' must be 'ema' or 'goodput'$"):
+        with pytest.raises(ValueError, match=rf"^speculative_adaptive_config: 'strategy' must be 'ema' or 'goodput', "
+                                             rf"got {re.escape(repr(bad))}$"):
             load_adaptive_config({"strategy": bad, "1": [1, 3]})
     with pytest.raises(ValueError, match="'goodput' must be a JSON object"):
         load_adaptive_config({"goodput": [1], "1": [1]})
@@ -330,6 +332,16 @@ def test_non_object_json_rejected(tmp_path, raw):
     if not isinstance(raw, str):
         with pytest.raises(ValueError, match="must be a JSON object"):
             load_adaptive_config(raw if raw is not None else [])
+
+
+def test_inline_json_equals_the_same_file(tmp_path):
+    text = '{"strategy": "goodput", "1": [1, 3], "32": {"candidate_steps": [0, 1]}}'
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    assert load_adaptive_config("  " + text) == load_adaptive_config(str(path))
+    with pytest.raises(ValueError, match=r"^speculative_adaptive_config: '.*c2\.json' is not valid JSON"):
+        (tmp_path / "c2.json").write_text("{1: [1]}")
+        load_adaptive_config(str(tmp_path / "c2.json"))
 
 
 def test_json_file_with_globals_and_bare_lists(tmp_path):

@@ -96,10 +96,17 @@ BAD = [
      "speculative_ngram_min_match_window_size", ">= 1"),
     (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
           speculative_ngram_max_match_window_size=3), "speculative_ngram_max_match_window_size", ""),
+    (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0), "speculative_num_draft_tokens", ">= 2"),
+    (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), "speculative_num_draft_tokens", "got 1"),
+    (dict(speculative_algorithm="NGRAM", speculative_adaptive=True, speculative_adaptive_config="/no/such.json"),
+     "speculative_adaptive_config", "cannot read '/no/such.json'"),
+    (dict(speculative_algorithm="NGRAM", speculative_adaptive=True, speculative_adaptive_config='{"1": [1, 3'),
+     "speculative_adaptive_config", "the inline JSON is not valid JSON"),
 ]
 BAD_IDS = ["standalone-no-draft", "steps-0", "steps-neg", "ngram-steps-0", "ngram-steps-neg", "topk-2", "topk-0",
            "topk-without-steps", "eagle3-no-head", "unknown", "ngram-rejection-sampling", "ngram-window-0",
-           "ngram-window-inverted"]
+           "ngram-window-inverted", "ngram-draft-tokens-0", "ngram-draft-tokens-1", "adaptive-config-missing",
+           "adaptive-config-inline-broken"]
 
 
 def test_mtp_and_nextn_are_eagle_with_the_targets_own_module():

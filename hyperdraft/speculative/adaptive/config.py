@@ -120,24 +120,40 @@ def _parse_slot(key: str, merged: dict[str, Any], topk: int, num_draft_tokens: i
     return cfg
 
 
+def _read(source: str) -> Any:
+    """A JSON file, or a JSON object given inline (a string that starts with '{')."""
+    inline = source.lstrip().startswith("{")
+    try:
+        if inline:
+            return json.loads(source)
+        with open(source) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"speculative_adaptive_config: cannot read {source!r} ({e.strerror}); give a JSON file "
+                         "or a JSON object") from None
+    except json.JSONDecodeError as e:
+        what = "the inline JSON" if inline else repr(source)
+        raise ValueError(f"speculative_adaptive_config: {what} is not valid JSON ({e})") from None
+
+
 def load_adaptive_config(source: str | dict | None, default_topk: int = 1,
                          default_num_draft_tokens: int | None = None) -> AdaptiveConfig:
-    """Parse SGLang's adaptive JSON: a file path, an already-parsed dict, or None for the built-in default.
+    """Parse SGLang's adaptive JSON: a file path, the JSON object itself as a string (hyperdraft extension), an
+    already-parsed dict, or None for the built-in default.
 
     Integer-string keys are slots (batch-size lower bounds); other keys are globals merged into every slot (slot
     values win), except "strategy" and "goodput", which belong to the whole config."""
     if source is None:
         raw: Any = DEFAULT_ADAPTIVE_CONFIG
     elif isinstance(source, str):
-        with open(source) as f:
-            raw = json.load(f)
+        raw = _read(source)
     else:
         raw = source
     if not isinstance(raw, dict):
         raise ValueError("speculative_adaptive_config must be a JSON object")
     strategy = raw.get("strategy", "ema")
     if strategy not in STRATEGIES:
-        raise ValueError("'strategy' must be 'ema' or 'goodput'")
+        raise ValueError(f"speculative_adaptive_config: 'strategy' must be 'ema' or 'goodput', got {strategy!r}")
     goodput = raw.get("goodput", {})
     if not isinstance(goodput, dict):
         raise ValueError("speculative_adaptive_config: 'goodput' must be a JSON object")
