@@ -72,11 +72,12 @@ class SamplingParams:
               <= REPETITION_PENALTY_RANGE[1], "repetition_penalty", "in [%g, %g]" % REPETITION_PENALTY_RANGE)
         check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
               "an integer in [-2**63, 2**63) or None")
-        check(self.stop is None or all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
-        ids_ok = self.stop_token_ids is None or all(
-            _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in self.stop_token_ids
-        )
-        check(ids_ok, "stop_token_ids", f"token ids in [0, {vocab_size})")
+        check(self.stop is None or (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s
+                                                                               for s in self.stop)),
+              "stop", "a non-empty string or a list of them")
+        ids_ok = self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple)) and all(
+            _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in self.stop_token_ids))
+        check(ids_ok, "stop_token_ids", "a list of token ids " + (f"in [0, {vocab_size})" if vocab_size else ">= 0"))
 
 
 def _is_int(x) -> bool:

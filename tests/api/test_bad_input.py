@@ -45,6 +45,8 @@ BAD_REQUESTS = {
     "presence-penalty-minus-3": (dict(input_ids=[[1, 2]]), dict(presence_penalty=-3.0), r"presence_penalty"),
     "stop-token-out-of-vocab": (dict(input_ids=[[1, 2]]), dict(stop_token_ids=[VOCAB_SIZE]), r"stop_token_ids"),
     "stop-empty-string": (dict(input_ids=[[1, 2]]), dict(stop=[""]), r"stop"),
+    "stop-not-a-string": (dict(input_ids=[[1, 2]]), dict(stop=5), r"^stop must be a non-empty string or a list"),
+    "stop-token-ids-not-a-list": (dict(input_ids=[[1, 2]]), dict(stop_token_ids=3), r"^stop_token_ids must be a list"),
     "seed-not-int": (dict(input_ids=[[1, 2]]), dict(seed="7"), r"seed"),
     "prompt-at-context": (dict(input_ids=[[1] * CONTEXT]), {}, r"context_length"),
     "prompt-over-context": (dict(input_ids=[[3] * (CONTEXT + 37)]), {}, r"context_length"),
