@@ -17,6 +17,7 @@ ALIASES = {"model": "model_path", "tokenizer": "tokenizer_path", "speculative_dr
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 SPECULATIVE_SAMPLING_MODES = ("coupled", "rejection")
 
 
@@ -124,6 +125,10 @@ class EngineArgs:
             bad("context_length", "an integer >= 2")
         if self.tp_size < 1:
             bad("tp_size", "an integer >= 1")
+        if not isinstance(self.random_seed, int) or isinstance(self.random_seed, bool):
+            bad("random_seed", "an integer")
+        if str(self.log_level).upper() not in LOG_LEVELS:
+            bad("log_level", f"one of {', '.join(level.lower() for level in LOG_LEVELS)}")
         if self.nnodes < 1 or self.tp_size % self.nnodes:
             bad("nnodes", f"an integer >= 1 dividing tp_size={self.tp_size}")
         if not 0 <= self.node_rank < self.nnodes:

@@ -168,6 +168,10 @@ class Engine:
         capacity = kv_capacity_tokens(args, bytes_per_slot, budget, (rows + 1) * state_per_row, rows, self.device)
         if capacity < args.page_size:
             raise ValueError(f"max_total_tokens={capacity} is smaller than one page (page_size={args.page_size})")
+        if rows > capacity // args.page_size:  # each running request holds a page at least: more rows only cost memory
+            logger.warning("max_running_requests=%d is more than the K/V cache's %d pages: capped there", rows,
+                           capacity // args.page_size)
+            rows = capacity // args.page_size
         return rows, PageTable(
             num_pages=capacity // args.page_size + 1,  # + the reserved padding page
             page_size=args.page_size,

@@ -167,6 +167,8 @@ def test_unknown_architecture_lists_supported(llama_path, make_llm, good_ref, fo
     (dict(model="LLAMA", mem_fraction_static=1.5), r"mem_fraction_static"),
     (dict(model="LLAMA", attention_backend="flash"), r"attention_backend"),
     (dict(model="LLAMA", model_path="LLAMA"), r"model_path"),  # given twice through the alias
+    (dict(model="LLAMA", random_seed="7"), r"^random_seed must be an integer"),
+    (dict(model="LLAMA", log_level="loud"), r"^log_level must be one of debug, info, warning, error, critical"),
 ])
 def test_bad_engine_args(llama_path, make_llm, good_ref, engine_args, field):
     llm = make_llm(llama_path, page_size=4)
@@ -175,6 +177,14 @@ def test_bad_engine_args(llama_path, make_llm, good_ref, engine_args, field):
     with pytest.raises(ValueError, match=field):
         LLM(device="cpu", **args)
     _finish_good(llm, reqs, good_ref)
+
+
+def test_max_running_requests_past_the_pool_is_capped_to_its_pages(llama_path, make_llm, caplog):
+    """A request holds a page at least, so rows past the pool's pages could never run; sizing per-row buffers for
+    them ran out of host memory at max_running_requests=10**9."""
+    llm = make_llm(llama_path, page_size=4, max_total_tokens=256, max_running_requests=10**9)
+    assert llm.engine.max_rows == 64 and "capped" in caplog.text
+    assert [o.token_ids for o in generate_ids(llm, GOOD, greedy(N))] == hf_greedy(llama_path, GOOD, N)
 
 
 def test_model_dir_without_weights(llama_path, make_llm, tmp_path, good_ref):
