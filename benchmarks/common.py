@@ -132,3 +132,13 @@ def close_llm(llm) -> None:
     llm.shutdown()
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def ragged_prompts(count: int, seed: int = 0, shortest: int = 20, longest: int = 600) -> list[list[int]]:
+    """`count` prompts of random ids in [10, 40000) (inside SmolLM2's vocabulary), of lengths in [shortest, longest):
+    many length classes, so prefill chunks, joins and key bounds vary as in serving."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 40000, (n,), generator=g).tolist()
+            for n in torch.randint(shortest, longest, (count,), generator=g).tolist()]

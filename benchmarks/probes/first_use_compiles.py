@@ -18,10 +18,9 @@ import os
 import tempfile
 import traceback
 
-import torch
 import triton
 
-from benchmarks.common import close_llm, generate_rate, require_cuda
+from benchmarks.common import close_llm, generate_rate, ragged_prompts, require_cuda
 from benchmarks.e2e.engines import SMOLLM2, write_configs
 from hyperdraft import LLM, SamplingParams
 
@@ -97,9 +96,7 @@ def main() -> None:
     a = ap.parse_args()
     require_cuda()
     target, head = write_configs(tempfile.mkdtemp(), SMOLLM2, 8192)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 40000, (n,), generator=g).tolist()
-               for n in torch.randint(20, 600, (80,), generator=g).tolist()]
+    prompts = ragged_prompts(80)
     log = CompileLog()
     lines = ["| row | new in the warm-up | run 1: tok/s, new kernels | run 2 | run 3 |", "|---|---|---|---|---|"]
     for row, spec in rows(head).items():

@@ -19,10 +19,9 @@ import os
 import statistics
 import tempfile
 
-import torch
 import triton
 
-from benchmarks.common import close_llm, generate_rate, require_cuda
+from benchmarks.common import close_llm, generate_rate, ragged_prompts, require_cuda
 from benchmarks.e2e.engines import SMOLLM2, write_configs
 from hyperdraft import LLM, SamplingParams
 import hyperdraft.kernels.attention as attention
@@ -64,9 +63,7 @@ def main() -> None:
     a = ap.parse_args()
     require_cuda()
     target, head = write_configs(tempfile.mkdtemp(), SMOLLM2, 8192)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 40000, (n,), generator=g).tolist()
-               for n in torch.randint(20, 600, (64,), generator=g).tolist()]
+    prompts = ragged_prompts(64)
     chain = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=5,
                  speculative_simulate_accept_rate=0.5)
     rows = {"plain, 1 request": ({}, 1, prompts[:4]), "plain, 64 requests": ({}, 64, prompts),
