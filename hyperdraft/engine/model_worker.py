@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.core.forward_batch import ForwardMode, build_forward_batch
 from hyperdraft.core.host_copy import HostCopy, to_device
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.runner.model_runner import ModelRunner
+from hyperdraft.runner.next_token import next_token_batch
 from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import SamplingBatch
@@ -130,14 +131,13 @@ class ModelWorker:
         graphs, page_table = self.runner.graphs, self.runner.page_table
         if not self.decode_ahead or graphs is None or not graphs.fits(GraphShape(1, 0), len(reqs)):
             return
-        if not page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + 2 for r in reqs]):
-            return  # the pool is dry: the next schedule decides who keeps running
-        inputs = [ForwardInput(r.row, r.num_computed + 1, [0], 1) for r in reqs]
         parents = [self.state_at.get(r.row, -1) for r in reqs]
         targets = [0 if p < 0 else -1 for p in parents]  # the location the state is not in
         walk = self._walk_tensors(parents, targets) if self.recurrent else {}
-        out = self.runner.forward(build_forward_batch(ForwardMode.DECODE, inputs, page_table, self.runner.device,
-                                                      input_ids=tokens, **walk))
+        fb = next_token_batch(ForwardMode.DECODE, reqs, tokens, page_table, self.runner.device, **walk)
+        if fb is None:
+            return
+        out = self.runner.forward(fb)
         next_sb = sb.at_offset(tokens[:, None])  # one position on; penalties count the token just sampled
         self.ahead = AheadDecode(list(reqs), next_sb, self.sampler.sample(out.logits, next_sb), targets)
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
+from hyperdraft.core.forward_batch import ForwardMode
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
+from hyperdraft.runner.next_token import next_token_batch
 from hyperdraft.speculative.verify.chain import ChainRound
 
 
@@ -70,9 +71,7 @@ class VerifyAhead:
         reqs, graphs, table = round_.reqs, self.runner.graphs, self.runner.page_table
         if not self.enabled or round_.tier.steps != 0 or graphs is None or not graphs.fits(GraphShape(1, 0), len(reqs)):
             return
-        if not table.reserve_ahead([r.row for r in reqs], [r.num_computed + 2 for r in reqs]):
-            return  # the pool is dry: the next schedule decides who keeps running
-        inputs = [ForwardInput(r.row, r.num_computed + 1, [0], 1) for r in reqs]
-        fb = build_forward_batch(ForwardMode.TARGET_VERIFY, inputs, table, self.runner.device,
-                                 input_ids=round_.tokens[:, 0])
+        fb = next_token_batch(ForwardMode.TARGET_VERIFY, reqs, round_.tokens[:, 0], table, self.runner.device)
+        if fb is None:
+            return
         self.queued = QueuedVerify(reqs, self.runner.forward(fb, capture_layers=self.capture_layers))
