@@ -1,5 +1,6 @@
 """Real acceptance on a real model: MT-bench first turns on SmolLM2-135M-Instruct (the default model), plain decoding
-against NGRAM and an EAGLE-3 head trained by `hyperdraft train-draft`, as chains, trees and adaptive tiers.
+against NGRAM and an EAGLE-3 head trained by `hyperdraft train-draft`, as chains, trees and adaptive tiers (SGLang's
+default EMA ladder, and the goodput strategy over ladders that include step 0).
 
 For each row: tok/s (and the ratio to plain decoding, measured in the same run), accept length, acceptance per
 draft position, and how many outputs equal plain decoding's (greedy; token for token in fp32 on CPU, and on a GPU
@@ -23,6 +24,11 @@ from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 
 
+# The goodput strategy picks each slot's tier from measured step times and acceptance, so it can run step 0 (or one
+# draft) wherever deeper rounds cost more than they accept; the ladders leave it those choices at every batch size.
+GOODPUT_LADDER = '{"strategy": "goodput", "1": [0, 1, 2, 3, 5], "8": [0, 1, 2, 3], "32": [0, 1, 2], "64": [0, 1]}'
+
+
 def rows(head: str | None) -> dict[str, dict]:
     out = {"plain": {}, "NGRAM, chain 4": dict(speculative_algorithm="NGRAM", speculative_num_steps=4)}
     if head:
@@ -31,6 +37,8 @@ def rows(head: str | None) -> dict[str, dict]:
         out["trained head, tree (topk 4, 8 tokens)"] = dict(eagle, speculative_num_steps=5, speculative_eagle_topk=4,
                                                            speculative_num_draft_tokens=8)
         out["trained head, adaptive"] = dict(eagle, speculative_adaptive=True)
+        out["trained head, adaptive (goodput)"] = dict(eagle, speculative_adaptive=True,
+                                                       speculative_adaptive_config=GOODPUT_LADDER)
     return out
 
 
