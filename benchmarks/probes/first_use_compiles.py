@@ -3,10 +3,10 @@ which a benchmark counts as decoding time and a server as a request's latency.
 
 The SmolLM2-135M shape (dummy bf16 weights) with a random EAGLE-3 head; 80 prompts of 20-600 random tokens, at most
 64 running (so later prompts join running batches), simulated acceptance 0.5 (catch-ups of every width). Per row
-(plain, chain 5, tree of topk 4 and 8 tokens, adaptive): a warm-up of 8 tokens per prompt, then three timed runs of 128 tokens
-per prompt; for each, tok/s and the kernels that took a new specialization key meanwhile (each a compile, or a load
-when Triton's disk cache has it: start with `TRITON_CACHE_DIR=$(mktemp -d)` to time every first use), and which
-arguments' specialization made the key new.
+(plain, chain 5, tree of topk 4 and 8 tokens, adaptive): a warm-up of 8 tokens per prompt, then three timed runs of
+128 tokens per prompt; for each, tok/s and the kernels that took a new specialization key meanwhile (each a compile,
+or a load when Triton's disk cache has it: start with `TRITON_CACHE_DIR=$(mktemp -d)` to time every first use), and
+which arguments' specialization made the key new.
 
   python -m benchmarks.probes.first_use_compiles [--deterministic] [--out $OUT]
 """
@@ -44,7 +44,8 @@ class CompileLog:
         self.keys.append((self.phase, fn.name, args))
         frames = [f for f in traceback.extract_stack() if "/hyperdraft/" in f.filename and "/kernels/" not in f.filename
                   and "/benchmarks/" not in f.filename]
-        self.callers.append(" < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-3:][::-1]))
+        self.callers.append(" < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                                       for f in frames[-3:][::-1]))
 
     def names(self, phase: str) -> list[str]:
         return [kernel for ph, kernel, _ in self.keys if ph == phase]

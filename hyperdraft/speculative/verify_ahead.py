@@ -14,8 +14,8 @@ queues it (the same TARGET_VERIFY batch a round would build, one index further, 
 round's results copy. The next step uses its outputs when it is again a step-0 round of decodes over the same
 requests; otherwise they are dropped. Dropping is harmless: the queued forward wrote only the target K/V of each
 request's committed next token at its own next index (what the next verify writes anyway), in room reserved when it
-was queued and kept through the commit (a step-0 round keeps its room, as a plain step does), or in a finished request's released slots before
-their next owner writes them (one stream).
+was queued and kept through the commit (a step-0 round keeps its room, as a plain step does), or in a finished
+request's released slots before their next owner writes them (one stream).
 
 Not for hybrid targets: their recurrent state would need the plain worker's two-location walk.
 """
