@@ -64,7 +64,7 @@ class LLM:
 
     # ---- generate -----------------------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
                  input_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True) -> list[GenerateOutput] | GenerateOutput:
         single = isinstance(prompts, str)
         outputs: list[GenerateOutput | None] = [None] * self._count(prompts, input_ids)
@@ -79,7 +79,7 @@ class LLM:
         return outputs[0] if single else outputs
 
     def stream(self, prompts: str | Sequence[str] | None = None,
-               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
                input_ids: Sequence[Sequence[int]] | None = None) -> Iterator[StreamDelta]:
         """Submit requests and yield per-request increments as steps produce them."""
         reqs = self._submit(prompts, sampling_params, input_ids)
@@ -104,8 +104,8 @@ class LLM:
 
     # ---- chat ---------------------------------------------------------------------------------------------------
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             **template_kwargs) -> list[GenerateOutput] | GenerateOutput:
+             sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+             use_tqdm: bool = True, **template_kwargs) -> list[GenerateOutput] | GenerateOutput:
         """Generate the assistant's reply to one conversation (a list of {"role", "content"} dicts) or to a batch
         of them (a list of such lists): one GenerateOutput, or a list. Extra keyword arguments go to the chat
         template (e.g. tools=...)."""
@@ -133,6 +133,8 @@ class LLM:
             raise ValueError("pass exactly one of prompts or input_ids")
         if prompts is not None:
             items = [prompts] if isinstance(prompts, str) else list(prompts)
+            if not all(isinstance(p, str) for p in items):
+                raise ValueError("prompts must be a string or a list of strings (token ids go in input_ids)")
             kw = [dict(prompt=p) for p in items]
         else:
             if not all(isinstance(x, (list, tuple)) for x in input_ids):
@@ -149,11 +151,17 @@ class LLM:
 
     @staticmethod
     def _params(sampling_params, n: int) -> list[SamplingParams]:
+        """One SamplingParams per request. A dict (or a list of them) is read as SGLang's offline Engine.generate
+        takes its sampling_params: SamplingParams field names, unknown ones an error."""
         if sampling_params is None:
             return [SamplingParams() for _ in range(n)]
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(sampling_params)
+        if isinstance(sampling_params, (SamplingParams, dict)):
+            sampling_params = [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)) or not all(isinstance(p, (SamplingParams, dict))
+                                                                     for p in sampling_params):
+            raise ValueError("sampling_params must be a SamplingParams or a dict of its fields, or a list of them, "
+                             f"got {type(sampling_params).__name__}")
+        params = [SamplingParams.from_dict(p) if isinstance(p, dict) else p for p in sampling_params]
         if len(params) != n:
             raise ValueError(f"sampling_params has {len(params)} entries for {n} requests")
         return params

@@ -179,6 +179,26 @@ def test_bad_engine_args(llama_path, make_llm, good_ref, engine_args, field):
     _finish_good(llm, reqs, good_ref)
 
 
+def test_sampling_params_as_dicts_and_their_errors(llama_path, make_llm, good_ref):
+    """SGLang's offline generate takes sampling_params as a dict or a list of dicts: the same results as
+    SamplingParams; a misspelled field, a value of another type, or a prompt that is not text is a ValueError naming
+    what is wrong, and the requests already running finish as before."""
+    llm = make_llm(llama_path, context_length=CONTEXT, page_size=4)
+    reqs = _start_good(llm)
+    one = dict(temperature=0.0, max_new_tokens=N, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(input_ids=GOOD, sampling_params=one, use_tqdm=False)] == good_ref
+    per_request = [dict(one) for _ in GOOD]
+    assert [o.token_ids for o in llm.generate(input_ids=GOOD, sampling_params=per_request, use_tqdm=False)] == good_ref
+    for bad, message in [({"temprature": 0.0}, r"unknown sampling parameter\(s\) \['temprature'\]"),
+                         (5, r"^sampling_params must be a SamplingParams or a dict"),
+                         ([one, "greedy"], r"^sampling_params must be")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(input_ids=GOOD[:2], sampling_params=bad, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompts must be a string or a list of strings"):
+        llm.generate(prompts=["Hello", None], use_tqdm=False)
+    _finish_good(llm, reqs, good_ref)
+
+
 def test_max_running_requests_past_the_pool_is_capped_to_its_pages(llama_path, make_llm, caplog):
     """A request holds a page at least, so rows past the pool's pages could never run; sizing per-row buffers for
     them ran out of host memory at max_running_requests=10**9."""
