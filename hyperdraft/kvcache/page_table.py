@@ -143,21 +143,9 @@ class PageTable:
             self._free_pages.extend(self.cache.evict(short))
         return need <= len(self._free_pages)
 
-    def extra_pages_needed(self, row: int, num_tokens: int) -> int:
-        return max(0, self.pages_for(num_tokens) - len(self._row_pages[row]))
-
     def reserve(self, row: int, num_tokens: int) -> bool:
         """Make room for num_tokens tokens in the row; all or nothing."""
-        need = self.extra_pages_needed(row, num_tokens)
-        if need == 0:
-            return True
-        if not self._take(need):
-            return False
-        pages = self._row_pages[row]
-        if len(pages) + need > self.max_pages_per_row:
-            raise ValueError(f"request needs {num_tokens} tokens, more than the page table row holds")
-        self._set_pages(row, len(pages), [self._free_pages.pop() for _ in range(need)])
-        return True
+        return self.reserve_all([row], [num_tokens])
 
     def reserve_all(self, rows: list[int], num_tokens: list[int]) -> bool:
         """reserve() for many rows, all or nothing: every row gets room for its num_tokens, or nothing changes and
@@ -174,15 +162,10 @@ class PageTable:
             raise ValueError(f"a request needs {max(num_tokens)} tokens, more than the page table row holds")
         if not self._take(total):
             return False
-        free, pending = self._free_pages, self._pending
+        free = self._free_pages
         for row, need in zip(rows, needs):
             if need > 0:
-                pages = row_pages[row]
-                base = row * width + len(pages)
-                for i in range(need):
-                    page = free.pop()
-                    pages.append(page)
-                    pending[base + i] = page
+                self._set_pages(row, len(row_pages[row]), [free.pop() for _ in range(need)])
         return True
 
     def reserve_ahead(self, rows: list[int], num_tokens: list[int]) -> bool:

@@ -99,27 +99,26 @@ class ModelProposer(Proposer):
             fb, first = self.catch_up(reqs, rows.tokens)
             anchor = DraftAnchor.after(fb, rows.step_bases)
             draft = self._draft_tree if tier.is_tree else self._draft_chain
-            proposal = draft(fb, first, anchor, tier, sampling, sampled)
+            proposal = draft(fb, first, anchor, tier, sampling, sampled, key)
         self.caught_up(reqs)
         return proposal
 
     def _draft_chain(self, fb: ForwardBatch, first: ForwardOutput, anchor: DraftAnchor, tier: Tier,
-                     sampling: SamplingBatch, sampled: bool) -> Proposal:
-        """A chain of tier.steps drafts per request, step by step. Greedy, unpenalised rows take the argmax as the
-        draft-loop graphs do: over a draft vocabulary's own logits, never spread to the target's."""
-        greedy = not sampled and sampling.penalties is None
-        choose = choose_argmax if greedy else chain_chooser(sampling, sampled, self.coupled)
+                     sampling: SamplingBatch, sampled: bool, key: SamplingKey | None) -> Proposal:
+        """A chain of tier.steps drafts per request, step by step. Without a sampling key (greedy, unpenalised) it
+        takes the argmax as the draft-loop graphs do: over a draft vocabulary's own logits, never spread."""
+        choose = choose_argmax if key is None else chain_chooser(sampling, sampled, self.coupled)
         tokens, qs = draft_chain(self.runner.forward, fb, first, anchor, tier.steps, choose, self.runner.page_table,
                                  self.capabilities.feeds_hidden, self.capabilities.recurrent_state)
         return Proposal(tokens, [tier.steps] * fb.batch_size, torch.stack(qs, 1) if qs else None)
 
     def _draft_tree(self, fb: ForwardBatch, first: ForwardOutput, anchor: DraftAnchor, tier: Tier,
-                    sampling: SamplingBatch, sampled: bool) -> TreeProposal:
+                    sampling: SamplingBatch, sampled: bool, key: SamplingKey | None) -> TreeProposal:
         """A tree of tier.num_draft_tokens per request: a beam over top-k children, or children drawn from q (a
         sampled tree, verified with the real q). Depth d's frontier sits at RoPE position root + d, written at
         offsets 1 + (d-1)*topk + f past the root."""
         distribution = tree_distribution(sampling, sampled, tier.topk)
-        plain_beam = not sampled and sampling.penalties is None  # greedy rows read no parameter: top-k of the logits
+        plain_beam = key is None  # greedy rows read no parameter: top-k of the logits
         out = draft_tree(self.runner.forward, fb, first, anchor, tier.steps, tier.topk, tier.num_draft_tokens,
                          None if plain_beam else distribution, self.runner.page_table, self.capabilities.feeds_hidden,
                          (sampling.seeds, sampling.positions) if sampled else None, self.capabilities.recurrent_state)
