@@ -19,6 +19,9 @@ passes options instead of patching modules.
   HYPERDRAFT_DECODE_AHEAD=0             decode_ahead=False         no plain decode, nor a step-0 round's next verify,
                                                                    queued before the host reads
   HYPERDRAFT_DRAFT_AHEAD=0              draft_ahead=False          no draft queued before the host reads
+  HYPERDRAFT_PARK_HEAD=0                park_head=False            adaptive step 0 of an EAGLE head as rounds of one-row
+                                                                   verifies (default: plain decodes, the head's inputs
+                                                                   kept by slot until it drafts again)
   HYPERDRAFT_DRAFT_LOOP_GRAPH=0         draft_loop_graphs=False    per-step draft graphs only, no whole-round graphs
   HYPERDRAFT_SAMPLING_ROUND_GRAPH=0     sampling_round_graphs=False
                                                                    whole-round draft graphs for greedy, unpenalised
@@ -74,6 +77,7 @@ _SWITCHES = {
     "graph_segments": ("HYPERDRAFT_GRAPH_SEGMENTS", "0"),
     "decode_ahead": ("HYPERDRAFT_DECODE_AHEAD", "0"),
     "draft_ahead": ("HYPERDRAFT_DRAFT_AHEAD", "0"),
+    "park_head": ("HYPERDRAFT_PARK_HEAD", "0"),
     "draft_loop_graphs": ("HYPERDRAFT_DRAFT_LOOP_GRAPH", "0"),
     "sampling_round_graphs": ("HYPERDRAFT_SAMPLING_ROUND_GRAPH", "0"),
     "emulate_cuda_graphs": ("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1"),
@@ -96,6 +100,7 @@ class RuntimeOptions:
     graph_segments: bool = True
     decode_ahead: bool = True
     draft_ahead: bool = True
+    park_head: bool = True  # speculative/proposers/slot_hidden.py
     draft_loop_graphs: bool = True
     sampling_round_graphs: bool = True
     emulate_cuda_graphs: bool = False

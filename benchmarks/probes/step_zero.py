@@ -1,11 +1,12 @@
-"""EAGLE-3 at adaptive step 0 against plain decoding, with the step-0 round's next verify queued ahead
-(speculative/verify_ahead.py) and without (HYPERDRAFT_DECODE_AHEAD=0 for that engine only).
+"""EAGLE-3 at adaptive step 0 against plain decoding: step-0 steps as rounds (park_head off) with the round's next
+verify queued ahead (speculative/verify_ahead.py), and as plain decodes with the head parked (the default;
+speculative/proposers/slot_hidden.py).
 
 Adaptive tiers give large batches step 0 (64 requests and up on SGLang's default ladder), where a round drafts
-nothing; an EAGLE head still needs every token, so those steps stay rounds. Three engines per batch size over the
-SmolLM2-135M shape (random bf16 weights, an EAGLE-3 head, CUDA graphs to 256) live in one process and are measured in
-turns, so all see the same host: plain decoding (its decode queued ahead), and EAGLE-3 under the default adaptive
-ladder (step 0 from 64 requests), verify-ahead off and on. Wall time per engine step, median over turns.
+nothing; an EAGLE head still needs every token. Three engines per batch size over the SmolLM2-135M shape (random bf16
+weights, an EAGLE-3 head, CUDA graphs to 256) live in one process and are measured in turns, so all see the same host:
+plain decoding (its decode queued ahead), and EAGLE-3 under the default adaptive ladder (step 0 from 64 requests),
+rounds or parked. Wall time per engine step, median over turns.
 
   python -m benchmarks.probes.step_zero [--batch 64 128 256] [--steps 100] [--turns 3] [--out $OUT]
 """
@@ -41,17 +42,19 @@ def started_engine(target: str, spec: dict | None, batch: int, steps: int, turns
 def measure(target: str, head: str, batch: int, steps: int, turns: int) -> dict[str, list[float]]:
     eagle = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_adaptive=True)
     engines = {"plain": started_engine(target, None, batch, steps, turns),
-               "EAGLE-3 step 0, verify-ahead off": started_engine(target, eagle, batch, steps, turns,
-                                                                  decode_ahead=False),
-               "EAGLE-3 step 0, verify-ahead on": started_engine(target, eagle, batch, steps, turns)}
+               "EAGLE-3 step 0, rounds (verify-ahead)": started_engine(target, eagle, batch, steps, turns,
+                                                                       park_head=False),
+               "EAGLE-3 step 0, parked": started_engine(target, eagle, batch, steps, turns)}
     walls: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(turns):
         for name, engine in engines.items():
             walls[name].append(step_us(engine, steps))
-    used = engines["EAGLE-3 step 0, verify-ahead on"].worker.verify_ahead.used
+    used = engines["EAGLE-3 step 0, rounds (verify-ahead)"].worker.verify_ahead.used
+    queued = engines["EAGLE-3 step 0, parked"].worker.plain.ahead_used
     for engine in engines.values():
         free(engine)
-    print(batch, {k: [round(w) for w in v] for k, v in walls.items()}, "verify-ahead used", used, flush=True)
+    print(batch, {k: [round(w) for w in v] for k, v in walls.items()}, "verify-ahead used", used, "decode-ahead used (parked)", queued,
+          flush=True)
     return walls
 
 

@@ -109,7 +109,8 @@ class Engine:
             else SINGLE
         draft = proposer_cls.load_draft(self.spec, model, args, self.device, draft_tp) if proposer_cls else None
         tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
-        self.max_rows, self.page_table = self._page_table(model, draft, tree)
+        parked_bytes = proposer_cls.parked_bytes_per_slot(draft) if self._parks_head() else 0
+        self.max_rows, self.page_table = self._page_table(model, draft, tree, parked_bytes)
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         check_deterministic(self.model_config, self.device, backend, self.options)
         graphs = self._graph_settings(backend, dtype)
@@ -154,12 +155,13 @@ class Engine:
         return PrefixCache(tree, self.page_table, lookahead, draft_kv=proposer is not None and proposer.pool is not None,
                            snapshots=snapshots, draft_state=draft_state)
 
-    def _page_table(self, model, draft, tree: RadixTree | None) -> tuple[int, PageTable]:
+    def _page_table(self, model, draft, tree: RadixTree | None, parked_bytes: int) -> tuple[int, PageTable]:
         """(rows, one page table for every pool): the budget goes to the recurrent states of the rows first (hybrid
-        models), the rest to K/V pages, split by the target's and the draft's bytes per token."""
+        models), the rest to K/V pages, split by the target's and the draft's bytes per token (and a parked head's
+        inputs, parked_bytes a slot)."""
         args = self.args
         models = [m for m in (model, draft) if m is not None]
-        bytes_per_slot = sum(kv_bytes_per_slot(m) for m in models)
+        bytes_per_slot = sum(kv_bytes_per_slot(m) for m in models) + parked_bytes
         budget = self.lockstep.tp.agree_min(memory_budget_bytes(args, bytes_per_slot, self.device))
         state_per_row = sum(state_bytes_per_row(m, self._verify_width()) for m in models)
         if tree is not None:  # the prefix cache's state snapshots, one per row
@@ -196,16 +198,23 @@ class Engine:
         if self.spec is None:
             return ModelWorker(self.runner, self.options.decode_ahead)
         timer = PhaseTimer(self.device, self.options.record_step_time)
-        ctx = ProposerContext(self.spec, self.runner, backend, graphs, self.options, timer, self.max_rows)
+        ctx = ProposerContext(self.spec, self.runner, backend, graphs, self.options, timer, self.max_rows,
+                              self._parks_head())
         tiers = make_tier_source(self.spec.tier, self.spec.adaptive, list(graphs.batch_sizes) if graphs else None)
         proposer = proposer_cls.build(ctx, draft)
-        # Step 0 as plain decodes (speculative/worker.py): only a drafter idle there, and a dense target (a hybrid
-        # model's queued decode keeps states the rounds do not know about).
-        plain = (ModelWorker(self.runner, self.options.decode_ahead)
-                 if self.spec.adaptive is not None and proposer.capabilities.idle_at_step_zero
-                 and self.runner.state_pool is None else None)
+        sink = proposer.decode_sink()
+        plain = (ModelWorker(self.runner, self.options.decode_ahead, sink, as_rounds=True)
+                 if self._plain_step_zero() and (proposer.capabilities.idle_at_step_zero or sink is not None) else None)
         return SpecWorker(self.runner, proposer, self.spec, tiers, timer, self.lockstep.tp, plain,
                           verify_ahead=self.options.decode_ahead)
+
+    def _plain_step_zero(self) -> bool:
+        """Step-0 batches of decodes may run as plain decodes (speculative/worker.py): under adaptive tiers, over a
+        dense target (a hybrid model's queued decode keeps states the rounds do not know about)."""
+        return self.spec is not None and self.spec.adaptive is not None and not self.model_config.is_hybrid
+
+    def _parks_head(self) -> bool:
+        return self._plain_step_zero() and self.options.park_head
 
     def _graph_settings(self, backend: str, dtype: torch.dtype) -> GraphSettings | None:
         """The batch sizes to capture CUDA graphs for, or None when every forward runs eagerly."""

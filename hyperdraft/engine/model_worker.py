@@ -14,6 +14,10 @@ decode instead writes its requests' new states to the other of two locations (th
 reads the one that holds them now. state_at (host bookkeeping, no sync) says where each row's state is: a queued
 decode that is used moves it there; one that is thrown away leaves it, the location it wrote being the spare one. A
 decode scheduled normally reads state_at and writes the slot, so every other step finds states in their slots.
+
+A speculative engine runs its step-0 batches through this worker too (speculative/worker.py). A drafter that must
+see every token (an EAGLE head) gives it a DecodeSink: every decode, queued ahead or not, captures the layers the
+sink names and hands it the outputs.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft.core.forward_batch import ForwardMode, build_forward_batch
+from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from hyperdraft.core.host_copy import HostCopy, to_device
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
-from hyperdraft.runner.model_runner import ModelRunner
+from hyperdraft.runner.model_runner import DecodeSink, ForwardOutput, ModelRunner
 from hyperdraft.runner.next_token import next_token_batch
 from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
@@ -48,9 +52,15 @@ class AheadDecode:
 class ModelWorker:
     decode_reserve = 1  # K/V room a decode needs past its tokens
 
-    def __init__(self, runner: ModelRunner, decode_ahead: bool = True):
+    def __init__(self, runner: ModelRunner, decode_ahead: bool = True, sink: DecodeSink | None = None,
+                 as_rounds: bool = False):
+        """as_rounds: its steps stand in for a speculative worker's rounds of no drafts (step 0), and each result says
+        so (a verify of 0 drafts, its room kept), built that way rather than rewritten per request after."""
         self.runner = runner
         self.decode_ahead = decode_ahead  # RuntimeOptions.decode_ahead
+        self.sink = sink
+        self.result_fields = {"num_drafted": 0, "keeps_room": True} if as_rounds else {}
+        self.capture_layers = sink.capture_layers if sink is not None else ()
         self.sampler = Sampler()
         self.sampling = SamplingBatchCache(runner.config.vocab_size, runner.device)
         self.ahead: AheadDecode | None = None
@@ -73,6 +83,7 @@ class ModelWorker:
         items = batch.items
         reqs = [it.req for it in items]
         decoding = all(it.is_decode for it in items)
+        assert decoding or self.sink is None, "a sink sees decodes only: the speculative worker runs the rest"
         ahead, self.ahead = self.ahead, None
         if ahead is not None and decoding and same_requests(reqs, ahead.reqs):
             self.ahead_used += 1
@@ -84,7 +95,7 @@ class ModelWorker:
             self._moved_states(reqs, [-1] * len(reqs))
             sampling = [it.req for it in items if it.samples]
             if not sampling:
-                return [RequestResult(num_committed=it.num_tokens) for it in items]
+                return [RequestResult(it.num_tokens, **self.result_fields) for it in items]
             sb = self.sampling.get(sampling)
             sampled = self.sampler.sample(logits, sb)
         copy = HostCopy(sampled)  # the step's one device-to-host copy, queued
@@ -92,8 +103,9 @@ class ModelWorker:
             self._decode_ahead(reqs, sb, sampled.tokens)
         host = copy.wait()
         rows = iter(sampled_rows(host))
-        return [RequestResult(it.num_tokens, *next(rows)) if it.samples else RequestResult(it.num_tokens)
-                for it in items]
+        fields = self.result_fields
+        return [RequestResult(it.num_tokens, *next(rows), **fields) if it.samples
+                else RequestResult(it.num_tokens, **fields) for it in items]
 
     def _forward(self, items, decoding: bool) -> torch.Tensor:
         """The step's forward -> the logits of its sampling items, in item order. Decodes with prompt tails beside
@@ -102,8 +114,8 @@ class ModelWorker:
         inputs = [it.forward_input() for it in items]
         table, device = self.runner.page_table, self.runner.device
         if decoding:
-            return self.runner.forward(build_forward_batch(ForwardMode.DECODE, inputs, table, device,
-                                                           **self._state_walk(items))).logits
+            return self._decode(build_forward_batch(ForwardMode.DECODE, inputs, table, device,
+                                                    **self._state_walk(items))).logits
         num_decodes = sum(it.is_decode for it in items)  # the scheduler puts them first
         tails = None
         graphs = self.runner.graphs
@@ -137,9 +149,15 @@ class ModelWorker:
         fb = next_token_batch(ForwardMode.DECODE, reqs, tokens, page_table, self.runner.device, **walk)
         if fb is None:
             return
-        out = self.runner.forward(fb)
+        out = self._decode(fb)
         next_sb = sb.at_offset(tokens[:, None])  # one position on; penalties count the token just sampled
         self.ahead = AheadDecode(list(reqs), next_sb, self.sampler.sample(out.logits, next_sb), targets)
+
+    def _decode(self, fb: ForwardBatch) -> ForwardOutput:
+        out = self.runner.forward(fb, self.capture_layers)
+        if self.sink is not None:
+            self.sink.keep(fb, out)
+        return out
 
     def _state_walk(self, items) -> dict:
         """build_forward_batch's state arguments for a scheduled step: its leading decodes read their states where

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -57,6 +58,16 @@ class ForwardOutput:
         if self.vocab is not None:
             return self.vocab.argmax(self.logits, out)
         return argmax_rows(self.logits, out)
+
+
+class DecodeSink(Protocol):
+    """What a plain decode hands beside its logits to a drafter that skips step-0 rounds but must see every token (an
+    EAGLE head: speculative/proposers/slot_hidden.py)."""
+
+    capture_layers: tuple[int, ...]  # target layers whose input states the decode must capture for it
+
+    def keep(self, fb: ForwardBatch, out: ForwardOutput) -> None:
+        """Take what it needs of a decode's outputs (queued on the device; no sync)."""
 
 
 class GraphedRunner:

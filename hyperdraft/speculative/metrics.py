@@ -52,6 +52,13 @@ class SpecMetrics:
             self.proposed_by_position[j] += proposed_left
             self.accepted_by_position[j] += accepted_left
 
+    def observe_idle(self, num_requests: int) -> None:
+        """observe() of a step-0 step: every request drafted nothing and emitted one token (no per-request work)."""
+        self.verify_forwards += 1
+        self.verifies += num_requests
+        self.emitted_tokens += num_requests
+        self.accept_length_hist[1] += num_requests
+
     def summary(self) -> dict:
         return {
             "avg_spec_accept_length": self.emitted_tokens / self.verifies if self.verifies else 0.0,

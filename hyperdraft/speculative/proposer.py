@@ -35,7 +35,7 @@ from hyperdraft.kvcache.kv_pool import KVPool
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.request import Request
 from hyperdraft.runner.graph_runner import GraphSettings
-from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
+from hyperdraft.runner.model_runner import DecodeSink, ForwardOutput, ModelRunner
 from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.config import SpecConfig
@@ -72,6 +72,9 @@ class ProposerContext:
     options: RuntimeOptions
     timer: PhaseTimer
     max_rows: int  # page-table rows: per-request buffers are sized for all of them
+    # Step-0 batches of decodes run as the plain worker's decodes, and a drafter that must see every token keeps its
+    # inputs from them by slot (speculative/proposers/slot_hidden.py; adaptive tiers, a dense target, park_head on).
+    parks_head: bool = False
 
 
 class Proposer(Protocol):
@@ -85,6 +88,11 @@ class Proposer(Protocol):
         """The draft model this algorithm runs (None: it needs none), loaded and checked against the target. tp: the
         group a draft that can split is split over (SINGLE: whole on every rank)."""
         return None
+
+    @classmethod
+    def parked_bytes_per_slot(cls, draft: torch.nn.Module | None) -> int:
+        """Bytes per K/V slot the proposer keeps for parked requests when ProposerContext.parks_head holds."""
+        return 0
 
     @classmethod
     def build(cls, ctx: ProposerContext, draft: torch.nn.Module | None) -> "Proposer":
@@ -121,6 +129,14 @@ class Proposer(Protocol):
 
     def discard_ahead(self) -> None:
         """Forget a draft queued ahead (capabilities.drafts_ahead): a step ran without a round; it follows nothing."""
+
+    def decode_sink(self) -> DecodeSink | None:
+        """What reads the plain worker's step-0 decodes for the drafter (ProposerContext.parks_head), or None."""
+        return None
+
+    def park(self, reqs: list[Request]) -> None:
+        """These decoding requests are about to take a step-0 step as the plain worker's decode (decode_sink reads
+        it): whatever the drafter's next round needs moves where that sink keeps it."""
 
     def flush_history(self) -> None:
         """Forget what earlier requests taught the drafter (flush_cache, as SGLang's resets its n-gram cache): a

@@ -13,12 +13,14 @@
   commit   the round decodes the copy (a pure function) into a RoundOutcome; the worker commits the proposer and
            feeds the metrics and the tier source from it; the scheduler then keeps K/V by length
 
-A step of decodes only whose tier is step 0, for a drafter idle there (NGRAM, STANDALONE), runs as the plain
-worker's decode step instead of a round of one-row verifies: the plain worker queues the next decode before the host
-waits (engine/model_worker.py), which a round cannot. On an H100 NGRAM's step-0 rounds ran 17-35% below plain
-decoding at 64-256 requests (benchmarks/results/batch_curve_h100.md). Any other step first discards that queued
-decode. A drafter that must see every token (an EAGLE head) keeps its step-0 rounds; each queues the next round's
-verify instead (verify_ahead.py).
+A step of decodes only whose tier is step 0 runs as the plain worker's decode step instead of a round of one-row
+verifies: the plain worker queues the next decode before the host waits (engine/model_worker.py), which a round
+cannot. On an H100 NGRAM's step-0 rounds ran 17-35% below plain decoding at 64-256 requests
+(benchmarks/results/batch_curve_h100.md). Any other step first discards that queued decode. NGRAM and STANDALONE are
+idle there; an EAGLE head, which must see every token, parks (proposers/slot_hidden.py): the decodes keep its input
+states by slot, and its next round consumes them. With park_head off (or a hybrid target, for which the plain worker
+never runs speculative steps), an EAGLE head's step-0 steps stay rounds, each queuing the next round's verify
+(verify_ahead.py).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class SpecWorker:
         tier = self.last_tier = self.tiers.tier_for(len(decodes)) if decodes else self.last_tier
         if self.plain is not None:
             if decodes and not prefills and tier.steps == 0:
-                return self._decode_plainly(batch, tier, start)
+                return self._decode_plainly(batch, [it.req for it in decodes], tier, start)
             self.plain.discard_ahead()
         round_ = self._draft([it.req for it in decodes], tier) if decodes else None
         out = self.verify_ahead.take(round_, with_prefills=bool(prefills))  # queued by the step before, or None
@@ -143,17 +145,21 @@ class SpecWorker:
         hidden = self.proposer.target_hidden(out)[: len(tails) * width].view(len(tails), width, -1)
         return out.logits, torch.cat([hidden[i, : width - t.padding] for i, t in enumerate(tails)])  # <= 4 tails
 
-    def _decode_plainly(self, batch: ScheduledBatch, tier: Tier, start: float) -> list[RequestResult]:
+    def _decode_plainly(self, batch: ScheduledBatch, reqs: list[Request], tier: Tier,
+                        start: float) -> list[RequestResult]:
         """A step-0 batch of decodes as the plain worker's step. For the metrics, the tier source and each request it
-        is a round that drafted nothing (as a round would report it); its room stays, as a plain step's does."""
+        is a round that drafted nothing (the plain worker's results say so); its room stays, as a plain step's does.
+        Nothing here is per request beyond what the plain step does: at 256 requests a per-result rewrite cost more
+        than the step's own commit."""
         self.metrics.observe_tier(tier)
         self.proposer.discard_ahead()  # as a round's draft_ahead at step 0 would have
+        self.proposer.park(reqs)
         results = self.plain.run(batch)
-        nothing = [0] * len(results)
-        self.metrics.observe(nothing, nothing, proposed=nothing)
+        self.metrics.observe_idle(len(results))
         seconds = self.tp.first_rank_value(time.perf_counter() - start)
+        nothing = [0] * len(results)
         self.tiers.observe(len(results), nothing, drafted=nothing, step_seconds=seconds)
-        return [dataclasses.replace(res, num_drafted=0, keeps_room=True) for res in results]
+        return results
 
     def _draft(self, reqs: list[Request], tier: Tier) -> ChainRound | TreeRound:
         self.metrics.observe_tier(tier)

@@ -142,25 +142,33 @@ def test_step_zero_as_plain_decodes_on_every_rank(models, tmp_path):
     assert slots[0] == slots[1], slots  # every rank switched with rank 0
 
 
-def test_eagle_step_zero_verifies_ahead_on_every_rank(models, monkeypatch, tmp_path):
-    """An EAGLE-3 head's step-0 rounds queue their next verify (speculative/verify_ahead.py), a forward with the
-    target's all-reduces: every rank queues, uses and drops it in the same steps (emulated graphs), and TP 2 gives
-    TP 1's output with every pool free."""
+@pytest.mark.parametrize("park", [False, True], ids=["rounds", "parked"])
+def test_eagle_step_zero_on_every_rank(models, monkeypatch, tmp_path, park):
+    """rounds (park_head off): an EAGLE-3 head's step-0 rounds queue their next verify (speculative/verify_ahead.py), a
+    forward with the target's all-reduces: every rank queues, uses and drops it in the same steps (emulated graphs).
+    parked: step 0 from 3 requests runs as plain decodes, queued ahead on every rank, the head's inputs kept by slot;
+    rounds of 3 once two requests are left unpark it. Either way TP 2 gives TP 1's output with every pool free."""
     monkeypatch.setenv("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1")  # the spawned ranks inherit it
-    cfg = tmp_path / "zero_only.json"
-    cfg.write_text(json.dumps({"1": {"candidate_steps": [0]}}))
+    monkeypatch.setenv("HYPERDRAFT_PARK_HEAD", "1" if park else "0")
+    cfg = tmp_path / "ladder.json"
+    cfg.write_text(json.dumps({"1": {"candidate_steps": [3]}, "3": {"candidate_steps": [0]}} if park
+                              else {"1": {"candidate_steps": [0]}}))
     prompts = mixed_prompts(4, seed=7, max_len=30)
     params = [greedy(n) for n in (16, 9, 16, 12)]  # the batch changes: queued verifies are dropped too
     args = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"], cuda_graph_max_bs=4,
                 speculative_adaptive=True, speculative_adaptive_config=str(cfg), speculative_num_steps=0)
     want, _ = _outputs(models["llama6"], prompts, params, **args)
     assert want == _outputs(models["llama6"], prompts, params)[0]  # greedy: plain decoding's tokens
-    got, states, counts = _outputs_inspected(
-        lambda llm: (llm.engine.worker.verify_ahead.used, llm.engine.worker.verify_ahead.dropped), models["llama6"],
-        prompts, params, tp_size=2, **args)
+    def queued(llm):
+        worker = llm.engine.worker
+        if park:
+            return worker.plain.ahead_used, worker.plain.ahead_discarded
+        return worker.verify_ahead.used, worker.verify_ahead.dropped
+
+    got, states, counts = _outputs_inspected(queued, models["llama6"], prompts, params, tp_size=2, **args)
     assert got == want
     _check_pools_free(states, 2)
-    assert counts[0] > 5 and counts[1] > 0, counts
+    assert counts[0] > (2 if park else 5) and counts[1] > 0, counts
 
 
 def test_flush_cache_empties_every_ranks_ngram_history(models):

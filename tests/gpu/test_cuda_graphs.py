@@ -207,22 +207,26 @@ def test_prompts_admitted_beside_running_requests(models, name):
     assert graphed == reference, f"{name}: graphs with prompt tails beside running requests != plain decoding"
 
 
-@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
-def test_step_zero_as_plain_decodes_in_graphs(models, algo, tmp_path):
+@pytest.mark.parametrize("mode", ["float32", "bfloat16-deterministic"])
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE", "EAGLE3"])
+def test_step_zero_as_plain_decodes_in_graphs(models, algo, mode, tmp_path):
     """Adaptive step 0 runs as the plain worker's step (speculative/worker.py): its decodes replay the decode graph and
-    queue the next decode ahead. Tiers 3, 0, 3, 0 (a huge down-hysteresis, then the probe) make every round follow a
-    plain step, whose queued decode it must throw away. fp32: token for token spec off."""
+    queue the next decode ahead; an EAGLE-3 head parks (its inputs kept by slot from those decodes, consumed by the
+    next round). Tiers 3, 0, 3, 0 (a huge down-hysteresis, then the probe) make every round follow a plain step, whose
+    queued decode it must throw away. Token for token spec off: fp32, and bf16 in deterministic mode (bitwise)."""
+    dtype, deterministic = MODES[mode]
     cfg = tmp_path / "zero_three.json"
     cfg.write_text(json.dumps({"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1,
                                "1": {"candidate_steps": [0, 3], "down_hysteresis": 10.0}}))
     case = dict(speculative_algorithm=algo, speculative_adaptive=True, speculative_adaptive_config=str(cfg),
-                speculative_num_steps=0)
-    if algo == "STANDALONE":
-        case["speculative_draft_model_path"] = models["draft"]
-    key = (models["target"], "float32")
+                speculative_num_steps=0, enable_deterministic_inference=deterministic)
+    target = models["target6" if algo == "EAGLE3" else "target"]
+    if algo != "NGRAM":
+        case["speculative_draft_model_path"] = models["draft" if algo == "STANDALONE" else "eagle3"]
+    key = (target, mode)
     if key not in _SPEC_OFF:
-        _SPEC_OFF[key] = _run(models["target"], "float32", disable_cuda_graph=True)[0]
-    llm = LLM(models["target"], device="cuda", dtype="float32", attention_backend="triton", max_total_tokens=8192,
+        _SPEC_OFF[key] = _run(target, dtype, disable_cuda_graph=True, enable_deterministic_inference=deterministic)[0]
+    llm = LLM(target, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=8192,
               skip_tokenizer_init=True, cuda_graph_max_bs=4, **case)
     params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
     outs = [o.token_ids for o in llm.generate(input_ids=_prompts(), sampling_params=params, use_tqdm=False)]
@@ -232,14 +236,14 @@ def test_step_zero_as_plain_decodes_in_graphs(models, algo, tmp_path):
     assert llm.engine.flush_cache() and llm.engine.kv_free_slots == llm.engine.kv_capacity_slots  # the prefix cache
     # holds finished requests' pages until flushed
     llm.shutdown()
-    assert outs == _SPEC_OFF[key], f"{algo}: step 0 as plain decodes changed the output"
+    assert outs == _SPEC_OFF[key], f"{algo} {mode}: step 0 as plain decodes changed the output"
     assert tiers.get("0", 0) > 5 and tiers.get("3", 0) > 5, tiers
     assert discarded > 0, "no queued decode was thrown away: the plain steps never queued one"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_eagle_step_zero_verifies_ahead_in_graphs(models, dtype, tmp_path):
-    """EAGLE-3 at adaptive step 0 (a ladder of step 0 only): each round queues the next round's verify
+    """EAGLE-3 at adaptive step 0 (a ladder of step 0 only), head not parked: each round queues the next round's verify
     (speculative/verify_ahead.py), a replay of the one-token graph, used when the next step is a step-0 round of the
     same requests. fp32: token for token spec off; bf16: bitwise the same engine with queuing off (same graphs)."""
     cfg = tmp_path / "zero_only.json"
@@ -250,7 +254,7 @@ def test_eagle_step_zero_verifies_ahead_in_graphs(models, dtype, tmp_path):
     outs = {}
     for ahead in (True, False):
         llm = LLM(target, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=8192,
-                  skip_tokenizer_init=True, runtime_options=RuntimeOptions.from_env(decode_ahead=ahead), **case)
+                  skip_tokenizer_init=True, runtime_options=RuntimeOptions.from_env(decode_ahead=ahead, park_head=False), **case)
         params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
         outs[ahead] = [o.token_ids for o in llm.generate(input_ids=_prompts(), sampling_params=params, use_tqdm=False)]
         used = llm.engine.worker.verify_ahead.used

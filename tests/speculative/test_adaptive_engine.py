@@ -194,10 +194,10 @@ def test_draft_state_survives_step_zero(models, plain):
     assert state["spec_acceptance_rate"] > 0.99, state
 
 
-def _run_graphed(models, prompts, params, target="target", ahead=True, **engine_args):
+def _run_graphed(models, prompts, params, target="target", ahead=True, park=True, **engine_args):
     """Emulated CUDA graphs (CPU): the plain worker queues each next decode ahead only where a graph runs it, and so
     does a speculative worker a step-0 round's next verify (counts: the plain worker's, else the verify-ahead's)."""
-    options = RuntimeOptions(emulate_cuda_graphs=True, decode_ahead=ahead)
+    options = RuntimeOptions(emulate_cuda_graphs=True, decode_ahead=ahead, park_head=park)
     llm = LLM(models[target], device="cpu", dtype="float32", runtime_options=options, cuda_graph_max_bs=4,
               **engine_args)
     outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -262,7 +262,7 @@ def test_between_step_zero_and_rounds(models, algo, penalty):
     SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=32, ignore_eos=True, seed=11),
 ], ids=["greedy", "penalised", "sampled"])
 def test_eagle_step_zero_verifies_ahead(models, ladder, params):
-    """An EAGLE-3 head must see every token, so its step-0 rounds stay rounds; each queues the next round's verify
+    """With park_head off an EAGLE-3 head's step-0 steps stay rounds (it must see every token); each queues the next round's verify
     (verify_ahead.py) and the next step-0 round of the same requests uses it. Tiers 0 only, or 3, 0, 3, 0 (every
     round after a step-0 round drops the queued verify), requests finishing at different steps (the batch changes):
     the output equals plain decoding's (greedy, penalised) and the same engine's without queuing (seeded sampling),
@@ -275,11 +275,11 @@ def test_eagle_step_zero_verifies_ahead(models, ladder, params):
     batch_params = [dataclasses.replace(params, max_new_tokens=n) for n in lengths]
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"],
                 speculative_adaptive=True, speculative_adaptive_config=cfg, speculative_num_steps=0)
-    outs, counts, state = _run_graphed(models, REPETITIVE, batch_params, **spec)
+    outs, counts, state = _run_graphed(models, REPETITIVE, batch_params, park=False, **spec)
     if params.temperature == 0:
         want, _, _ = _run_graphed(models, REPETITIVE, batch_params)
     else:
-        want, _, _ = _run_graphed(models, REPETITIVE, batch_params, ahead=False, **spec)
+        want, _, _ = _run_graphed(models, REPETITIVE, batch_params, ahead=False, park=False, **spec)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     if ladder == "zero_only":  # queued verifies served the step-0 rounds after them, and went where the batch changed;
         # so did the head's catch-ups, queued as round graphs of the catch-up alone

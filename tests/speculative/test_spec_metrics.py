@@ -33,3 +33,14 @@ def test_observe_equals_walk_over_positions():
             _reference(expect, lens, accepted, proposed)
         assert vars(got) == vars(expect)
         assert 0 < got.summary()["spec_acceptance_rate"] < 1
+
+
+def test_observe_idle_equals_observe_of_no_drafts():
+    """A step-0 step's O(1) update leaves every counter where observe() of zero drafts per request leaves it."""
+    got, expect = SpecMetrics(4), SpecMetrics(4)
+    for m in (got, expect):
+        m.observe([3, 1], [2, 0])
+    for n in (1, 5, 256):
+        got.observe_idle(n)
+        expect.observe([0] * n, [0] * n, proposed=[0] * n)
+    assert vars(got) == vars(expect)

@@ -14,6 +14,9 @@ hidden_buf[row, : n - d] holds the target's h_d .. h_{n-1} (n = req.num_computed
              accepted path (root + accepted nodes, compacted) become hidden_buf[row, : a+1]
   prefill    a chunk [s, e) feeds positions up to e-2; position e-1 waits in hidden_buf for the next chunk or
              round (its next token may be the one about to be sampled).
+  parked     adaptive step 0 as plain decodes (slot_hidden.py): h_d .. h_{n-1} wait in SlotHidden at their slots
+             instead; the next round first extends the head over d .. n-2 from there, leaving n-1 pending, as a prefill
+             chunk does.
 Every buffer here is sized from the head's own dimensions, never the target's.
 """
 
@@ -40,11 +43,14 @@ from hyperdraft.models.hybrid import HybridLM
 from hyperdraft.models.mtp import MtpHead, load_mtp_head, load_model_config_if_model
 from hyperdraft.request import Request
 from hyperdraft.runner.graph_runner import GraphSettings
-from hyperdraft.runner.model_runner import ForwardOutput, GraphedRunner
+from hyperdraft.runner.model_runner import DecodeSink, ForwardOutput, GraphedRunner
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.config import SpecConfig
 from hyperdraft.speculative.proposer import ProposerCapabilities, ProposerContext
+from hyperdraft.sample.logits_ops import SamplingBatch
+from hyperdraft.speculative.proposal import Proposal, TreeProposal
 from hyperdraft.speculative.proposers.model_proposer import ModelProposer
+from hyperdraft.speculative.proposers.slot_hidden import SlotHidden
 
 
 class HeadRunner(GraphedRunner):
@@ -91,6 +97,10 @@ class EagleProposer(ModelProposer):
                              f"({head.config.architecture}), but speculative_algorithm is {spec.algorithm}")
         return head
 
+    @classmethod
+    def parked_bytes_per_slot(cls, draft: EagleHead | Eagle3Head | MtpHead) -> int:
+        return SlotHidden.bytes_per_slot(draft.hidden_size, next(draft.parameters()).dtype)
+
     def __init__(self, ctx: ProposerContext, head: EagleHead | Eagle3Head | MtpHead):
         self.head = head
         param = next(head.parameters())
@@ -104,6 +114,39 @@ class EagleProposer(ModelProposer):
         # Sized from the head's own hidden size, for the widest round any tier can run.
         self.hidden_buf = torch.zeros(ctx.max_rows, ctx.spec.max_verify_tokens + 1, head.hidden_size, dtype=self.dtype,
                                       device=self.device)
+        self.slot_hidden = SlotHidden(self.page_table, head.hidden_size, self.dtype, self.device,
+                                      self.capabilities.capture_layers, self.target_hidden) if ctx.parks_head else None
+
+    def decode_sink(self) -> DecodeSink | None:
+        return self.slot_hidden
+
+    # ---- parked (slot_hidden.py) ----------------------------------------------------------------------------------
+    def park(self, reqs: list[Request]) -> None:
+        if self.slot_hidden is not None:
+            self.slot_hidden.park(reqs, self.hidden_buf)
+
+    def propose(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch) -> Proposal | TreeProposal:
+        if self.slot_hidden is not None:
+            self._unpark(self.slot_hidden.unpark(reqs))
+        return super().propose(reqs, tier, sampling)
+
+    def _unpark(self, reqs: list[Request]) -> None:
+        """Feed each parked request's positions d .. n-2 from SlotHidden (one eager extend for all of them) and leave
+        position n-1 pending in hidden_buf: the round's catch-up starts there, as after a prefill chunk."""
+        if not reqs:
+            return
+        fed = [r for r in reqs if r.num_computed - 1 > r.draft_num_computed]
+        rows = [r.row for r in fed for _ in range(r.draft_num_computed, r.num_computed - 1)]
+        index = [i for r in fed for i in range(r.draft_num_computed, r.num_computed - 1)]
+        kept = self.slot_hidden.gather(rows + [r.row for r in reqs], index + [r.num_computed - 1 for r in reqs])
+        if fed:
+            inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.num_computed), 0)
+                      for r in fed]
+            self._forward(build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device),
+                          kept[: len(index)])
+        self.hidden_buf[to_device([r.row for r in reqs], torch.int64, self.device), 0] = kept[len(index):]
+        for r in reqs:
+            r.draft_num_computed = r.num_computed - 1
 
     # ---- the head -----------------------------------------------------------------------------------------------
     def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +166,8 @@ class EagleProposer(ModelProposer):
         """items: the prefill chunks of this step; target_hidden: [sum of chunk lengths, H], in item order.
         A chunk [s, e) feeds positions d .. e-2 (d <= s: a position left pending by the previous chunk is fed
         from hidden_buf) and leaves position e-1 pending, so a round always has a position to start from."""
+        if self.slot_hidden is not None:
+            self.slot_hidden.forget([it.req for it in items])
         inputs, pieces, start = [], [], 0
         for it in items:
             req, s, e = it.req, it.req.num_computed, it.req.num_computed + it.num_tokens

@@ -1,0 +1,117 @@
+"""An EAGLE head parked at adaptive step 0 (speculative/proposers/slot_hidden.py), CPU fp32: step-0 steps run as the
+plain worker's decodes, the head's inputs wait by slot, and the next round extends the head over them. Outputs never
+change, and the head's K/V after unparking is the K/V the rounds path (park_head off) builds token by token."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from hyperdraft import LLM, SamplingParams
+from hyperdraft.options import RuntimeOptions
+from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+from hyperdraft.testing.tiny import make_tiny_model
+from tests.conftest import assert_engine_clean
+
+torch.set_num_threads(1)
+
+PROMPTS = [[5, 6, 7] * 6, [9, 8] * 8, [1, 2, 3, 4] * 4, [20, 21] * 9]
+LADDERS = {
+    "zero_only": {"1": {"candidate_steps": [0]}},
+    # 3, 0, 3, 0, ...: a huge down-hysteresis drops after every round, the probe climbs back: parks and unparks
+    "zero_three": {"ema_alpha": 1.0, "warmup_batches": 0, "update_interval": 1,
+                   "1": {"candidate_steps": [0, 3], "down_hysteresis": 10.0}},
+    # by batch size: 3 or more requests decode plainly, fewer draft 2 (requests finishing move the batch across)
+    "by_batch": {"1": {"candidate_steps": [2]}, "3": {"candidate_steps": [0]}},
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parked")
+    target = make_tiny_model(str(root / "target"), "llama", num_hidden_layers=4)
+    head = write_random_eagle_checkpoint(str(root / "e3"), target, kind="eagle3", draft_vocab_size=200)
+    configs = {}
+    for name, ladder in LADDERS.items():
+        configs[name] = root / f"{name}.json"
+        configs[name].write_text(json.dumps(ladder))
+    return {"target": target, "eagle3": head, "configs": configs}
+
+
+def _llm(models, ladder: str | None, park: bool = True, ahead: bool = True) -> LLM:
+    options = RuntimeOptions(emulate_cuda_graphs=True, decode_ahead=ahead, park_head=park)
+    spec = {} if ladder is None else dict(
+        speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"], speculative_adaptive=True,
+        speculative_adaptive_config=str(models["configs"][ladder]), speculative_num_steps=0)
+    return LLM(models["target"], device="cpu", dtype="float32", runtime_options=options, cuda_graph_max_bs=4, **spec)
+
+
+def _generate(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
+    outs = llm.generate(input_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+    assert_engine_clean(llm)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("ladder", ["zero_only", "zero_three", "by_batch"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True),
+    SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, repetition_penalty=1.3),
+    SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=32, ignore_eos=True, seed=11),
+], ids=["greedy", "penalised", "sampled"])
+def test_parked_step_zero_equals_plain(models, ladder, params):
+    """Spec on (parked step 0, rounds between) equals spec off (greedy, penalised) and equals the same engine with the
+    head kept in step by rounds (seeded sampling); requests finish at different steps (the batch changes); the pool
+    ends free. Step-0 steps really ran as the plain worker's, its next decode queued ahead: used by the step-0 step
+    after it, thrown away by a round."""
+    batch_params = [dataclasses.replace(params, max_new_tokens=n) for n in [32, 12, 20, 32]]
+    llm = _llm(models, ladder)
+    outs = _generate(llm, batch_params)
+    if params.temperature == 0:
+        want = _generate(_llm(models, None), batch_params)
+    else:
+        want = _generate(_llm(models, ladder, park=False), batch_params)
+    assert outs == want
+    worker = llm.engine.worker
+    tiers = llm.get_server_info()["internal_states"][0]["spec_steps_per_tier"]
+    used, discarded = worker.plain.ahead_used, worker.plain.ahead_discarded
+    assert (discarded > 5 and used == 0) if ladder == "zero_three" else used > 5, (used, discarded)
+    assert tiers.get("0", 0) > 5 and (ladder == "zero_only") == (len(tiers) == 1), tiers
+
+
+def _head_kv(engine, req) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's K and V at positions 0 .. draft_num_computed - 1 of a running request."""
+    table = engine.page_table
+    index = torch.arange(req.draft_num_computed)
+    slots = table.token_slots(torch.full_like(index, req.row), index)
+    pool = engine.worker.proposer.pool
+    return pool.k[:, slots], pool.v[:, slots]
+
+
+def test_unparked_head_kv_equals_the_rounds_path(models):
+    """Two engines in lockstep, parking and not, greedy: after every step, each request the parking engine has caught
+    up (not parked) holds the head K/V the rounds path holds at the same positions. Requests that were parked for
+    many tokens and then drafted again (the batch shrank below 3) must be among those compared."""
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in [30, 10, 16, 30]]
+    parked, rounds = _llm(models, "by_batch").engine, _llm(models, "by_batch", park=False).engine
+    for engine in (parked, rounds):
+        for ids, p in zip(PROMPTS, params):
+            engine.add_request(input_ids=ids, params=p)
+    slot_hidden = parked.worker.proposer.slot_hidden
+    longest_unparked = 0
+    while parked.has_unfinished():
+        parked.step()
+        rounds.step()
+        twins = {r.rid: r for r in rounds.scheduler.running}
+        for req in parked.scheduler.running:
+            twin = twins[req.rid]
+            assert req.token_ids(0, req.seq_len) == twin.token_ids(0, twin.seq_len)
+            if slot_hidden.is_parked(req) or req.draft_num_computed != twin.draft_num_computed:
+                continue
+            for mine, theirs in zip(_head_kv(parked, req), _head_kv(rounds, twin)):
+                torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+            longest_unparked = max(longest_unparked, req.draft_num_computed - len(req.prompt_ids))
+    assert not rounds.has_unfinished()
+    assert longest_unparked > 12, longest_unparked  # answers' positions consumed after a long parking
