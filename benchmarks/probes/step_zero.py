@@ -3,10 +3,11 @@ verify queued ahead (speculative/verify_ahead.py), and as plain decodes with the
 speculative/proposers/slot_hidden.py).
 
 Adaptive tiers give large batches step 0 (64 requests and up on SGLang's default ladder), where a round drafts
-nothing; an EAGLE head still needs every token. Three engines per batch size over the SmolLM2-135M shape (random bf16
+nothing; an EAGLE head still needs every token. Four engines per batch size over the SmolLM2-135M shape (random bf16
 weights, an EAGLE-3 head, CUDA graphs to 256) live in one process and are measured in turns, so all see the same host:
 plain decoding (its decode queued ahead), and EAGLE-3 under the default adaptive ladder (step 0 from 64 requests),
-rounds or parked. Wall time per engine step, median over turns.
+rounds or parked; and NGRAM at step 0 (the plain worker's step without a head to feed: the speculative worker's own
+host cost). Wall time per engine step, median over turns.
 
   python -m benchmarks.probes.step_zero [--batch 64 128 256] [--steps 100] [--turns 3] [--out $OUT]
 """
@@ -41,10 +42,12 @@ def started_engine(target: str, spec: dict | None, batch: int, steps: int, turns
 
 def measure(target: str, head: str, batch: int, steps: int, turns: int) -> dict[str, list[float]]:
     eagle = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_adaptive=True)
+    ngram = dict(speculative_algorithm="NGRAM", speculative_adaptive=True)
     engines = {"plain": started_engine(target, None, batch, steps, turns),
                "EAGLE-3 step 0, rounds (verify-ahead)": started_engine(target, eagle, batch, steps, turns,
                                                                        park_head=False),
-               "EAGLE-3 step 0, parked": started_engine(target, eagle, batch, steps, turns)}
+               "EAGLE-3 step 0, parked": started_engine(target, eagle, batch, steps, turns),
+               "NGRAM step 0 (idle)": started_engine(target, ngram, batch, steps, turns)}
     walls: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(turns):
         for name, engine in engines.items():
