@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, require_cuda
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
+from hyperdraft.options import RuntimeOptions
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
 SELF = "<the model>"  # a row's draft path that stands for the model itself
@@ -35,6 +36,10 @@ ROWS = {  # name -> engine arguments over the common ones
                                             speculative_draft_model_path=SELF),
     "EAGLE-3 trained head, adaptive": dict(speculative_algorithm="EAGLE3", speculative_adaptive=True,
                                            speculative_draft_model_path=HEAD),
+    # the same with the head's step-0 steps as rounds (speculative/proposers/slot_hidden.py parks it by default)
+    "EAGLE-3 trained head, adaptive, step 0 as rounds": dict(speculative_algorithm="EAGLE3", speculative_adaptive=True,
+                                                             speculative_draft_model_path=HEAD,
+                                                             runtime=dict(park_head=False)),
 }
 
 
@@ -54,14 +59,16 @@ def speculation(outs) -> tuple[float | None, float | None]:
     return sum(len(o.token_ids) for o in outs) / rounds, drafted / rounds
 
 
-def curve(model: str, prompts: list[list[int]], new_tokens: int, engine: dict) -> list[Point]:
+def curve(model: str, prompts: list[list[int]], new_tokens: int, engine: dict, batches=BATCHES) -> list[Point]:
     """One engine (room for 256 requests); each batch size B runs once unmeasured (Triton compiles, NGRAM matches and
     adaptive tiers met for the first time; a shorter warm-up left batch 1 at 170 tok/s against 1147 later), then
-    timed."""
-    llm = LLM(model, max_running_requests=max(BATCHES), **engine)
+    timed. engine["runtime"]: RuntimeOptions fields over the environment's."""
+    engine = dict(engine)
+    options = RuntimeOptions.from_env(**engine.pop("runtime", {}))
+    llm = LLM(model, max_running_requests=max(BATCHES), runtime_options=options, **engine)
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     points = []
-    for batch in BATCHES:
+    for batch in batches:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
         runs = []
@@ -82,6 +89,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--rows", nargs="*", default=None, help="run only the rows whose names contain one of these")
+    ap.add_argument("--batches", type=int, nargs="*", default=list(BATCHES), help="batch sizes (default 1 to 256)")
     ap.add_argument("--head", help="EAGLE-3 head for the model (hyperdraft train-draft); its row runs only with it")
     args = ap.parse_args()
     require_cuda()
@@ -95,14 +103,14 @@ def main() -> None:
              f"- date: {datetime.date.today()}; commit: {git_commit()}; command: `{command_line()}`",
              f"- B MT-bench first turns at once (chat template), greedy, {args.new_tokens} new tokens each; "
              "tok/s = output tokens / wall time of the generate call, median of 3 after an unmeasured run", "",
-             "| row | " + " | ".join(f"B={b}" for b in BATCHES) + " |", "|---|" + "---|" * len(BATCHES)]
+             "| row | " + " | ".join(f"B={b}" for b in args.batches) + " |", "|---|" + "---|" * len(args.batches)]
     for name, extra in ROWS.items():
         if args.rows is not None and not any(r in name for r in args.rows):
             continue
         if HEAD in extra.values() and not args.head:
             continue
         extra = {k: {SELF: model, HEAD: args.head}.get(v, v) if isinstance(v, str) else v for k, v in extra.items()}
-        points = curve(model, prompts, args.new_tokens, {**common, **extra})
+        points = curve(model, prompts, args.new_tokens, {**common, **extra}, args.batches)
         lines.append(f"| {name} | " + " | ".join(f"{p.tok_s:.0f}" for p in points) + " |")
         if points[0].accept_length is not None:  # why a drafter's curve bends: the tier it ran and what it accepted
             lines.append(f"| {name}: accept length | " + " | ".join(f"{p.accept_length:.2f}" for p in points) + " |")
