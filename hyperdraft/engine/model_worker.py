@@ -154,10 +154,7 @@ class ModelWorker:
         self.ahead = AheadDecode(list(reqs), next_sb, self.sampler.sample(out.logits, next_sb), targets)
 
     def _decode(self, fb: ForwardBatch) -> ForwardOutput:
-        out = self.runner.forward(fb, self.capture_layers)
-        if self.sink is not None:
-            self.sink.keep(fb, out)
-        return out
+        return self.runner.forward(fb, self.capture_layers, self.sink)
 
     def _state_walk(self, items) -> dict:
         """build_forward_batch's state arguments for a scheduled step: its leading decodes read their states where

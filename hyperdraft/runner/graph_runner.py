@@ -205,6 +205,7 @@ class GraphRunner:
         self.outputs: dict[tuple[GraphShape, int], object] = {}
         self.shared: dict[GraphShape, object] = {}  # per shape, the buffers every batch size's outputs view
         self.capture_layers: tuple[int, ...] = ()
+        self.sinks: dict[GraphShape, object] = {}  # shape -> the DecodeSink its graphs run inside them
         self.pool = None  # the graphs' shared memory pool, made at the first capture (memory_pool)
         self.num_replays = 0  # tests and logs: how many forwards a graph served
         self.replays: Counter[tuple[GraphShape, int]] = Counter()  # the same, per (shape, padded batch size)
@@ -212,8 +213,12 @@ class GraphRunner:
         self.capture_bytes = 0
 
     # ---- capture ------------------------------------------------------------------------------------------------
-    def capture(self, shapes: dict[GraphShape, list[int]], mode, capture_layers: tuple[int, ...] = ()) -> None:
-        """Capture every (shape, batch size); sizes per shape (adaptive tiers route only some sizes to a tier)."""
+    def capture(self, shapes: dict[GraphShape, list[int]], mode, capture_layers: tuple[int, ...] = (),
+                sink=None) -> None:
+        """Capture every (shape, batch size); sizes per shape (adaptive tiers route only some sizes to a tier).
+        sink: a DecodeSink (runner/model_runner.py) whose keep() the graphs run after the forward, on the static
+        buffers: on an H100 its four eager launches after every step-0 decode cost ~0.2 ms of a 1.9 ms step at 64
+        requests (benchmarks/results/step_zero_h100.md). A padded row's keep writes the padding page's slot."""
         self.capture_layers = capture_layers
         device = self.runner.device
         start = time.perf_counter()
@@ -223,6 +228,8 @@ class GraphRunner:
             if not sizes:
                 continue
             self.sizes[shape] = sizes
+            if sink is not None:
+                self.sinks[shape] = sink
             self.inputs[shape] = _StaticInputs(shape, sizes[-1], device, self.runner.input_hidden_size, self.runner.dtype)
             for bs in reversed(sizes):  # largest first, so smaller graphs reuse its pool memory
                 self._capture_one(shape, bs, mode)
@@ -241,7 +248,7 @@ class GraphRunner:
         if self.emulate:
             self.outputs[key] = None
             return
-        self.graphs[key], self.outputs[key] = self._capture_segments(fb, self.shared.get(shape))
+        self.graphs[key], self.outputs[key] = self._capture_segments(fb, self.shared.get(shape), self.sinks.get(shape))
         self.shared.setdefault(shape, self.outputs[key])  # sizes are captured largest first
 
     @property
@@ -261,14 +268,18 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
 
-    def _capture_segments(self, fb: ForwardBatch, shared) -> tuple[list, object]:
+    def _capture_segments(self, fb: ForwardBatch, shared, sink=None) -> tuple[list, object]:
         """Capture one forward as consecutive graphs cut after the layers the runner's segment_cuts names (one graph
-        when it names none or segments are off); its outputs copied into `shared` when given."""
+        when it names none or segments are off), then sink.keep when given; its outputs copied into `shared` when
+        given."""
         cuts = self.runner.segment_cuts() if self.settings.segments else ()
 
         def run(cut):
             after_layer = (lambda layers_done: cut() if layers_done in cuts else None) if cuts else None
             out = self.runner.forward_eager(fb, self.capture_layers, after_layer)
+            if sink is not None:
+                with torch.inference_mode():
+                    sink.keep(fb, out)
             return out if shared is None else into_shared(out, shared)
 
         return capture_segments(self.memory_pool(), self.runner.device, run)
@@ -280,6 +291,7 @@ class GraphRunner:
         reset_graphs(self.graphs)
         self.outputs.clear()
         self.shared.clear()
+        self.sinks.clear()
         self.sizes.clear()
         self.inputs.clear()
 
@@ -336,6 +348,10 @@ class GraphRunner:
             if best is None or cost < best[0]:
                 best = (cost, q)
         return None if best is None else best[1]
+
+    def keeps(self, key: tuple[GraphShape, int], sink) -> bool:
+        """Whether replaying key runs sink.keep inside the graph (never for emulated graphs, which run eagerly)."""
+        return not self.emulate and self.sinks.get(key[0]) is sink
 
     def replay(self, fb: ForwardBatch, key: tuple[GraphShape, int]):
         shape, bs = key

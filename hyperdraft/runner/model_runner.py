@@ -82,15 +82,23 @@ class GraphedRunner:
         self.input_hidden_size = input_hidden_size  # per-token hidden inputs (fb.input_hidden) the model consumes
         self.graphs = GraphRunner(self, graphs) if graphs is not None else None
 
-    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """Either way the caller gets the outputs of the path that ran, and nothing else."""
+    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (),
+                sink: DecodeSink | None = None) -> ForwardOutput:
+        """Either way the caller gets the outputs of the path that ran, and nothing else. sink: handed the outputs
+        (inside the graph when the replayed one was captured with it)."""
         if self.graphs is not None:
             key = self.graphs.match(fb, capture_layers)
             if key is not None:
                 self.page_table.flush()  # a replay reads the device page table without asking for it
                 with torch.inference_mode():
-                    return self.graphs.replay(fb, key)
-        return self.forward_eager(fb, capture_layers)
+                    out = self.graphs.replay(fb, key)
+                if sink is not None and not self.graphs.keeps(key, sink):
+                    sink.keep(fb, out)
+                return out
+        out = self.forward_eager(fb, capture_layers)
+        if sink is not None:
+            sink.keep(fb, out)
+        return out
 
     def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (),
                       after_layer: Callable[[int], None] | None = None) -> ForwardOutput:

@@ -186,8 +186,10 @@ class SpecWorker:
         """CUDA graphs for the target's verify (or decode) shapes and the drafter's, for every tier that can run, at
         the captured batch sizes routed to it."""
         plan = CapturePlan(tuple(sizes), self.tiers.tier_sizes(sizes), self.spec.use_rejection_sampling is not False)
+        sink = self.proposer.decode_sink()  # what a parked head keeps of each step-0 decode, inside its graph
         for mode, shapes in verify_shapes(plan).items():
-            self.runner.graphs.capture(shapes, mode, self.capabilities.capture_layers)
+            self.runner.graphs.capture(shapes, mode, self.capabilities.capture_layers,
+                                       sink if mode is ForwardMode.DECODE else None)
         if self.runner.state_pool is None:  # prompt tails riding along with a round run as their own forward
             self.runner.graphs.capture(tail_shapes(sizes), ForwardMode.EXTEND, self.capabilities.capture_layers)
         self.proposer.capture_graphs(plan)

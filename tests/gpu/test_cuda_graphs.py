@@ -264,3 +264,40 @@ def test_eagle_step_zero_verifies_ahead_in_graphs(models, dtype, tmp_path):
     assert outs[True] == outs[False], f"{dtype}: a queued verify changed the output"
     if dtype == "float32":
         assert outs[True] == _run(target, dtype, disable_cuda_graph=True)[0], "spec on != spec off"
+
+
+def test_parked_head_states_kept_inside_the_decode_graph(models, tmp_path):
+    """A parked EAGLE-3 head's input states are kept by the step-0 decode graph itself (GraphRunner.capture's sink):
+    after every step, each parked request's kept states equal those an eager engine keeps after the decode, fp32, at
+    every position since it parked (batches padded to captured sizes, decodes queued ahead, requests finishing)."""
+    cfg = tmp_path / "zero_only.json"
+    cfg.write_text(json.dumps({"1": {"candidate_steps": [0]}}))
+    case = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"], speculative_adaptive=True,
+                speculative_adaptive_config=str(cfg), speculative_num_steps=0, max_running_requests=4)
+    llms = [LLM(models["target6"], device="cuda", dtype="float32", attention_backend="triton", max_total_tokens=8192,
+                skip_tokenizer_init=True, **case, **graphs) for graphs in (dict(cuda_graph_max_bs=4),
+                                                                            dict(disable_cuda_graph=True))]
+    engines = [llm.engine for llm in llms]
+    for engine in engines:
+        for ids, n in zip(_prompts()[:3], (20, 9, 14)):
+            engine.add_request(input_ids=ids, params=SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))
+    graphed, eager = engines
+    compared = 0
+    while graphed.has_unfinished():
+        for engine in engines:
+            engine.step()
+        twins = {r.rid: r for r in eager.scheduler.running}
+        for req in graphed.scheduler.running:
+            kept = [e.worker.proposer.slot_hidden for e in engines]
+            if not kept[0].is_parked(req):
+                continue
+            twin = twins[req.rid]
+            positions = list(range(req.draft_num_computed, req.num_computed))
+            mine = kept[0].gather([req.row] * len(positions), positions)
+            theirs = kept[1].gather([twin.row] * len(positions), positions)
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+            compared += len(positions)
+    assert graphed.worker.runner.graphs.sinks, "no decode graph was captured with the head's sink"
+    assert compared > 30, compared
+    for llm in llms:
+        llm.shutdown()
