@@ -9,7 +9,8 @@ state of each token it feeds waits here, at the token's K/V slot, until the head
   park     a request's first plain step: the states its hidden_buf holds (positions d .. n-1, n = num_computed,
            d = draft_num_computed) move to their slots
   keep     every plain decode, queued ahead or not (a DecodeSink): the head's input state of each fed token, at the
-           token's slot
+           token's slot; captured inside the step-0 decode graphs (runner/graph_runner.py), where its four eager
+           launches cost ~0.2 ms of a 1.9 ms step at 64 requests on an H100
   unpark   the next round of the request: the proposer extends the head over positions d .. n-2 from here, and
            position n-1 becomes hidden_buf's pending entry, as after a prefill chunk
 
