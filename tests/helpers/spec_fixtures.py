@@ -136,6 +136,14 @@ def build_spec_models(root) -> dict[str, str]:
     return dict(_MODELS)
 
 
+# Greedy, penalised and seeded-sampling requests: what the step-0 tests (a plain worker's decodes, a parked head, a
+# step-0 round's next verify) run over.
+STEP_ZERO_PARAMS = pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True),
+    SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, repetition_penalty=1.3),
+    SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=32, ignore_eos=True, seed=11),
+], ids=["greedy", "penalised", "sampled"])
+
 @pytest.fixture(scope="session")
 def spec_models(tmp_path_factory) -> dict[str, str]:
     return build_spec_models(tmp_path_factory.mktemp("spec_models")) if not _MODELS else dict(_MODELS)

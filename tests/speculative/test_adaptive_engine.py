@@ -14,6 +14,7 @@ from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from tests.conftest import assert_engine_clean
+from tests.helpers.spec_fixtures import STEP_ZERO_PARAMS
 
 torch.set_num_threads(1)
 
@@ -256,11 +257,7 @@ def test_between_step_zero_and_rounds(models, algo, penalty):
 
 
 @pytest.mark.parametrize("ladder", ["zero_only", "zero_three"])
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True),
-    SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, repetition_penalty=1.3),
-    SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=32, ignore_eos=True, seed=11),
-], ids=["greedy", "penalised", "sampled"])
+@STEP_ZERO_PARAMS
 def test_eagle_step_zero_verifies_ahead(models, ladder, params):
     """With park_head off an EAGLE-3 head's step-0 steps stay rounds (it must see every token); each queues the next round's verify
     (verify_ahead.py) and the next step-0 round of the same requests uses it. Tiers 0 only, or 3, 0, 3, 0 (every

@@ -15,6 +15,7 @@ from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from tests.conftest import assert_engine_clean
+from tests.helpers.spec_fixtures import STEP_ZERO_PARAMS
 
 torch.set_num_threads(1)
 
@@ -56,11 +57,7 @@ def _generate(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("ladder", ["zero_only", "zero_three", "by_batch"])
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True),
-    SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, repetition_penalty=1.3),
-    SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=32, ignore_eos=True, seed=11),
-], ids=["greedy", "penalised", "sampled"])
+@STEP_ZERO_PARAMS
 def test_parked_step_zero_equals_plain(models, ladder, params):
     """Spec on (parked step 0, rounds between) equals spec off (greedy, penalised) and equals the same engine with the
     head kept in step by rounds (seeded sampling); requests finish at different steps (the batch changes); the pool
@@ -115,3 +112,17 @@ def test_unparked_head_kv_equals_the_rounds_path(models):
             longest_unparked = max(longest_unparked, req.draft_num_computed - len(req.prompt_ids))
     assert not rounds.has_unfinished()
     assert longest_unparked > 12, longest_unparked  # answers' positions consumed after a long parking
+
+
+def test_parked_store_is_sized_from_the_head_and_counted_in_the_budget(models):
+    """One row of the head's own hidden size per K/V slot, in the head's dtype, and only where step 0 may park (with
+    park_head off there is no store); parked_bytes_per_slot, what the engine's memory budget adds to each K/V token's
+    bytes, is exactly that row."""
+    parked, rounds = _llm(models, "zero_only").engine, _llm(models, "zero_only", park=False).engine
+    head = parked.worker.proposer.head
+    states = parked.worker.proposer.slot_hidden.states
+    assert states.shape == (parked.page_table.num_pages * parked.page_table.page_size, head.hidden_size)
+    assert states.dtype == next(head.parameters()).dtype
+    assert rounds.worker.proposer.slot_hidden is None and rounds.worker.proposer.decode_sink() is None
+    row_bytes = head.hidden_size * states.element_size()
+    assert type(parked.worker.proposer).parked_bytes_per_slot(head) == row_bytes
