@@ -153,7 +153,8 @@ class Engine:
         snapshots = StateSnapshots(pools, self.max_rows, tree, locate, self.runner.pool if head else None,
                                    head.hidden_buf if head else None) if pools else None
         return PrefixCache(tree, self.page_table, lookahead, draft_kv=proposer is not None and proposer.pool is not None,
-                           snapshots=snapshots, draft_state=draft_state)
+                           snapshots=snapshots, draft_state=draft_state,
+                           parked=proposer.parked_heads() if proposer is not None else None)
 
     def _page_table(self, model, draft, tree: RadixTree | None, parked_bytes: int) -> tuple[int, PageTable]:
         """(rows, one page table for every pool): the budget goes to the recurrent states of the rows first (hybrid

@@ -31,11 +31,20 @@ target's hidden state h_L waiting for it. That is what a snapshot then keeps at 
 fix token L as well): the target's state after L + 1 tokens, the target's K/V at position L, and h_L. A hit restores
 all three and starts the request with num_computed = L + 1 and draft_num_computed = L, where such a prefill chunk
 would have left it (speculative/proposers/eagle.py).
+
+A parked EAGLE head (adaptive step 0, speculative/proposers/slot_hidden.py) has consumed its request only up to
+draft_num_computed = d, but the target states of positions d and on wait at their own K/V slots. So a parked
+request's pages are cached as far as the target's, and those at or past d are marked headless (from d within the
+first such page). A hit whose path runs into headless pages starts the request with draft_num_computed at the first
+headless position and ends at the last page of that headless run; the head's prefill then first extends over the
+states kept in the hit's own slots (speculative/proposers/eagle.py), writing the K/V it would have written (the same
+values into the shared pages). A page's mark is set or cleared whenever a request that owns it saves it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.kvcache.radix_tree import Node, RadixTree
@@ -49,10 +58,18 @@ class Hit:
     pages: list[int]
     computed: int  # the request's num_computed once attached: the pages' tokens (+1: a lookahead snapshot's)
     cut: int = 0  # hybrid models: a deeper cached prefix without a snapshot, where the first chunk should end (0: none)
+    head_computed: int | None = None  # the first headless position in the hit (a parked head's), or None: none
 
     @property
     def num_pages(self) -> int:
         return len(self.pages)
+
+
+class ParkedHeads(Protocol):
+    """Which requests' EAGLE heads are parked: their K/V stops at draft_num_computed, and the target states of the
+    positions past it wait at those positions' own K/V slots (speculative/proposers/slot_hidden.SlotHidden)."""
+
+    def is_parked(self, req: Request) -> bool: ...
 
 
 @dataclass
@@ -63,15 +80,18 @@ class CacheStats:
 
 class PrefixCache:
     def __init__(self, tree: RadixTree, page_table: PageTable, lookahead: int, draft_kv: bool,
-                 snapshots: StateSnapshots | None = None, draft_state: bool = False):
+                 snapshots: StateSnapshots | None = None, draft_state: bool = False, parked: ParkedHeads | None = None):
         """lookahead: 1 when a drafter's K/V at a position depends on the next token (EAGLE heads), else 0;
         draft_kv: a drafter keeps K/V of its own (its draft_num_computed bounds what may be cached); snapshots: a
         hybrid model's recurrent states at cached ends (None without one); draft_state: the draft model is hybrid
-        (its state is snapshot with the target's, so both must be at the node's end)."""
+        (its state is snapshot with the target's, so both must be at the node's end); parked: the engine's parked
+        heads (module doc), or None."""
         self.tree, self.page_table = tree, page_table
         self.page_size = page_table.page_size
         self.lookahead, self.draft_kv = lookahead, draft_kv
         self.snapshots, self.draft_state = snapshots, draft_state
+        self.parked = parked
+        self.headless: dict[int, int] = {}  # cached page -> offset in it of its first headless position
         self.stats = CacheStats()
 
     def keys(self, req: Request, length: int) -> list:
@@ -90,10 +110,25 @@ class PrefixCache:
             node, pages = self._restorable(node, pages)
             cut = deepest * self.page_size + self.lookahead if deepest > len(pages) else 0
             extra = self.lookahead if pages else 0
+        head = None
+        if self.headless:
+            head, pages = self._headless_run(pages)
         if not pages and not cut:
             return None
-        self.tree.lock(node)
-        return Hit(node, pages, len(pages) * self.page_size + extra, cut)
+        self.tree.lock(node)  # may lie below the pages kept: it keeps them from eviction all the same
+        return Hit(node, pages, len(pages) * self.page_size + extra, cut, head)
+
+    def _headless_run(self, pages: list[int]) -> tuple[int | None, list[int]]:
+        """-> (the first headless position on the path, or None; the path cut after the run of headless pages that
+        starts there, so every position from that one to the hit's end has a kept target state)."""
+        for i, page in enumerate(pages):
+            offset = self.headless.get(page)
+            if offset is not None:
+                end = i + 1
+                while end < len(pages) and self.headless.get(pages[end]) == 0:
+                    end += 1
+                return i * self.page_size + offset, pages[:end]
+        return None, pages
 
     def _restorable(self, node: Node, pages: list[int]) -> tuple[Node, list[int]]:
         """The deepest node at or above `node` that holds a snapshot, and its path's pages (the root and none)."""
@@ -118,6 +153,8 @@ class PrefixCache:
         self.page_table.attach(row, hit.pages)
         req.cache_node = hit.node
         req.num_computed = req.draft_num_computed = cached
+        if hit.head_computed is not None:
+            req.draft_num_computed = hit.head_computed
         if self.snapshots is None:
             return
         kv_slot = None
@@ -131,13 +168,16 @@ class PrefixCache:
     def save(self, req: Request) -> None:
         """Cache the request's computed whole pages (see the module doc for what counts as computed)."""
         length = min(req.num_computed, req.seq_len - self.lookahead)
-        if self.draft_kv:
+        parked = self.parked is not None and self.parked.is_parked(req)
+        if self.draft_kv and not parked:
             length = min(length, req.draft_num_computed)
         num_pages = length // self.page_size
         if num_pages <= self.page_table.num_shared_pages(req.row):
             return
         pages = self.page_table.row_pages(req.row)[:num_pages]
         node, tree_pages = self.tree.insert(self.keys(req, num_pages * self.page_size), pages)
+        if self.parked is not None:
+            self._mark_headless(pages, tree_pages, req.draft_num_computed if parked else length)
         self.page_table.share(req.row, tree_pages)
         end = num_pages * self.page_size
         if self.snapshots is not None and node.snapshot < 0 and self._state_at(req, end):
@@ -145,6 +185,18 @@ class PrefixCache:
         self.tree.lock(node)
         self.release(req)
         req.cache_node = node
+
+    def _mark_headless(self, pages: list[int], tree_pages: list[int], head_end: int) -> None:
+        """The request's own pages on the cached path (not those the tree kept in their place) are headless from
+        head_end on, whole before it."""
+        for i, (mine, kept) in enumerate(zip(pages, tree_pages)):
+            if mine != kept:
+                continue
+            start = i * self.page_size
+            if start + self.page_size > head_end:
+                self.headless[mine] = max(0, head_end - start)
+            else:
+                self.headless.pop(mine, None)
 
     def _state_at(self, req: Request, end: int) -> bool:
         """Whether the request's committed state is the one a hit ending at `end` restores: its state after `end`

@@ -32,6 +32,7 @@ from hyperdraft.config import EngineArgs
 from hyperdraft.core.schedule import ScheduledRequest
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.kvcache.kv_pool import KVPool
+from hyperdraft.kvcache.prefix_cache import ParkedHeads
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.request import Request
 from hyperdraft.runner.graph_runner import GraphSettings
@@ -132,6 +133,10 @@ class Proposer(Protocol):
 
     def decode_sink(self) -> DecodeSink | None:
         """What reads the plain worker's step-0 decodes for the drafter (ProposerContext.parks_head), or None."""
+        return None
+
+    def parked_heads(self) -> ParkedHeads | None:
+        """Which requests the prefix cache may cache past their draft_num_computed (kvcache/prefix_cache.py), or None."""
         return None
 
     def park(self, reqs: list[Request]) -> None:

@@ -42,16 +42,17 @@ def models(tmp_path_factory):
     return {"target": target, "eagle3": head, "configs": configs}
 
 
-def _llm(models, ladder: str | None, park: bool = True, ahead: bool = True) -> LLM:
+def _llm(models, ladder: str | None, park: bool = True, ahead: bool = True, **args) -> LLM:
     options = RuntimeOptions(emulate_cuda_graphs=True, decode_ahead=ahead, park_head=park)
     spec = {} if ladder is None else dict(
         speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"], speculative_adaptive=True,
         speculative_adaptive_config=str(models["configs"][ladder]), speculative_num_steps=0)
-    return LLM(models["target"], device="cpu", dtype="float32", runtime_options=options, cuda_graph_max_bs=4, **spec)
+    return LLM(models["target"], device="cpu", dtype="float32", runtime_options=options, cuda_graph_max_bs=4, **spec,
+               **args)
 
 
-def _generate(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
-    outs = llm.generate(input_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+def _generate(llm: LLM, params: list[SamplingParams], prompts=PROMPTS) -> list[list[int]]:
+    outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
     assert_engine_clean(llm)
     return [o.token_ids for o in outs]
 
@@ -126,3 +127,43 @@ def test_parked_store_is_sized_from_the_head_and_counted_in_the_budget(models):
     assert rounds.worker.proposer.slot_hidden is None and rounds.worker.proposer.decode_sink() is None
     row_bytes = head.hidden_size * states.element_size()
     assert type(parked.worker.proposer).parked_bytes_per_slot(head) == row_bytes
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_parked_answer_is_cached_and_its_head_rebuilt_on_a_hit(models, page_size):
+    """Answers decoded parked are cached as far as the target's K/V (their pages past the head's marked headless), so
+    a second turn hits as much of its history as with the head kept in step by rounds; its prefill extends the head
+    over the states kept in the hit's slots, after which its head K/V equals the rounds path's, position for position.
+    Both turns' outputs equal spec off, and the pool ends free."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    llms = {"parked": _llm(models, "zero_only", page_size=page_size),
+            "rounds": _llm(models, "zero_only", park=False, page_size=page_size)}
+    answers = {name: llm.generate(input_ids=PROMPTS, sampling_params=greedy, use_tqdm=False)
+               for name, llm in llms.items()}
+    first = [o.token_ids for o in answers["parked"]]
+    assert first == [o.token_ids for o in answers["rounds"]] == _generate(_llm(models, None), [greedy] * 4)
+    cache = llms["parked"].engine.prefix_cache
+    assert cache.headless, "no page was cached past a parked head"
+    second = [p + a + [7, 8, 9] for p, a in zip(PROMPTS, first)]
+    reqs = {name: [llm.engine.add_request(input_ids=p, params=greedy) for p in second] for name, llm in llms.items()}
+    for llm in llms.values():
+        llm.engine.step()  # every second turn's prefill
+    headless_hits = 0
+    for mine, theirs in zip(reqs["parked"], reqs["rounds"]):
+        # the rounds path caches to its head's last catch-up, one short of the target's K/V; parked, to the target's
+        history = len(mine.prompt_ids) - 3  # the first turn: its prompt and answer
+        assert mine.cached_tokens >= theirs.cached_tokens >= history - 2 - (page_size - 1), \
+            (mine.cached_tokens, theirs.cached_tokens, history)
+        assert mine.draft_num_computed == theirs.draft_num_computed == len(mine.prompt_ids) - 1
+        for a, b in zip(_head_kv(llms["parked"].engine, mine), _head_kv(llms["rounds"].engine, theirs)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        headless_hits += mine.cached_tokens > 0
+    assert headless_hits == len(second)
+    assert not cache.headless, "the hits' prefills wrote their heads' K/V into the shared pages: none is headless now"
+    outs = {}
+    for name, llm in llms.items():
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        outs[name] = [r.output_ids for r in reqs[name]]
+        assert_engine_clean(llm)
+    assert outs["parked"] == outs["rounds"] == _generate(_llm(models, None), [greedy] * 4, second)

@@ -34,6 +34,7 @@ from hyperdraft.core.schedule import ScheduledRequest
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.kernels.draft_plan import pack_catch_up
 from hyperdraft.kvcache.kv_pool import KVPool
+from hyperdraft.kvcache.prefix_cache import ParkedHeads
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.models.decoder import DecoderLM
 from hyperdraft.models.eagle import Eagle3Head, EagleHead, target_capture_layers
@@ -120,6 +121,9 @@ class EagleProposer(ModelProposer):
     def decode_sink(self) -> DecodeSink | None:
         return self.slot_hidden
 
+    def parked_heads(self) -> ParkedHeads | None:
+        return self.slot_hidden
+
     # ---- parked (slot_hidden.py) ----------------------------------------------------------------------------------
     def park(self, reqs: list[Request]) -> None:
         if self.slot_hidden is not None:
@@ -165,9 +169,12 @@ class EagleProposer(ModelProposer):
     def extend(self, items: list[ScheduledRequest], target_hidden: torch.Tensor | None) -> None:
         """items: the prefill chunks of this step; target_hidden: [sum of chunk lengths, H], in item order.
         A chunk [s, e) feeds positions d .. e-2 (d <= s: a position left pending by the previous chunk is fed
-        from hidden_buf) and leaves position e-1 pending, so a round always has a position to start from."""
+        from hidden_buf) and leaves position e-1 pending, so a round always has a position to start from. A request
+        that starts on a prefix cached by a parked head (d < s - 1, kvcache/prefix_cache.py) first extends over the
+        target states kept in the hit's slots, as a parked request's next round does."""
         if self.slot_hidden is not None:
             self.slot_hidden.forget([it.req for it in items])
+            self._unpark([it.req for it in items if it.req.draft_num_computed < it.req.num_computed - 1])
         inputs, pieces, start = [], [], 0
         for it in items:
             req, s, e = it.req, it.req.num_computed, it.req.num_computed + it.num_tokens
