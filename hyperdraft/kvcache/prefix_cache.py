@@ -120,14 +120,19 @@ class PrefixCache:
 
     def _headless_run(self, pages: list[int]) -> tuple[int | None, list[int]]:
         """-> (the first headless position on the path, or None; the path cut after the run of headless pages that
-        starts there, so every position from that one to the hit's end has a kept target state)."""
+        starts there, so every position from that one to the hit's end has a kept target state). A run of one
+        position, the hit's last, is left out with its page: the head's prefill would take that position as one a
+        previous chunk left pending, which a hit never did."""
         for i, page in enumerate(pages):
             offset = self.headless.get(page)
             if offset is not None:
                 end = i + 1
                 while end < len(pages) and self.headless.get(pages[end]) == 0:
                     end += 1
-                return i * self.page_size + offset, pages[:end]
+                head = i * self.page_size + offset
+                if head == end * self.page_size - 1:
+                    return None, pages[:i]
+                return head, pages[:end]
         return None, pages
 
     def _restorable(self, node: Node, pages: list[int]) -> tuple[Node, list[int]]:

@@ -89,3 +89,17 @@ def test_a_whole_save_clears_the_marks_of_its_own_pages():
     b.num_computed, b.draft_num_computed = 12, 11  # its prefill: the head extended over the kept states, then on
     cache.save(b)
     assert cache.headless == {}
+
+
+def test_a_lone_headless_last_position_stays_out_of_the_hit():
+    """Only the last cached position headless: a hit through it would start the head one short of the hit's end, which
+    its prefill reads as a position a previous chunk left pending in its hidden buffer. The hit ends before it."""
+    cache, table, parked = _cache(page_size=1)
+    tokens = list(range(100, 110))
+    a = _computed(table, tokens, computed=9, head=8)
+    parked.reqs.append(a)
+    cache.save(a)  # positions 0-8, only 8 headless
+    assert list(cache.headless.values()) == [0]
+    hit = cache.match(Request("b", tokens + [3, 3], SamplingParams(), seed=4))
+    assert (hit.computed, hit.head_computed) == (8, None)
+    cache.unlock(hit)
