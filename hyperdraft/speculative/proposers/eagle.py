@@ -34,8 +34,8 @@ from hyperdraft.core.schedule import ScheduledRequest
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.kernels.draft_plan import pack_catch_up
 from hyperdraft.kvcache.kv_pool import KVPool
-from hyperdraft.kvcache.prefix_cache import ParkedHeads
 from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.kvcache.prefix_cache import ParkedHeads
 from hyperdraft.models.decoder import DecoderLM
 from hyperdraft.models.eagle import Eagle3Head, EagleHead, target_capture_layers
 from hyperdraft.models.eagle_loader import load_eagle_head
@@ -45,11 +45,11 @@ from hyperdraft.models.mtp import MtpHead, load_mtp_head, load_model_config_if_m
 from hyperdraft.request import Request
 from hyperdraft.runner.graph_runner import GraphSettings
 from hyperdraft.runner.model_runner import DecodeSink, ForwardOutput, GraphedRunner
+from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.config import SpecConfig
-from hyperdraft.speculative.proposer import ProposerCapabilities, ProposerContext
-from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.speculative.proposal import Proposal, TreeProposal
+from hyperdraft.speculative.proposer import ProposerCapabilities, ProposerContext
 from hyperdraft.speculative.proposers.model_proposer import ModelProposer
 from hyperdraft.speculative.proposers.slot_hidden import SlotHidden
 
