@@ -29,11 +29,12 @@ class CapturePlan:
         return {tier: sizes for tier, sizes in self.tier_sizes.items() if tier.steps > 0 and sizes}
 
 
-def verify_shapes(plan: CapturePlan) -> dict[ForwardMode, Shapes]:
+def verify_shapes(plan: CapturePlan, decodes_everywhere: bool = False) -> dict[ForwardMode, Shapes]:
     """The target's shapes: each drafting tier's verify width (with the tree mask for trees), and one-token decodes
-    for a steps-0 tier."""
+    for a steps-0 tier, or at every size with decodes_everywhere (a drafter whose rounds may draft nothing, run as
+    plain decodes: speculative/worker.py)."""
     verify: Shapes = {}
-    decode: Shapes = {}
+    decode: Shapes = {GraphShape(1, 0): list(plan.sizes)} if decodes_everywhere else {}
     for tier, sizes in plan.tier_sizes.items():
         if tier.steps == 0:
             _add(decode, GraphShape(1, 0), sizes)

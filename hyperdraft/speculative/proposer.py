@@ -60,6 +60,7 @@ class ProposerCapabilities:
     # Adaptive step 0 asks nothing of it but to forget a draft queued ahead (discard_ahead): such steps run as the
     # plain worker's decodes, next decode queued ahead included, instead of one-row verify rounds.
     idle_at_step_zero: bool = False
+    may_draft_nothing: bool = False  # a round may propose no token for any request (NGRAM finding no match)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@
   commit   the round decodes the copy (a pure function) into a RoundOutcome; the worker commits the proposer and
            feeds the metrics and the tier source from it; the scheduler then keeps K/V by length
 
-A step of decodes only whose tier is step 0 runs as the plain worker's decode step instead of a round of one-row
-verifies: the plain worker queues the next decode before the host waits (engine/model_worker.py), which a round
+A step of decodes only whose tier is step 0, or whose NGRAM round found no draft for any request, runs as the plain
+worker's decode step instead of a round of one-row verifies: the plain worker queues the next decode before the host waits (engine/model_worker.py), which a round
 cannot. On an H100 NGRAM's step-0 rounds ran 17-35% below plain decoding at 64-256 requests
 (benchmarks/results/batch_curve_h100.md). Any other step first discards that queued decode. NGRAM and STANDALONE are
 idle there; an EAGLE head, which must see every token, parks (proposers/slot_hidden.py): the decodes keep its input
@@ -39,12 +39,14 @@ from hyperdraft.request import Request
 from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
 from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
+from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.sample.sampler import SampledTokens, Sampler, sampled_rows
 from hyperdraft.speculative.adaptive.controller import TierSource
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.config import SpecConfig
 from hyperdraft.speculative.graph_plan import CapturePlan, verify_shapes
 from hyperdraft.speculative.metrics import PhaseTimer, SpecMetrics
+from hyperdraft.speculative.proposal import Proposal, TreeProposal
 from hyperdraft.speculative.proposer import Proposer
 from hyperdraft.speculative.verify.batch import verify_batch
 from hyperdraft.speculative.verify.chain import ChainPieces, ChainRound
@@ -96,11 +98,18 @@ class SpecWorker:
         assert all(a is b for a, b in zip(batch.items, decodes + prefills)), "the scheduler puts decodes first"
         start = time.perf_counter()
         tier = self.last_tier = self.tiers.tier_for(len(decodes)) if decodes else self.last_tier
+        reqs = [it.req for it in decodes]
+        if decodes:
+            self.metrics.observe_tier(tier)
+        if self.plain is not None and decodes and not prefills and tier.steps == 0:
+            return self._decode_plainly(batch, reqs, tier, start)
+        sampling, proposal = self._propose(reqs, tier) if decodes else (None, None)
         if self.plain is not None:
-            if decodes and not prefills and tier.steps == 0:
-                return self._decode_plainly(batch, [it.req for it in decodes], tier, start)
+            if proposal is not None and not prefills and _drafts_nothing(proposal):
+                return self._decode_plainly(batch, reqs, tier, start)
             self.plain.discard_ahead()
-        round_ = self._draft([it.req for it in decodes], tier) if decodes else None
+        round_ = (TreeRound if tier.is_tree else ChainRound)(self.round_context, reqs, sampling, tier, proposal) \
+            if decodes else None
         out = self.verify_ahead.take(round_, with_prefills=bool(prefills))  # queued by the step before, or None
         prefill_inputs = [it.forward_input() for it in prefills]
         tails = padded_tails(self.runner.graphs, prefill_inputs)  # run as a forward of their own where they fit
@@ -147,11 +156,10 @@ class SpecWorker:
 
     def _decode_plainly(self, batch: ScheduledBatch, reqs: list[Request], tier: Tier,
                         start: float) -> list[RequestResult]:
-        """A step-0 batch of decodes as the plain worker's step. For the metrics, the tier source and each request it
-        is a round that drafted nothing (the plain worker's results say so); its room stays, as a plain step's does.
-        Nothing here is per request beyond what the plain step does: at 256 requests a per-result rewrite cost more
-        than the step's own commit."""
-        self.metrics.observe_tier(tier)
+        """A batch of decodes that drafts nothing (step 0, or an NGRAM round that found no match for any request) as
+        the plain worker's step. For the metrics, the tier source and each request it is a round that drafted nothing
+        (the plain worker's results say so); its room stays, as a plain step's does. Nothing here is per request
+        beyond what the plain step does: at 256 requests a per-result rewrite cost more than the step's own commit."""
         self.proposer.discard_ahead()  # as a round's draft_ahead at step 0 would have
         self.proposer.park(reqs)
         results = self.plain.run(batch)
@@ -161,12 +169,10 @@ class SpecWorker:
         self.tiers.observe(len(results), nothing, drafted=nothing, step_seconds=seconds)
         return results
 
-    def _draft(self, reqs: list[Request], tier: Tier) -> ChainRound | TreeRound:
-        self.metrics.observe_tier(tier)
+    def _propose(self, reqs: list[Request], tier: Tier) -> tuple[SamplingBatch, Proposal | TreeProposal]:
         sampling = self.decode_sampling.get(reqs)
         with self.timer.phase("draft"):
-            proposal = self.proposer.propose(reqs, tier, sampling)
-            return (TreeRound if tier.is_tree else ChainRound)(self.round_context, reqs, sampling, tier, proposal)
+            return sampling, self.proposer.propose(reqs, tier, sampling)
 
     def _commit(self, round_: ChainRound | TreeRound, outcome: RoundOutcome, start: float | None) -> list[RequestResult]:
         """The proposer, the metrics and the tier source learn what the round accepted. The step's wall time, which
@@ -187,7 +193,8 @@ class SpecWorker:
         the captured batch sizes routed to it."""
         plan = CapturePlan(tuple(sizes), self.tiers.tier_sizes(sizes), self.spec.use_rejection_sampling is not False)
         sink = self.proposer.decode_sink()  # what a parked head keeps of each step-0 decode, inside its graph
-        for mode, shapes in verify_shapes(plan).items():
+        draftless = self.plain is not None and self.capabilities.may_draft_nothing
+        for mode, shapes in verify_shapes(plan, decodes_everywhere=draftless).items():
             self.runner.graphs.capture(shapes, mode, self.capabilities.capture_layers,
                                        sink if mode is ForwardMode.DECODE else None)
         if self.runner.state_pool is None:  # prompt tails riding along with a round run as their own forward
@@ -207,6 +214,11 @@ class SpecWorker:
         if self.spec.simulate_accept_rate is None:
             raise ValueError("the engine verifies for real; start it with speculative_simulate_accept_rate to simulate")
         self.round_context = dataclasses.replace(self.round_context, simulate_accept_rate=alpha)
+
+
+def _drafts_nothing(proposal: Proposal | TreeProposal) -> bool:
+    """A chain proposal without a single draft token (NGRAM finding no match anywhere): verifying it is a decode."""
+    return isinstance(proposal, Proposal) and not any(proposal.lens)
 
 
 def _prefill_results(prefills: list[ScheduledRequest], sampled: SampledTokens | None) -> list[RequestResult]:

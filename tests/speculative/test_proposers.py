@@ -35,7 +35,8 @@ def test_capabilities_of_each_drafter(spec_models, llm_factory, tmp_path):
     target6 = make_tiny_model(str(tmp_path / "t6"), "llama", num_hidden_layers=6)
     eagle3 = write_random_eagle_checkpoint(str(tmp_path / "e3"), target6, kind="eagle3")
     ngram = llm_factory(spec_models["target"], speculative_algorithm="NGRAM").engine.worker.proposer
-    assert ngram.capabilities == ProposerCapabilities(idle_at_step_zero=True) and ngram.pool is None
+    assert ngram.capabilities == ProposerCapabilities(idle_at_step_zero=True, may_draft_nothing=True)
+    assert ngram.pool is None
     draft = llm_factory(spec_models["target"], speculative_algorithm="STANDALONE",
                         speculative_draft_model_path=spec_models["draft_small"]).engine.worker.proposer
     assert draft.capabilities == ProposerCapabilities(compacts_draft_pool=True, runs_as_graph=True,

@@ -79,7 +79,7 @@ class NgramProposer(Proposer):
 
     def __init__(self, min_window: int, max_window: int, device: torch.device, history_tokens: int = HISTORY_TOKENS):
         self.min_window, self.max_window, self.device = min_window, max_window, device
-        self.capabilities = ProposerCapabilities(idle_at_step_zero=True)
+        self.capabilities = ProposerCapabilities(idle_at_step_zero=True, may_draft_nothing=True)
         self.pool = None
         self.history = NgramHistory(history_tokens) if history_tokens > 0 else None
         self.live: dict[str, Request] = {}  # requests drafted for and not yet finished
