@@ -203,9 +203,12 @@ class Engine:
                               self._parks_head())
         tiers = make_tier_source(self.spec.tier, self.spec.adaptive, list(graphs.batch_sizes) if graphs else None)
         proposer = proposer_cls.build(ctx, draft)
-        sink = proposer.decode_sink()
-        plain = (ModelWorker(self.runner, self.options.decode_ahead, sink, as_rounds=True)
-                 if self._plain_step_zero() and (proposer.capabilities.idle_at_step_zero or sink is not None) else None)
+        sink, caps = proposer.decode_sink(), proposer.capabilities
+        # decodes that draft nothing run as plain steps (speculative/worker.py): adaptive step 0 for a drafter idle
+        # there or parking there, and an NGRAM round without a match at any tier; never over a hybrid target
+        plain_steps = ((self._plain_step_zero() and (caps.idle_at_step_zero or sink is not None))
+                       or (caps.may_draft_nothing and not self.model_config.is_hybrid))
+        plain = ModelWorker(self.runner, self.options.decode_ahead, sink, as_rounds=True) if plain_steps else None
         return SpecWorker(self.runner, proposer, self.spec, tiers, timer, self.lockstep.tp, plain,
                           verify_ahead=self.options.decode_ahead)
 

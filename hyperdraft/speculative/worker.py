@@ -13,8 +13,8 @@
   commit   the round decodes the copy (a pure function) into a RoundOutcome; the worker commits the proposer and
            feeds the metrics and the tier source from it; the scheduler then keeps K/V by length
 
-A step of decodes only whose tier is step 0, or whose NGRAM round found no draft for any request, runs as the plain
-worker's decode step instead of a round of one-row verifies: the plain worker queues the next decode before the host waits (engine/model_worker.py), which a round
+A step of decodes only whose tier is step 0 (adaptive tiers), or whose NGRAM round found no draft for any request (any
+tier, adaptive or static), runs as the plain worker's decode step instead of a round of one-row verifies: the plain worker queues the next decode before the host waits (engine/model_worker.py), which a round
 cannot. On an H100 NGRAM's step-0 rounds ran 17-35% below plain decoding at 64-256 requests
 (benchmarks/results/batch_curve_h100.md). Any other step first discards that queued decode. NGRAM and STANDALONE are
 idle there; an EAGLE head, which must see every token, parks (proposers/slot_hidden.py): the decodes keep its input

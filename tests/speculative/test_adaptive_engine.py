@@ -230,25 +230,25 @@ def test_ngram_step_zero_runs_as_plain_decodes(models):
         [o.meta_info for o in outs]
 
 
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "static"])
 @STEP_ZERO_PARAMS
-def test_ngram_rounds_without_a_match_run_as_plain_decodes(models, params):
-    """Tier 3 only, random prompts: NGRAM finds no match in most rounds, and a round in which no request has a draft
-    runs as the plain worker's decode, its next decode queued ahead and used when the next lookup finds nothing
-    either (thrown away when it does). Output equals plain decoding's (seeded sampling: a static tier 3, where every
-    step is a round); each such step counts as a round of no drafts at tier 3, per request too."""
-    cfg = _config(models, "three_only", {"1": {"candidate_steps": [3]}})
+def test_ngram_rounds_without_a_match_run_as_plain_decodes(models, params, adaptive):
+    """Tier 3 (an adaptive ladder of it alone, or the static tier), random prompts: NGRAM finds no match in most
+    rounds, and a round in which no request has a draft runs as the plain worker's decode, its next decode queued
+    ahead and used when the next lookup finds nothing either (thrown away when it does). Output equals plain
+    decoding's (seeded sampling: the same engine queuing nothing ahead); each such step counts as a round of no
+    drafts at tier 3, per request too."""
+    spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=4)
+    if adaptive:
+        spec.update(speculative_adaptive=True,
+                    speculative_adaptive_config=_config(models, "three_only", {"1": {"candidate_steps": [3]}}))
     prompts = torch.randint(3, 300, (4, 12), generator=torch.Generator().manual_seed(3)).tolist()
     batch_params = [dataclasses.replace(params, max_new_tokens=n) for n in (24, 30, 17, 30)]
-    outs, counts, state = _run_graphed(models, prompts, batch_params, speculative_algorithm="NGRAM",
-                                       speculative_adaptive=True, speculative_adaptive_config=cfg,
-                                       speculative_num_steps=3)
+    outs, counts, state = _run_graphed(models, prompts, batch_params, **spec)
     if params.temperature == 0:
         want, _, _ = _run_graphed(models, prompts, batch_params)
     else:
-        llm = LLM(models["target"], device="cpu", dtype="float32", speculative_algorithm="NGRAM",
-                  speculative_num_steps=3, speculative_num_draft_tokens=4)
-        want = llm.generate(input_ids=prompts, sampling_params=batch_params, use_tqdm=False)
-        assert_engine_clean(llm)
+        want, _, _ = _run_graphed(models, prompts, batch_params, ahead=False, **spec)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     assert counts["ahead_used"] > 3, counts
     assert set(state["spec_steps_per_tier"]) == {"3"}, state
