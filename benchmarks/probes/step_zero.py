@@ -56,8 +56,8 @@ def measure(target: str, head: str, batch: int, steps: int, turns: int) -> dict[
     queued = engines["EAGLE-3 step 0, parked"].worker.plain.ahead_used
     for engine in engines.values():
         free(engine)
-    print(batch, {k: [round(w) for w in v] for k, v in walls.items()}, "verify-ahead used", used, "decode-ahead used (parked)", queued,
-          flush=True)
+    print(batch, {k: [round(w) for w in v] for k, v in walls.items()}, "verify-ahead used", used,
+          "decode-ahead used (parked)", queued, flush=True)
     return walls
 
 

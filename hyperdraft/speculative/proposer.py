@@ -137,7 +137,8 @@ class Proposer(Protocol):
         return None
 
     def parked_heads(self) -> ParkedHeads | None:
-        """Which requests the prefix cache may cache past their draft_num_computed (kvcache/prefix_cache.py), or None."""
+        """Which requests the prefix cache may cache past their draft_num_computed (kvcache/prefix_cache.py), or
+        None."""
         return None
 
     def park(self, reqs: list[Request]) -> None:

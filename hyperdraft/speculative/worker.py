@@ -14,8 +14,8 @@
            feeds the metrics and the tier source from it; the scheduler then keeps K/V by length
 
 A step of decodes only whose tier is step 0 (adaptive tiers), or whose NGRAM round found no draft for any request (any
-tier, adaptive or static), runs as the plain worker's decode step instead of a round of one-row verifies: the plain worker queues the next decode before the host waits (engine/model_worker.py), which a round
-cannot. On an H100 NGRAM's step-0 rounds ran 17-35% below plain decoding at 64-256 requests
+tier, adaptive or static), runs as the plain worker's decode step instead of a round of one-row verifies: the plain
+worker queues the next decode before the host waits (engine/model_worker.py), which a round cannot. On an H100 NGRAM's step-0 rounds ran 17-35% below plain decoding at 64-256 requests
 (benchmarks/results/batch_curve_h100.md). Any other step first discards that queued decode. NGRAM and STANDALONE are
 idle there; an EAGLE head, which must see every token, parks (proposers/slot_hidden.py): the decodes keep its input
 states by slot, and its next round consumes them. With park_head off (or a hybrid target, for which the plain worker
@@ -105,7 +105,8 @@ class SpecWorker:
             return self._decode_plainly(batch, reqs, tier, start)
         sampling, proposal = self._propose(reqs, tier) if decodes else (None, None)
         if self.plain is not None:
-            if proposal is not None and not prefills and _drafts_nothing(proposal):
+            if self.capabilities.may_draft_nothing and proposal is not None and not prefills \
+                    and _drafts_nothing(proposal):
                 return self._decode_plainly(batch, reqs, tier, start)
             self.plain.discard_ahead()
         round_ = (TreeRound if tier.is_tree else ChainRound)(self.round_context, reqs, sampling, tier, proposal) \

@@ -287,8 +287,8 @@ def test_between_step_zero_and_rounds(models, algo, penalty):
 @pytest.mark.parametrize("ladder", ["zero_only", "zero_three"])
 @STEP_ZERO_PARAMS
 def test_eagle_step_zero_verifies_ahead(models, ladder, params):
-    """With park_head off an EAGLE-3 head's step-0 steps stay rounds (it must see every token); each queues the next round's verify
-    (verify_ahead.py) and the next step-0 round of the same requests uses it. Tiers 0 only, or 3, 0, 3, 0 (every
+    """With park_head off an EAGLE-3 head's step-0 steps stay rounds (it must see every token); each queues the next
+    round's verify (verify_ahead.py) and the next step-0 round of the same requests uses it. Tiers 0 only, or 3, 0, 3, 0 (every
     round after a step-0 round drops the queued verify), requests finishing at different steps (the batch changes):
     the output equals plain decoding's (greedy, penalised) and the same engine's without queuing (seeded sampling),
     and the pool ends free."""

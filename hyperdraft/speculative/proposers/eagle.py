@@ -144,8 +144,8 @@ class EagleProposer(ModelProposer):
         index = [i for r in fed for i in range(r.draft_num_computed, r.num_computed - 1)]
         kept = self.slot_hidden.gather(rows + [r.row for r in reqs], index + [r.num_computed - 1 for r in reqs])
         if fed:
-            inputs = [ForwardInput(r.row, r.draft_num_computed, r.token_ids(r.draft_num_computed + 1, r.num_computed), 0)
-                      for r in fed]
+            inputs = [ForwardInput(r.row, r.draft_num_computed,
+                                   r.token_ids(r.draft_num_computed + 1, r.num_computed), 0) for r in fed]
             self._forward(build_forward_batch(ForwardMode.DRAFT_EXTEND, inputs, self.page_table, self.device),
                           kept[: len(index)])
         self.hidden_buf[to_device([r.row for r in reqs], torch.int64, self.device), 0] = kept[len(index):]
