@@ -19,6 +19,9 @@ passes options instead of patching modules.
   HYPERDRAFT_DECODE_AHEAD=0             decode_ahead=False         no plain decode, nor a step-0 round's next verify,
                                                                    queued before the host reads
   HYPERDRAFT_DRAFT_AHEAD=0              draft_ahead=False          no draft queued before the host reads
+  HYPERDRAFT_ROUND_AHEAD=0              round_ahead=False          no verify of a draft queued ahead, queued with it
+                                                                   (a drafted chain round's next verify waits for the
+                                                                   host, speculative/verify_ahead.py)
   HYPERDRAFT_PARK_HEAD=0                park_head=False            adaptive step 0 of an EAGLE head as rounds of one-row
                                                                    verifies (default: plain decodes, the head's inputs
                                                                    kept by slot until it drafts again)
@@ -77,6 +80,7 @@ _SWITCHES = {
     "graph_segments": ("HYPERDRAFT_GRAPH_SEGMENTS", "0"),
     "decode_ahead": ("HYPERDRAFT_DECODE_AHEAD", "0"),
     "draft_ahead": ("HYPERDRAFT_DRAFT_AHEAD", "0"),
+    "round_ahead": ("HYPERDRAFT_ROUND_AHEAD", "0"),
     "park_head": ("HYPERDRAFT_PARK_HEAD", "0"),
     "draft_loop_graphs": ("HYPERDRAFT_DRAFT_LOOP_GRAPH", "0"),
     "sampling_round_graphs": ("HYPERDRAFT_SAMPLING_ROUND_GRAPH", "0"),
@@ -100,6 +104,7 @@ class RuntimeOptions:
     graph_segments: bool = True
     decode_ahead: bool = True
     draft_ahead: bool = True
+    round_ahead: bool = True  # speculative/verify_ahead.py
     park_head: bool = True  # speculative/proposers/slot_hidden.py
     draft_loop_graphs: bool = True
     sampling_round_graphs: bool = True

@@ -86,7 +86,9 @@ def instrument(engine, sections: Sections) -> None:
     proposer = getattr(worker, "proposer", None)
     if proposer is None:
         return
-    sections.wrap(worker, "_draft", "worker._draft (propose + round)")
+    sections.wrap(worker, "_propose", "worker._propose")
+    sections.wrap(worker, "_draft_ahead", "worker._draft_ahead")
+    sections.wrap(worker.verify_ahead, "queue", "verify_ahead.queue (round-ahead)")
     sections.wrap(worker, "_commit", "worker._commit")
     sections.wrap(worker_module, "verify_batch", "verify_batch")
     sections.wrap(worker_module, "HostCopy", "HostCopy(...) (queue the copy)")

@@ -30,9 +30,14 @@ class TorchAttentionMeta:
 class TorchAttentionBackend(AttentionBackend):
     def plan(self, fb: ForwardBatch) -> TorchAttentionMeta:
         device = fb.input_ids.device
-        seq_lens = torch.tensor(fb.seq_lens, dtype=torch.int64, device=device)
-        prefix = torch.tensor(fb.prefix_lens, dtype=torch.int64, device=device)
         ext = torch.tensor(fb.extend_lens, dtype=torch.int64, device=device)
+        # The device lengths, where a batch has them: a verify queued ahead knows each request's length only there,
+        # and its host lists hold an upper bound (speculative/verify_ahead.py), which serves as kmax.
+        if fb.seq_lens_t is not None:
+            seq_lens = fb.seq_lens_t.to(torch.int64)
+        else:
+            seq_lens = torch.tensor(fb.seq_lens, dtype=torch.int64, device=device)
+        prefix = seq_lens - ext
         kmax, qmax = max(fb.seq_lens), max(fb.extend_lens)
         key_pos = torch.arange(kmax, device=device)
         kv_slots = self.page_table.slots(fb.req_rows, key_pos.expand(fb.batch_size, kmax))

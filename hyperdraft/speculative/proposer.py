@@ -125,9 +125,12 @@ class Proposer(Protocol):
         the last accepted node the draft itself fed, -1 for none: that state becomes the committed one."""
 
     def draft_ahead(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch, num_accepted: torch.Tensor,
-                    tokens: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+                    tokens: torch.Tensor, kept: torch.Tensor | None = None) -> Proposal | TreeProposal | None:
         """Queue the next round's draft from this round's device results (capabilities.drafts_ahead); kept [B]: a tree
-        round's accepted nodes whose draft K/V stayed (TreeRound.draft_kv_valid), None after a chain."""
+        round's accepted nodes whose draft K/V stayed (TreeRound.draft_kv_valid), None after a chain. -> the queued
+        proposal, the very object the next propose() returns when it serves that round (so its verify may be queued
+        too, verify_ahead.py), or None when nothing was queued."""
+        return None
 
     def discard_ahead(self) -> None:
         """Forget a draft queued ahead (capabilities.drafts_ahead): a step ran without a round; it follows nothing."""

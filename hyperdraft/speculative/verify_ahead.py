@@ -1,63 +1,81 @@
-"""VerifyAhead: the next step-0 round's verify, queued before the host waits for this round's results.
+"""VerifyAhead: the next round's verify, queued before the host waits for this round's results.
 
-A round at step 0 (adaptive tiers give it to large batches: 64 requests and up on SGLang's default ladder) drafts
-nothing, so its verify is one row per request, [last token], the shape of a plain decode. For a drafter that must
-see every token (an EAGLE head's catch-up feeds on the target's hidden states) it cannot run as the plain worker's
-step (speculative/worker.py), and without this the GPU idles while the host commits. Measured on an H100 with the
-SmolLM2 shape (benchmarks/results/step_zero_h100.md): at 64 requests a step-0 round took 2847 us without it and 2136
-with it (plain decoding: 1292); at 128 and 256 requests the round is host-bound (about 20 us of host work per
-request) and it changes nothing beyond the spread. Where the verify outlasts the host (a larger target) it should
-hide the host's whole step, as decode-ahead does for plain decoding; not yet measured there.
+Without it the GPU idles while the host decodes a round's results, commits them, schedules the next step and builds
+its verify; on a small model that host work is as long as the round's GPU work. Two kinds of round queue it:
 
-Such a round's output token is on the device before the host reads it, so the next verify's input is known: this
-queues it (the same TARGET_VERIFY batch a round would build, one index further, a captured graph) right after the
-round's results copy. The next step uses its outputs when it is again a step-0 round of decodes over the same
-requests; otherwise they are dropped. Dropping is harmless: the queued forward wrote only the target K/V of each
-request's committed next token at its own next index (what the next verify writes anyway), in room reserved when it
-was queued and kept through the commit (a step-0 round keeps its room, as a plain step does), or in a finished
-request's released slots before their next owner writes them (one stream).
+- **Step 0** (adaptive tiers give it to large batches: 64 requests and up on SGLang's default ladder) drafts
+  nothing, so its verify is one row per request, [last token], the shape of a plain decode. For a drafter that must
+  see every token it cannot run as the plain worker's step (speculative/worker.py). Such a round's output token is on
+  the device before the host reads it, so the next verify is that token at index n + 1 (next_token_batch). Measured
+  on an H100 with the SmolLM2 shape (benchmarks/results/step_zero_h100.md): at 64 requests a step-0 round took 2847
+  us without it and 2136 with it (plain decoding: 1292).
+- **A drafted chain round whose drafter queued the next draft** (draft-ahead: EAGLE heads and STANDALONE draft
+  models with whole-round graphs, proposers/model_proposer.py). Request b's next rows, [bonus token, its K next
+  drafts] at indices n + a_b + 1 onwards, depend on its accept count a_b, which only the device knows yet:
+  next_round_batch moves this round's verify batch on by a_b + 1 on the device (positions, slots, lengths), and its
+  host lists to the longest case (a_b = K), the bound launch sizes read. (RuntimeOptions.round_ahead.)
 
-Not for hybrid targets: their recurrent state would need the plain worker's two-location walk.
+The next step uses the queued outputs when it runs the round they were queued for: the same requests and tier, no
+prefill chunks, and (drafted) the very proposal queued ahead, every draft of it verified; otherwise they are
+dropped. Dropping is harmless: the queued forward wrote only target K/V of each request's next rows past its
+committed tokens (what the next verify writes anyway, or rows no round reads before rewriting them), in room
+reserved when it was queued and kept through the commit (a round keeps decode_reserve = the widest round of room
+past its new length; a step-0 round keeps its room, as a plain step does), or in a finished request's released
+slots before their next owner writes them (one stream).
+
+Not for hybrid targets: their recurrent state would need the plain worker's two-location walk. Not for trees:
+their verify is a tail mask over a drafted tree, whose accepted path moves K/V before the next rows are known.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from hyperdraft.core.forward_batch import ForwardMode
+import torch
+
+from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode
+from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
 from hyperdraft.runner.next_token import next_token_batch
+from hyperdraft.speculative.adaptive.tier import Tier
+from hyperdraft.speculative.proposal import Proposal, TreeProposal
 from hyperdraft.speculative.verify.chain import ChainRound
+from hyperdraft.speculative.verify.tree import TreeRound
 
 
 @dataclass(frozen=True)
 class QueuedVerify:
     reqs: list[Request]
+    tier: Tier
+    proposal: Proposal | None  # the drafts it verifies (queued ahead by the proposer); None after step 0
+    batch: ForwardBatch  # what it fed (the next drafted round's queued verify moves it on)
     out: ForwardOutput  # views of the graph's output buffers: valid until the target's next forward of this shape
 
 
 class VerifyAhead:
-    def __init__(self, runner: ModelRunner, capture_layers: tuple[int, ...], enabled: bool):
-        """enabled: RuntimeOptions.decode_ahead, and a target without recurrent state (module doc)."""
+    def __init__(self, runner: ModelRunner, capture_layers: tuple[int, ...], step_zero: bool, drafted: bool):
+        """step_zero: queue a step-0 round's next verify (RuntimeOptions.decode_ahead, and step-0 rounds exist: no
+        plain worker runs those steps); drafted: a drafted chain round's (RuntimeOptions.round_ahead). Neither over
+        a target with recurrent state (module doc)."""
         self.runner, self.capture_layers = runner, capture_layers
-        self.enabled = enabled and runner.state_pool is None
+        dense = runner.state_pool is None
+        self.step_zero, self.drafted = step_zero and dense, drafted and dense
         self.queued: QueuedVerify | None = None
         self.used = 0  # steps served by a queued verify, and queued verifies dropped (tests, benchmarks)
         self.dropped = 0
 
-    def take(self, round_: ChainRound | None, with_prefills: bool) -> ForwardOutput | None:
-        """The queued verify's outputs when this step is a step-0 round of decodes over the same requests; None (and
-        the queued one dropped) otherwise. Called on every step: a queued verify never outlives the step after it."""
+    def take(self, round_: ChainRound | TreeRound | None, with_prefills: bool) -> QueuedVerify | None:
+        """The queued verify when this step runs the round it was queued for (module doc); None (and the queued one
+        dropped) otherwise. Called on every step: a queued verify never outlives the step after it."""
         queued, self.queued = self.queued, None
         if queued is None:
             return None
-        serves = (round_ is not None and not with_prefills and round_.tier.steps == 0
-                  and same_requests(round_.reqs, queued.reqs))
-        if serves:
+        if round_ is not None and not with_prefills and _serves(queued, round_):
             self.used += 1
-            return queued.out
+            return queued
         self.dropped += 1
         return None
 
@@ -65,13 +83,54 @@ class VerifyAhead:
         self.dropped += self.queued is not None
         self.queued = None
 
-    def queue(self, round_: ChainRound) -> None:
-        """After a step-0 round of decodes only, before the scheduler commits it (req.num_computed is still n): verify
-        each request's output token (round_.tokens[:, 0], on the device) at index n + 1, if a graph runs it."""
-        reqs, graphs, table = round_.reqs, self.runner.graphs, self.runner.page_table
-        if not self.enabled or round_.tier.steps != 0 or graphs is None or not graphs.fits(GraphShape(1, 0), len(reqs)):
+    def queue(self, round_: ChainRound | TreeRound, drafted: Proposal | TreeProposal | None,
+              verified: ForwardBatch | None) -> None:
+        """After a round of decodes only, before the scheduler commits it (req.num_computed is still n): the next
+        round's verify, if a graph runs it. drafted: the next round's proposal, queued ahead by the proposer;
+        verified: the batch this round's verify fed."""
+        tier, graphs, table, device = round_.tier, self.runner.graphs, self.runner.page_table, self.runner.device
+        if tier.is_tree or graphs is None or not graphs.fits(GraphShape(tier.steps + 1, 0), len(round_.reqs)):
             return
-        fb = next_token_batch(ForwardMode.TARGET_VERIFY, reqs, round_.tokens[:, 0], table, self.runner.device)
+        if tier.steps == 0 and self.step_zero:
+            fb = next_token_batch(ForwardMode.TARGET_VERIFY, round_.reqs, round_.tokens[:, 0], table, device)
+        elif (tier.steps > 0 and self.drafted and isinstance(drafted, Proposal) and drafted.max_len == tier.steps
+              and verified is not None):
+            fb = next_round_batch(verified, round_.reqs, round_.num_accepted, round_.tokens, drafted.tokens, table)
+        else:
+            return
         if fb is None:
             return
-        self.queued = QueuedVerify(reqs, self.runner.forward(fb, capture_layers=self.capture_layers))
+        out = self.runner.forward(fb, capture_layers=self.capture_layers)
+        self.queued = QueuedVerify(round_.reqs, tier, drafted if tier.steps > 0 else None, fb, out)
+
+
+def _serves(queued: QueuedVerify, round_: ChainRound | TreeRound) -> bool:
+    if round_.tier != queued.tier or not same_requests(round_.reqs, queued.reqs):
+        return False
+    if queued.proposal is None:
+        return True
+    # The round verifies the very drafts queued, all of them (no request's room cut its drafts short), in the dense
+    # [B, K+1] grid the queued verify fed.
+    return round_.proposal is queued.proposal and round_.dense and min(round_.proposal.lens) == round_.tier.steps
+
+
+def next_round_batch(verified: ForwardBatch, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
+                     drafts: torch.Tensor, page_table: PageTable) -> ForwardBatch | None:
+    """verified: this round's verify batch, [last, drafts] at n .. n + K per request (req.num_computed is still n);
+    num_accepted [B], tokens [B, K+1] (this round's accepted drafts, then its bonus token), drafts [B, K] (the next
+    round's) -> the next round's verify, [bonus, drafts] at n + a_b + 1 .. n + a_b + K + 1: the same rows moved on by
+    a_b + 1 on the device (no host list is packed, nothing is copied in). The host lists (prefix_lens, max_seq_len)
+    hold the longest case, a_b = K, an upper bound for launch sizes. Room up to index n + 2K + 1 reserved first; None
+    (nothing reserved) when the pool is dry or the verify was not the dense [B, K+1] grid."""
+    bsz, k1 = len(reqs), drafts.shape[1] + 1
+    if verified.num_tokens != bsz * k1 or not page_table.reserve_ahead([r.row for r in reqs],
+                                                                       [r.num_computed + 2 * k1 for r in reqs]):
+        return None
+    step = num_accepted + 1  # [B]
+    positions = (verified.positions.view(bsz, k1) + step[:, None]).flatten()
+    rows = verified.req_rows[:, None].expand(-1, k1).flatten()
+    prefix = [r.num_computed + k1 for r in reqs]
+    return dataclasses.replace(
+        verified, input_ids=torch.cat([tokens.gather(1, num_accepted[:, None]), drafts], 1).flatten(),
+        positions=positions, out_slots=page_table.token_slots(rows, positions), prefix_lens=prefix,
+        seq_lens_t=verified.seq_lens_t + step.to(torch.int32), max_seq_len=max(prefix) + k1)

@@ -9,7 +9,8 @@
   accept   the round (verify/chain.py, verify/tree.py) picks the accepted drafts plus one recovered or bonus token per
            request on the device; trees move the accepted path's K/V to contiguous indices
   results  ONE device-to-host copy (core/host_copy.HostCopy) carries every request's tokens, accept counts and
-           logprobs; a drafter that drafts ahead queues the next round's draft before the host waits for it
+           logprobs; a drafter that drafts ahead queues the next round's draft, and a chain round then that draft's
+           verify (verify_ahead.py), before the host waits for it
   commit   the round decodes the copy (a pure function) into a RoundOutcome; the worker commits the proposer and
            feeds the metrics and the tier source from it; the scheduler then keeps K/V by length
 
@@ -73,16 +74,18 @@ class PlainDecoder(Protocol):
 class SpecWorker:
     def __init__(self, target: ModelRunner, proposer: Proposer, spec: SpecConfig, tiers: TierSource,
                  timer: PhaseTimer, tp: TensorParallel = SINGLE, plain: PlainDecoder | None = None,
-                 verify_ahead: bool = True):
+                 verify_ahead: bool = True, round_ahead: bool = True):
         """tp: the engine's tensor-parallel group. Under adaptive speculation every rank's tier source learns rank 0's
         step times, so the ranks pick the same tier (goodput decides from step times; each GPU's clock differs).
         plain: the worker that runs step-0 batches of decodes (module doc), over the same target runner; None: rounds
-        run them. verify_ahead: queue a step-0 round's next verify (verify_ahead.py; RuntimeOptions.decode_ahead)."""
+        run them. verify_ahead: queue a step-0 round's next verify (verify_ahead.py; RuntimeOptions.decode_ahead);
+        round_ahead: a drafted chain round's, after its drafter queued the next draft (RuntimeOptions.round_ahead)."""
         self.runner, self.proposer, self.spec, self.tiers, self.timer = target, proposer, spec, tiers, timer
         self.plain = plain
         self.tp = tp if spec.adaptive is not None else SINGLE
         self.capabilities = proposer.capabilities
-        self.verify_ahead = VerifyAhead(target, proposer.capabilities.capture_layers, verify_ahead and plain is None)
+        self.verify_ahead = VerifyAhead(target, proposer.capabilities.capture_layers, verify_ahead and plain is None,
+                                        round_ahead)
         self.round_context = RoundContext(target, proposer, spec.simulate_accept_rate, spec.sampling == "coupled",
                                           spec.simulate_sibling_rate)
         self.decode_reserve = spec.max_verify_tokens  # the scheduler reserves the widest round, never less
@@ -111,7 +114,8 @@ class SpecWorker:
             self.plain.discard_ahead()
         round_ = (TreeRound if tier.is_tree else ChainRound)(self.round_context, reqs, sampling, tier, proposal) \
             if decodes else None
-        out = self.verify_ahead.take(round_, with_prefills=bool(prefills))  # queued by the step before, or None
+        queued = self.verify_ahead.take(round_, with_prefills=bool(prefills))  # by the step before, or None
+        fb, out = (queued.batch, queued.out) if queued is not None else (None, None)
         prefill_inputs = [it.forward_input() for it in prefills]
         tails = padded_tails(self.runner.graphs, prefill_inputs)  # run as a forward of their own where they fit
         if out is None and (round_ is not None or not tails):
@@ -133,15 +137,18 @@ class SpecWorker:
         with results_stream(self.results_stream):  # round_ and out keep the tail's inputs alive until wait()
             copy = HostCopy(StepPieces(round_.pieces() if round_ is not None else None,
                                        self._sample_prefills(prefills, prefill_logits)))
-        if round_ is not None and not prefills and self.capabilities.drafts_ahead:
-            kept = round_.draft_kv_valid if isinstance(round_, TreeRound) else None
-            self.proposer.draft_ahead(round_.reqs, round_.tier, round_.sampling, round_.num_accepted, round_.tokens,
-                                      kept)
-        if round_ is not None and not prefills and round_.tier.steps == 0:  # a chain of no drafts
-            self.verify_ahead.queue(round_)
+        if round_ is not None and not prefills:  # the next round's draft, then its verify, before the host waits
+            self.verify_ahead.queue(round_, self._draft_ahead(round_), fb)
         host = copy.wait()
         results = [] if round_ is None else self._commit(round_, round_.decode(host.round), None if prefills else start)
         return results + _prefill_results(prefills, host.prefill)
+
+    def _draft_ahead(self, round_: ChainRound | TreeRound) -> Proposal | TreeProposal | None:
+        if not self.capabilities.drafts_ahead:
+            return None
+        kept = round_.draft_kv_valid if isinstance(round_, TreeRound) else None
+        return self.proposer.draft_ahead(round_.reqs, round_.tier, round_.sampling, round_.num_accepted,
+                                         round_.tokens, kept)
 
     def _forward_tails(self, tails: list[ForwardInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The padded prompt tails' own forward (a graph replay) -> (their logits [P, V], the drafter's hidden inputs
@@ -162,6 +169,7 @@ class SpecWorker:
         (the plain worker's results say so); its room stays, as a plain step's does. Nothing here is per request
         beyond what the plain step does: at 256 requests a per-result rewrite cost more than the step's own commit."""
         self.proposer.discard_ahead()  # as a round's draft_ahead at step 0 would have
+        self.verify_ahead.discard()  # a queued verify never outlives the step after it
         self.proposer.park(reqs)
         results = self.plain.run(batch)
         self.metrics.observe_idle(len(results))

@@ -301,3 +301,45 @@ def test_parked_head_states_kept_inside_the_decode_graph(models, tmp_path):
     assert compared > 30, compared
     for llm in llms:
         llm.shutdown()
+
+
+ROUND_AHEAD_CASES = {
+    "eagle3-small-chain": dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1,
+                               draft="small_eagle3", target="small"),
+    "standalone-chain": dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, draft="draft"),
+    "eagle3-chain-sampled": dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1,
+                                 speculative_use_rejection_sampling=True, draft="eagle3", target="target6"),
+}
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16-deterministic"])
+@pytest.mark.parametrize("name", list(ROUND_AHEAD_CASES))
+def test_drafted_rounds_verify_ahead_in_graphs(models, name, mode):
+    """A drafted chain round queues the next round's verify with its next draft (speculative/verify_ahead.py): rows
+    placed on the device by each request's accept count, a replay of the verify graph. Round-ahead on equals off bit
+    for bit (fp32 and deterministic bf16, greedy or seeded sampling), greedy equals spec off, and queued verifies
+    served rounds."""
+    dtype, deterministic = MODES[mode]
+    case = dict(ROUND_AHEAD_CASES[name])
+    target = models[case.pop("target", "target")]
+    case = dict(case, speculative_draft_model_path=models[case.pop("draft")], cuda_graph_max_bs=4,
+                max_running_requests=4, enable_deterministic_inference=deterministic)
+    sampled = case.get("speculative_use_rejection_sampling", False)
+    params = [SamplingParams(temperature=0.8 if sampled else 0, top_k=20, seed=i, max_new_tokens=n, ignore_eos=True)
+              for i, n in enumerate(NEW_TOKENS)]
+    outs, used = {}, {}
+    for ahead in (True, False):
+        llm = LLM(target, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=8192,
+                  skip_tokenizer_init=True, runtime_options=RuntimeOptions.from_env(round_ahead=ahead), **case)
+        prompts = _prompts(llm.engine.model_config.vocab_size)
+        outs[ahead] = [o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)]
+        used[ahead] = llm.engine.worker.verify_ahead.used
+        assert llm.engine.flush_cache() and llm.engine.kv_free_slots == llm.engine.kv_capacity_slots
+        llm.shutdown()
+    assert used[True] > 0 and used[False] == 0, used
+    assert outs[True] == outs[False], f"{name} {mode}: a queued verify changed the output"
+    if not sampled:
+        key = (target, mode)
+        if key not in _SPEC_OFF:
+            _SPEC_OFF[key] = _run(target, dtype, disable_cuda_graph=True, enable_deterministic_inference=deterministic)[0]
+        assert outs[True] == _SPEC_OFF[key], "spec on != spec off"

@@ -62,7 +62,7 @@ class AheadDraft:
     reqs: list[Request]
     tier: Tier
     sampling: SamplingKey | None  # drafts drawn from q or penalised under this key; None: greedy, unpenalised
-    outputs: tuple[torch.Tensor, ...]  # static graph outputs (DraftLoopGraphs.run)
+    proposal: Proposal | TreeProposal  # over the round graph's static outputs (DraftLoopGraphs.run)
 
     def serves(self, reqs: list[Request], tier: Tier, sampling: SamplingKey | None) -> bool:
         return tier == self.tier and sampling == self.sampling and same_requests(reqs, self.reqs)
@@ -90,7 +90,7 @@ class ModelProposer(Proposer):
         key = self._sampling_key(tier, sampling, sampled)
         ahead = self._take_ahead(reqs, tier, key)
         if ahead is not None:
-            return _graph_proposal(ahead, tier, len(reqs))
+            return ahead
         rows = self._catch_up_rows(reqs)
         fit = self._loop_fit(tier, rows, key)
         if fit is not None:
@@ -125,30 +125,33 @@ class ModelProposer(Proposer):
         return TreeProposal(*out)
 
     def draft_ahead(self, reqs: list[Request], tier: Tier, sampling: SamplingBatch, num_accepted: torch.Tensor,
-                    tokens: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+                    tokens: torch.Tensor, kept: torch.Tensor | None = None) -> Proposal | TreeProposal | None:
         """Queue the next round's draft for these requests from this round's results (num_accepted [B], tokens
         [B, steps + 1]: the accepted drafts or accepted path, then the bonus token), if a whole-round graph can run
-        it. Called before the scheduler commits this round: req.num_computed is still this round's n. Drafts drawn
+        it; -> the proposal the next round's propose() returns if the round is the one it was queued for, or None.
+        Called before the scheduler commits this round: req.num_computed is still this round's n. Drafts drawn
         from q or penalised are drafted ahead by their round graph if one was captured already (never captured
         here), its sampling rows moved on by the round's a + 1 committed tokens on the device (RoundSampling)."""
         self.discard_ahead()
         if not self.capabilities.drafts_ahead:
-            return
+            return None
         sampling_key = self._sampling_key(tier, sampling, self._draws(tier, sampling))
         width, room = self.catch_up_width(tier), self.ahead_room(tier)
         fit = self.draft_loop.padded(tier, len(reqs), width)
         key = None if fit is None else RoundKey(tier, *fit, sampling_key)
         if room is None or fit is None or fit[1] != width or tokens.shape[1] < width or not self.draft_loop.has(key):
-            return
+            return None
         # Reserve the room the queued round writes now, as the next schedule would have. Up to index n (reach 1) the
         # round itself had it: a step-0 round's catch-up needs nothing more, and skips a call per request.
         if room > 1 and not self.runner.page_table.reserve_ahead([r.row for r in reqs],
                                                                  [r.num_computed + room for r in reqs]):
-            return
+            return None
         self.ahead_catch_up(reqs, num_accepted, tokens, self.draft_loop.packed_rows(*fit), kept)
         if sampling_key is not None:
             self.draft_loop.sampling.load(sampling, committed=(num_accepted, tokens))
-        self.ahead = AheadDraft(list(reqs), tier, sampling_key, self.draft_loop.run_packed(key, len(reqs)))
+        proposal = _graph_proposal(self.draft_loop.run_packed(key, len(reqs)), tier, len(reqs))
+        self.ahead = AheadDraft(list(reqs), tier, sampling_key, proposal)
+        return proposal
 
     def discard_ahead(self) -> None:
         self.ahead_discarded += self.ahead is not None
@@ -181,8 +184,8 @@ class ModelProposer(Proposer):
         """The round graph's sampling key; None at step 0, which chooses no draft (its graph is the catch-up alone)."""
         return SamplingKey.of(sampling, sampled, self.coupled) if tier.steps > 0 else None
 
-    def _take_ahead(self, reqs: list[Request], tier: Tier, key: SamplingKey | None):
-        """The outputs of the draft queued for exactly this round, or None (a queued draft for another batch, tier or
+    def _take_ahead(self, reqs: list[Request], tier: Tier, key: SamplingKey | None) -> Proposal | TreeProposal | None:
+        """The proposal queued for exactly this round, or None (a queued draft for another batch, tier or
         sampling key is thrown away). The same requests sample at the positions it drew for, with the output counts
         it penalised with: each one's committed length and outputs moved on by exactly the a + 1 tokens it was
         queued with."""
@@ -194,7 +197,7 @@ class ModelProposer(Proposer):
             return None
         self.ahead_used += 1
         self.caught_up(reqs)
-        return ahead.outputs
+        return ahead.proposal
 
     def _catch_up_rows(self, reqs: list[Request]) -> CatchUpRows:
         return CatchUpRows([r.row for r in reqs], [r.draft_num_computed for r in reqs],
