@@ -286,6 +286,23 @@ def test_tp2_sampling_round_graphs_equal_tp1(models, monkeypatch, spec):
     assert sum(n for k, n in replays.items() if k.sampling is not None) > 0, replays
 
 
+def test_tp2_round_ahead_equals_tp1(models, monkeypatch):
+    """A drafted chain round's next verify, queued with its next draft (speculative/verify_ahead.py), is a target
+    forward with all-reduces: every rank queues, uses and drops it in the same steps (emulated graphs), and TP 2 gives
+    TP 1's greedy outputs with every pool free."""
+    monkeypatch.setenv("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1")  # the spawned ranks inherit it
+    args = dict(speculative_algorithm="EAGLE3", speculative_draft_model=models["eagle3"], speculative_num_steps=3,
+                speculative_eagle_topk=1, cuda_graph_max_bs=4)
+    prompts = mixed_prompts(6, seed=8, max_len=30)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (20, 7, 16, 11, 24, 9)]
+    want, _ = _outputs(models["llama6"], prompts, params, **args)
+    got, states, used = _outputs_inspected(lambda llm: llm.engine.worker.verify_ahead.used, models["llama6"], prompts,
+                                           params, tp_size=2, **args)
+    assert got == want
+    _check_pools_free(states, 2)
+    assert used > 0, "no queued verify served a round on rank 0"
+
+
 def test_a_dead_rank_stops_the_engine_with_an_error(models):
     llm = LLM(models["llama"], device="cpu", dtype="float32", tp_size=2, dist_timeout=30)
     try:
