@@ -162,7 +162,8 @@ def test_one_device_read_per_step(models, llm_factory, monkeypatch):
 def test_next_round_batch_equals_the_batch_of_the_true_counts(page_size):
     """The batch queued before the accept counts reach the host (this round's verify batch moved on by a + 1)
     equals, on every device field a forward reads, the batch built once they are known: rows [bonus, drafts] at
-    n + a + 1 onwards."""
+    n + a + 1 onwards; and so does a queued batch moved on again (a round served by a queued verify queues the
+    next)."""
     torch.manual_seed(0)
     table = PageTable(num_pages=64, page_size=page_size, max_rows=4, max_pages_per_row=64 // page_size,
                       device=torch.device("cpu"))
@@ -173,19 +174,20 @@ def test_next_round_batch_equals_the_batch_of_the_true_counts(page_size):
         req.row, req.num_computed = table.acquire_row(), n
         assert table.reserve(req.row, n + k + 1)
         reqs.append(req)
-    num_accepted = torch.tensor([0, 3, 1])
-    tokens = torch.randint(0, 100, (3, k + 1))
-    drafts = torch.randint(0, 100, (3, k))
-    verified = build_forward_batch(ForwardMode.TARGET_VERIFY, [ForwardInput(r.row, r.num_computed, [0] * (k + 1), k + 1)
-                                                               for r in reqs], table, torch.device("cpu"),
-                                   input_ids=torch.zeros(3 * (k + 1), dtype=torch.int64))
-    fb = next_round_batch(verified, reqs, num_accepted, tokens, drafts, table)
-    inputs = [ForwardInput(r.row, r.num_computed + a + 1, [0] * (k + 1), k + 1)
-              for r, a in zip(reqs, num_accepted.tolist())]
-    ids = torch.cat([tokens[torch.arange(3), num_accepted][:, None], drafts], 1).flatten()
-    ref = build_forward_batch(ForwardMode.TARGET_VERIFY, inputs, table, torch.device("cpu"), input_ids=ids)
-    for field in ("input_ids", "positions", "out_slots", "req_rows", "seq_lens_t", "extend_starts_t", "extend_lens_t",
-                  "logits_indices"):
-        assert torch.equal(getattr(fb, field), getattr(ref, field)), field
-    assert fb.max_seq_len >= ref.max_seq_len and all(p >= q for p, q in zip(fb.prefix_lens, ref.prefix_lens))
-    assert all(table.num_slots(r.row) >= r.num_computed + 2 * (k + 1) for r in reqs), "room not reserved"
+    fb = build_forward_batch(ForwardMode.TARGET_VERIFY, [ForwardInput(r.row, r.num_computed, [0] * (k + 1), k + 1)
+                                                         for r in reqs], table, torch.device("cpu"),
+                             input_ids=torch.zeros(3 * (k + 1), dtype=torch.int64))
+    for num_accepted in (torch.tensor([0, 3, 1]), torch.tensor([2, 0, 3])):
+        tokens = torch.randint(0, 100, (3, k + 1))
+        drafts = torch.randint(0, 100, (3, k))
+        fb = next_round_batch(fb, reqs, num_accepted, tokens, drafts, table)
+        assert all(table.num_slots(r.row) >= r.num_computed + 2 * (k + 1) for r in reqs), "room not reserved"
+        for r, a in zip(reqs, num_accepted.tolist()):  # the commit the host makes once the counts arrive
+            r.num_computed += a + 1
+        inputs = [ForwardInput(r.row, r.num_computed, [0] * (k + 1), k + 1) for r in reqs]
+        ids = torch.cat([tokens[torch.arange(3), num_accepted][:, None], drafts], 1).flatten()
+        ref = build_forward_batch(ForwardMode.TARGET_VERIFY, inputs, table, torch.device("cpu"), input_ids=ids)
+        for field in ("input_ids", "positions", "out_slots", "req_rows", "seq_lens_t", "extend_starts_t",
+                      "extend_lens_t", "logits_indices"):
+            assert torch.equal(getattr(fb, field), getattr(ref, field)), field
+        assert fb.max_seq_len >= ref.max_seq_len and all(p >= q for p, q in zip(fb.prefix_lens, ref.prefix_lens))
