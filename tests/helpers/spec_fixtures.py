@@ -192,6 +192,29 @@ def mixed_prompts(n: int, seed: int, vocab: int = VOCAB, min_len: int = 1, max_l
     return prompts
 
 
+def case_args(models: dict, case: tuple[str, str, dict], **extra) -> tuple[str, dict]:
+    """A case of a test's table, (target name, drafter name, engine args), -> (target path, LLM arguments): the
+    drafter's path filled in, an adaptive config's file name resolved under models["root"]."""
+    target, draft, args = case
+    args = dict(args, speculative_draft_model_path=models[draft], skip_tokenizer_init=True, **extra)
+    if "speculative_adaptive_config" in args:
+        args["speculative_adaptive_config"] = str(models["root"] / args["speculative_adaptive_config"])
+    return models[target], args
+
+
+def run_aborting(engine, prompts, params, victim: int, at_step: int) -> list:
+    """Add the requests and step the engine to the end, aborting request `victim` after step `at_step` (between two
+    steps, as a server's disconnect would) -> the requests."""
+    reqs = [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts, params)]
+    for step in range(10_000):
+        if not engine.has_unfinished():
+            return reqs
+        engine.step()
+        if step == at_step:
+            engine.abort(reqs[victim].rid)
+    pytest.fail("requests not finished after 10,000 steps")
+
+
 def gen(llm: LLM, prompts, params):
     return llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
 

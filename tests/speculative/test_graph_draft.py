@@ -29,7 +29,7 @@ from hyperdraft.models.eagle_loader import load_eagle_head
 from hyperdraft.models.loader import load_model
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
-from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
+from helpers.spec_fixtures import _single_torch_thread, case_args, gen, run_aborting, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
 MAX_BS = 4
 NEW_TOKENS = [6, 40, 9, 34, 4, 28, 8, 44]  # 8 requests finishing at different steps: eager above 4, graphs below
@@ -70,11 +70,7 @@ def emulated_graphs(monkeypatch):
 
 
 def _args(models, name: str, **extra) -> tuple[str, dict]:
-    target, draft, args = CASES[name]
-    args = dict(args, speculative_draft_model_path=models[draft], skip_tokenizer_init=True, **extra)
-    if "speculative_adaptive_config" in args:
-        args["speculative_adaptive_config"] = str(models["root"] / args["speculative_adaptive_config"])
-    return models[target], args
+    return case_args(models, CASES[name], **extra)
 
 
 def _prompts(target: str) -> list[list[int]]:
@@ -343,13 +339,7 @@ def test_draft_ahead_under_a_tight_pool_and_aborts(models, llm_factory, emulated
                 page_table.reserve_ahead = _reserve
 
         proposer.draft_ahead = draft_ahead
-        reqs = [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts, params)]
-        for step in range(10_000):
-            if not engine.has_unfinished():
-                break
-            engine.step()
-            if step == 12:  # between two steps, as a server's disconnect would
-                engine.abort(reqs[3].rid)
+        reqs = run_aborting(engine, prompts, params, victim=3, at_step=12)
         return engine, reqs, proposals, refused
 
     engine, reqs, proposals, refused = run("1")

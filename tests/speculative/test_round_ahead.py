@@ -23,7 +23,7 @@ from hyperdraft.speculative.verify_ahead import next_round_batch
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from helpers.host_reads import HostReadCounter
-from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
+from helpers.spec_fixtures import _single_torch_thread, case_args, gen, run_aborting, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
 
 NEW_TOKENS = [6, 40, 9, 34, 4, 28, 8, 44]  # requests finishing at different steps: the batch changes under the queue
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
@@ -52,11 +52,7 @@ def models(spec_models, tmp_path_factory):
 
 
 def _args(models, name: str, **extra) -> tuple[str, dict]:
-    target, draft, args = CASES[name]
-    args = dict(args, speculative_draft_model_path=models[draft], skip_tokenizer_init=True, **extra)
-    if "speculative_adaptive_config" in args:
-        args["speculative_adaptive_config"] = str(models["root"] / args["speculative_adaptive_config"])
-    return models[target], args
+    return case_args(models, CASES[name], **extra)
 
 
 def _prompts(name: str) -> list[list[int]]:
@@ -122,13 +118,7 @@ def test_tight_pool_and_abort(models, llm_factory, monkeypatch, name, pool):
     monkeypatch.setenv("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1")
     llm = llm_factory(path, cuda_graph_max_bs=8, max_total_tokens=pool, **args)
     engine = llm.engine
-    reqs = [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts, params)]
-    for step in range(10_000):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-        if step == 12:  # between two steps, as a server's disconnect would
-            engine.abort(reqs[3].rid)
+    reqs = run_aborting(engine, prompts, params, victim=3, at_step=12)
     queue = engine.worker.verify_ahead
     assert queue.used > 0 and queue.dropped > 0
     assert sum(r.num_retractions for r in reqs) > 0, "the pool was not tight"
