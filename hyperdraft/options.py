@@ -20,8 +20,8 @@ passes options instead of patching modules.
                                                                    queued before the host reads
   HYPERDRAFT_DRAFT_AHEAD=0              draft_ahead=False          no draft queued before the host reads
   HYPERDRAFT_ROUND_AHEAD=0              round_ahead=False          no verify of a draft queued ahead, queued with it
-                                                                   (a drafted chain round's next verify waits for the
-                                                                   host, speculative/verify_ahead.py)
+                                                                   (a drafted round's next verify waits for the host,
+                                                                   speculative/verify_ahead.py)
   HYPERDRAFT_PARK_HEAD=0                park_head=False            adaptive step 0 of an EAGLE head as rounds of one-row
                                                                    verifies (default: plain decodes, the head's inputs
                                                                    kept by slot until it drafts again)

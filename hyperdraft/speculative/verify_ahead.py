@@ -9,11 +9,13 @@ its verify; on a small model that host work is as long as the round's GPU work. 
   the device before the host reads it, so the next verify is that token at index n + 1 (next_token_batch). Measured
   on an H100 with the SmolLM2 shape (benchmarks/results/step_zero_h100.md): at 64 requests a step-0 round took 2847
   us without it and 2136 with it (plain decoding: 1292).
-- **A drafted chain round whose drafter queued the next draft** (draft-ahead: EAGLE heads and STANDALONE draft
-  models with whole-round graphs, proposers/model_proposer.py). Request b's next rows, [bonus token, its K next
-  drafts] at indices n + a_b + 1 onwards, depend on its accept count a_b, which only the device knows yet:
-  next_round_batch moves this round's verify batch on by a_b + 1 on the device (positions, slots, lengths), and its
-  host lists to the longest case (a_b = K), the bound launch sizes read. (RuntimeOptions.round_ahead.)
+- **A drafted round whose drafter queued the next draft** (draft-ahead: EAGLE heads and STANDALONE draft models
+  with whole-round graphs, proposers/model_proposer.py). Request b's next rows, [bonus token, its next drafts] (a
+  chain) or its next tree rooted at the bonus token, at indices n + a_b + 1 onwards, depend on its accept count a_b,
+  which only the device knows yet: next_round_batch moves this round's verify batch on by a_b + 1 on the device
+  (positions, slots, lengths; a tree's depths and ancestor mask from its parents), and its host lists to the
+  longest case (the whole width accepted), the bound launch sizes read. A tree round's accepted path is compacted
+  by its accept, queued before. (RuntimeOptions.round_ahead.)
 
 The next step uses the queued outputs when it runs the round they were queued for: the same requests and tier, no
 prefill chunks, and (drafted) the very proposal queued ahead, every draft of it verified; otherwise they are
@@ -23,8 +25,7 @@ reserved when it was queued and kept through the commit (a round keeps decode_re
 past its new length; a step-0 round keeps its room, as a plain step does), or in a finished request's released
 slots before their next owner writes them (one stream).
 
-Not for hybrid targets: their recurrent state would need the plain worker's two-location walk. Not for trees:
-their verify is a tail mask over a drafted tree, whose accepted path moves K/V before the next rows are known.
+Not for hybrid targets: their recurrent state would need the plain worker's two-location walk.
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.proposal import Proposal, TreeProposal
 from hyperdraft.speculative.verify.chain import ChainRound
 from hyperdraft.speculative.verify.tree import TreeRound
+from hyperdraft.speculative.verify.tree_buffers import build_tree
 
 
 @dataclass(frozen=True)
 class QueuedVerify:
     reqs: list[Request]
     tier: Tier
-    proposal: Proposal | None  # the drafts it verifies (queued ahead by the proposer); None after step 0
+    proposal: Proposal | TreeProposal | None  # the drafts it verifies (queued ahead by the proposer); None: step 0
     batch: ForwardBatch  # what it fed (the next drafted round's queued verify moves it on)
     out: ForwardOutput  # views of the graph's output buffers: valid until the target's next forward of this shape
 
@@ -58,7 +60,7 @@ class QueuedVerify:
 class VerifyAhead:
     def __init__(self, runner: ModelRunner, capture_layers: tuple[int, ...], step_zero: bool, drafted: bool):
         """step_zero: queue a step-0 round's next verify (RuntimeOptions.decode_ahead, and step-0 rounds exist: no
-        plain worker runs those steps); drafted: a drafted chain round's (RuntimeOptions.round_ahead). Neither over
+        plain worker runs those steps); drafted: a drafted round's (RuntimeOptions.round_ahead). Neither over
         a target with recurrent state (module doc)."""
         self.runner, self.capture_layers = runner, capture_layers
         dense = runner.state_pool is None
@@ -89,13 +91,13 @@ class VerifyAhead:
         round's verify, if a graph runs it. drafted: the next round's proposal, queued ahead by the proposer;
         verified: the batch this round's verify fed."""
         tier, graphs, table, device = round_.tier, self.runner.graphs, self.runner.page_table, self.runner.device
-        if tier.is_tree or graphs is None or not graphs.fits(GraphShape(tier.steps + 1, 0), len(round_.reqs)):
+        width = tier.num_draft_tokens
+        if graphs is None or not graphs.fits(GraphShape(width, width if tier.is_tree else 0), len(round_.reqs)):
             return
         if tier.steps == 0 and self.step_zero:
             fb = next_token_batch(ForwardMode.TARGET_VERIFY, round_.reqs, round_.tokens[:, 0], table, device)
-        elif (tier.steps > 0 and self.drafted and isinstance(drafted, Proposal) and drafted.max_len == tier.steps
-              and verified is not None):
-            fb = next_round_batch(verified, round_.reqs, round_.num_accepted, round_.tokens, drafted.tokens, table)
+        elif tier.steps > 0 and self.drafted and verified is not None and _drafted_for(tier, drafted):
+            fb = next_round_batch(verified, round_.reqs, round_.num_accepted, round_.tokens, drafted, table)
         else:
             return
         if fb is None:
@@ -104,33 +106,53 @@ class VerifyAhead:
         self.queued = QueuedVerify(round_.reqs, tier, drafted if tier.steps > 0 else None, fb, out)
 
 
+def _drafted_for(tier: Tier, drafted: Proposal | TreeProposal | None) -> bool:
+    """Whether the draft queued ahead is the next round's whole draft at this tier's width."""
+    if tier.is_tree:
+        return isinstance(drafted, TreeProposal) and drafted.tokens.shape[1] == tier.num_draft_tokens
+    return isinstance(drafted, Proposal) and drafted.max_len == tier.steps
+
+
 def _serves(queued: QueuedVerify, round_: ChainRound | TreeRound) -> bool:
     if round_.tier != queued.tier or not same_requests(round_.reqs, queued.reqs):
         return False
     if queued.proposal is None:
         return True
-    # The round verifies the very drafts queued, all of them (no request's room cut its drafts short), in the dense
-    # [B, K+1] grid the queued verify fed.
-    return round_.proposal is queued.proposal and round_.dense and min(round_.proposal.lens) == round_.tier.steps
+    # The round verifies the very drafts queued, all of them (no request's room cut its draft short), in the grid
+    # the queued verify fed: [B, K+1] for a chain, N nodes a request for a tree.
+    if isinstance(round_, TreeRound):
+        full = min(round_.num_nodes) == round_.n
+    else:
+        full = round_.dense and min(round_.proposal.lens) == round_.tier.steps
+    return round_.proposal is queued.proposal and full
 
 
 def next_round_batch(verified: ForwardBatch, reqs: list[Request], num_accepted: torch.Tensor, tokens: torch.Tensor,
-                     drafts: torch.Tensor, page_table: PageTable) -> ForwardBatch | None:
-    """verified: this round's verify batch, [last, drafts] at n .. n + K per request (req.num_computed is still n);
-    num_accepted [B], tokens [B, K+1] (this round's accepted drafts, then its bonus token), drafts [B, K] (the next
-    round's) -> the next round's verify, [bonus, drafts] at n + a_b + 1 .. n + a_b + K + 1: the same rows moved on by
-    a_b + 1 on the device (no host list is packed, nothing is copied in). The host lists (prefix_lens, max_seq_len)
-    hold the longest case, a_b = K, an upper bound for launch sizes. Room up to index n + 2K + 1 reserved first; None
-    (nothing reserved) when the pool is dry or the verify was not the dense [B, K+1] grid."""
-    bsz, k1 = len(reqs), drafts.shape[1] + 1
-    if verified.num_tokens != bsz * k1 or not page_table.reserve_ahead([r.row for r in reqs],
-                                                                       [r.num_computed + 2 * k1 for r in reqs]):
+                     drafted: Proposal | TreeProposal, page_table: PageTable) -> ForwardBatch | None:
+    """verified: this round's verify batch, W rows per request from index n (req.num_computed is still n): [last,
+    drafts] for a chain, the tree's nodes for a tree; num_accepted [B]; tokens [B, K+1] (a chain's accepted drafts,
+    then its bonus token); drafted: the next round's proposal (a tree's root is the bonus token) -> the next round's
+    verify, the same W rows per request moved on by a_b + 1 on the device: a chain feeds [bonus, drafts] at
+    n + a_b + 1 .. n + a_b + W, a tree its nodes at those slots, each at RoPE position root + depth under the tree's
+    ancestor mask. No host list is packed, nothing is copied in. The host lists (prefix_lens, max_seq_len) hold the
+    longest case (a_b + 1 = W), an upper bound for launch sizes. Room up to index n + 2W - 1 reserved first; None
+    (nothing reserved) when the pool is dry or the verify was not W rows a request."""
+    tree = isinstance(drafted, TreeProposal)
+    bsz, width = len(reqs), drafted.tokens.shape[1] + (0 if tree else 1)
+    if verified.num_tokens != bsz * width or not page_table.reserve_ahead([r.row for r in reqs],
+                                                                          [r.num_computed + 2 * width for r in reqs]):
         return None
     step = num_accepted + 1  # [B]
-    positions = (verified.positions.view(bsz, k1) + step[:, None]).flatten()
-    rows = verified.req_rows[:, None].expand(-1, k1).flatten()
-    prefix = [r.num_computed + k1 for r in reqs]
+    index = (verified.seq_lens_t.to(torch.int64) - width + step)[:, None] + torch.arange(width, device=step.device)
+    rows = verified.req_rows[:, None].expand(-1, width).flatten()
+    prefix = [r.num_computed + width for r in reqs]
+    if tree:
+        nodes = build_tree(drafted.tokens, drafted.parents, drafted.q, torch.full_like(step, width))
+        ids, positions, mask = nodes.tokens.flatten(), (index[:, :1] + nodes.depth).flatten(), nodes.mask
+    else:
+        ids = torch.cat([tokens.gather(1, num_accepted[:, None]), drafted.tokens], 1).flatten()
+        positions, mask = index.flatten(), None
     return dataclasses.replace(
-        verified, input_ids=torch.cat([tokens.gather(1, num_accepted[:, None]), drafts], 1).flatten(),
-        positions=positions, out_slots=page_table.token_slots(rows, positions), prefix_lens=prefix,
-        seq_lens_t=verified.seq_lens_t + step.to(torch.int32), max_seq_len=max(prefix) + k1)
+        verified, input_ids=ids, positions=positions, out_slots=page_table.token_slots(rows, index.flatten()),
+        tail_mask=mask, prefix_lens=prefix, seq_lens_t=verified.seq_lens_t + step.to(torch.int32),
+        max_seq_len=max(prefix) + width)

@@ -9,7 +9,7 @@
   accept   the round (verify/chain.py, verify/tree.py) picks the accepted drafts plus one recovered or bonus token per
            request on the device; trees move the accepted path's K/V to contiguous indices
   results  ONE device-to-host copy (core/host_copy.HostCopy) carries every request's tokens, accept counts and
-           logprobs; a drafter that drafts ahead queues the next round's draft, and a chain round then that draft's
+           logprobs; a drafter that drafts ahead queues the next round's draft, and the round then that draft's
            verify (verify_ahead.py), before the host waits for it
   commit   the round decodes the copy (a pure function) into a RoundOutcome; the worker commits the proposer and
            feeds the metrics and the tier source from it; the scheduler then keeps K/V by length
@@ -79,7 +79,7 @@ class SpecWorker:
         step times, so the ranks pick the same tier (goodput decides from step times; each GPU's clock differs).
         plain: the worker that runs step-0 batches of decodes (module doc), over the same target runner; None: rounds
         run them. verify_ahead: queue a step-0 round's next verify (verify_ahead.py; RuntimeOptions.decode_ahead);
-        round_ahead: a drafted chain round's, after its drafter queued the next draft (RuntimeOptions.round_ahead)."""
+        round_ahead: a drafted round's, after its drafter queued the next draft (RuntimeOptions.round_ahead)."""
         self.runner, self.proposer, self.spec, self.tiers, self.timer = target, proposer, spec, tiers, timer
         self.plain = plain
         self.tp = tp if spec.adaptive is not None else SINGLE

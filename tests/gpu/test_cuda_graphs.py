@@ -309,14 +309,19 @@ ROUND_AHEAD_CASES = {
     "standalone-chain": dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, draft="draft"),
     "eagle3-chain-sampled": dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=1,
                                  speculative_use_rejection_sampling=True, draft="eagle3", target="target6"),
+    "eagle3-small-tree": dict(speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=2,
+                              speculative_num_draft_tokens=6, draft="small_eagle3", target="small"),
+    "standalone-tree": dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, speculative_eagle_topk=2,
+                            speculative_num_draft_tokens=6, draft="draft"),
 }
 
 
 @pytest.mark.parametrize("mode", ["float32", "bfloat16-deterministic"])
 @pytest.mark.parametrize("name", list(ROUND_AHEAD_CASES))
 def test_drafted_rounds_verify_ahead_in_graphs(models, name, mode):
-    """A drafted chain round queues the next round's verify with its next draft (speculative/verify_ahead.py): rows
-    placed on the device by each request's accept count, a replay of the verify graph. Round-ahead on equals off bit
+    """A drafted round, chain or tree, queues the next round's verify with its next draft
+    (speculative/verify_ahead.py): rows placed on the device by each request's accept count, a replay of the verify
+    graph. Round-ahead on equals off bit
     for bit (fp32 and deterministic bf16, greedy or seeded sampling), greedy equals spec off, and queued verifies
     served rounds."""
     dtype, deterministic = MODES[mode]

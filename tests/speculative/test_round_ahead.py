@@ -1,9 +1,10 @@
-"""A drafted chain round's next verify, queued with the next draft before the host reads the round's results
+"""A drafted round's next verify, queued with the next draft before the host reads the round's results
 (speculative/verify_ahead.py, RuntimeOptions.round_ahead), tested on CPU through emulated CUDA graphs.
 
-The queued verify feeds each request [bonus, next drafts] at indices that depend on its accept count, known only on
-the device: next_round_batch builds the batch for the longest case and moves each request back on the device. These
-tests check that batch against one built from the true counts, and that engines with round-ahead on produce what
+The queued verify feeds each request its next rows (a chain's [bonus, next drafts], a tree's nodes) at indices that
+depend on its accept count, known only on the device: next_round_batch moves this round's verify batch on by each
+count on the device. These tests check a chain's batch against one built from the true counts, and that engines
+(chains and trees, EAGLE heads and a STANDALONE draft model) with round-ahead on produce what
 round-ahead off and spec off produce (greedy, seeded sampling, penalties with logprobs), under tight pools, aborts
 and adaptive tiers, with one device-to-host read per step, and that queued verifies were in fact used.
 """
@@ -19,6 +20,7 @@ from hyperdraft import LLM, SamplingParams
 from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.request import Request
+from hyperdraft.speculative.proposal import Proposal
 from hyperdraft.speculative.verify_ahead import next_round_batch
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
@@ -27,6 +29,7 @@ from helpers.spec_fixtures import _single_torch_thread, case_args, gen, run_abor
 
 NEW_TOKENS = [6, 40, 9, 34, 4, 28, 8, 44]  # requests finishing at different steps: the batch changes under the queue
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
 ADAPTIVE = {"ema_alpha": 0.5, "warmup_batches": 1, "update_interval": 1,
             "1": {"candidate_steps": [1, 3, {"steps": 4, "topk": 2, "num_draft_tokens": 6}]},
             "4": {"candidate_steps": [0, 2]}}
@@ -34,6 +37,8 @@ CASES = {  # (target, drafter, engine args)
     "eagle3": ("small", "small_eagle3", dict(speculative_algorithm="EAGLE3", **CHAIN)),
     "eagle1": ("small", "small_eagle", dict(speculative_algorithm="EAGLE", **CHAIN)),
     "standalone": ("target", "draft_wide_noisy", dict(speculative_algorithm="STANDALONE", **CHAIN)),
+    "eagle3-tree": ("small", "small_eagle3", dict(speculative_algorithm="EAGLE3", **TREE)),
+    "standalone-tree": ("target", "draft_wide_noisy", dict(speculative_algorithm="STANDALONE", **TREE)),
     "eagle3-adaptive": ("small", "small_eagle3", dict(speculative_algorithm="EAGLE3", speculative_adaptive=True,
                                                       speculative_adaptive_config="adaptive.json")),
 }
@@ -170,7 +175,7 @@ def test_next_round_batch_equals_the_batch_of_the_true_counts(page_size):
     for num_accepted in (torch.tensor([0, 3, 1]), torch.tensor([2, 0, 3])):
         tokens = torch.randint(0, 100, (3, k + 1))
         drafts = torch.randint(0, 100, (3, k))
-        fb = next_round_batch(fb, reqs, num_accepted, tokens, drafts, table)
+        fb = next_round_batch(fb, reqs, num_accepted, tokens, Proposal(drafts, [k] * 3), table)
         assert all(table.num_slots(r.row) >= r.num_computed + 2 * (k + 1) for r in reqs), "room not reserved"
         for r, a in zip(reqs, num_accepted.tolist()):  # the commit the host makes once the counts arrive
             r.num_computed += a + 1
