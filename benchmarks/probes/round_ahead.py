@@ -5,8 +5,10 @@ an 8k draft vocabulary, simulated acceptance alpha so both engines accept alike,
 Engines of one batch size live in one process and are measured in turns, so all see the same host: wall time per
 engine step and tokens per second (output tokens of the timed steps over their wall time), median over turns.
 
-  python -m benchmarks.probes.round_ahead [--batch 1 4 16] [--steps 5] [--alpha 0.7] [--rounds 200] [--turns 3]
-      [--out $OUT]
+  python -m benchmarks.probes.round_ahead [--shape smollm2] [--batch 1 4 16] [--steps 5] [--topk 1]
+      [--draft-tokens N] [--alpha 0.7] [--rounds 200] [--turns 3] [--out $OUT]
+
+--topk above 1 drafts trees of --draft-tokens nodes (simulated acceptance of first children only).
 """
 
 from __future__ import annotations
@@ -55,16 +57,18 @@ def timed(engine, steps: int) -> tuple[float, float]:
 
 
 def measure(target: str, head: str, batch: int, a) -> list[str]:
-    spec = eagle3_spec(head, steps=a.steps, topk=1, num_draft_tokens=a.steps + 1, alpha=a.alpha)
+    width = a.draft_tokens or a.steps + 1
+    spec = eagle3_spec(head, steps=a.steps, topk=a.topk, num_draft_tokens=width, alpha=a.alpha)
     budget = (a.turns + 1) * a.rounds * (a.steps + 1) + 64
+    label = f"chain {a.steps}" if a.topk == 1 else f"tree {a.steps}x{a.topk}/{width}"
     engines = {"plain": started_engine(target, None, batch, budget),
-               f"chain {a.steps}, round-ahead off": started_engine(target, spec, batch, budget, round_ahead=False),
-               f"chain {a.steps}, round-ahead on": started_engine(target, spec, batch, budget)}
+               f"{label}, round-ahead off": started_engine(target, spec, batch, budget, round_ahead=False),
+               f"{label}, round-ahead on": started_engine(target, spec, batch, budget)}
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for _ in range(a.turns):
         for name, engine in engines.items():
             runs[name].append(timed(engine, a.rounds))
-    used = engines[f"chain {a.steps}, round-ahead on"].worker.verify_ahead.used
+    used = engines[f"{label}, round-ahead on"].worker.verify_ahead.used
     for engine in engines.values():
         free(engine)
     plain = statistics.median(t for _, t in runs["plain"])
@@ -82,6 +86,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=list(SHAPES), default="smollm2")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--topk", type=int, default=1)
+    ap.add_argument("--draft-tokens", type=int, default=None, help="tree nodes a request (default: steps + 1)")
     ap.add_argument("--alpha", type=float, default=0.7)
     ap.add_argument("--rounds", type=int, default=200, help="engine steps per turn")
     ap.add_argument("--turns", type=int, default=3)
@@ -89,7 +95,7 @@ def main() -> None:
     a = ap.parse_args()
     require_cuda()
     target, head = write_configs(tempfile.mkdtemp(), SHAPES[a.shape], 8192)
-    lines = [f"{a.shape} shape, EAGLE-3 chain {a.steps}, simulated alpha {a.alpha}, {a.rounds} steps x {a.turns} "
+    lines = [f"{a.shape} shape, EAGLE-3 steps {a.steps} topk {a.topk}, simulated alpha {a.alpha}, {a.rounds} steps x {a.turns} "
              "turns", "", "| batch | engine | us per step | tok/s | vs plain | turns (tok/s) |", "|---|---|---|---|---|---|"]
     for batch in a.batch:
         lines += measure(target, head, batch, a)
