@@ -95,8 +95,9 @@ def main() -> None:
     a = ap.parse_args()
     require_cuda()
     target, head = write_configs(tempfile.mkdtemp(), SHAPES[a.shape], 8192)
-    lines = [f"{a.shape} shape, EAGLE-3 steps {a.steps} topk {a.topk}, simulated alpha {a.alpha}, {a.rounds} steps x {a.turns} "
-             "turns", "", "| batch | engine | us per step | tok/s | vs plain | turns (tok/s) |", "|---|---|---|---|---|---|"]
+    title = (f"{a.shape} shape, EAGLE-3 steps {a.steps} topk {a.topk}, simulated alpha {a.alpha}, "
+             f"{a.rounds} steps x {a.turns} turns")
+    lines = [title, "", "| batch | engine | us per step | tok/s | vs plain | turns (tok/s) |", "|---|---|---|---|---|---|"]
     for batch in a.batch:
         lines += measure(target, head, batch, a)
     with open(os.path.join(a.out, f"round_ahead_{a.shape}.md"), "w") as f:

@@ -16,12 +16,12 @@
 
 A step of decodes only whose tier is step 0 (adaptive tiers), or whose NGRAM round found no draft for any request (any
 tier, adaptive or static), runs as the plain worker's decode step instead of a round of one-row verifies: the plain
-worker queues the next decode before the host waits (engine/model_worker.py), which a round cannot. On an H100 NGRAM's step-0 rounds ran 17-35% below plain decoding at 64-256 requests
-(benchmarks/results/batch_curve_h100.md). Any other step first discards that queued decode. NGRAM and STANDALONE are
-idle there; an EAGLE head, which must see every token, parks (proposers/slot_hidden.py): the decodes keep its input
-states by slot, and its next round consumes them. With park_head off (or a hybrid target, for which the plain worker
-never runs speculative steps), an EAGLE head's step-0 steps stay rounds, each queuing the next round's verify
-(verify_ahead.py).
+worker queues the next decode before the host waits (engine/model_worker.py), which a round cannot. On an H100 NGRAM's
+step-0 rounds ran 17-35% below plain decoding at 64-256 requests (benchmarks/results/batch_curve_h100.md). Any other
+step first discards that queued decode. NGRAM and STANDALONE are idle there; an EAGLE head, which must see every
+token, parks (proposers/slot_hidden.py): the decodes keep its input states by slot, and its next round consumes them.
+With park_head off (or a hybrid target, for which the plain worker never runs speculative steps), an EAGLE head's
+step-0 steps stay rounds, each queuing the next round's verify (verify_ahead.py).
 """
 
 from __future__ import annotations
