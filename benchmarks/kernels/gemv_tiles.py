@@ -23,7 +23,7 @@ def gemv_dot(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, i
     n = weight.shape[0]
     assert m <= gemv_module.MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    gemv_module._gemv_dot[(triton.cdiv(n, block_n),)](
+    gemv_module._gemv_dot[(triton.cdiv(m, 16), triton.cdiv(n, block_n))](  # row tiles, column tiles
         x, weight, weight, out, out, m, n, k, x.stride(0), out.stride(0), out.stride(0), HAS_BIAS=False,
         HAS_RES=False, IEEE=x.dtype == torch.float32, SWAP=swap, EVEN=n % block_n == 0 and k % block_k == 0,
         BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, 128 // x.element_size()), num_warps=warps,

@@ -6,7 +6,9 @@ measured in turns, so both see the same host. For each: the wall time of an engi
 replay, sampling, the host copy and the commit), and the GPU time of the step's target graph alone, replayed back to
 back between CUDA events (the replays queue faster than they run, so this is the graph's GPU time, not the host's).
 
-  python -m benchmarks.probes.plain_step [--steps 600] [--turns 3] [--switch kv_in_attention] [--out $OUT]
+  python -m benchmarks.probes.plain_step [--steps 600] [--turns 3] [--switch kv_in_attention] [--batch 1] [--out $OUT]
+
+--batch N decodes N requests a step (the graph of N rows: 2..16 rows take the few-row kernels a verify takes).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from hyperdraft.sampling_params import SamplingParams
 PROMPT_LEN = 512
 
 
-def started_engine(target: str, switch: str, on: bool, steps: int, turns: int):
-    engine, _ = make_engine(target, "cuda", 1, None, 8 * 4096, **{switch: on})
+def started_engine(target: str, switch: str, on: bool, steps: int, turns: int, batch: int = 1):
+    engine, _ = make_engine(target, "cuda", batch, None, batch * 8 * 4096, **{switch: on})
     params = SamplingParams(temperature=0.0, max_new_tokens=(turns + 1) * steps + 100, ignore_eos=True)
-    engine.add_request(input_ids=torch.randint(10, SMOLLM2["vocab_size"] - 10, (PROMPT_LEN,)).tolist(), params=params)
+    for _ in range(batch):
+        engine.add_request(input_ids=torch.randint(10, SMOLLM2["vocab_size"] - 10, (PROMPT_LEN,)).tolist(),
+                           params=params)
     for _ in range(30):
         engine.step()
     torch.cuda.synchronize()
@@ -38,7 +42,7 @@ def started_engine(target: str, switch: str, on: bool, steps: int, turns: int):
 
 
 def replay_us(engine, steps: int) -> float:
-    """GPU time of the decode graph the steps used most (batch 1, one token), replayed `steps` times."""
+    """GPU time of the decode graph the steps used most (one token a request), replayed `steps` times."""
     graphs = engine.runner.graphs
     key = graphs.replays.most_common(1)[0][0]
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -57,18 +61,19 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--switch", default="fused_norm_gemv",
                     choices=[f.name for f in dataclasses.fields(RuntimeOptions) if f.type in (bool, "bool")])
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     require_cuda()
     target, _ = write_configs(tempfile.mkdtemp(), SMOLLM2, 8192)
-    engines = {on: started_engine(target, a.switch, on, a.steps, a.turns) for on in (False, True)}
+    engines = {on: started_engine(target, a.switch, on, a.steps, a.turns, a.batch) for on in (False, True)}
     walls: dict[bool, list[float]] = {False: [], True: []}
     replays: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(a.turns):
         for fused, engine in engines.items():
             walls[fused].append(step_us(engine, a.steps))
             replays[fused].append(replay_us(engine, a.steps))
-    lines = [f"smollm2 plain decode, batch 1, {a.steps} steps x {a.turns} turns (medians, us)",
+    lines = [f"smollm2 plain decode, batch {a.batch}, {a.steps} steps x {a.turns} turns (medians, us)",
              f"| {a.switch} | engine step | graph replay (GPU) | step / replay | turns (step) |",
              "|---|---|---|---|---|"]
     for fused in (False, True):

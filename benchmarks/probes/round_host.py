@@ -6,13 +6,19 @@ round against ~1.5 ms of GPU work. This probe wraps the round's host stages with
 GPU runs as in a real run) and counts the Triton launches made inside each, so the stages worth cutting stand out.
 Times are inclusive (a stage's time contains the stages it calls) and are means per engine step in us.
 
-  python -m benchmarks.probes.round_host [--steps 5] [--topk 1] [--rounds 300] [--plain] [--out $OUT]
+  python -m benchmarks.probes.round_host [--steps 5] [--topk 1] [--rounds 300] [--plain] [--count-ops] [--out $OUT]
+
+--count-ops also counts the torch operators each stage dispatches itself (exclusive of the stages it calls; a
+TorchDispatchMode, which slows every op, so its times are not the real ones). On a GPU each is a launch or a host
+tensor op of a few microseconds; on CPU (`--device cpu`) the same Python runs, so the counts outside the target
+forward are the GPU run's.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import tempfile
 import time
@@ -31,6 +37,7 @@ class Sections:
         self.seconds: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
         self.launches: collections.Counter = collections.Counter()
+        self.ops: collections.Counter = collections.Counter()  # (stage, operator) -> dispatches, --count-ops
         self.open: list[str] = []
 
     def wrap(self, owner, attr: str, name: str) -> None:
@@ -60,6 +67,30 @@ class Sections:
             return run(jit_self, *a, **kw)
 
         JITFunction.run = counted
+
+    def count_ops(self):
+        """A dispatch mode that charges each torch operator to the innermost open stage."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        sections = self
+
+        class Counting(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                stage = sections.open[-1] if sections.open else "(outside)"
+                sections.ops[(stage, str(func.overloadpacket.__name__))] += 1
+                return func(*args, **(kwargs or {}))
+
+        return Counting()
+
+    def op_report(self, steps: int) -> str:
+        per_stage: collections.Counter = collections.Counter()
+        for (stage, _), n in self.ops.items():
+            per_stage[stage] += n
+        lines = [f"{'stage (torch ops, exclusive)':<34} {'ops/step':>9}  most frequent"]
+        for stage, n in per_stage.most_common():
+            top = sorted(((c, op) for (s, op), c in self.ops.items() if s == stage), reverse=True)[:6]
+            lines.append(f"{stage:<34} {n / steps:9.1f}  " + ", ".join(f"{op} {c / steps:.1f}" for c, op in top))
+        return "\n".join(lines)
 
     def report(self, steps: int) -> str:
         lines = [f"{'stage':<34} {'us/step':>9} {'calls/step':>10} {'launches/step':>13}"]
@@ -112,6 +143,7 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=None, help="simulated acceptance (default: real greedy verification)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (emulated graphs, fp32)")
     ap.add_argument("--plain", action="store_true", help="plain decoding instead of a speculative round")
+    ap.add_argument("--count-ops", action="store_true", help="count torch operators per stage (slows the run)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     if a.device == "cuda":
@@ -128,14 +160,19 @@ def main() -> None:
     sync()
     sections = Sections()
     instrument(engine, sections)
-    sections.count_launches()
+    if a.device == "cuda":
+        sections.count_launches()
+    counting = sections.count_ops() if a.count_ops else contextlib.nullcontext()
     start = time.perf_counter()
-    for _ in range(a.rounds):
-        engine.step()
+    with counting:
+        for _ in range(a.rounds):
+            engine.step()
     sync()
     wall = (time.perf_counter() - start) / a.rounds
     label = "plain" if a.plain else (f"chain {a.steps}" if a.topk == 1 else f"tree {a.steps}x{a.topk}/{width}")
     text = f"smollm2, {label}, batch 1, {a.rounds} steps: wall {wall * 1e6:.1f} us/step\n" + sections.report(a.rounds)
+    if a.count_ops:
+        text += "\n" + sections.op_report(a.rounds)
     print(text)
     with open(os.path.join(a.out, f"round_host_{label.replace(' ', '_').replace('/', '-')}.txt"), "w") as f:
         f.write(text + "\n")
