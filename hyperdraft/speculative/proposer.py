@@ -132,6 +132,10 @@ class Proposer(Protocol):
         too, verify_ahead.py), or None when nothing was queued."""
         return None
 
+    def ahead_room(self, tier: Tier) -> int | None:
+        """K/V room past a request's n that draft_ahead's queued round writes (capabilities.drafts_ahead), or None."""
+        return None
+
     def discard_ahead(self) -> None:
         """Forget a draft queued ahead (capabilities.drafts_ahead): a step ran without a round; it follows nothing."""
 

@@ -85,6 +85,17 @@ class VerifyAhead:
         self.dropped += self.queued is not None
         self.queued = None
 
+    def reserve(self, reqs: list[Request], tier: Tier, draft_room: int) -> None:
+        """At the start of a drafted round whose drafter drafts ahead: the room queue() would reserve for the next
+        round's verify (n + 2W a request) and the drafter's (n + draft_room), so that the commit's released pages, this
+        round's reads and the next round's room reach the device page table in one write. Two or three writes a
+        step, each a pinned copy and a launch, cost ~80 us of host apiece on an H100 (cProfile of a SmolLM2 chain-5
+        round, benchmarks/results/round_host_h100.md). A refusal (the pool is short) leaves it to queue()."""
+        graphs, width = self.runner.graphs, tier.num_draft_tokens
+        if self.drafted and graphs is not None and graphs.fits(GraphShape(width, width if tier.is_tree else 0), len(reqs)):
+            room = max(2 * width, draft_room)
+            self.runner.page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + room for r in reqs])
+
     def queue(self, round_: ChainRound | TreeRound, drafted: Proposal | TreeProposal | None,
               verified: ForwardBatch | None) -> None:
         """After a round of decodes only, before the scheduler commits it (req.num_computed is still n): the next

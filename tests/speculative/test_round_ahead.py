@@ -186,3 +186,32 @@ def test_next_round_batch_equals_the_batch_of_the_true_counts(page_size):
                       "extend_lens_t", "logits_indices"):
             assert torch.equal(getattr(fb, field), getattr(ref, field)), field
         assert fb.max_seq_len >= ref.max_seq_len and all(p >= q for p, q in zip(fb.prefix_lens, ref.prefix_lens))
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle3-tree", "standalone"])
+def test_one_page_table_write_per_drafted_step(models, llm_factory, monkeypatch, name):
+    """A drafted round that drafts ahead reserves the next round's room (draft and verify) before its first page-table
+    read, so the commit's released pages, its own reads and the next round's room reach the device table in one write
+    a step (each write is a pinned copy and a launch on the host), even at page size 1 where every step takes pages."""
+    path, args = _args(models, name, page_size=1)
+    monkeypatch.setenv("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1")
+    llm = llm_factory(path, cuda_graph_max_bs=4, **args)
+    engine = llm.engine
+    for p in _prompts(name)[:3]:
+        engine.add_request(input_ids=p, params=greedy(30))
+    writes, flush = [0], PageTable.flush
+
+    def counted(table):
+        writes[0] += bool(table._pending)
+        return flush(table)
+
+    monkeypatch.setattr(PageTable, "flush", counted)
+    per_step = []
+    while engine.has_unfinished():
+        writes[0] = 0
+        decoding = all(r.num_computed >= len(r.prompt_ids) for r in engine.scheduler.running)
+        engine.step()
+        if decoding:
+            per_step.append(writes[0])
+    assert engine.worker.verify_ahead.used > 0 and len(per_step) > 10
+    assert max(per_step) == 1, per_step
