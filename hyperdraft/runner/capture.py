@@ -10,24 +10,25 @@ import torch
 def into_shared(fresh, shared):
     """fresh's tensors copied into the leading rows of shared's -> views of those rows (both ForwardOutputs:
     runner/model_runner.py, which imports this module)."""
-    def put(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        return dst[: src.shape[0]].copy_(src)
+    def put(dst: torch.Tensor | None, src: torch.Tensor | None) -> torch.Tensor | None:
+        return None if src is None else dst[: src.shape[0]].copy_(src)
 
     return dataclasses.replace(
         fresh, logits=put(shared.logits, fresh.logits), hidden=put(shared.hidden, fresh.hidden),
         captured=[put(dst, src) for dst, src in zip(shared.captured, fresh.captured)],
-        logits_hidden=None if fresh.logits_hidden is None else put(shared.logits_hidden, fresh.logits_hidden))
+        logits_hidden=put(shared.logits_hidden, fresh.logits_hidden),
+        head_inputs=put(shared.head_inputs, fresh.head_inputs))
 
 
 def shared_buffers(fresh, batch_size: int, max_batch_size: int):
     """A ForwardOutput of empty buffers shaped like fresh's tensors (a forward of batch_size requests) for
     max_batch_size requests (an emulated shape's largest size)."""
-    def grown(t: torch.Tensor) -> torch.Tensor:
-        return t.new_empty((t.shape[0] // batch_size * max_batch_size, *t.shape[1:]))
+    def grown(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.new_empty((t.shape[0] // batch_size * max_batch_size, *t.shape[1:]))
 
     return dataclasses.replace(fresh, logits=grown(fresh.logits), hidden=grown(fresh.hidden),
-                               captured=[grown(c) for c in fresh.captured],
-                               logits_hidden=None if fresh.logits_hidden is None else grown(fresh.logits_hidden))
+                               captured=[grown(c) for c in fresh.captured], logits_hidden=grown(fresh.logits_hidden),
+                               head_inputs=grown(fresh.head_inputs))
 
 
 def reset_graphs(graphs: dict) -> None:

@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +207,7 @@ class GraphRunner:
         self.shared: dict[GraphShape, object] = {}  # per shape, the buffers every batch size's outputs view
         self.capture_layers: tuple[int, ...] = ()
         self.sinks: dict[GraphShape, object] = {}  # shape -> the DecodeSink its graphs run inside them
+        self.projections: dict[GraphShape, Callable] = {}  # shape -> the head_inputs projection its graphs run
         self.pool = None  # the graphs' shared memory pool, made at the first capture (memory_pool)
         self.num_replays = 0  # tests and logs: how many forwards a graph served
         self.replays: Counter[tuple[GraphShape, int]] = Counter()  # the same, per (shape, padded batch size)
@@ -214,11 +216,14 @@ class GraphRunner:
 
     # ---- capture ------------------------------------------------------------------------------------------------
     def capture(self, shapes: dict[GraphShape, list[int]], mode, capture_layers: tuple[int, ...] = (),
-                sink=None) -> None:
+                sink=None, project: Callable | None = None) -> None:
         """Capture every (shape, batch size); sizes per shape (adaptive tiers route only some sizes to a tier).
         sink: a DecodeSink (runner/model_runner.py) whose keep() the graphs run after the forward, on the static
         buffers: on an H100 its four eager launches after every step-0 decode cost ~0.2 ms of a 1.9 ms step at 64
-        requests (benchmarks/results/step_zero_h100.md). A padded row's keep writes the padding page's slot."""
+        requests (benchmarks/results/step_zero_h100.md). A padded row's keep writes the padding page's slot.
+        project: ForwardOutput -> the drafter's inputs [T, Hd], run inside the graphs (emulated ones too) into the
+        outputs' head_inputs: an EAGLE-3 verify's concatenation and fc cost ~0.2 ms of host a round as eager launches
+        on an H100 (benchmarks/results/round_host_h100.md)."""
         self.capture_layers = capture_layers
         device = self.runner.device
         start = time.perf_counter()
@@ -230,6 +235,8 @@ class GraphRunner:
             self.sizes[shape] = sizes
             if sink is not None:
                 self.sinks[shape] = sink
+            if project is not None:
+                self.projections[shape] = project
             self.inputs[shape] = _StaticInputs(shape, sizes[-1], device, self.runner.input_hidden_size, self.runner.dtype)
             for bs in reversed(sizes):  # largest first, so smaller graphs reuse its pool memory
                 self._capture_one(shape, bs, mode)
@@ -248,7 +255,8 @@ class GraphRunner:
         if self.emulate:
             self.outputs[key] = None
             return
-        self.graphs[key], self.outputs[key] = self._capture_segments(fb, self.shared.get(shape), self.sinks.get(shape))
+        self.graphs[key], self.outputs[key] = self._capture_segments(fb, self.shared.get(shape), self.sinks.get(shape),
+                                                                     self.projections.get(shape))
         self.shared.setdefault(shape, self.outputs[key])  # sizes are captured largest first
 
     @property
@@ -268,15 +276,15 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
 
-    def _capture_segments(self, fb: ForwardBatch, shared, sink=None) -> tuple[list, object]:
+    def _capture_segments(self, fb: ForwardBatch, shared, sink=None, project=None) -> tuple[list, object]:
         """Capture one forward as consecutive graphs cut after the layers the runner's segment_cuts names (one graph
-        when it names none or segments are off), then sink.keep when given; its outputs copied into `shared` when
-        given."""
+        when it names none or segments are off), then the projection and sink.keep when given; its outputs copied into
+        `shared` when given."""
         cuts = self.runner.segment_cuts() if self.settings.segments else ()
 
         def run(cut):
             after_layer = (lambda layers_done: cut() if layers_done in cuts else None) if cuts else None
-            out = self.runner.forward_eager(fb, self.capture_layers, after_layer)
+            out = self._projected(self.runner.forward_eager(fb, self.capture_layers, after_layer), project)
             if sink is not None:
                 with torch.inference_mode():
                     sink.keep(fb, out)
@@ -292,6 +300,7 @@ class GraphRunner:
         self.outputs.clear()
         self.shared.clear()
         self.sinks.clear()
+        self.projections.clear()
         self.sizes.clear()
         self.inputs.clear()
 
@@ -363,7 +372,7 @@ class GraphRunner:
         if self.emulate:  # the same buffers and padding, run eagerly; the torch backend reads the host lists
             padded = static.batch(fb.mode, bs, q, self.max_seq_len, fb.prefix_lens + [0] * (bs - real),
                                   self._speculative(shape))
-            fresh = self.runner.forward_eager(padded, self.capture_layers)
+            fresh = self._projected(self.runner.forward_eager(padded, self.capture_layers), self.projections.get(shape))
             if shape not in self.shared:  # buffers for the shape's largest size, which every replay overwrites in
                 # place, as the graphs' shared outputs: a consumer keeping a view past the next forward is caught
                 self.shared[shape] = shared_buffers(fresh, bs, self.sizes[shape][-1])
@@ -376,4 +385,12 @@ class GraphRunner:
         rows = real if shape.one_logit else n
         return dataclasses.replace(out, logits=out.logits[:rows], hidden=out.hidden[:n],
                                    captured=[c[:n] for c in out.captured],
-                                   logits_hidden=None if out.logits_hidden is None else out.logits_hidden[:rows])
+                                   logits_hidden=None if out.logits_hidden is None else out.logits_hidden[:rows],
+                                   head_inputs=None if out.head_inputs is None else out.head_inputs[:n])
+
+    @staticmethod
+    def _projected(out, project: Callable | None):
+        if project is None:
+            return out
+        with torch.inference_mode():
+            return dataclasses.replace(out, head_inputs=project(out))

@@ -37,6 +37,9 @@ class ForwardOutput:
     # [N, H] the hidden rows the logits came from, when the model keeps them (an EAGLE head: its next draft step
     # feeds them, and a second gather of the same rows would cost a launch per round)
     logits_hidden: torch.Tensor | None = None
+    # [T, Hd] what a drafter reads of this forward (an EAGLE-3 head: fc over the captured states), when the replayed
+    # graph was captured with that projection (GraphRunner.capture's `project`); None: the drafter computes it
+    head_inputs: torch.Tensor | None = None
 
     def hidden_at_logits(self, logits_indices: torch.Tensor) -> torch.Tensor:
         """[N, H]: hidden[logits_indices], the rows the logits were computed from."""

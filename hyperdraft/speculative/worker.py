@@ -206,11 +206,15 @@ class SpecWorker:
         plan = CapturePlan(tuple(sizes), self.tiers.tier_sizes(sizes), self.spec.use_rejection_sampling is not False)
         sink = self.proposer.decode_sink()  # what a parked head keeps of each step-0 decode, inside its graph
         draftless = self.plain is not None and self.capabilities.may_draft_nothing
+        # An EAGLE-3 head's fc over the captured states runs inside the verify and tail graphs (GraphRunner.capture).
+        project = self.proposer.target_hidden if self.capabilities.capture_layers else None
         for mode, shapes in verify_shapes(plan, decodes_everywhere=draftless).items():
-            self.runner.graphs.capture(shapes, mode, self.capabilities.capture_layers,
-                                       sink if mode is ForwardMode.DECODE else None)
+            decode = mode is ForwardMode.DECODE
+            self.runner.graphs.capture(shapes, mode, self.capabilities.capture_layers, sink if decode else None,
+                                       None if decode else project)
         if self.runner.state_pool is None:  # prompt tails riding along with a round run as their own forward
-            self.runner.graphs.capture(tail_shapes(sizes), ForwardMode.EXTEND, self.capabilities.capture_layers)
+            self.runner.graphs.capture(tail_shapes(sizes), ForwardMode.EXTEND, self.capabilities.capture_layers,
+                                       project=project)
         self.proposer.capture_graphs(plan)
 
     def release_graphs(self) -> None:

@@ -160,7 +160,10 @@ class EagleProposer(ModelProposer):
         return out.hidden, out.target_logits()
 
     def target_hidden(self, out: ForwardOutput) -> torch.Tensor:
-        """What the head consumes from a target forward: [T, H] (EAGLE-3 projects its 3 aux states through fc)."""
+        """What the head consumes from a target forward: [T, H] (EAGLE-3 projects its 3 aux states through fc; a
+        graph captured with this as its projection did that inside it)."""
+        if out.head_inputs is not None:
+            return out.head_inputs
         if self.capabilities.capture_layers:
             return self.head.project_target_hidden(torch.cat(out.captured, -1).to(self.dtype))
         return out.hidden.to(self.dtype)
