@@ -24,7 +24,11 @@ an H100) and its first kernel starts only when the launch call returns, so at ba
 A decoder's forward is therefore captured as a few graphs cut at layer boundaries (after layers L/16 and L/4):
 the GPU starts on the short first segment while the host is still launching the rest. The segments share one
 memory pool and are replayed in capture order. GraphSettings.segments off (RuntimeOptions.graph_segments) captures
-one graph per forward.
+one graph per forward. So does a capture that asks for it (segmented=False): a speculative engine's verify graphs
+when round-ahead queues them (speculative/verify_ahead.py). Launched while the GPU still runs the round before, a
+verify's segments only cost host time: a launch costs ~40 us of host plus ~0.8 us a kernel on an H100, and with the
+SmolLM2 shape a batch-1 chain-5 step ran 4-25% faster as one graph per forward in three paired runs
+(benchmarks/results/round_host_h100.md).
 
 GraphSettings.emulate (CPU tests, RuntimeOptions.emulate_cuda_graphs) keeps the static buffers, padding and output
 slicing but runs the forward eagerly on the static buffers: the graph bookkeeping is tested where no GPU exists.
@@ -208,6 +212,7 @@ class GraphRunner:
         self.capture_layers: tuple[int, ...] = ()
         self.sinks: dict[GraphShape, object] = {}  # shape -> the DecodeSink its graphs run inside them
         self.projections: dict[GraphShape, Callable] = {}  # shape -> the head_inputs projection its graphs run
+        self.whole: set[GraphShape] = set()  # shapes captured as one graph per forward whatever settings.segments says
         self.pool = None  # the graphs' shared memory pool, made at the first capture (memory_pool)
         self.num_replays = 0  # tests and logs: how many forwards a graph served
         self.replays: Counter[tuple[GraphShape, int]] = Counter()  # the same, per (shape, padded batch size)
@@ -216,14 +221,16 @@ class GraphRunner:
 
     # ---- capture ------------------------------------------------------------------------------------------------
     def capture(self, shapes: dict[GraphShape, list[int]], mode, capture_layers: tuple[int, ...] = (),
-                sink=None, project: Callable | None = None) -> None:
+                sink=None, project: Callable | None = None, segmented: bool = True) -> None:
         """Capture every (shape, batch size); sizes per shape (adaptive tiers route only some sizes to a tier).
         sink: a DecodeSink (runner/model_runner.py) whose keep() the graphs run after the forward, on the static
         buffers: on an H100 its four eager launches after every step-0 decode cost ~0.2 ms of a 1.9 ms step at 64
         requests (benchmarks/results/step_zero_h100.md). A padded row's keep writes the padding page's slot.
         project: ForwardOutput -> the drafter's inputs [T, Hd], run inside the graphs (emulated ones too) into the
         outputs' head_inputs: an EAGLE-3 verify's concatenation and fc cost ~0.2 ms of host a round as eager launches
-        on an H100 (benchmarks/results/round_host_h100.md)."""
+        on an H100 (benchmarks/results/round_host_h100.md). segmented False: one graph per forward (a forward whose
+        launch is mostly queued while the GPU still works gains nothing from segments and pays ~40 us of host a
+        launch, module doc)."""
         self.capture_layers = capture_layers
         device = self.runner.device
         start = time.perf_counter()
@@ -237,6 +244,8 @@ class GraphRunner:
                 self.sinks[shape] = sink
             if project is not None:
                 self.projections[shape] = project
+            if not segmented:
+                self.whole.add(shape)
             self.inputs[shape] = _StaticInputs(shape, sizes[-1], device, self.runner.input_hidden_size, self.runner.dtype)
             for bs in reversed(sizes):  # largest first, so smaller graphs reuse its pool memory
                 self._capture_one(shape, bs, mode)
@@ -256,7 +265,7 @@ class GraphRunner:
             self.outputs[key] = None
             return
         self.graphs[key], self.outputs[key] = self._capture_segments(fb, self.shared.get(shape), self.sinks.get(shape),
-                                                                     self.projections.get(shape))
+                                                                     self.projections.get(shape), shape not in self.whole)
         self.shared.setdefault(shape, self.outputs[key])  # sizes are captured largest first
 
     @property
@@ -276,11 +285,12 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
 
-    def _capture_segments(self, fb: ForwardBatch, shared, sink=None, project=None) -> tuple[list, object]:
+    def _capture_segments(self, fb: ForwardBatch, shared, sink=None, project=None,
+                          segmented: bool = True) -> tuple[list, object]:
         """Capture one forward as consecutive graphs cut after the layers the runner's segment_cuts names (one graph
         when it names none or segments are off), then the projection and sink.keep when given; its outputs copied into
         `shared` when given."""
-        cuts = self.runner.segment_cuts() if self.settings.segments else ()
+        cuts = self.runner.segment_cuts() if self.settings.segments and segmented else ()
 
         def run(cut):
             after_layer = (lambda layers_done: cut() if layers_done in cuts else None) if cuts else None
@@ -301,6 +311,7 @@ class GraphRunner:
         self.shared.clear()
         self.sinks.clear()
         self.projections.clear()
+        self.whole.clear()
         self.sizes.clear()
         self.inputs.clear()
 

@@ -206,12 +206,14 @@ class SpecWorker:
         plan = CapturePlan(tuple(sizes), self.tiers.tier_sizes(sizes), self.spec.use_rejection_sampling is not False)
         sink = self.proposer.decode_sink()  # what a parked head keeps of each step-0 decode, inside its graph
         draftless = self.plain is not None and self.capabilities.may_draft_nothing
-        # An EAGLE-3 head's fc over the captured states runs inside the verify and tail graphs (GraphRunner.capture).
+        # An EAGLE-3 head's fc over the captured states runs inside the verify and tail graphs (GraphRunner.capture);
+        # verifies that round-ahead queues while the GPU works are one graph each (no segments: runner/graph_runner.py).
         project = self.proposer.target_hidden if self.capabilities.capture_layers else None
+        queued_ahead = self.verify_ahead.drafted and self.capabilities.drafts_ahead
         for mode, shapes in verify_shapes(plan, decodes_everywhere=draftless).items():
             decode = mode is ForwardMode.DECODE
             self.runner.graphs.capture(shapes, mode, self.capabilities.capture_layers, sink if decode else None,
-                                       None if decode else project)
+                                       None if decode else project, segmented=decode or not queued_ahead)
         if self.runner.state_pool is None:  # prompt tails riding along with a round run as their own forward
             self.runner.graphs.capture(tail_shapes(sizes), ForwardMode.EXTEND, self.capabilities.capture_layers,
                                        project=project)

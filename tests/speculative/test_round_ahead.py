@@ -86,8 +86,11 @@ def test_queued_round_verify_changes_nothing(models, llm_factory, monkeypatch, n
     path, args = _args(models, name, page_size=page_size)
     prompts, params = _prompts(name), [greedy(n) for n in NEW_TOKENS]
     queue, outs = _run(llm_factory, monkeypatch, path, args, prompts, params, "1")
-    _, off = _run(llm_factory, monkeypatch, path, args, prompts, params, "0")
+    queue_off, off = _run(llm_factory, monkeypatch, path, args, prompts, params, "0")
     assert queue.used > 0 and queue.dropped > 0, "no queued verify served a round, or none was ever dropped"
+    # verifies queued ahead are captured as one graph each; none is without round-ahead, nor is any decode graph
+    whole = queue.runner.graphs.whole
+    assert whole and all(s.tokens_per_req > 1 for s in whole) and not queue_off.runner.graphs.whole
     ids = [o.token_ids for o in outs]
     assert ids == [o.token_ids for o in off]
     assert ids == _spec_off(path, prompts, params)
