@@ -153,17 +153,18 @@ def next_round_batch(verified: ForwardBatch, reqs: list[Request], num_accepted: 
     if verified.num_tokens != bsz * width or not page_table.reserve_ahead([r.row for r in reqs],
                                                                           [r.num_computed + 2 * width for r in reqs]):
         return None
-    step = num_accepted + 1  # [B]
-    index = (verified.seq_lens_t.to(torch.int64) - width + step)[:, None] + torch.arange(width, device=step.device)
-    rows = verified.req_rows[:, None].expand(-1, width).flatten()
+    # Each eager op here is ~10-25 us of host on an H100 (benchmarks/results/round_host_h100.md): as few as give the
+    # batch. start [B] int64 (int32 lengths promote): the index of each request's first next-round row, n + a + 1.
+    start = verified.seq_lens_t + (num_accepted + (1 - width))
+    index = start[:, None] + torch.arange(width, device=start.device)  # [B, W]
     prefix = [r.num_computed + width for r in reqs]
     if tree:
-        nodes = build_tree(drafted.tokens, drafted.parents, drafted.q, torch.full_like(step, width))
-        ids, positions, mask = nodes.tokens.flatten(), (index[:, :1] + nodes.depth).flatten(), nodes.mask
+        nodes = build_tree(drafted.tokens, drafted.parents, drafted.q, torch.full_like(num_accepted, width))
+        ids, positions, mask = nodes.tokens.flatten(), (start[:, None] + nodes.depth).flatten(), nodes.mask
     else:
         ids = torch.cat([tokens.gather(1, num_accepted[:, None]), drafted.tokens], 1).flatten()
         positions, mask = index.flatten(), None
     return dataclasses.replace(
-        verified, input_ids=ids, positions=positions, out_slots=page_table.token_slots(rows, index.flatten()),
-        tail_mask=mask, prefix_lens=prefix, seq_lens_t=verified.seq_lens_t + step.to(torch.int32),
+        verified, input_ids=ids, positions=positions, out_slots=page_table.slots(verified.req_rows, index).flatten(),
+        tail_mask=mask, prefix_lens=prefix, seq_lens_t=(start + width).to(torch.int32),
         max_seq_len=max(prefix) + width)
