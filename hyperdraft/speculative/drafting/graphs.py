@@ -163,8 +163,10 @@ class DraftLoopGraphs:
         if self.emulate:
             self.outputs[key] = None
             return
+        segmented = self.runner.graphs.settings.segments  # RuntimeOptions.graph_segments off: one graph a round
         self.graphs[key], self.outputs[key] = capture_segments(
-            self.runner.graphs.memory_pool(), self.runner.device, lambda cut: self._loop(key, None, None, cut))
+            self.runner.graphs.memory_pool(), self.runner.device,
+            lambda cut: self._loop(key, None, None, cut if segmented else None))
 
     def padded(self, tier: Tier, batch_size: int, max_count: int,
                sampling: SamplingKey | None = None) -> tuple[int, int] | None:
