@@ -91,9 +91,8 @@ class VerifyAhead:
         round's reads and the next round's room reach the device page table in one write. Two or three writes a
         step, each a pinned copy and a launch, cost ~80 us of host apiece on an H100 (cProfile of a SmolLM2 chain-5
         round, benchmarks/results/round_host_h100.md). A refusal (the pool is short) leaves it to queue()."""
-        graphs, width = self.runner.graphs, tier.num_draft_tokens
-        if self.drafted and graphs is not None and graphs.fits(GraphShape(width, width if tier.is_tree else 0), len(reqs)):
-            room = max(2 * width, draft_room)
+        if self.drafted and self._graph_fits(tier, len(reqs)):
+            room = max(2 * tier.num_draft_tokens, draft_room)
             self.runner.page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + room for r in reqs])
 
     def queue(self, round_: ChainRound | TreeRound, drafted: Proposal | TreeProposal | None,
@@ -101,9 +100,8 @@ class VerifyAhead:
         """After a round of decodes only, before the scheduler commits it (req.num_computed is still n): the next
         round's verify, if a graph runs it. drafted: the next round's proposal, queued ahead by the proposer;
         verified: the batch this round's verify fed."""
-        tier, graphs, table, device = round_.tier, self.runner.graphs, self.runner.page_table, self.runner.device
-        width = tier.num_draft_tokens
-        if graphs is None or not graphs.fits(GraphShape(width, width if tier.is_tree else 0), len(round_.reqs)):
+        tier, table, device = round_.tier, self.runner.page_table, self.runner.device
+        if not self._graph_fits(tier, len(round_.reqs)):
             return
         if tier.steps == 0 and self.step_zero:
             fb = next_token_batch(ForwardMode.TARGET_VERIFY, round_.reqs, round_.tokens[:, 0], table, device)
@@ -115,6 +113,11 @@ class VerifyAhead:
             return
         out = self.runner.forward(fb, capture_layers=self.capture_layers)
         self.queued = QueuedVerify(round_.reqs, tier, drafted if tier.steps > 0 else None, fb, out)
+
+    def _graph_fits(self, tier: Tier, batch_size: int) -> bool:
+        """Whether a captured verify graph of the tier's width runs this many requests (only those are queued)."""
+        width, graphs = tier.num_draft_tokens, self.runner.graphs
+        return graphs is not None and graphs.fits(GraphShape(width, width if tier.is_tree else 0), batch_size)
 
 
 def _drafted_for(tier: Tier, drafted: Proposal | TreeProposal | None) -> bool:
