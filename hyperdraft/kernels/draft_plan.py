@@ -236,3 +236,70 @@ def accept_chain(target: torch.Tensor, draft: torch.Tensor, draft_len: torch.Ten
                               domain_hash, target.stride(0), draft.stride(0), k, SIMULATE=simulate is not None,
                               BLOCK_K=_block(k + 1), num_warps=1, **pdl_args(draft.device))
     return num_accepted, tokens
+
+
+class MovedChain(NamedTuple):
+    """A chain round's verify batch moved on by each request's a + 1 (speculative/verify_ahead.next_round_batch)."""
+
+    ids: torch.Tensor  # [B*W] int64: the bonus token, then the next drafts
+    positions: torch.Tensor  # [B*W] int64
+    slots: torch.Tensor  # [B*W] int64
+    seq_lens: torch.Tensor  # [B] int32
+
+
+@jit(do_not_specialize=("width", "stride_tokens", "stride_drafted", "stride_table", "last_page"))
+def _move_chain_batch(SeqLens, NumAccepted, Tokens, Drafted, Rows, Table, Ids, Positions, Slots, NewLens,
+                      stride_tokens, stride_drafted, stride_table, width, last_page,
+                      PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    """Program b: request b's W rows start at n + a + 1 (SeqLens holds n + W, the verify it moves on)."""
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_W)
+    ok = j < width
+    a = tl.load(NumAccepted + b)
+    start = tl.load(SeqLens + b).to(tl.int64) + a + 1 - width
+    index = start + j
+    bonus = tl.load(Tokens + b * stride_tokens + a)
+    drafted = tl.load(Drafted + b * stride_drafted + j - 1, mask=ok & (j > 0), other=0)
+    row = tl.load(Rows + b)
+    page = tl.load(Table + row * stride_table + tl.minimum(index // PAGE_SIZE, last_page), mask=ok, other=0)
+    out = b * width + j
+    tl.store(Ids + out, tl.where(j == 0, bonus, drafted), mask=ok)
+    tl.store(Positions + out, index, mask=ok)
+    tl.store(Slots + out, page * PAGE_SIZE + index % PAGE_SIZE, mask=ok)
+    tl.store(NewLens + b, (start + width).to(tl.int32))
+
+
+def move_chain_batch(seq_lens: torch.Tensor, num_accepted: torch.Tensor, tokens: torch.Tensor, drafted: torch.Tensor,
+                     rows: torch.Tensor, table: torch.Tensor, page_size: int) -> MovedChain:
+    """seq_lens [B] int32 (n + W: the verify being moved), num_accepted [B] int64, tokens [B, >= K+1] int64 (accepted
+    drafts, then the bonus), drafted [B, K] int64 (the next drafts), rows [B] int64, table [rows, pages] int64 (the
+    device page table, flushed) -> the next verify's rows, W = K + 1 a request. The kernel on CUDA, torch elsewhere."""
+    if use_fused_kernels(drafted):
+        return move_chain_batch_kernel(seq_lens, num_accepted, tokens, drafted, rows, table, page_size)
+    return move_chain_batch_reference(seq_lens, num_accepted, tokens, drafted, rows, table, page_size)
+
+
+def move_chain_batch_kernel(seq_lens, num_accepted, tokens, drafted, rows, table, page_size) -> MovedChain:
+    bsz, width = drafted.shape[0], drafted.shape[1] + 1
+    assert tokens.stride(1) == 1 and drafted.stride(1) == 1 and table.stride(1) == 1
+    device = drafted.device
+    moved = MovedChain(torch.empty(bsz * width, dtype=torch.int64, device=device),
+                       torch.empty(bsz * width, dtype=torch.int64, device=device),
+                       torch.empty(bsz * width, dtype=torch.int64, device=device),
+                       torch.empty(bsz, dtype=torch.int32, device=device))
+    if bsz:
+        _move_chain_batch[(bsz,)](seq_lens, num_accepted, tokens, drafted, rows, table, *moved, tokens.stride(0),
+                                  drafted.stride(0), table.stride(0), width, table.shape[1] - 1, PAGE_SIZE=page_size,
+                                  BLOCK_W=_block(width), num_warps=1, **pdl_args(device))
+    return moved
+
+
+def move_chain_batch_reference(seq_lens, num_accepted, tokens, drafted, rows, table, page_size) -> MovedChain:
+    width = drafted.shape[1] + 1
+    start = seq_lens + (num_accepted + (1 - width))  # [B] int64 (int32 lengths promote)
+    index = start[:, None] + torch.arange(width, device=start.device)  # [B, W]
+    pages = table[rows[:, None], (index // page_size).clamp_max(table.shape[1] - 1)]
+    ids = torch.cat([tokens.gather(1, num_accepted[:, None]), drafted], 1).flatten()
+    return MovedChain(ids, index.flatten(), (pages * page_size + index % page_size).flatten(),
+                      (start + width).to(torch.int32))

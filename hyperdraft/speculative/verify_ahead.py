@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode
+from hyperdraft.kernels.draft_plan import move_chain_batch
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
@@ -156,18 +157,18 @@ def next_round_batch(verified: ForwardBatch, reqs: list[Request], num_accepted: 
     if verified.num_tokens != bsz * width or not page_table.reserve_ahead([r.row for r in reqs],
                                                                           [r.num_computed + 2 * width for r in reqs]):
         return None
-    # Each eager op here is ~10-25 us of host on an H100 (benchmarks/results/round_host_h100.md): as few as give the
-    # batch. start [B] int64 (int32 lengths promote): the index of each request's first next-round row, n + a + 1.
+    prefix = [r.num_computed + width for r in reqs]
+    if not tree:  # one launch on CUDA: each eager op is ~10-25 us of host on an H100 (round_host_h100.md)
+        moved = move_chain_batch(verified.seq_lens_t, num_accepted, tokens, drafted.tokens, verified.req_rows,
+                                 page_table.table, page_table.page_size)
+        return dataclasses.replace(verified, input_ids=moved.ids, positions=moved.positions, out_slots=moved.slots,
+                                   tail_mask=None, prefix_lens=prefix, seq_lens_t=moved.seq_lens,
+                                   max_seq_len=max(prefix) + width)
+    # start [B] int64 (int32 lengths promote): the index of each request's first next-round row, n + a + 1
     start = verified.seq_lens_t + (num_accepted + (1 - width))
     index = start[:, None] + torch.arange(width, device=start.device)  # [B, W]
-    prefix = [r.num_computed + width for r in reqs]
-    if tree:
-        nodes = build_tree(drafted.tokens, drafted.parents, drafted.q, torch.full_like(num_accepted, width))
-        ids, positions, mask = nodes.tokens.flatten(), (start[:, None] + nodes.depth).flatten(), nodes.mask
-    else:
-        ids = torch.cat([tokens.gather(1, num_accepted[:, None]), drafted.tokens], 1).flatten()
-        positions, mask = index.flatten(), None
+    nodes = build_tree(drafted.tokens, drafted.parents, drafted.q, torch.full_like(num_accepted, width))
     return dataclasses.replace(
-        verified, input_ids=ids, positions=positions, out_slots=page_table.slots(verified.req_rows, index).flatten(),
-        tail_mask=mask, prefix_lens=prefix, seq_lens_t=(start + width).to(torch.int32),
-        max_seq_len=max(prefix) + width)
+        verified, input_ids=nodes.tokens.flatten(), positions=(start[:, None] + nodes.depth).flatten(),
+        out_slots=page_table.slots(verified.req_rows, index).flatten(), tail_mask=nodes.mask, prefix_lens=prefix,
+        seq_lens_t=(start + width).to(torch.int32), max_seq_len=max(prefix) + width)

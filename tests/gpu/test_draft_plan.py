@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hyperdraft.options import RuntimeOptions, activated
-from hyperdraft.kernels.draft_plan import (PACKED_FIELDS, accept_chain, pack_catch_up_kernel, pack_catch_up_reference,
+from hyperdraft.kernels.draft_plan import (PACKED_FIELDS, accept_chain, move_chain_batch_kernel,
+                                           move_chain_batch_reference, pack_catch_up_kernel, pack_catch_up_reference,
                                            round_plan)
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.sample.rng import DOMAIN_ACCEPT
@@ -125,3 +126,25 @@ def test_accept_chain_simulated(monkeypatch, bsz, k, alpha):
     with activated(RuntimeOptions.from_env(fused_kernels=False)):
         ref_accepted, ref_tokens = simulate_chain(None, draft, draft_len, alpha, seeds, seq_lens, greedy_target=target)
     assert torch.equal(num_accepted, ref_accepted) and torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("bsz,k", [(1, 1), (1, 5), (5, 3), (8, 7)])
+def test_move_chain_batch(page_size, bsz, k):
+    """Round-ahead's chain batch move (verify_ahead.next_round_batch): the kernel == the torch code, element for
+    element, with accept counts 0..K, rows in any order, and moved rows running past a row's pages (they map to its
+    last page entry, as token_slots clamps)."""
+    table = _page_table(page_size, 6, seed=page_size * 10 + k)
+    g = torch.Generator().manual_seed(bsz * 100 + k)
+    width = k + 1
+    rows = torch.randint(0, 6, (bsz,), generator=g)
+    seq_lens = torch.randint(width, width + 8 * page_size, (bsz,), generator=g).to(torch.int32)
+    num_accepted = torch.randint(0, k + 1, (bsz,), generator=g)
+    tokens = torch.randint(0, 1000, (bsz, k + 2), generator=g)[:, : k + 1]  # a strided view, as a round's slice
+    drafted = torch.randint(0, 1000, (bsz, k), generator=g)
+    args = [t.to(DEVICE) for t in (seq_lens, num_accepted, tokens, drafted, rows)]
+    _poison_int(4096)
+    got = move_chain_batch_kernel(*args, table.table, page_size)
+    want = move_chain_batch_reference(*args, table.table, page_size)
+    for name, a, b in zip(got._fields, got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
