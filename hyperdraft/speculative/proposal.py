@@ -12,6 +12,9 @@ class Proposal:
     tokens: torch.Tensor  # [B, K] int64 on the device, padded with 0 past each request's length
     lens: list[int]  # [B] real draft tokens per request, host copy (0 .. K)
     q: torch.Tensor | None = None  # [B, K, V] draft distributions the tokens were sampled from; None = one-hot
+    # [B] int64: the real counts where only the device knows them (a lookup queued ahead, proposers/ngram.py); lens
+    # then holds the width K, and the round reads the counts back with its results
+    device_lens: torch.Tensor | None = None
 
     @property
     def max_len(self) -> int:

@@ -21,7 +21,9 @@ step-0 rounds ran 17-35% below plain decoding at 64-256 requests (benchmarks/res
 step first discards that queued decode. NGRAM and STANDALONE are idle there; an EAGLE head, which must see every
 token, parks (proposers/slot_hidden.py): the decodes keep its input states by slot, and its next round consumes them.
 With park_head off (or a hybrid target, for which the plain worker never runs speculative steps), an EAGLE head's
-step-0 steps stay rounds, each queuing the next round's verify (verify_ahead.py).
+step-0 steps stay rounds, each queuing the next round's verify (verify_ahead.py). NGRAM's lookups queued ahead
+(proposers/ngram.py) are not seen by the host before their round: a round whose drafts turned out empty for every
+request drops what was queued behind it, so the step after looks up on the host and can become such a plain decode.
 """
 
 from __future__ import annotations
@@ -194,6 +196,11 @@ class SpecWorker:
         self.metrics.observe(outcome.depth, outcome.num_accepted, proposed=outcome.num_drafted)
         seconds = None if start is None else self.tp.first_rank_value(time.perf_counter() - start)
         self.tiers.observe(len(round_.reqs), outcome.num_accepted, drafted=outcome.num_drafted, step_seconds=seconds)
+        if self.capabilities.may_draft_nothing and round_.tier.steps > 0 and not any(outcome.num_drafted):
+            # A lookup queued ahead found nothing anywhere: drop it and the verify behind it, so that the next step
+            # looks up on the host and, finding nothing again, runs as a plain decode (module doc).
+            self.proposer.discard_ahead()
+            self.verify_ahead.discard()
         return outcome.results
 
     def _sample_prefills(self, prefills: list[ScheduledRequest], logits: torch.Tensor) -> SampledTokens | None:

@@ -313,6 +313,7 @@ ROUND_AHEAD_CASES = {
                               speculative_num_draft_tokens=6, draft="small_eagle3", target="small"),
     "standalone-tree": dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, speculative_eagle_topk=2,
                             speculative_num_draft_tokens=6, draft="draft"),
+    "ngram-chain": dict(speculative_algorithm="NGRAM", speculative_num_steps=3, draft=None),  # the device lookup
 }
 
 
@@ -327,7 +328,8 @@ def test_drafted_rounds_verify_ahead_in_graphs(models, name, mode):
     dtype, deterministic = MODES[mode]
     case = dict(ROUND_AHEAD_CASES[name])
     target = models[case.pop("target", "target")]
-    case = dict(case, speculative_draft_model_path=models[case.pop("draft")], cuda_graph_max_bs=4,
+    draft = case.pop("draft")
+    case = dict(case, speculative_draft_model_path=models[draft] if draft else None, cuda_graph_max_bs=4,
                 max_running_requests=4, enable_deterministic_inference=deterministic)
     sampled = case.get("speculative_use_rejection_sampling", False)
     params = [SamplingParams(temperature=0.8 if sampled else 0, top_k=20, seed=i, max_new_tokens=n, ignore_eos=True)

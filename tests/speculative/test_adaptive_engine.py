@@ -195,10 +195,10 @@ def test_draft_state_survives_step_zero(models, plain):
     assert state["spec_acceptance_rate"] > 0.99, state
 
 
-def _run_graphed(models, prompts, params, target="target", ahead=True, park=True, **engine_args):
+def _run_graphed(models, prompts, params, target="target", ahead=True, park=True, draft_ahead=True, **engine_args):
     """Emulated CUDA graphs (CPU): the plain worker queues each next decode ahead only where a graph runs it, and so
     does a speculative worker a step-0 round's next verify (counts: the plain worker's, else the verify-ahead's)."""
-    options = RuntimeOptions(emulate_cuda_graphs=True, decode_ahead=ahead, park_head=park)
+    options = RuntimeOptions(emulate_cuda_graphs=True, decode_ahead=ahead, park_head=park, draft_ahead=draft_ahead)
     llm = LLM(models[target], device="cpu", dtype="float32", runtime_options=options, cuda_graph_max_bs=4,
               **engine_args)
     outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -230,27 +230,29 @@ def test_ngram_step_zero_runs_as_plain_decodes(models):
         [o.meta_info for o in outs]
 
 
+@pytest.mark.parametrize("draft_ahead", [False, True], ids=["host-lookups", "lookups-ahead"])
 @pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "static"])
 @STEP_ZERO_PARAMS
-def test_ngram_rounds_without_a_match_run_as_plain_decodes(models, params, adaptive):
+def test_ngram_rounds_without_a_match_run_as_plain_decodes(models, params, adaptive, draft_ahead):
     """Tier 3 (an adaptive ladder of it alone, or the static tier), random prompts: NGRAM finds no match in most
     rounds, and a round in which no request has a draft runs as the plain worker's decode, its next decode queued
     ahead and used when the next lookup finds nothing either (thrown away when it does). Output equals plain
     decoding's (seeded sampling: the same engine queuing nothing ahead); each such step counts as a round of no
-    drafts at tier 3, per request too."""
+    drafts at tier 3, per request too. With lookups queued ahead (proposers/ngram.py) a round after a drafting one
+    verifies the queued lookup first; if that drafted nothing anywhere, the steps after it are plain decodes again."""
     spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=4)
     if adaptive:
         spec.update(speculative_adaptive=True,
                     speculative_adaptive_config=_config(models, "three_only", {"1": {"candidate_steps": [3]}}))
     prompts = torch.randint(3, 300, (4, 12), generator=torch.Generator().manual_seed(3)).tolist()
     batch_params = [dataclasses.replace(params, max_new_tokens=n) for n in (24, 30, 17, 30)]
-    outs, counts, state = _run_graphed(models, prompts, batch_params, **spec)
+    outs, counts, state = _run_graphed(models, prompts, batch_params, draft_ahead=draft_ahead, **spec)
     if params.temperature == 0:
         want, _, _ = _run_graphed(models, prompts, batch_params)
     else:
-        want, _, _ = _run_graphed(models, prompts, batch_params, ahead=False, **spec)
+        want, _, _ = _run_graphed(models, prompts, batch_params, ahead=False, draft_ahead=draft_ahead, **spec)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-    assert counts["ahead_used"] > 3, counts
+    assert counts["ahead_used"] > (1 if draft_ahead else 3), counts
     assert set(state["spec_steps_per_tier"]) == {"3"}, state
     for o in outs:  # the first token is the prefill's; every later step is a round, drafting or not
         info = o.meta_info

@@ -5,6 +5,15 @@ With a history (history_tokens > 0), the sequences of finished requests are kept
 history_tokens tokens of them), and a request whose own sequence has no match as long as the history's longest
 one drafts from the history instead: chat answers share phrasing ("Here are some", "I hope this helps"), so
 earlier answers predict later ones. Drafts only decide what gets verified, so this never changes outputs.
+
+Draft-ahead (capabilities.drafts_ahead, where the target runs CUDA graphs and RuntimeOptions.draft_ahead allows):
+right after a chain round's accept is queued, the next round's lookup is queued on the device from the round's
+accepted tokens (kernels/ngram.py over ngram_store.DeviceSequences), so the round's verify can be queued too
+(verify_ahead.py) and the GPU never waits for the host's lookup. The host does not learn the drafts' lengths before
+the round's results, so such a round verifies K rows a request (as SGLang's NGRAM always verifies its fixed
+draft-token count), accepting within each request's real count (Proposal.device_lens), which the round's results
+bring back. A round whose lookups found nothing anywhere drops what was queued behind it (speculative/worker.py): the
+next step looks up on the host, and a batch with no match anywhere still runs as a plain decode step.
 """
 
 from __future__ import annotations
@@ -13,13 +22,14 @@ import numpy as np
 import torch
 
 from hyperdraft.core.host_copy import host_to_device
-from hyperdraft.request import Request
+from hyperdraft.kernels.ngram import SEPARATOR
+from hyperdraft.request import Request, same_requests
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.proposal import Proposal
 from hyperdraft.speculative.proposer import Proposer, ProposerCapabilities, ProposerContext
+from hyperdraft.speculative.proposers.ngram_store import DeviceSequences
 
 HISTORY_TOKENS = 1 << 16  # finished requests' tokens kept for matching (512 KiB)
-SEPARATOR = -1  # between sequences in the history; no token id equals it, so no match or draft crosses it
 
 
 def longest_match(haystack: np.ndarray, suffix: np.ndarray, max_window: int) -> tuple[int, int]:
@@ -75,13 +85,23 @@ class NgramProposer(Proposer):
 
     @classmethod
     def build(cls, ctx: ProposerContext, draft: None) -> "NgramProposer":
-        return cls(ctx.spec.ngram_min_window, ctx.spec.ngram_max_window, ctx.target.device)
+        spec = ctx.spec
+        ahead = DeviceSequences(ctx.target.page_table, HISTORY_TOKENS, spec.ngram_min_window, spec.ngram_max_window) \
+            if ctx.graphs is not None and ctx.options.draft_ahead else None
+        return cls(spec.ngram_min_window, spec.ngram_max_window, ctx.target.device, ahead=ahead)
 
-    def __init__(self, min_window: int, max_window: int, device: torch.device, history_tokens: int = HISTORY_TOKENS):
+    def __init__(self, min_window: int, max_window: int, device: torch.device, history_tokens: int = HISTORY_TOKENS,
+                 ahead: DeviceSequences | None = None):
+        """ahead: where the device lookup keeps sequences; None: no draft-ahead."""
         self.min_window, self.max_window, self.device = min_window, max_window, device
-        self.capabilities = ProposerCapabilities(idle_at_step_zero=True, may_draft_nothing=True)
+        self.capabilities = ProposerCapabilities(idle_at_step_zero=True, may_draft_nothing=True,
+                                                 drafts_ahead=ahead is not None)
         self.pool = None
         self.history = NgramHistory(history_tokens) if history_tokens > 0 else None
+        self.sequences_on_device = ahead
+        self.ahead: tuple[list[Request], Tier, Proposal] | None = None  # the next round's draft, queued
+        self.ahead_used = 0  # rounds served by a queued draft, and queued drafts thrown away (tests, benchmarks)
+        self.ahead_discarded = 0
         self.live: dict[str, Request] = {}  # requests drafted for and not yet finished
         # Each live request's tokens as an int64 array that grows with its outputs, and how many it holds: converting
         # the whole token list every round cost 20-150 us a request at 1k-4k tokens, more than the lookup itself.
@@ -90,6 +110,9 @@ class NgramProposer(Proposer):
     def propose(self, reqs: list[Request], tier: Tier, sampling) -> Proposal:
         steps = tier.steps
         self._collect_finished(reqs)
+        queued = self._take_ahead(reqs, tier)
+        if queued is not None:
+            return queued
         if steps == 0:  # adaptive step 0: no speculation, and no drafter state to keep warm
             return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.device), [0] * len(reqs))
         history = self.history.tokens if self.history is not None else None
@@ -98,6 +121,42 @@ class NgramProposer(Proposer):
         for b, d in enumerate(drafts):
             padded[b, : len(d)] = d
         return Proposal(host_to_device(torch.from_numpy(padded), self.device), [len(d) for d in drafts])
+
+    def draft_ahead(self, reqs: list[Request], tier: Tier, sampling, num_accepted: torch.Tensor, tokens: torch.Tensor,
+                    kept: torch.Tensor | None = None) -> Proposal | None:
+        """Queue the next chain round's lookup from this round's accepted tokens (module doc) -> its proposal, which
+        the next propose() returns if that round has the same requests and tier."""
+        self.discard_ahead()
+        if self.ahead_room(tier) is None:
+            return None
+        history = self.history.tokens if self.history is not None else None
+        drafts = self.sequences_on_device.draft_ahead(reqs, num_accepted, tokens, tier.steps, history)
+        proposal = Proposal(drafts.tokens, [tier.steps] * len(reqs), device_lens=drafts.lens)
+        self.ahead = (list(reqs), tier, proposal)
+        return proposal
+
+    def ahead_room(self, tier: Tier) -> int | None:
+        """A lookup writes no K/V: 0 past the verify's own room for the chain tiers it drafts ahead."""
+        return 0 if self.capabilities.drafts_ahead and tier.steps > 0 and not tier.is_tree else None
+
+    def discard_ahead(self) -> None:
+        if self.sequences_on_device is not None:
+            self.sequences_on_device.settle()
+        self.ahead_discarded += self.ahead is not None
+        self.ahead = None
+
+    def _take_ahead(self, reqs: list[Request], tier: Tier) -> Proposal | None:
+        if self.sequences_on_device is not None:
+            self.sequences_on_device.settle()
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return None
+        queued_reqs, queued_tier, proposal = ahead
+        if queued_tier != tier or not same_requests(reqs, queued_reqs):
+            self.ahead_discarded += 1
+            return None
+        self.ahead_used += 1
+        return proposal
 
     def _sequence(self, req: Request) -> np.ndarray:
         """req's tokens, appending only those added since its last round to its array (grown by doubling)."""
@@ -125,6 +184,8 @@ class NgramProposer(Proposer):
         self.live.update((r.rid, r) for r in reqs)
         for rid in self.sequences.keys() - self.live.keys():
             del self.sequences[rid]
+        if self.sequences_on_device is not None:
+            self.sequences_on_device.forget(self.live.keys())
 
     def flush_history(self) -> None:
         if self.history is not None:

@@ -30,6 +30,7 @@ class ChainPieces(NamedTuple):
     num_accepted: torch.Tensor  # [B] int64
     tokens: torch.Tensor  # [B, K+1] int64: the accepted drafts, then the recovered or bonus token, then unused
     logprobs: torch.Tensor | None  # [B, K+1] float32, of those tokens; None when no request asked for them
+    drafted: torch.Tensor | None = None  # [B] int64 real drafts per request, where the proposal's lens were the width
 
 
 class ChainRound:
@@ -54,6 +55,8 @@ class ChainRound:
         flat = [] if self.dense else [b * k1 + j for b, k in enumerate(self.rows_fed) for j in range(k + 1)]
         self.last, self.lens, self.starts, self.flat_index, self.rows = to_device_many(
             [[last_token(r) for r in reqs], proposal.lens, starts, flat, [r.row for r in reqs]], torch.int64, device)
+        if proposal.device_lens is not None:  # a lookup queued ahead: its counts, within the room the host allowed
+            self.lens = torch.minimum(self.lens, proposal.device_lens)
 
     # ---- the verify forward's rows -------------------------------------------------------------------------------
     def inputs(self) -> list[ForwardInput]:
@@ -118,14 +121,16 @@ class ChainRound:
         return target_hidden[rows]
 
     def pieces(self) -> ChainPieces:
+        drafted = self.lens if self.proposal.device_lens is not None else None
         if not self.sampling.want_logprobs:
-            return ChainPieces(self.num_accepted, self.tokens, None)
+            return ChainPieces(self.num_accepted, self.tokens, None, drafted)
         logprobs = token_logprobs(self.logits, self.tokens.flatten()).view_as(self.tokens)
-        return ChainPieces(self.num_accepted, self.tokens, logprobs)
+        return ChainPieces(self.num_accepted, self.tokens, logprobs, drafted)
 
     # ---- on the host ---------------------------------------------------------------------------------------------
     def decode(self, host: ChainPieces) -> RoundOutcome:
-        return decode_chain(host, self.proposal.lens, self.proposal.max_len)
+        drafted = host.drafted if host.drafted is not None else self.proposal.lens
+        return decode_chain(host, drafted, self.proposal.max_len)
 
 
 def decode_chain(host: ChainPieces, draft_lens: list[int], width: int) -> RoundOutcome:
