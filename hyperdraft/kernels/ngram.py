@@ -28,6 +28,7 @@ from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.pdl import pdl_args, pdl_wait
 
 SEPARATOR = -1  # between sequences in the history; no token id equals it, so no match or draft crosses it
+# (the kernels write it as the literal -1: Triton reads no module global that is not a tl.constexpr)
 MATCH_BLOCK = 512  # candidate ends a program scores at once
 MAX_MATCH_PROGRAMS = 64  # per request: enough to spread a 64k-token history over the GPU
 
@@ -90,9 +91,9 @@ def _ngram_match(Tokens, Table, Rows, Lens, History, Best, stride_table, last_pa
                                           PAGE_SIZE))
             if own:
                 slots = _slot(Table, row, tl.where(alive, at, 0), stride_table, last_page, PAGE_SIZE)
-                got = tl.load(Tokens + slots, mask=alive, other=SEPARATOR)
+                got = tl.load(Tokens + slots, mask=alive, other=-1)  # SEPARATOR
             else:
-                got = tl.load(History + at, mask=alive, other=SEPARATOR)
+                got = tl.load(History + at, mask=alive, other=-1)
             alive = alive & (got == want)
             width += alive.to(tl.int32)
         key = tl.max(tl.where(width > 0, (width.to(tl.int64) << 32) | ends, 0), axis=0)
@@ -117,7 +118,7 @@ def _ngram_draft(Tokens, Table, Rows, Lens, History, Best, Out, OutLens, stride_
     own_token = tl.load(Tokens + _slot(Table, row, tl.where(ok, pos, 0), stride_table, last_page, PAGE_SIZE),
                         mask=ok & (from_history == 0), other=0)
     token = tl.where(from_history, tl.load(History + pos, mask=ok & from_history, other=0), own_token)
-    cut = tl.min(tl.where(ok & (token == SEPARATOR), j, BLOCK_K), axis=0)
+    cut = tl.min(tl.where(ok & (token == -1), j, BLOCK_K), axis=0)  # the first SEPARATOR
     count = tl.minimum(tl.sum(ok.to(tl.int64), axis=0), cut)
     tl.store(Out + b * k + j, tl.where(j < count, token, 0).to(tl.int64), mask=j < k)
     tl.store(OutLens + b, count)

@@ -16,6 +16,11 @@ Measured (benchmarks/probes/plain_step.py, H100, SmolLM2-135M shape, batch 1, tw
 turns): the decode graph's GPU time fell from 661 to 600 us per step, the engine step from 751 to 710 us. Sixty
 launches fewer saved about 1 us each: inside a CUDA graph a tiny kernel's cost is mostly its own ~2 us of latency, not
 a launch gap. On by default; HYPERDRAFT_DISABLE_FUSED_NORM_GEMV=1 (RuntimeOptions.fused_norm_gemv) turns it off.
+
+Only for rows of at most NORM_GEMV_MAX_K: every program passes over the whole row before its columns' products, and
+on the Llama-3.1-8B shape (K = 4096, H200, bf16, benchmarks/results/no_regression_8b_h200.md) that
+pass made a batch-1 decode 12% slower (208 against 237 tok/s, 236 with the fusion off): ~9 us more a fused product,
+where a launch saved is worth ~1 us. At K = 576 (SmolLM2) it saved 61 us a step.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from hyperdraft.kernels._triton import jit, tl, triton
 from hyperdraft.kernels.gemv import VEC_BLOCK_K, VEC_BLOCK_N, VEC_WARPS, _weights_first, gemv_fits
 from hyperdraft.kernels.norm import rms_norm_reference
 from hyperdraft.kernels.pdl import pdl_args
+
+NORM_GEMV_MAX_K = 1024  # measured: a gain at 576, a loss at 4096 (module doc); 1024 covers 0.5B-class models
 
 
 @jit
@@ -82,7 +89,7 @@ def norm_gemv_wanted(x: torch.Tensor) -> bool:
 
 def norm_gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether norm_gemv serves this row: wanted, contiguous, on CUDA where gemv would serve the product."""
-    return norm_gemv_wanted(x) and x.is_contiguous() and gemv_fits(x, weight)
+    return norm_gemv_wanted(x) and x.shape[1] <= NORM_GEMV_MAX_K and x.is_contiguous() and gemv_fits(x, weight)
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -13,7 +13,8 @@ def random_store(rng: np.random.Generator, page_size: int, lengths: list[int], v
                  device: str = "cpu") -> tuple[TokenStore, list[int], list[list[int]]]:
     """A page table whose rows hold `lengths` tokens (plus room for a round), their pages shuffled so rows
     interleave in the pool, and the store holding each row's random tokens -> (store, rows, sequences)."""
-    table = PageTable(num_pages=512 // page_size + 1, page_size=page_size, max_rows=len(lengths),
+    pages = sum(-(-(n + 8) // page_size) for n in lengths) + 1  # every row's room, and the padding page
+    table = PageTable(num_pages=pages, page_size=page_size, max_rows=len(lengths),
                       max_pages_per_row=256 // page_size, device=torch.device(device))
     table._free_pages = rng.permutation(range(1, table.num_pages)).tolist()
     tokens = torch.full((table.num_pages * page_size,), SEPARATOR, dtype=torch.int32, device=device)
