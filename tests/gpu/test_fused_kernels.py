@@ -332,6 +332,17 @@ def test_norm_gemv(dtype, n, k, with_residual, with_bias):
 
 
 @pytest.mark.skipif(INTERPRET, reason="the models take the kernels only on CUDA tensors")
+def test_norm_gemv_serves_narrow_rows_only():
+    """The fusion serves one row of at most NORM_GEMV_MAX_K (a loss at the 8B shape's 4096: kernels/norm_gemv.py)."""
+    from hyperdraft.kernels.norm_gemv import NORM_GEMV_MAX_K, norm_gemv_fits
+
+    with activated(RuntimeOptions.from_env(fused_norm_gemv=True)):
+        for k, fits in [(576, True), (NORM_GEMV_MAX_K, True), (NORM_GEMV_MAX_K + 64, False), (4096, False)]:
+            x, weight = _randn(1, k, dtype=torch.bfloat16, seed=1), _randn(256, k, dtype=torch.bfloat16, seed=2)
+            assert norm_gemv_fits(x, weight) == fits, k
+
+
+@pytest.mark.skipif(INTERPRET, reason="the models take the kernels only on CUDA tensors")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_with_the_norm_in_the_gate_up_product(tmp_path, dtype, monkeypatch):
     """RuntimeOptions.fused_norm_gemv: a one-token forward (a batch-1 decode) whose input and post-attention norms
