@@ -83,9 +83,10 @@ def _engine(llm_factory, monkeypatch, path, ahead: str, **args):
     return llm_factory(path, cuda_graph_max_bs=4, **NGRAM, **args)
 
 
-def check_queued_drafts(llm, monkeypatch) -> list[int]:
+def check_queued_drafts(llm, monkeypatch, graph_max_bs: int) -> list[int]:
     """Watch every round a queued draft serves: its drafts must be what the host's lookup finds over each request's
-    committed tokens then (so the device held exactly those tokens), zeros past them. -> [rounds checked]."""
+    committed tokens then (so the device held exactly those tokens), zeros past them, and its batch one that a verify
+    graph runs (at most graph_max_bs requests). -> [rounds checked]."""
     proposer, checked = llm.engine.worker.proposer, [0]
     propose = proposer.propose
 
@@ -93,6 +94,7 @@ def check_queued_drafts(llm, monkeypatch) -> list[int]:
         used = proposer.ahead_used
         proposal = propose(reqs, tier, sampling)
         if proposer.ahead_used > used:
+            assert len(reqs) <= graph_max_bs, "drafted ahead for a batch no verify graph runs"
             history = proposer.history.tokens
             for b, req in enumerate(reqs):
                 want = ngram_match(np.asarray(req.token_ids(0, req.seq_len)), tier.steps, proposer.min_window,
@@ -114,7 +116,7 @@ def test_ngram_ahead_changes_nothing(small, llm_factory, monkeypatch, page_size,
         args.update(speculative_adaptive=True, speculative_adaptive_config=str(root / "adaptive.json"))
     prompts, params = _prompts(), [greedy(n) for n in NEW_TOKENS]
     llm = _engine(llm_factory, monkeypatch, path, "1", **args)
-    checked = check_queued_drafts(llm, monkeypatch)
+    checked = check_queued_drafts(llm, monkeypatch, graph_max_bs=4)
     outs = [o.token_ids for o in gen(llm, prompts, params)]
     proposer, queue = llm.engine.worker.proposer, llm.engine.worker.verify_ahead
     assert proposer.ahead_used > 0 and proposer.ahead_discarded > 0, "no queued draft served, or none was dropped"
@@ -149,7 +151,7 @@ def test_ngram_ahead_tight_pool_and_abort(small, llm_factory, monkeypatch):
     prompts, params = _prompts(), [greedy(n) for n in NEW_TOKENS]
     monkeypatch.setenv("HYPERDRAFT_EMULATE_CUDA_GRAPH", "1")
     llm = llm_factory(path, cuda_graph_max_bs=8, max_total_tokens=120, page_size=4, **NGRAM)
-    checked = check_queued_drafts(llm, monkeypatch)
+    checked = check_queued_drafts(llm, monkeypatch, graph_max_bs=8)
     reqs = run_aborting(llm.engine, prompts, params, victim=3, at_step=10)
     assert checked[0] == llm.engine.worker.proposer.ahead_used > 0
     assert sum(r.num_retractions for r in reqs) > 0, "the pool was not tight"

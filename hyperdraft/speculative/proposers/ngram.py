@@ -24,6 +24,7 @@ import torch
 from hyperdraft.core.host_copy import host_to_device
 from hyperdraft.kernels.ngram import SEPARATOR
 from hyperdraft.request import Request, same_requests
+from hyperdraft.runner.graph_runner import GraphRunner, GraphShape
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.proposal import Proposal
 from hyperdraft.speculative.proposer import Proposer, ProposerCapabilities, ProposerContext
@@ -86,19 +87,21 @@ class NgramProposer(Proposer):
     @classmethod
     def build(cls, ctx: ProposerContext, draft: None) -> "NgramProposer":
         spec = ctx.spec
+        graphs = ctx.target.graphs
         ahead = DeviceSequences(ctx.target.page_table, HISTORY_TOKENS, spec.ngram_min_window, spec.ngram_max_window) \
-            if ctx.graphs is not None and ctx.options.draft_ahead else None
-        return cls(spec.ngram_min_window, spec.ngram_max_window, ctx.target.device, ahead=ahead)
+            if graphs is not None and ctx.options.draft_ahead else None
+        return cls(spec.ngram_min_window, spec.ngram_max_window, ctx.target.device, ahead=ahead, verify_graphs=graphs)
 
     def __init__(self, min_window: int, max_window: int, device: torch.device, history_tokens: int = HISTORY_TOKENS,
-                 ahead: DeviceSequences | None = None):
-        """ahead: where the device lookup keeps sequences; None: no draft-ahead."""
+                 ahead: DeviceSequences | None = None, verify_graphs: GraphRunner | None = None):
+        """ahead: where the device lookup keeps sequences (None: no draft-ahead); verify_graphs: the target's, which
+        must run a batch's verify for it to be drafted ahead."""
         self.min_window, self.max_window, self.device = min_window, max_window, device
         self.capabilities = ProposerCapabilities(idle_at_step_zero=True, may_draft_nothing=True,
-                                                 drafts_ahead=ahead is not None)
+                                                 drafts_ahead=ahead is not None and verify_graphs is not None)
         self.pool = None
         self.history = NgramHistory(history_tokens) if history_tokens > 0 else None
-        self.sequences_on_device = ahead
+        self.sequences_on_device, self.verify_graphs = ahead, verify_graphs
         self.ahead: tuple[list[Request], Tier, Proposal] | None = None  # the next round's draft, queued
         self.ahead_used = 0  # rounds served by a queued draft, and queued drafts thrown away (tests, benchmarks)
         self.ahead_discarded = 0
@@ -127,7 +130,9 @@ class NgramProposer(Proposer):
         """Queue the next chain round's lookup from this round's accepted tokens (module doc) -> its proposal, which
         the next propose() returns if that round has the same requests and tier."""
         self.discard_ahead()
-        if self.ahead_room(tier) is None:
+        # Only where a verify graph runs the batch: it feeds every request the full width anyway, while an eager
+        # verify would feed K rows a request where the host's lookup found fewer.
+        if self.ahead_room(tier) is None or not self.verify_graphs.fits(GraphShape(tier.steps + 1, 0), len(reqs)):
             return None
         history = self.history.tokens if self.history is not None else None
         drafts = self.sequences_on_device.draft_ahead(reqs, num_accepted, tokens, tier.steps, history)
