@@ -125,6 +125,9 @@ def test_ngram_ahead_changes_nothing(small, llm_factory, monkeypatch, page_size,
     off = _engine(llm_factory, monkeypatch, path, "0", **args)
     assert [o.token_ids for o in gen(off, prompts, params)] == outs
     assert off.engine.worker.proposer.ahead_used == 0 and not off.engine.worker.capabilities.drafts_ahead
+    # the same drafts either way, and a queued round counts its real drafts (read back with its results), not K
+    on_metrics, off_metrics = llm.engine.worker.metrics, off.engine.worker.metrics
+    assert (on_metrics.draft_tokens, on_metrics.accepted_tokens) == (off_metrics.draft_tokens, off_metrics.accepted_tokens)
     assert outs == _spec_off(path, prompts, params)
 
 
