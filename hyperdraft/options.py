@@ -98,7 +98,7 @@ class RuntimeOptions:
     fused_kernels: bool = True
     gemv: bool = True
     cuda_kernels: bool = True
-    fused_norm_gemv: bool = True  # SmolLM2 decode graph 661 -> 600 us on an H100 (kernels/norm_gemv.py)
+    fused_norm_gemv: bool = True  # SmolLM2 decode graph 661 -> 600 us on an H100; rows <= 1024 only (kernels/norm_gemv.py)
     pdl: bool = True
     skinny_cpu_linear: bool = True
     graph_segments: bool = True
