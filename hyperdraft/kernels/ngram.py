@@ -52,7 +52,7 @@ def _slot(Table, row, pos, stride_table, last_page, PAGE_SIZE: tl.constexpr):
     return page * PAGE_SIZE + pos % PAGE_SIZE
 
 
-@jit
+@jit(do_not_specialize=("stride_accepted",))  # K + 1 or wider: one compile whatever the tier
 def _ngram_append(Tokens, Table, Rows, Bases, NumAccepted, Accepted, Lens, Best, stride_table, stride_accepted,
                   last_page, PAGE_SIZE: tl.constexpr, BLOCK_A: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
