@@ -25,6 +25,33 @@ def mt_bench_first_turns() -> list[str]:
         return [json.loads(line)["turns"][0] for line in f]
 
 
+# Edits asked of code the answer must mostly copy: the workload prompt lookup (NGRAM) is for.
+EDIT_REQUESTS = ("Rename the variable `{name}` to `{name}_value` everywhere in this Python function and return the "
+                 "whole function:", "Add a short docstring to this Python function and return the whole function "
+                 "unchanged otherwise:", "Add type hints where they are missing in this Python function and return "
+                 "the whole function:")
+
+
+def code_edit_requests(count: int) -> list[str]:
+    """`count` requests to edit a function of hyperdraft's own source (functions of 8-30 lines, in file order), each
+    quoting the function in full: answers repeat most of their prompt, as code-editing chats do."""
+    import ast
+
+    requests = []
+    root = os.path.join(REPO_ROOT, "hyperdraft")
+    for path in sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith(".py")):
+        source = open(path).read()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef) and 8 <= node.end_lineno - node.lineno + 1 <= 30:
+                code = ast.get_source_segment(source, node, padded=True)
+                arg = next((a.arg for a in node.args.args if a.arg != "self"), node.name)
+                ask = EDIT_REQUESTS[len(requests) % len(EDIT_REQUESTS)].format(name=arg)
+                requests.append(f"{ask}\n\n```python\n{code}\n```")
+                if len(requests) == count:
+                    return requests
+    return requests
+
+
 def results_path(what: str, device: str) -> str:
     """benchmarks/results/<what>_<device>.md"""
     return os.path.join(RESULTS_DIR, f"{what}_{device}.md")

@@ -19,7 +19,8 @@ import datetime
 import json
 import os
 
-from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, results_path, timed_generate
+from benchmarks.common import (code_edit_requests, command_line, device_tag, git_commit, mt_bench_first_turns,
+                               results_path, timed_generate)
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 
@@ -56,7 +57,10 @@ def main() -> None:
     ap.add_argument("--head", help="EAGLE-3 head directory written by hyperdraft train-draft")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--turns", type=int, default=80)
+    ap.add_argument("--turns", type=int, default=80, help="prompts (MT-bench first turns, or code edits)")
+    ap.add_argument("--task", choices=["chat", "code-edit"], default="chat",
+                    help="code-edit: requests to edit a function of hyperdraft's own source, quoted in full (answers "
+                         "copy their prompt: prompt lookup's workload; the source changes, so compare within a run)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="max running requests (each a row set)")
     ap.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
@@ -71,10 +75,12 @@ def main() -> None:
     deterministic = args.deterministic if args.deterministic is not None else args.device.startswith("cuda")
     model = ensure_default_model()
     chat = LLM(model, device="cpu", dtype="float32")
-    prompts = [chat.apply_chat_template([{"role": "user", "content": q}]) for q in mt_bench_first_turns()[:args.turns]]
+    questions = mt_bench_first_turns()[:args.turns] if args.task == "chat" else code_edit_requests(args.turns)
+    prompts = [chat.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     chat.shutdown()
     tag = device_tag(args.device)
-    lines = [f"# Real acceptance: SmolLM2-135M-Instruct, {args.turns} MT-bench first turns ({tag.upper()}, {args.dtype})",
+    what = "MT-bench first turns" if args.task == "chat" else "code-edit requests (benchmarks/common.code_edit_requests)"
+    lines = [f"# Real acceptance: SmolLM2-135M-Instruct, {len(prompts)} {what} ({tag.upper()}, {args.dtype})",
              "", f"- date: {datetime.date.today()}; commit: {git_commit()}; command: `{command_line()}`",
              f"- greedy, {args.new_tokens} new tokens{' (ignore_eos)' if args.ignore_eos else ', or fewer at EOS'}; head: `{os.path.basename(str(args.head))}`; "
              f"deterministic mode: {'on' if deterministic else 'off'}", ""]
