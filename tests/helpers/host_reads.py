@@ -90,3 +90,21 @@ def _has_tensor(index) -> bool:
 
 def _has_mask(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in _parts(index))
+
+
+def reads_per_step(engine, ignore_files: tuple[str, ...] = ()) -> list[list[str]]:
+    """Step the engine until its requests finish -> for each step that ran, its device-to-host reads ("kind:op at
+    file:line")."""
+    per_step = []
+    with HostReadCounter(ignore_files=ignore_files) as counter:
+        while engine.has_unfinished():
+            counter.clear()
+            if engine.step():
+                per_step.append([f"{k} at {e[2]}" for k, e in zip(counter.kinds(), counter.events)])
+    return per_step
+
+
+def assert_one_read_per_step(per_step: list[list[str]]) -> None:
+    """Every step read the device once: the results' copy (HostCopy.wait's tolist)."""
+    assert per_step and all(len(reads) == 1 and reads[0].startswith("read:tolist") for reads in per_step), \
+        [r for r in per_step if len(r) != 1][:3]

@@ -228,6 +228,18 @@ def ceil_div(a: int, b: int) -> int:
 
 
 
+_SPEC_OFF_IDS: dict = {}
+
+
+def spec_off_ids(path: str, prompts, params) -> list[list[int]]:
+    """The target's spec-off tokens for (prompts, params) on CPU in fp32, computed once per session."""
+    key = (path, tuple(map(tuple, prompts)), tuple(map(repr, params)))
+    if key not in _SPEC_OFF_IDS:
+        llm = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True)
+        _SPEC_OFF_IDS[key] = [o.token_ids for o in gen(llm, prompts, params)]
+    return _SPEC_OFF_IDS[key]
+
+
 def spec_off_reference(cache: dict, spec_models, prompts, params, key) -> list:
     """Spec-off outputs of the target for (prompts, params), computed once per key and kept in `cache`."""
     if key not in cache:

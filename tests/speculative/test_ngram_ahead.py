@@ -15,19 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from hyperdraft import LLM, SamplingParams
+from hyperdraft import SamplingParams
 from hyperdraft.kernels.ngram import ngram_draft_ahead
 from hyperdraft.speculative.proposers.ngram import ngram_match
 from hyperdraft.testing.tiny import make_tiny_model
-from helpers.host_reads import HostReadCounter
+from helpers.host_reads import assert_one_read_per_step, reads_per_step
 from helpers.token_store import random_history, random_store
-from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, run_aborting  # noqa: F401
+from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, mixed_prompts, run_aborting, spec_off_ids  # noqa: F401
 
 NEW_TOKENS = [6, 40, 9, 34, 4, 28, 8, 44]  # requests finishing at different steps: the batch changes under the queue
 NGRAM = dict(speculative_algorithm="NGRAM", speculative_num_steps=4, skip_tokenizer_init=True)
 ADAPTIVE = {"ema_alpha": 0.5, "warmup_batches": 1, "update_interval": 1,
             "1": {"candidate_steps": [1, 4]}, "4": {"candidate_steps": [0, 2, 4]}}
-_REF: dict = {}
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -67,14 +66,6 @@ def small(tmp_path_factory):
 
 def _prompts(vocab: int = 8) -> list[list[int]]:
     return mixed_prompts(len(NEW_TOKENS), seed=5, vocab=vocab, max_len=40)
-
-
-def _spec_off(path: str, prompts, params) -> list[list[int]]:
-    key = (path, tuple(map(tuple, prompts)), tuple(p.max_new_tokens for p in params))
-    if key not in _REF:
-        _REF[key] = [o.token_ids for o in gen(LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True),
-                                              prompts, params)]
-    return _REF[key]
 
 
 def _engine(llm_factory, monkeypatch, path, ahead: str, **args):
@@ -127,8 +118,9 @@ def test_ngram_ahead_changes_nothing(small, llm_factory, monkeypatch, page_size,
     assert off.engine.worker.proposer.ahead_used == 0 and not off.engine.worker.capabilities.drafts_ahead
     # the same drafts either way, and a queued round counts its real drafts (read back with its results), not K
     on_metrics, off_metrics = llm.engine.worker.metrics, off.engine.worker.metrics
-    assert (on_metrics.draft_tokens, on_metrics.accepted_tokens) == (off_metrics.draft_tokens, off_metrics.accepted_tokens)
-    assert outs == _spec_off(path, prompts, params)
+    counted = [(m.draft_tokens, m.accepted_tokens) for m in (on_metrics, off_metrics)]
+    assert counted[0] == counted[1], counted
+    assert outs == spec_off_ids(path, prompts, params)
 
 
 def test_ngram_ahead_sampled_rows(small, llm_factory, monkeypatch):
@@ -139,7 +131,8 @@ def test_ngram_ahead_sampled_rows(small, llm_factory, monkeypatch):
     prompts = _prompts()
     forced = [SamplingParams(temperature=0.8, top_k=1, max_new_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
     llm = _engine(llm_factory, monkeypatch, path, "1")
-    assert [o.token_ids for o in gen(llm, prompts, forced)] == _spec_off(path, prompts, [greedy(n) for n in NEW_TOKENS])
+    greedy_ids = spec_off_ids(path, prompts, [greedy(n) for n in NEW_TOKENS])
+    assert [o.token_ids for o in gen(llm, prompts, forced)] == greedy_ids
     assert llm.engine.worker.proposer.ahead_used > 0
     seeded = [SamplingParams(temperature=0.9, max_new_tokens=n, ignore_eos=True, seed=3 + i)
               for i, n in enumerate(NEW_TOKENS)]
@@ -158,7 +151,7 @@ def test_ngram_ahead_tight_pool_and_abort(small, llm_factory, monkeypatch):
     reqs = run_aborting(llm.engine, prompts, params, victim=3, at_step=10)
     assert checked[0] == llm.engine.worker.proposer.ahead_used > 0
     assert sum(r.num_retractions for r in reqs) > 0, "the pool was not tight"
-    ref = _spec_off(path, prompts, params)
+    ref = spec_off_ids(path, prompts, params)
     outs = [r.output_ids for r in reqs]
     assert all(o == r for i, (o, r) in enumerate(zip(outs, ref)) if i != 3)
     assert outs[3] == ref[3][: len(outs[3])] and len(outs[3]) < len(ref[3])
@@ -170,17 +163,10 @@ def test_ngram_ahead_one_device_read_per_step(small, llm_factory, monkeypatch):
     engine = llm.engine
     for p in _prompts()[:3]:
         engine.add_request(input_ids=p, params=greedy(30))
-    per_step = []
     # The CPU attention backend and the lookup's torch reference read host data a GPU never asks for.
-    emulation = ("hyperdraft/attention/torch_backend.py", "hyperdraft/kernels/ngram.py")
-    with HostReadCounter(ignore_files=emulation) as counter:
-        while engine.has_unfinished():
-            counter.clear()
-            if engine.step():
-                per_step.append([f"{k} at {e[2]}" for k, e in zip(counter.kinds(), counter.events)])
+    per_step = reads_per_step(engine, ("hyperdraft/attention/torch_backend.py", "hyperdraft/kernels/ngram.py"))
     assert engine.worker.proposer.ahead_used > 0
-    assert all(len(reads) == 1 and reads[0].startswith("read:tolist") for reads in per_step), \
-        [r for r in per_step if len(r) != 1][:3]
+    assert_one_read_per_step(per_step)
 
 
 def test_ngram_ahead_drafts_from_the_history(small, llm_factory, monkeypatch):

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from hyperdraft import LLM, SamplingParams
+from hyperdraft import SamplingParams
 from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.request import Request
@@ -24,8 +24,8 @@ from hyperdraft.speculative.proposal import Proposal
 from hyperdraft.speculative.verify_ahead import next_round_batch
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
-from helpers.host_reads import HostReadCounter
-from helpers.spec_fixtures import _single_torch_thread, case_args, gen, run_aborting, greedy, llm_factory, mixed_prompts, spec_models  # noqa: F401
+from helpers.host_reads import assert_one_read_per_step, reads_per_step
+from helpers.spec_fixtures import _single_torch_thread, case_args, gen, run_aborting, greedy, llm_factory, mixed_prompts, spec_models, spec_off_ids  # noqa: F401
 
 NEW_TOKENS = [6, 40, 9, 34, 4, 28, 8, 44]  # requests finishing at different steps: the batch changes under the queue
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
@@ -42,7 +42,6 @@ CASES = {  # (target, drafter, engine args)
     "eagle3-adaptive": ("small", "small_eagle3", dict(speculative_algorithm="EAGLE3", speculative_adaptive=True,
                                                       speculative_adaptive_config="adaptive.json")),
 }
-_REF: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +61,6 @@ def _args(models, name: str, **extra) -> tuple[str, dict]:
 
 def _prompts(name: str) -> list[list[int]]:
     return mixed_prompts(len(NEW_TOKENS), seed=7, vocab=8 if CASES[name][0] == "small" else 384, max_len=40)
-
-
-def _spec_off(path: str, prompts, params) -> list[list[int]]:
-    key = (path, tuple(map(tuple, prompts)), tuple(p.max_new_tokens for p in params))
-    if key not in _REF:
-        _REF[key] = [o.token_ids for o in gen(LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True),
-                                              prompts, params)]
-    return _REF[key]
 
 
 def _run(llm_factory, monkeypatch, path, args, prompts, params, ahead: str):
@@ -93,7 +84,7 @@ def test_queued_round_verify_changes_nothing(models, llm_factory, monkeypatch, n
     assert whole and all(s.tokens_per_req > 1 for s in whole) and not queue_off.runner.graphs.whole
     ids = [o.token_ids for o in outs]
     assert ids == [o.token_ids for o in off]
-    assert ids == _spec_off(path, prompts, params)
+    assert ids == spec_off_ids(path, prompts, params)
 
 
 @pytest.mark.parametrize("name", ["eagle3", "standalone"])
@@ -130,7 +121,7 @@ def test_tight_pool_and_abort(models, llm_factory, monkeypatch, name, pool):
     queue = engine.worker.verify_ahead
     assert queue.used > 0 and queue.dropped > 0
     assert sum(r.num_retractions for r in reqs) > 0, "the pool was not tight"
-    ref = _spec_off(path, prompts, params)
+    ref = spec_off_ids(path, prompts, params)
     outs = [r.output_ids for r in reqs]
     assert all(o == r for i, (o, r) in enumerate(zip(outs, ref)) if i != 3)
     assert outs[3] == ref[3][: len(outs[3])] and len(outs[3]) < len(ref[3])
@@ -143,17 +134,11 @@ def test_one_device_read_per_step(models, llm_factory, monkeypatch):
     engine = llm.engine
     for p in _prompts("eagle3")[:3]:
         engine.add_request(input_ids=p, params=greedy(30))
-    per_step = []
     # The CPU attention backend and the draft loop's emulation read host data a GPU's graphs never ask for.
     emulation = ("hyperdraft/attention/torch_backend.py", "hyperdraft/speculative/drafting/graphs.py")
-    with HostReadCounter(ignore_files=emulation) as counter:
-        while engine.has_unfinished():
-            counter.clear()
-            if engine.step():
-                per_step.append([f"{k} at {e[2]}" for k, e in zip(counter.kinds(), counter.events)])
+    per_step = reads_per_step(engine, emulation)
     assert engine.worker.verify_ahead.used > 0
-    assert all(len(reads) == 1 and reads[0].startswith("read:tolist") for reads in per_step), \
-        [r for r in per_step if len(r) != 1][:3]
+    assert_one_read_per_step(per_step)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
