@@ -215,6 +215,13 @@ def run_aborting(engine, prompts, params, victim: int, at_step: int) -> list:
     pytest.fail("requests not finished after 10,000 steps")
 
 
+def assert_aborted_run_like(outs: list[list[int]], ref: list[list[int]], victim: int) -> None:
+    """A run_aborting run's outputs against the same requests run to the end: equal, but for the aborted one, which
+    is a strict prefix of its own."""
+    assert all(o == r for i, (o, r) in enumerate(zip(outs, ref)) if i != victim)
+    assert outs[victim] == ref[victim][: len(outs[victim])] and len(outs[victim]) < len(ref[victim])
+
+
 def gen(llm: LLM, prompts, params):
     return llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
 
