@@ -197,8 +197,9 @@ class SpecWorker:
         seconds = None if start is None else self.tp.first_rank_value(time.perf_counter() - start)
         self.tiers.observe(len(round_.reqs), outcome.num_accepted, drafted=outcome.num_drafted, step_seconds=seconds)
         if self.capabilities.may_draft_nothing and round_.tier.steps > 0 and not any(outcome.num_drafted):
-            # A lookup queued ahead found nothing anywhere: drop it and the verify behind it, so that the next step
-            # looks up on the host and, finding nothing again, runs as a plain decode (module doc).
+            # This round's drafts (a lookup queued ahead: the host learns its counts only now) were empty everywhere:
+            # drop the next lookup and the verify queued behind it, so that the next step looks up on the host and,
+            # finding nothing again, runs as a plain decode (module doc).
             self.proposer.discard_ahead()
             self.verify_ahead.discard()
         return outcome.results
