@@ -31,7 +31,9 @@ GOODPUT_LADDER = '{"strategy": "goodput", "1": [0, 1, 2, 3, 5], "8": [0, 1, 2, 3
 
 
 def rows(head: str | None) -> dict[str, dict]:
-    out = {"plain": {}, "NGRAM, chain 4": dict(speculative_algorithm="NGRAM", speculative_num_steps=4)}
+    ngram = dict(speculative_algorithm="NGRAM")
+    out = {"plain": {}, "NGRAM, chain 4": dict(ngram, speculative_num_steps=4),
+           "NGRAM, adaptive (goodput)": dict(ngram, speculative_adaptive=True, speculative_adaptive_config=GOODPUT_LADDER)}
     if head:
         eagle = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
         out["trained head, chain 5"] = dict(eagle, speculative_num_steps=5)
