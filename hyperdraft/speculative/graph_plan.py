@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hyperdraft.core.forward_batch import ForwardMode
-from hyperdraft.runner.graph_runner import GraphShape
+from hyperdraft.runner.graph_runner import GraphRunner, GraphShape
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.drafting.sampled_tree import level_budgets
 
@@ -39,9 +39,19 @@ def verify_shapes(plan: CapturePlan, decodes_everywhere: bool = False) -> dict[F
         if tier.steps == 0:
             _add(decode, GraphShape(1, 0), sizes)
         else:
-            q = tier.num_draft_tokens
-            _add(verify, GraphShape(q, q if tier.is_tree else 0), sizes)
+            _add(verify, verify_shape(tier), sizes)
     return {ForwardMode.DECODE: decode, ForwardMode.TARGET_VERIFY: verify}
+
+
+def verify_shape(tier: Tier) -> GraphShape:
+    """The shape a drafting tier's verify is captured at: its width per request, with the tree mask's for trees."""
+    q = tier.num_draft_tokens
+    return GraphShape(q, q if tier.is_tree else 0)
+
+
+def verify_graph_runs(graphs: GraphRunner | None, tier: Tier, batch_size: int) -> bool:
+    """Whether a captured graph runs this many requests' verify at the tier's width (after padding)."""
+    return graphs is not None and graphs.fits(verify_shape(tier), batch_size)
 
 
 def draft_step_shapes(plan: CapturePlan, catch_up_width: Callable[[Tier], int]) -> dict[ForwardMode, Shapes]:

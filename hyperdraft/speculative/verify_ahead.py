@@ -39,10 +39,10 @@ from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode
 from hyperdraft.kernels.draft_plan import move_chain_batch
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.request import Request, same_requests
-from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
 from hyperdraft.runner.next_token import next_token_batch
 from hyperdraft.speculative.adaptive.tier import Tier
+from hyperdraft.speculative.graph_plan import verify_graph_runs
 from hyperdraft.speculative.proposal import Proposal, TreeProposal
 from hyperdraft.speculative.verify.chain import ChainRound
 from hyperdraft.speculative.verify.tree import TreeRound
@@ -92,7 +92,7 @@ class VerifyAhead:
         round's reads and the next round's room reach the device page table in one write. Two or three writes a
         step, each a pinned copy and a launch, cost ~80 us of host apiece on an H100 (cProfile of a SmolLM2 chain-5
         round, benchmarks/results/round_host_h100.md). A refusal (the pool is short) leaves it to queue()."""
-        if self.drafted and self._graph_fits(tier, len(reqs)):
+        if self.drafted and verify_graph_runs(self.runner.graphs, tier, len(reqs)):
             room = max(2 * tier.num_draft_tokens, draft_room)
             self.runner.page_table.reserve_ahead([r.row for r in reqs], [r.num_computed + room for r in reqs])
 
@@ -102,7 +102,7 @@ class VerifyAhead:
         round's verify, if a graph runs it. drafted: the next round's proposal, queued ahead by the proposer;
         verified: the batch this round's verify fed."""
         tier, table, device = round_.tier, self.runner.page_table, self.runner.device
-        if not self._graph_fits(tier, len(round_.reqs)):
+        if not verify_graph_runs(self.runner.graphs, tier, len(round_.reqs)):
             return
         if tier.steps == 0 and self.step_zero:
             fb = next_token_batch(ForwardMode.TARGET_VERIFY, round_.reqs, round_.tokens[:, 0], table, device)
@@ -114,11 +114,6 @@ class VerifyAhead:
             return
         out = self.runner.forward(fb, capture_layers=self.capture_layers)
         self.queued = QueuedVerify(round_.reqs, tier, drafted if tier.steps > 0 else None, fb, out)
-
-    def _graph_fits(self, tier: Tier, batch_size: int) -> bool:
-        """Whether a captured verify graph of the tier's width runs this many requests (only those are queued)."""
-        width, graphs = tier.num_draft_tokens, self.runner.graphs
-        return graphs is not None and graphs.fits(GraphShape(width, width if tier.is_tree else 0), batch_size)
 
 
 def _drafted_for(tier: Tier, drafted: Proposal | TreeProposal | None) -> bool:

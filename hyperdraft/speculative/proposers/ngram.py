@@ -24,8 +24,9 @@ import torch
 from hyperdraft.core.host_copy import host_to_device
 from hyperdraft.kernels.ngram import SEPARATOR
 from hyperdraft.request import Request, same_requests
-from hyperdraft.runner.graph_runner import GraphRunner, GraphShape
+from hyperdraft.runner.graph_runner import GraphRunner
 from hyperdraft.speculative.adaptive.tier import Tier
+from hyperdraft.speculative.graph_plan import verify_graph_runs
 from hyperdraft.speculative.proposal import Proposal
 from hyperdraft.speculative.proposer import Proposer, ProposerCapabilities, ProposerContext
 from hyperdraft.speculative.proposers.ngram_store import DeviceSequences
@@ -132,7 +133,7 @@ class NgramProposer(Proposer):
         self.discard_ahead()
         # Only where a verify graph runs the batch: it feeds every request the full width anyway, while an eager
         # verify would feed K rows a request where the host's lookup found fewer.
-        if self.ahead_room(tier) is None or not self.verify_graphs.fits(GraphShape(tier.steps + 1, 0), len(reqs)):
+        if self.ahead_room(tier) is None or not verify_graph_runs(self.verify_graphs, tier, len(reqs)):
             return None
         history = self.history.tokens if self.history is not None else None
         drafts = self.sequences_on_device.draft_ahead(reqs, num_accepted, tokens, tier.steps, history)

@@ -14,9 +14,9 @@ from hyperdraft.core.host_copy import to_device_many
 from hyperdraft.core.schedule import RequestResult
 from hyperdraft.kernels.argmax import argmax_rows
 from hyperdraft.request import Request
-from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.sample.logits_ops import SamplingBatch, penalised_logits, probs_from_logits, token_logprobs
 from hyperdraft.speculative.adaptive.tier import Tier
+from hyperdraft.speculative.graph_plan import verify_graph_runs
 from hyperdraft.speculative.proposal import Proposal
 from hyperdraft.speculative.verify.coupled import keyed_targets
 from hyperdraft.speculative.verify.rejection import verify_chain, verify_greedy_chain
@@ -41,8 +41,7 @@ class ChainRound:
         # Rows fed per request: each request's own drafts, or, where a captured verify graph can run the batch,
         # every request the tier's full width (the rows past a request's drafts are verified and ignored; past
         # its reserved room they write to the padding page).
-        graphs = ctx.target.graphs
-        uniform = graphs is not None and graphs.fits(GraphShape(tier.steps + 1, 0), len(reqs))
+        uniform = verify_graph_runs(ctx.target.graphs, tier, len(reqs))
         if uniform and proposal.max_len < tier.steps:
             proposal.tokens = F.pad(proposal.tokens, (0, tier.steps - proposal.max_len))
         k1 = proposal.max_len + 1
