@@ -120,6 +120,45 @@ def test_exploration_visits_least_recently_run_tiers_then_returns():
     assert run(off, 1, lambda t, r, i: t.steps, linear_cost(0.010, 1e-6, 0.004), 8) == [Tier(1)] * 8
 
 
+def run_with_switch_cost(slot, steady: dict, first: float, n: int) -> list:
+    """Drive a one-request slot that accepts every draft for n steps; a step costs steady[tier], except the first
+    step after a tier change, which costs `first` (under round-ahead it finds nothing queued). -> tiers run."""
+    ran = []
+    for _ in range(n):
+        t = slot.tier
+        cost = first if ran and ran[-1] != t else steady[t]
+        ran.append(t)
+        slot.observe([t.steps], [t.steps], 1, cost)
+    return ran
+
+
+def test_the_step_after_a_switch_is_not_timed():
+    """It pays the switch, not the tier: the explored tier's cost is its steady steps' (exactly, at a constant)."""
+    slot = GoodputSlot([Tier(0), Tier(3)], 0, decide_every=5, warmup=0, explore_every=10)
+    ran = run_with_switch_cost(slot, {Tier(0): 0.010, Tier(3): 0.015}, first=0.200, n=40)
+    assert ran[5:10] == [Tier(3)] * 5  # the first decision explores the never-run tier for one interval
+    assert slot.timed[(Tier(3), 1)] == pytest.approx(0.015)
+    assert slot.timed[(Tier(0), 1)] == pytest.approx(0.010)
+
+
+def test_a_costly_switch_does_not_keep_speculation_off():
+    """Drafts that always land (E(3) ~ 3.7) at 1.5x a plain step's cost are worth 2.5x plain's goodput, even when the
+    first step after each switch costs 20 plain steps: timed, that step seeded tier 3's cost at 20x and the policy
+    returned to step 0 after exploring it (goodput 0.4x plain)."""
+    slot = GoodputSlot([Tier(0), Tier(3)], 0, decide_every=5, warmup=0, explore_every=50)
+    ran = run_with_switch_cost(slot, {Tier(0): 0.010, Tier(3): 0.015}, first=0.200, n=60)
+    assert slot.tier == Tier(3) and ran[-40:] == [Tier(3)] * 40
+
+
+def test_with_a_decision_every_step_every_step_is_timed():
+    """decide_every 1: a tier may run one step at a time, so its switches are part of its cost."""
+    slot = GoodputSlot([Tier(0), Tier(3)], 0, decide_every=1, warmup=0, explore_every=0)
+    slot.observe([0], [0], 1, 0.010)  # decides: the prior favours drafting, so the tier changes
+    assert slot.tier == Tier(3)
+    slot.observe([3], [3], 1, 0.200)
+    assert slot.timed[(Tier(3), 1)] == pytest.approx(0.200)
+
+
 # ---- the acceptance model -------------------------------------------------------------------------------------------
 
 

@@ -16,6 +16,13 @@ tokens, draft forwards), least squares over every (tier, bs) EMA, ridge-regulari
 prior T * (1 + verify_tokens / ridge_tokens + draft_cost_ratio * steps): a draft forward costs draft_cost_ratio of a
 target step; verify cost is flat well below ridge_tokens and linear well above. T, the time scale, is fit to the data
 (1 before any timing, when only ratios matter).
+
+The first step after a tier change is not timed when the tier then runs for more steps (decide_every > 1): it pays
+the switch, not the tier. Under draft-ahead and round-ahead the step before queued the next round for the old tier;
+the new tier's first step finds nothing queued and runs its draft, verify and bookkeeping one after another. Timed,
+that cold step seeded a tier's first cost (the EMA's start): NGRAM on code edits (H200, batch 1, one call, two trees
+in turns) ran at 0.97-1.23x plain against fixed chain 4's 1.35-1.58x, and with the step untimed at 1.44-1.46x
+against 1.54-1.57x (benchmarks/results/ngram_ahead_h200.md).
 """
 
 from __future__ import annotations
@@ -141,6 +148,7 @@ class GoodputSlot:
         self.counted = self.decisions = 0
         self.home: Tier | None = None  # the tier an exploration left; None when not exploring
         self.batch_size = 1  # of the latest observed step
+        self.switched = False  # the tier changed at the last decision: the next step pays the switch (module doc)
 
     @property
     def tier(self) -> Tier:
@@ -162,7 +170,8 @@ class GoodputSlot:
         if t.steps > 0:
             d = [t.steps] * len(accepted_drafts) if drafted is None else drafted
             self.acceptance[self._family(t)].add(accepted_drafts, [min(x, t.steps) for x in d])  # trees: depth
-        if step_seconds is not None and step_seconds > 0:
+        cold, self.switched = self.switched and self.decide_every > 1, False
+        if step_seconds is not None and step_seconds > 0 and not cold:
             key = (t, batch_size)
             old = self.timed.get(key)
             self.timed[key] = step_seconds if old is None else (1 - COST_ALPHA) * old + COST_ALPHA * step_seconds
@@ -170,7 +179,8 @@ class GoodputSlot:
         self.last_run[t] = self.counted
         if self.counted <= self.warmup or (self.counted - self.warmup) % self.decide_every:
             return False
-        return self._decide(batch_size)
+        self.switched = self._decide(batch_size)
+        return self.switched
 
     def _decide(self, batch_size: int) -> bool:
         old = self._tier
