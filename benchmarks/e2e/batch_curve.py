@@ -2,8 +2,8 @@
 with the graph bound derived from free memory (up to 256) against the old fixed bound of 64, and NGRAM, a STANDALONE
 self-draft and (with --head) a trained EAGLE-3 head under adaptive tiers (`--rows NAME ...` runs a subset). A batch
 of B is B MT-bench first turns (repeated past 80) submitted at once, greedy, --new-tokens each, on one engine per row
-(room for 256 requests); tok/s = output tokens / wall time of the generate call, the median of three, after an
-unmeasured run of the same batch.
+(room for 256 requests), all engines alive at once and timed in turns; tok/s = output tokens / wall time of the
+generate call, the median of three, after an unmeasured run of the same batch.
 
   python -m benchmarks.e2e.batch_curve --out $OUT       # GPU -> $OUT/batch_curve_<device>.md
 """
@@ -59,28 +59,49 @@ def speculation(outs) -> tuple[float | None, float | None]:
     return sum(len(o.token_ids) for o in outs) / rounds, drafted / rounds
 
 
-def curve(model: str, prompts: list[list[int]], new_tokens: int, engine: dict, batches=BATCHES) -> list[Point]:
-    """One engine (room for 256 requests); each batch size B runs once unmeasured (Triton compiles, NGRAM matches and
-    adaptive tiers met for the first time; a shorter warm-up left batch 1 at 170 tok/s against 1147 later), then
-    timed. engine["runtime"]: RuntimeOptions fields over the environment's."""
-    engine = dict(engine)
-    options = RuntimeOptions.from_env(**engine.pop("runtime", {}))
-    llm = LLM(model, max_running_requests=max(BATCHES), runtime_options=options, **engine)
+def curves(model: str, prompts: list[list[int]], new_tokens: int, engines: dict[str, dict],
+           batches=BATCHES) -> dict[str, list[Point]]:
+    """One engine per row, all alive at once (room for 256 requests each), measured in turns: at each batch size B
+    every engine runs once unmeasured (Triton compiles, NGRAM matches and adaptive tiers met for the first time; a
+    shorter warm-up left batch 1 at 170 tok/s against 1147 later), then REPEATS timed runs of each engine in turn, so
+    a slow minute of the host lands on every row alike (rows run one after another drifted by 30-60% between runs:
+    batch_curve_h100.md). engines[name]["runtime"]: RuntimeOptions fields over the environment's."""
+    llms = {}
+    for name, engine in engines.items():
+        engine = dict(engine)
+        options = RuntimeOptions.from_env(**engine.pop("runtime", {}))
+        llms[name] = LLM(model, max_running_requests=max(BATCHES), runtime_options=options, **engine)
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    points = []
+    points: dict[str, list[Point]] = {name: [] for name in llms}
     for batch in batches:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-        llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
-        runs = []
+        runs: dict[str, list[float]] = {name: [] for name in llms}
+        last = {}
+        for llm in llms.values():
+            llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
         for _ in range(REPEATS):
-            llm.flush_cache()  # each run computes its prompts, and NGRAM cannot draft the previous run's answers
-            start = time.perf_counter()
-            outs = llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
-            runs.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
-        points.append(Point(statistics.median(runs), *speculation(outs)))
-        print(batch, points[-1], flush=True)
-    llm.shutdown()
+            for name, llm in llms.items():
+                llm.flush_cache()  # each run computes its prompts, and NGRAM cannot draft the previous run's answers
+                start = time.perf_counter()
+                last[name] = llm.generate(input_ids=batch_prompts, sampling_params=params, use_tqdm=False)
+                runs[name].append(sum(len(o.token_ids) for o in last[name]) / (time.perf_counter() - start))
+        for name in llms:
+            points[name].append(Point(statistics.median(runs[name]), *speculation(last[name])))
+            print(batch, name, points[name][-1], flush=True)
+    for llm in llms.values():
+        llm.shutdown()
     return points
+
+
+def table(points: dict[str, list[Point]]) -> list[str]:
+    """The rows' markdown lines: tok/s, and for a drafter its accept length and drafts per round (why it bends)."""
+    lines = []
+    for name, row in points.items():
+        lines.append(f"| {name} | " + " | ".join(f"{p.tok_s:.0f}" for p in row) + " |")
+        if row and row[0].accept_length is not None:
+            lines.append(f"| {name}: accept length | " + " | ".join(f"{p.accept_length:.2f}" for p in row) + " |")
+            lines.append(f"| {name}: drafted per round | " + " | ".join(f"{p.drafted:.2f}" for p in row) + " |")
+    return lines
 
 
 def main() -> None:
@@ -102,20 +123,19 @@ def main() -> None:
     lines = [f"# Tokens/s against batch size (SmolLM2-135M-Instruct, bf16, {tag.upper()})", "",
              f"- date: {datetime.date.today()}; commit: {git_commit()}; command: `{command_line()}`",
              f"- B MT-bench first turns at once (chat template), greedy, {args.new_tokens} new tokens each; "
-             "tok/s = output tokens / wall time of the generate call, median of 3 after an unmeasured run", "",
+             "tok/s = output tokens / wall time of the generate call, median of 3 after an unmeasured run; the rows' "
+             "engines timed in turns", "",
              "| row | " + " | ".join(f"B={b}" for b in args.batches) + " |", "|---|" + "---|" * len(args.batches)]
+    engines = {}
     for name, extra in ROWS.items():
         if args.rows is not None and not any(r in name for r in args.rows):
             continue
         if HEAD in extra.values() and not args.head:
             continue
         extra = {k: {SELF: model, HEAD: args.head}.get(v, v) if isinstance(v, str) else v for k, v in extra.items()}
-        points = curve(model, prompts, args.new_tokens, {**common, **extra}, args.batches)
-        lines.append(f"| {name} | " + " | ".join(f"{p.tok_s:.0f}" for p in points) + " |")
-        if points[0].accept_length is not None:  # why a drafter's curve bends: the tier it ran and what it accepted
-            lines.append(f"| {name}: accept length | " + " | ".join(f"{p.accept_length:.2f}" for p in points) + " |")
-            lines.append(f"| {name}: drafted per round | " + " | ".join(f"{p.drafted:.2f}" for p in points) + " |")
-        print("\n".join(lines[-3:]), flush=True)
+        engines[name] = {**common, **extra}
+    lines += table(curves(model, prompts, args.new_tokens, engines, args.batches))
+    print("\n".join(lines), flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"batch_curve_{tag}.md")
     with open(path, "w") as f:
