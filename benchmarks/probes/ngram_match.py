@@ -3,7 +3,9 @@ request per round, for a last token that occurs rarely or often in the history.
 
 The history holds 65,536 tokens (HISTORY_TOKENS) drawn from a Zipf law (exponent 1.2, a 49,152-token vocabulary, as
 chat text: a few tokens make up much of it); the request's own sequence is 400 such tokens whose last token is set
-to one of the given count in the history. Mean us per ngram_match call (chain of 4 drafts, windows 1..12).
+to one of the given count in the history. Mean us per ngram_match call (chain of 4 drafts, windows 1..12). Then
+long matches, as in a code edit: a request whose answer copies a 300-token block of its prompt, looked up at 200
+points inside the copy (suffixes that recur for the whole window), without and with the history.
 
   python -m benchmarks.probes.ngram_match [--calls 200] [--out $OUT]
 """
@@ -30,7 +32,7 @@ def main() -> None:
     history = np.minimum(rng.zipf(1.2, HISTORY_TOKENS), VOCAB - 1).astype(np.int64)
     sequence = np.minimum(rng.zipf(1.2, 400), VOCAB - 1).astype(np.int64)
     tokens, counts = np.unique(history, return_counts=True)
-    lines = ["| last token's occurrences in the history | us per lookup |", "|---|---|"]
+    lines = ["| last token's occurrences in the history (or: a long match) | us per lookup |", "|---|---|"]
     for want in (10, 500, 5000, int(counts.max())):
         token = int(tokens[np.argmin(np.abs(counts - want))])
         seq = sequence.copy()
@@ -39,6 +41,13 @@ def main() -> None:
         for _ in range(a.calls):
             ngram_match(seq, 4, 1, 12, history)
         lines.append(f"| {int((history == token).sum())} | {(time.perf_counter() - start) / a.calls * 1e6:.1f} |")
+    block = np.minimum(rng.zipf(1.2, 300), VOCAB - 1).astype(np.int64)
+    copied = np.concatenate([sequence[:100], block, block])
+    for name, hist in (("code edit, no history", None), ("code edit, with the history", history)):
+        start = time.perf_counter()
+        for i in range(a.calls):
+            ngram_match(copied[: len(copied) - i % 200], 4, 1, 12, hist)
+        lines.append(f"| {name} | {(time.perf_counter() - start) / a.calls * 1e6:.1f} |")
     text = "\n".join(lines)
     print(text)
     os.makedirs(a.out, exist_ok=True)

@@ -10,6 +10,7 @@ import torch
 from hyperdraft import SamplingParams
 from hyperdraft.request import Request
 from hyperdraft.speculative.adaptive.tier import Tier
+import hyperdraft.speculative.proposers.ngram as ngram_module
 from hyperdraft.speculative.proposers.ngram import SEPARATOR, NgramHistory, NgramProposer, longest_match, ngram_match
 
 from helpers.spec_fixtures import _single_torch_thread, gen, greedy, llm_factory, spec_models  # noqa: F401  (fixtures)
@@ -39,7 +40,11 @@ def lookup_reference(seq: list[int], k: int, lo: int, hi: int, history: list[int
     return draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft
 
 
-def test_matcher_equals_reference_on_random_sequences():
+@pytest.mark.parametrize("one_pass_from", [1, 3, 99], ids=["one-pass-at-once", "one-pass-after-3", "step-by-step"])
+def test_matcher_equals_reference_on_random_sequences(one_pass_from, monkeypatch):
+    """Both ways of extending candidates: position by position over the survivors, and the rest of the window at
+    once (from the first step, from the default step, never)."""
+    monkeypatch.setattr(ngram_module, "ONE_PASS_FROM", one_pass_from)
     rng = np.random.default_rng(0)
     for _ in range(1500):
         vocab = int(rng.integers(2, 6))  # small vocabularies: many matches of every length
