@@ -53,6 +53,14 @@ def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, devic
     return timed_generate(llm, prompts, params, warm_up=len(prompts) if device == "cuda" else batch)
 
 
+def tier_steps(before: dict, after: dict) -> str:
+    """Steps the timed run spent at each tier ("3: 300, 0: 12", most first), from two internal states; "-" without
+    speculation. Why an adaptive row lands where it does."""
+    seen = {k: n - before.get("spec_steps_per_tier", {}).get(k, 0)
+            for k, n in after.get("spec_steps_per_tier", {}).items()}
+    return ", ".join(f"{k}: {n}" for k, n in sorted(seen.items(), key=lambda kv: -kv[1]) if n > 0) or "-"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.real_accept", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,11 +96,11 @@ def main() -> None:
              f"deterministic mode: {'on' if deterministic else 'off'}", ""]
     for batch in args.batch:
         lines += [f"## batch {batch}", "", "| row | tok/s | vs plain | accept length | acceptance by position | "
-                  "outputs equal to plain |", "|---|---|---|---|---|---|"]
+                  "outputs equal to plain | steps per tier |", "|---|---|---|---|---|---|---|"]
         plain_ids, plain_rate = None, None
         for name, spec in rows(args.head).items():
-            ids, rate, _, state = run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec,
-                                      deterministic, args.ignore_eos)
+            ids, rate, before, state = run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec,
+                                           deterministic, args.ignore_eos)
             if plain_ids is None:
                 plain_ids, plain_rate = ids, rate
             same = sum(a == b for a, b in zip(ids, plain_ids))
@@ -100,7 +108,7 @@ def main() -> None:
             by_pos = state.get("spec_acceptance_by_position") or []
             lines.append(f"| {name} | {rate:.1f} | {rate / plain_rate:.2f}x | "
                          f"{'-' if not accept else f'{accept:.2f}'} | {' '.join(f'{a:.2f}' for a in by_pos) or '-'} "
-                         f"| {same}/{len(ids)} |")
+                         f"| {same}/{len(ids)} | {tier_steps(before, state)} |")
             print(lines[-1], flush=True)
         lines.append("")
     out = args.out or results_path("real_accept", tag)
