@@ -56,8 +56,8 @@ def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, devic
 def tier_steps(before: dict, after: dict) -> str:
     """Steps the timed run spent at each tier ("3: 300, 0: 12", most first), from two internal states; "-" without
     speculation. Why an adaptive row lands where it does."""
-    seen = {k: n - before.get("spec_steps_per_tier", {}).get(k, 0)
-            for k, n in after.get("spec_steps_per_tier", {}).items()}
+    earlier = before.get("spec_steps_per_tier", {})
+    seen = {k: n - earlier.get(k, 0) for k, n in after.get("spec_steps_per_tier", {}).items()}
     return ", ".join(f"{k}: {n}" for k, n in sorted(seen.items(), key=lambda kv: -kv[1]) if n > 0) or "-"
 
 
