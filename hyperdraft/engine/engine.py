@@ -210,7 +210,8 @@ class Engine:
                        or (caps.may_draft_nothing and not self.model_config.is_hybrid))
         plain = ModelWorker(self.runner, self.options.decode_ahead, sink, as_rounds=True) if plain_steps else None
         return SpecWorker(self.runner, proposer, self.spec, tiers, timer, self.lockstep.tp, plain,
-                          verify_ahead=self.options.decode_ahead, round_ahead=self.options.round_ahead)
+                          verify_ahead=self.options.decode_ahead, round_ahead=self.options.round_ahead,
+                          ahead_after_empty=self.options.ahead_after_empty)
 
     def _plain_step_zero(self) -> bool:
         """Step-0 batches of decodes may run as plain decodes (speculative/worker.py): under adaptive tiers, over a

@@ -76,14 +76,17 @@ class PlainDecoder(Protocol):
 class SpecWorker:
     def __init__(self, target: ModelRunner, proposer: Proposer, spec: SpecConfig, tiers: TierSource,
                  timer: PhaseTimer, tp: TensorParallel = SINGLE, plain: PlainDecoder | None = None,
-                 verify_ahead: bool = True, round_ahead: bool = True):
+                 verify_ahead: bool = True, round_ahead: bool = True, ahead_after_empty: bool = False):
         """tp: the engine's tensor-parallel group. Under adaptive speculation every rank's tier source learns rank 0's
         step times, so the ranks pick the same tier (goodput decides from step times; each GPU's clock differs).
         plain: the worker that runs step-0 batches of decodes (module doc), over the same target runner; None: rounds
         run them. verify_ahead: queue a step-0 round's next verify (verify_ahead.py; RuntimeOptions.decode_ahead);
-        round_ahead: a drafted round's, after its drafter queued the next draft (RuntimeOptions.round_ahead)."""
+        round_ahead: a drafted round's, after its drafter queued the next draft (RuntimeOptions.round_ahead);
+        ahead_after_empty: a round whose queued lookups drafted nothing anywhere keeps what is queued behind it
+        (RuntimeOptions.ahead_after_empty; module doc)."""
         self.runner, self.proposer, self.spec, self.tiers, self.timer = target, proposer, spec, tiers, timer
         self.plain = plain
+        self.ahead_after_empty = ahead_after_empty
         self.tp = tp if spec.adaptive is not None else SINGLE
         self.capabilities = proposer.capabilities
         self.verify_ahead = VerifyAhead(target, proposer.capabilities.capture_layers, verify_ahead and plain is None,
@@ -196,7 +199,8 @@ class SpecWorker:
         self.metrics.observe(outcome.depth, outcome.num_accepted, proposed=outcome.num_drafted)
         seconds = None if start is None else self.tp.first_rank_value(time.perf_counter() - start)
         self.tiers.observe(len(round_.reqs), outcome.num_accepted, drafted=outcome.num_drafted, step_seconds=seconds)
-        if self.capabilities.may_draft_nothing and round_.tier.steps > 0 and not any(outcome.num_drafted):
+        if self.capabilities.may_draft_nothing and round_.tier.steps > 0 and not any(outcome.num_drafted) \
+                and not self.ahead_after_empty:
             # This round's drafts (a lookup queued ahead: the host learns its counts only now) were empty everywhere:
             # drop the next lookup and the verify queued behind it, so that the next step looks up on the host and,
             # finding nothing again, runs as a plain decode (module doc).

@@ -195,17 +195,21 @@ def test_draft_state_survives_step_zero(models, plain):
     assert state["spec_acceptance_rate"] > 0.99, state
 
 
-def _run_graphed(models, prompts, params, target="target", ahead=True, park=True, draft_ahead=True, **engine_args):
+def _run_graphed(models, prompts, params, target="target", ahead=True, park=True, draft_ahead=True,
+                 after_empty=False, **engine_args):
     """Emulated CUDA graphs (CPU): the plain worker queues each next decode ahead only where a graph runs it, and so
-    does a speculative worker a step-0 round's next verify (counts: the plain worker's, else the verify-ahead's)."""
-    options = RuntimeOptions(emulate_cuda_graphs=True, decode_ahead=ahead, park_head=park, draft_ahead=draft_ahead)
+    does a speculative worker a step-0 round's next verify (counts: the plain worker's, else the verify-ahead's;
+    rounds_ahead_used: steps served by a queued verify, either way)."""
+    options = RuntimeOptions(emulate_cuda_graphs=True, decode_ahead=ahead, park_head=park, draft_ahead=draft_ahead,
+                             ahead_after_empty=after_empty)
     llm = LLM(models[target], device="cpu", dtype="float32", runtime_options=options, cuda_graph_max_bs=4,
               **engine_args)
     outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
     worker = llm.engine.worker
     counts = {}
     if engine_args and worker.plain is not None:
-        counts = {"ahead_used": worker.plain.ahead_used, "ahead_discarded": worker.plain.ahead_discarded}
+        counts = {"ahead_used": worker.plain.ahead_used, "ahead_discarded": worker.plain.ahead_discarded,
+                  "rounds_ahead_used": worker.verify_ahead.used}
     elif engine_args:
         counts = {"ahead_used": worker.verify_ahead.used, "ahead_discarded": worker.verify_ahead.dropped,
                   "drafts_ahead_used": worker.proposer.ahead_used}
@@ -257,6 +261,27 @@ def test_ngram_rounds_without_a_match_run_as_plain_decodes(models, params, adapt
     for o in outs:  # the first token is the prefill's; every later step is a round, drafting or not
         info = o.meta_info
         assert info["spec_verify_ct"] + info["spec_accepted_tokens"] == len(o.token_ids) - 1, info
+
+
+@STEP_ZERO_PARAMS
+def test_ngram_queue_kept_past_empty_rounds(models, params):
+    """RuntimeOptions.ahead_after_empty: a round whose queued lookups drafted nothing anywhere keeps the lookup and
+    verify queued behind it, so the steps after a drafting round stay rounds served by queued verifies instead of
+    host lookups and plain decodes. Same prompts and tier as the test above: the output equals plain decoding's
+    (seeded sampling: the same engine queuing nothing ahead), fewer steps are plain decodes and more use queued
+    verifies than when the queue is dropped, and the pool ends free (_run_graphed)."""
+    spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=4)
+    prompts = torch.randint(3, 300, (4, 12), generator=torch.Generator().manual_seed(3)).tolist()
+    batch_params = [dataclasses.replace(params, max_new_tokens=n) for n in (24, 30, 17, 30)]
+    kept, kept_counts, _ = _run_graphed(models, prompts, batch_params, after_empty=True, **spec)
+    dropped, dropped_counts, _ = _run_graphed(models, prompts, batch_params, **spec)
+    if params.temperature == 0:
+        want, _, _ = _run_graphed(models, prompts, batch_params)
+    else:
+        want, _, _ = _run_graphed(models, prompts, batch_params, ahead=False, **spec)
+    assert [o.token_ids for o in kept] == [o.token_ids for o in want] == [o.token_ids for o in dropped]
+    assert kept_counts["rounds_ahead_used"] > dropped_counts["rounds_ahead_used"], (kept_counts, dropped_counts)
+    assert kept_counts["ahead_used"] < dropped_counts["ahead_used"], (kept_counts, dropped_counts)
 
 
 @pytest.mark.parametrize("penalty", [1.0, 1.3], ids=["greedy", "penalised"])
