@@ -47,10 +47,10 @@ passes options instead of patching modules.
                                                                    stored (q and k rotated) by a launch of their own
                                                                    before attention (default: by the Triton attention
                                                                    launch itself, one launch a layer less; same bits)
-  HYPERDRAFT_AHEAD_AFTER_EMPTY=1        ahead_after_empty=True     an NGRAM round whose lookups, queued ahead, drafted
-                                                                   nothing anywhere keeps the lookup and verify queued
-                                                                   behind it (default: drops them, so the next step
-                                                                   looks up on the host and may run as a plain decode)
+  HYPERDRAFT_AHEAD_AFTER_EMPTY=0        ahead_after_empty=False    an NGRAM round whose lookups, queued ahead, drafted
+                                                                   nothing anywhere drops the lookup and verify queued
+                                                                   behind it, so the next step looks up on the host
+                                                                   and may run as a plain decode (default: keeps them)
   HYPERDRAFT_SIMULATE_ACCEPT_RATE=a     simulate_accept_rate=a     BENCHMARK ONLY, lossy (speculative/verify/simulated.py)
 
 `deterministic` has no variable: it is EngineArgs' enable_deterministic_inference (batch-invariant kernels only,
@@ -94,7 +94,7 @@ _SWITCHES = {
     "push_all_reduce": ("HYPERDRAFT_PUSH_ALL_REDUCE", "0"),
     "kv_in_attention": ("HYPERDRAFT_KV_IN_ATTENTION", "0"),
     "split_draft_head": ("HYPERDRAFT_SPLIT_DRAFT_HEAD", "1"),
-    "ahead_after_empty": ("HYPERDRAFT_AHEAD_AFTER_EMPTY", "1"),
+    "ahead_after_empty": ("HYPERDRAFT_AHEAD_AFTER_EMPTY", "0"),
 }
 
 
@@ -119,7 +119,7 @@ class RuntimeOptions:
     split_draft_head: bool = False  # whole measured faster: 5.91 against 6.89 ms a chain-5 round (tp_bench_h200.md)
     push_all_reduce: bool = True  # 8B TP 2 step on two H100s 3.69 ms against NCCL's 4.03 (tp_bench_h100.md)
     kv_in_attention: bool = True  # SmolLM2 decode graph 586 -> 568 us on an H100 (plain_step_h100.md)
-    ahead_after_empty: bool = False  # speculative/worker.py
+    ahead_after_empty: bool = True  # NGRAM chain 4 on chat, batch 1: 1.08-1.19x plain against 0.79-0.98x (H200)
     simulate_accept_rate: float | None = None
     deterministic: bool = False
 

@@ -23,7 +23,10 @@ token, parks (proposers/slot_hidden.py): the decodes keep its input states by sl
 With park_head off (or a hybrid target, for which the plain worker never runs speculative steps), an EAGLE head's
 step-0 steps stay rounds, each queuing the next round's verify (verify_ahead.py). NGRAM's lookups queued ahead
 (proposers/ngram.py) are not seen by the host before their round: a round whose drafts turned out empty for every
-request drops what was queued behind it, so the step after looks up on the host and can become such a plain decode.
+request keeps the lookup and verify queued behind it, a K+1-row verify costing about a decode where the host's
+lookup and an idle GPU would cost more (RuntimeOptions.ahead_after_empty; off, it drops them, and the step after
+looks up on the host and can become such a plain decode: NGRAM chain 4 on chat at batch 1 then ran at 0.79-0.98x
+plain against 1.00-1.19x on an H200, benchmarks/results/ngram_ahead_h200.md).
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class PlainDecoder(Protocol):
 class SpecWorker:
     def __init__(self, target: ModelRunner, proposer: Proposer, spec: SpecConfig, tiers: TierSource,
                  timer: PhaseTimer, tp: TensorParallel = SINGLE, plain: PlainDecoder | None = None,
-                 verify_ahead: bool = True, round_ahead: bool = True, ahead_after_empty: bool = False):
+                 verify_ahead: bool = True, round_ahead: bool = True, ahead_after_empty: bool = True):
         """tp: the engine's tensor-parallel group. Under adaptive speculation every rank's tier source learns rank 0's
         step times, so the ranks pick the same tier (goodput decides from step times; each GPU's clock differs).
         plain: the worker that runs step-0 batches of decodes (module doc), over the same target runner; None: rounds
@@ -202,8 +205,8 @@ class SpecWorker:
         if self.capabilities.may_draft_nothing and round_.tier.steps > 0 and not any(outcome.num_drafted) \
                 and not self.ahead_after_empty:
             # This round's drafts (a lookup queued ahead: the host learns its counts only now) were empty everywhere:
-            # drop the next lookup and the verify queued behind it, so that the next step looks up on the host and,
-            # finding nothing again, runs as a plain decode (module doc).
+            # with ahead_after_empty off, drop the next lookup and the verify queued behind it, so that the next step
+            # looks up on the host and, finding nothing again, runs as a plain decode (module doc).
             self.proposer.discard_ahead()
             self.verify_ahead.discard()
         return outcome.results

@@ -12,8 +12,10 @@ accepted tokens (kernels/ngram.py over ngram_store.DeviceSequences), so the roun
 (verify_ahead.py) and the GPU never waits for the host's lookup. The host does not learn the drafts' lengths before
 the round's results, so such a round verifies K rows a request (as SGLang's NGRAM always verifies its fixed
 draft-token count), accepting within each request's real count (Proposal.device_lens), which the round's results
-bring back. A round whose lookups found nothing anywhere drops what was queued behind it (speculative/worker.py): the
-next step looks up on the host, and a batch with no match anywhere still runs as a plain decode step.
+bring back. A round whose lookups found nothing anywhere keeps what was queued behind it (speculative/worker.py;
+RuntimeOptions.ahead_after_empty), so once a round drafts the lookups stay on the device until the batch changes; a
+step that looks up on the host (the first after prefills or a changed batch) with no match anywhere still runs as a
+plain decode step.
 """
 
 from __future__ import annotations
