@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import os
@@ -246,7 +247,8 @@ class _InfoRoutes(_Routes):
                 for k, v in asdict(self.args).items()}  # names only: the server's file system stays private
         return {**args, "internal_states": states, "server_state": loop_state,
                 "served_model_name": ctx.model_name, "max_queued_requests": self.opts.max_queued_requests,
-                "lossy_benchmark_mode": ctx.lossy, "version": __version__}
+                "lossy_benchmark_mode": ctx.lossy, "version": __version__,
+                "gc_frozen_objects": gc.get_freeze_count()}  # engine/startup_heap.py
 
     async def flush_cache(self, request: Request):
         """SGLang's flush_cache: empty the prefix cache; refused (400) while requests are queued or running."""
