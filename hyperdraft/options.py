@@ -119,7 +119,7 @@ class RuntimeOptions:
     split_draft_head: bool = False  # whole measured faster: 5.91 against 6.89 ms a chain-5 round (tp_bench_h200.md)
     push_all_reduce: bool = True  # 8B TP 2 step on two H100s 3.69 ms against NCCL's 4.03 (tp_bench_h100.md)
     kv_in_attention: bool = True  # SmolLM2 decode graph 586 -> 568 us on an H100 (plain_step_h100.md)
-    ahead_after_empty: bool = True  # NGRAM chain 4 on chat, batch 1: 1.08-1.19x plain against 0.79-0.98x (H200)
+    ahead_after_empty: bool = True  # NGRAM chain 4 on chat, batch 1: 1.00-1.19x plain against 0.79-0.98x (H200)
     simulate_accept_rate: float | None = None
     deterministic: bool = False
 

@@ -243,7 +243,8 @@ def test_ngram_rounds_without_a_match_run_as_plain_decodes(models, params, adapt
     ahead and used when the next lookup finds nothing either (thrown away when it does). Output equals plain
     decoding's (seeded sampling: the same engine queuing nothing ahead); each such step counts as a round of no
     drafts at tier 3, per request too. With lookups queued ahead (proposers/ngram.py) a round after a drafting one
-    verifies the queued lookup first; if that drafted nothing anywhere, the steps after it are plain decodes again."""
+    verifies the queued lookup first; if that drafted nothing anywhere, the steps after it are plain decodes again
+    (RuntimeOptions.ahead_after_empty off, as _run_graphed builds it; on: the next test)."""
     spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=4)
     if adaptive:
         spec.update(speculative_adaptive=True,
