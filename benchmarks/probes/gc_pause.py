@@ -1,11 +1,13 @@
-"""Python's cyclic GC pauses on an engine's critical path, with the startup heap frozen and not
-(engine/startup_heap.py: the server and tensor-parallel follower ranks freeze it once their engine is built).
+"""Python's cyclic GC pauses on an engine's critical path: the startup heap as built, frozen, and frozen with the
+youngest generation's collections deferred (engine/startup_heap.py: the server and tensor-parallel follower ranks do
+both once their engine is built).
 
 One engine (random weights: the 8-layer TINY shape on the CPU, the SmolLM2-135M shape on a GPU) decodes waves of
 --batch requests; every collection is timed through gc.callbacks. The same engine runs --steps steps with its heap as
-built, then freeze_startup_heap(), then --steps more; then the same again after gc.unfreeze() (two turns), so the
-phases see the same process. Reports per phase: steps,
-wall time per step, collections by generation, time in the oldest generation's collections and the longest pause.
+built, then freeze_startup_heap() and --steps more, then defer_young_collections() and --steps more; then all
+three again after gc.unfreeze() and CPython's thresholds (two turns), so the phases see the same process. Reports per
+phase: steps, wall time per step, collections by generation, time in the oldest generation's collections and the
+longest pause.
 
   python -m benchmarks.probes.gc_pause [--device cpu] [--batch 256] [--steps 600] [--out $OUT]
 """
@@ -21,7 +23,7 @@ import time
 import torch
 
 from benchmarks.e2e.engines import SMOLLM2, TINY, make_engine, sync, write_configs
-from hyperdraft.engine.startup_heap import freeze_startup_heap
+from hyperdraft.engine.startup_heap import defer_young_collections, freeze_startup_heap
 from hyperdraft.sampling_params import SamplingParams
 
 PROMPT_LEN = 64
@@ -86,16 +88,22 @@ def main() -> None:
     lines = [f"gc pauses, {a.device}, batch {a.batch} (waves of {PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens)",
              "| heap | steps | us / step | collections, gen 0 / 1 / 2 | gen 2 time (ms) | all GC time (ms) | "
              "longest pause (ms) |", "|---|---|---|---|---|---|---|"]
-    for turn in range(2):  # in turns: the heap as built (thawed again for the second turn), then frozen
+    young = gc.get_threshold()
+    for turn in range(2):  # in turns: the heap as built (thawed again for the second turn), frozen, then deferred
         if turn:
             gc.unfreeze()
+            gc.set_threshold(*young)
         tracked = len(gc.get_objects())
-        seconds = decode_steps(engine, a.batch, a.steps, shape["vocab_size"], seed=2 * turn + 1)
+        seconds = decode_steps(engine, a.batch, a.steps, shape["vocab_size"], seed=3 * turn + 1)
         lines.append(phase_row(f"as built ({tracked} objects tracked)", a.steps, seconds, log.take()))
         frozen = freeze_startup_heap()
         log.take()  # the freeze's own collection
-        seconds = decode_steps(engine, a.batch, a.steps, shape["vocab_size"], seed=2 * turn + 2)
+        seconds = decode_steps(engine, a.batch, a.steps, shape["vocab_size"], seed=3 * turn + 2)
         lines.append(phase_row(f"frozen ({frozen} objects)", a.steps, seconds, log.take()))
+        defer_young_collections()
+        seconds = decode_steps(engine, a.batch, a.steps, shape["vocab_size"], seed=3 * turn + 3)
+        lines.append(phase_row(f"frozen, youngest generation at {gc.get_threshold()[0]}", a.steps, seconds,
+                               log.take()))
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(a.out, "gc_pause.txt"), "w") as f:

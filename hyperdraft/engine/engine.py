@@ -20,7 +20,7 @@ from hyperdraft.engine.memory import (fitting_rows, kv_bytes_per_slot, kv_capaci
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.numerics import check_deterministic, numerics_mode
 from hyperdraft.engine.scheduler import Scheduler
-from hyperdraft.engine.startup_heap import freeze_startup_heap
+from hyperdraft.engine.startup_heap import defer_young_collections, freeze_startup_heap
 from hyperdraft.engine.stop import StopChecker
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.kvcache.prefix_cache import PrefixCache
@@ -398,6 +398,7 @@ def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -
     tp = init_group(args, rank, address, rank_device(resolve_device(args.device), local_rank(args, rank)), options)
     engine = Engine(args, options, tp)
     freeze_startup_heap()
+    defer_young_collections()
     engine.replay_until_stopped()
     engine.close()
     os._exit(0)  # without the group's teardown (Lockstep.close says why)

@@ -22,7 +22,7 @@ def serve(args: EngineArgs, opts: ServeOptions, output_hook: Callable[[str | Non
         raise ValueError(f"`hyperdraft serve` needs fastapi and uvicorn ({e}); install them with "
                          "pip install 'hyperdraft[serve]'") from None
     from hyperdraft.engine.engine import Engine
-    from hyperdraft.engine.startup_heap import freeze_startup_heap
+    from hyperdraft.engine.startup_heap import defer_young_collections, freeze_startup_heap
     from hyperdraft.server.engine_loop import EngineLoop
     from hyperdraft.server.generation import ServerContext
     from hyperdraft.server.metrics import ServerMetrics
@@ -33,6 +33,7 @@ def serve(args: EngineArgs, opts: ServeOptions, output_hook: Callable[[str | Non
     lossy = engine.spec is not None and engine.spec.simulate_accept_rate is not None
     check_lossy(lossy, opts)
     freeze_startup_heap()  # this process serves this engine until it ends
+    defer_young_collections()
     loop = EngineLoop(engine, opts.max_queued_requests, output_hook)
     preprocessor = Preprocessor(engine.tokenizer, opts.limits(engine.context_len), engine.context_len,
                                 engine.model_config.vocab_size)
