@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, require_cuda
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.engine.startup_heap import defer_young_collections, freeze_startup_heap
 from hyperdraft.models.default_model import ensure_default_model
 from hyperdraft.options import RuntimeOptions
 
@@ -60,17 +61,21 @@ def speculation(outs) -> tuple[float | None, float | None]:
 
 
 def curves(model: str, prompts: list[list[int]], new_tokens: int, engines: dict[str, dict],
-           batches=BATCHES) -> dict[str, list[Point]]:
+           batches=BATCHES, serving_gc: bool = False) -> dict[str, list[Point]]:
     """One engine per row, all alive at once (room for 256 requests each), measured in turns: at each batch size B
     every engine runs once unmeasured (Triton compiles, NGRAM matches and adaptive tiers met for the first time; a
     shorter warm-up left batch 1 at 170 tok/s against 1147 later), then REPEATS timed runs of each engine in turn, so
     a slow minute of the host lands on every row alike (rows run one after another drifted by 30-60% between runs:
-    batch_curve_h100.md). engines[name]["runtime"]: RuntimeOptions fields over the environment's."""
+    batch_curve_h100.md). engines[name]["runtime"]: RuntimeOptions fields over the environment's. serving_gc: once
+    the engines are built, this process takes the server's GC settings (engine/startup_heap.py)."""
     llms = {}
     for name, engine in engines.items():
         engine = dict(engine)
         options = RuntimeOptions.from_env(**engine.pop("runtime", {}))
         llms[name] = LLM(model, max_running_requests=max(BATCHES), runtime_options=options, **engine)
+    if serving_gc:
+        freeze_startup_heap()
+        defer_young_collections()
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     points: dict[str, list[Point]] = {name: [] for name in llms}
     for batch in batches:
@@ -112,6 +117,8 @@ def main() -> None:
     ap.add_argument("--rows", nargs="*", default=None, help="run only the rows whose names contain one of these")
     ap.add_argument("--batches", type=int, nargs="*", default=list(BATCHES), help="batch sizes (default 1 to 256)")
     ap.add_argument("--head", help="EAGLE-3 head for the model (hyperdraft train-draft); its row runs only with it")
+    ap.add_argument("--serving-gc", action="store_true",
+                    help="the server's GC settings once the engines are built (frozen startup heap, young threshold)")
     args = ap.parse_args()
     require_cuda()
     model = ensure_default_model()
@@ -134,7 +141,7 @@ def main() -> None:
             continue
         extra = {k: {SELF: model, HEAD: args.head}.get(v, v) if isinstance(v, str) else v for k, v in extra.items()}
         engines[name] = {**common, **extra}
-    lines += table(curves(model, prompts, args.new_tokens, engines, args.batches))
+    lines += table(curves(model, prompts, args.new_tokens, engines, args.batches, args.serving_gc))
     print("\n".join(lines), flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"batch_curve_{tag}.md")
