@@ -8,6 +8,7 @@ from typing import Iterator, Sequence
 from hyperdraft.config import EngineArgs
 from hyperdraft.detokenizer import IncrementalDetokenizer, push_all
 from hyperdraft.engine.engine import Engine
+from hyperdraft.engine.gc_policy import young_collections_deferred
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.request import Request
 from hyperdraft.sampling_params import SamplingParams
@@ -87,17 +88,18 @@ class LLM:
         detoks = {req.rid: self._detokenizer(req) for req in reqs}
         pending = set(index)
         try:
-            while pending:
-                outs = [out for out in self.engine.step() if out.req.rid in pending]
-                texts = push_all([(detoks[out.req.rid], out.new_token_ids, out.req.finished) for out in outs])
-                for out, text in zip(outs, texts):
-                    yield self._delta(index[out.req.rid], out.req, out.new_token_ids, text, detoks[out.req.rid])
-                    if out.finished:
-                        pending.discard(out.req.rid)
-                for rid in [r for r in pending if reqs[index[r]].finished]:  # aborted outside a step
-                    pending.discard(rid)
-                    text = detoks[rid].push([], final=True)
-                    yield self._delta(index[rid], reqs[index[rid]], [], text, detoks[rid])
+            with young_collections_deferred():  # engine/gc_policy.py: the GC's young walks off the step path
+                while pending:
+                    outs = [out for out in self.engine.step() if out.req.rid in pending]
+                    texts = push_all([(detoks[out.req.rid], out.new_token_ids, out.req.finished) for out in outs])
+                    for out, text in zip(outs, texts):
+                        yield self._delta(index[out.req.rid], out.req, out.new_token_ids, text, detoks[out.req.rid])
+                        if out.finished:
+                            pending.discard(out.req.rid)
+                    for rid in [r for r in pending if reqs[index[r]].finished]:  # aborted outside a step
+                        pending.discard(rid)
+                        text = detoks[rid].push([], final=True)
+                        yield self._delta(index[rid], reqs[index[rid]], [], text, detoks[rid])
         finally:
             for rid in pending:  # the consumer stopped early: do not leave orphans holding KV
                 self.engine.abort(rid)

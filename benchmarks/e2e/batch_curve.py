@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, require_cuda
 from hyperdraft import LLM, SamplingParams
-from hyperdraft.engine.startup_heap import defer_young_collections, freeze_startup_heap
+from hyperdraft.engine.gc_policy import defer_young_collections, freeze_startup_heap
 from hyperdraft.models.default_model import ensure_default_model
 from hyperdraft.options import RuntimeOptions
 
@@ -67,7 +67,7 @@ def curves(model: str, prompts: list[list[int]], new_tokens: int, engines: dict[
     shorter warm-up left batch 1 at 170 tok/s against 1147 later), then REPEATS timed runs of each engine in turn, so
     a slow minute of the host lands on every row alike (rows run one after another drifted by 30-60% between runs:
     batch_curve_h100.md). engines[name]["runtime"]: RuntimeOptions fields over the environment's. serving_gc: once
-    the engines are built, this process takes the server's GC settings (engine/startup_heap.py)."""
+    the engines are built, this process takes the server's GC settings (engine/gc_policy.py)."""
     llms = {}
     for name, engine in engines.items():
         engine = dict(engine)

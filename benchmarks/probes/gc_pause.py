@@ -1,5 +1,5 @@
 """Python's cyclic GC pauses on an engine's critical path: the startup heap as built, frozen, and frozen with the
-youngest generation's collections deferred (engine/startup_heap.py: the server and tensor-parallel follower ranks do
+youngest generation's collections deferred (engine/gc_policy.py: the server and tensor-parallel follower ranks do
 both once their engine is built).
 
 One engine (random weights: the 8-layer TINY shape on the CPU, the SmolLM2-135M shape on a GPU) decodes waves of
@@ -23,7 +23,7 @@ import time
 import torch
 
 from benchmarks.e2e.engines import SMOLLM2, TINY, make_engine, sync, write_configs
-from hyperdraft.engine.startup_heap import defer_young_collections, freeze_startup_heap
+from hyperdraft.engine.gc_policy import defer_young_collections, freeze_startup_heap
 from hyperdraft.sampling_params import SamplingParams
 
 PROMPT_LEN = 64

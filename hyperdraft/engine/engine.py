@@ -20,7 +20,7 @@ from hyperdraft.engine.memory import (fitting_rows, kv_bytes_per_slot, kv_capaci
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.numerics import check_deterministic, numerics_mode
 from hyperdraft.engine.scheduler import Scheduler
-from hyperdraft.engine.startup_heap import defer_young_collections, freeze_startup_heap
+from hyperdraft.engine.gc_policy import defer_young_collections, freeze_startup_heap
 from hyperdraft.engine.stop import StopChecker
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.kvcache.prefix_cache import PrefixCache

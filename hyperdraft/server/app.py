@@ -248,7 +248,7 @@ class _InfoRoutes(_Routes):
         return {**args, "internal_states": states, "server_state": loop_state,
                 "served_model_name": ctx.model_name, "max_queued_requests": self.opts.max_queued_requests,
                 "lossy_benchmark_mode": ctx.lossy, "version": __version__,
-                # engine/startup_heap.py
+                # engine/gc_policy.py
                 "gc_frozen_objects": gc.get_freeze_count(), "gc_thresholds": gc.get_threshold()}
 
     async def flush_cache(self, request: Request):

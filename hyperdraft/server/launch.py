@@ -22,7 +22,7 @@ def serve(args: EngineArgs, opts: ServeOptions, output_hook: Callable[[str | Non
         raise ValueError(f"`hyperdraft serve` needs fastapi and uvicorn ({e}); install them with "
                          "pip install 'hyperdraft[serve]'") from None
     from hyperdraft.engine.engine import Engine
-    from hyperdraft.engine.startup_heap import defer_young_collections, freeze_startup_heap
+    from hyperdraft.engine.gc_policy import defer_young_collections, freeze_startup_heap
     from hyperdraft.server.engine_loop import EngineLoop
     from hyperdraft.server.generation import ServerContext
     from hyperdraft.server.metrics import ServerMetrics

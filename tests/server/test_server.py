@@ -20,7 +20,7 @@ import pytest
 
 from conftest import assert_engine_clean
 from hyperdraft import LLM, SamplingParams
-from hyperdraft.engine.startup_heap import YOUNG_THRESHOLD
+from hyperdraft.engine.gc_policy import YOUNG_THRESHOLD
 from helpers.server_fixtures import (API_KEY, ServerProcess, add_chat_template, assert_idle, client_aborts, engine_state,
                                     prompts,
                                     scrape_metrics, served_name, split_characters, stream_text, wait_client_aborts,
@@ -408,7 +408,7 @@ def test_metrics_parse_and_count_a_request(server, client, chat_model):
     assert info["max_running_requests"] == MAX_RUNNING
     assert info["enable_deterministic_inference"] is False  # the mode: docs/numerics.md
     assert info["internal_states"][0]["numerics"] == "float32"
-    # the startup heap is frozen out of the cyclic GC's walks (engine/startup_heap.py): a tiny model's process holds
+    # the startup heap is frozen out of the cyclic GC's walks (engine/gc_policy.py): a tiny model's process holds
     # ~1e5 objects then, and none would be frozen otherwise; the youngest generation waits for YOUNG_THRESHOLD
     assert info["gc_frozen_objects"] > 10_000, info["gc_frozen_objects"]
     assert info["gc_thresholds"][0] == YOUNG_THRESHOLD != gc.get_threshold()[0], info["gc_thresholds"]

@@ -1,5 +1,6 @@
-"""Python's cyclic garbage collection kept off the step path, in processes that own one engine for their life: the
-server, and each tensor-parallel follower rank (benchmarks/results/gc_pause.md measured both changes).
+"""Python's cyclic garbage collection kept off the step path (benchmarks/results/gc_pause.md measured both changes).
+Processes that own one engine for their life (the server, each tensor-parallel follower rank) make both for good;
+the offline LLM defers the youngest generation while it steps (`young_collections_deferred`) and freezes nothing.
 
 - The startup heap frozen. Building an engine leaves a few hundred thousand container objects alive (torch,
   transformers, the tokenizer, the model's modules, the graph runners). The oldest generation's collection walks
@@ -15,7 +16,11 @@ one after another (tests, notebooks, benchmarks) would keep the cyclic garbage o
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 YOUNG_THRESHOLD = 50_000
 
@@ -30,3 +35,32 @@ def freeze_startup_heap() -> int:
 def defer_young_collections() -> None:
     _, middle, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, middle, oldest)
+
+
+@dataclass
+class _Deferral:
+    """How many young_collections_deferred blocks are open, and the thresholds the first one found: streams of
+    two LLMs may interleave and close in any order, and only the last to close puts the thresholds back."""
+
+    depth: int = 0
+    saved: tuple[int, int, int] = (700, 10, 10)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_DEFERRAL = _Deferral()
+
+
+@contextlib.contextmanager
+def young_collections_deferred() -> Iterator[None]:
+    with _DEFERRAL.lock:
+        if _DEFERRAL.depth == 0:
+            _DEFERRAL.saved = gc.get_threshold()
+            defer_young_collections()
+        _DEFERRAL.depth += 1
+    try:
+        yield
+    finally:
+        with _DEFERRAL.lock:
+            _DEFERRAL.depth -= 1
+            if _DEFERRAL.depth == 0:
+                gc.set_threshold(*_DEFERRAL.saved)
