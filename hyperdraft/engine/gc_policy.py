@@ -10,8 +10,8 @@ the offline LLM defers the youngest generation while it steps (`young_collection
   and drops per-request objects by the thousand at large batches, so the count crosses 700 inside a step about twice
   a step, and each collection walks objects that reference counting frees a moment later anyway.
 
-The Engine does neither by itself: frozen objects are never collected, so a process that builds and drops engines
-one after another (tests, notebooks, benchmarks) would keep the cyclic garbage of each.
+The Engine does neither by itself, and the LLM freezes nothing: frozen objects are never collected, so a process that
+builds and drops engines one after another (tests, notebooks, benchmarks) would keep the cyclic garbage of each.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-YOUNG_THRESHOLD = 50_000
+YOUNG_THRESHOLD = 50_000  # a 256-request step never got there in 3000 steps on an H200 (gc_pause.md)
 
 
 def freeze_startup_heap() -> int:
@@ -33,6 +33,7 @@ def freeze_startup_heap() -> int:
 
 
 def defer_young_collections() -> None:
+    """For good: the youngest generation waits for YOUNG_THRESHOLD net new containers (the older two keep theirs)."""
     _, middle, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, middle, oldest)
 
@@ -52,6 +53,7 @@ _DEFERRAL = _Deferral()
 
 @contextlib.contextmanager
 def young_collections_deferred() -> Iterator[None]:
+    """defer_young_collections() for the block's duration; nested and interleaved blocks share one deferral."""
     with _DEFERRAL.lock:
         if _DEFERRAL.depth == 0:
             _DEFERRAL.saved = gc.get_threshold()
