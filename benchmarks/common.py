@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
@@ -75,17 +76,23 @@ def tag_of(device_name: str) -> str:
     return model.group(1).lower() if model else re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
 
 
-def git_commit() -> str:
-    """Short HEAD of the checkout, marked when hyperdraft/ has uncommitted changes."""
-    def git(*args: str) -> str:
+def git_commit(root: str = REPO_ROOT) -> str:
+    """Short HEAD of the checkout; when hyperdraft/ has uncommitted changes, also the git tree its files make now.
+    A GPU machine's copy of .git can be older than the files sent with the command, so HEAD alone can name the wrong
+    commit there; the tree names the code that ran: it is `git rev-parse C:hyperdraft` of the commit C holding it."""
+    def git(*args: str, env: dict | None = None) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, env=env).stdout.strip()
         except FileNotFoundError:
             return ""
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     if git("status", "--porcelain", "--", "hyperdraft"):
-        commit += " (plus uncommitted changes under hyperdraft/)"
+        with tempfile.TemporaryDirectory() as scratch:  # a throwaway index: the checkout's own stays as it is
+            env = {**os.environ, "GIT_INDEX_FILE": os.path.join(scratch, "index")}
+            git("add", "-A", "--", "hyperdraft", env=env)
+            tree = git("write-tree", "--prefix=hyperdraft/", env=env)[:10]
+        commit += f" (plus uncommitted changes under hyperdraft/: its tree {tree or 'unknown'})"
     return commit
 
 
