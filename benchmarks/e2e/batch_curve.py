@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, require_cuda
 from hyperdraft import LLM, SamplingParams
-from hyperdraft.engine.gc_policy import defer_young_collections, freeze_startup_heap
+from hyperdraft.engine.gc_policy import adopt_serving_policy
 from hyperdraft.models.default_model import ensure_default_model
 from hyperdraft.options import RuntimeOptions
 
@@ -74,8 +74,7 @@ def curves(model: str, prompts: list[list[int]], new_tokens: int, engines: dict[
         options = RuntimeOptions.from_env(**engine.pop("runtime", {}))
         llms[name] = LLM(model, max_running_requests=max(BATCHES), runtime_options=options, **engine)
     if serving_gc:
-        freeze_startup_heap()
-        defer_young_collections()
+        adopt_serving_policy()
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     points: dict[str, list[Point]] = {name: [] for name in llms}
     for batch in batches:

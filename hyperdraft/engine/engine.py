@@ -13,6 +13,7 @@ from hyperdraft.config import SPECULATIVE_ALGORITHMS, EngineArgs
 from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.engine.device import device_lost, resolve_device
+from hyperdraft.engine.gc_policy import adopt_serving_policy
 from hyperdraft.engine.lockstep import (Command, Lockstep, check_devices, init_group, local_rank, node_ranks,
                                         rank_device, start_followers)
 from hyperdraft.engine.memory import (fitting_rows, kv_bytes_per_slot, kv_capacity_tokens, memory_budget_bytes,
@@ -20,7 +21,6 @@ from hyperdraft.engine.memory import (fitting_rows, kv_bytes_per_slot, kv_capaci
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.numerics import check_deterministic, numerics_mode
 from hyperdraft.engine.scheduler import Scheduler
-from hyperdraft.engine.gc_policy import defer_young_collections, freeze_startup_heap
 from hyperdraft.engine.stop import StopChecker
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.kvcache.prefix_cache import PrefixCache
@@ -397,8 +397,7 @@ def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tp_size))
     tp = init_group(args, rank, address, rank_device(resolve_device(args.device), local_rank(args, rank)), options)
     engine = Engine(args, options, tp)
-    freeze_startup_heap()
-    defer_young_collections()
+    adopt_serving_policy()
     engine.replay_until_stopped()
     engine.close()
     os._exit(0)  # without the group's teardown (Lockstep.close says why)

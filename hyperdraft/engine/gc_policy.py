@@ -38,6 +38,12 @@ def defer_young_collections() -> None:
     gc.set_threshold(YOUNG_THRESHOLD, middle, oldest)
 
 
+def adopt_serving_policy() -> None:
+    """Both, for good: what a process that owns its engine until it ends does once the engine is built."""
+    freeze_startup_heap()
+    defer_young_collections()
+
+
 @dataclass
 class _Deferral:
     """How many young_collections_deferred blocks are open, and the thresholds the first one found: streams of

@@ -22,7 +22,7 @@ def serve(args: EngineArgs, opts: ServeOptions, output_hook: Callable[[str | Non
         raise ValueError(f"`hyperdraft serve` needs fastapi and uvicorn ({e}); install them with "
                          "pip install 'hyperdraft[serve]'") from None
     from hyperdraft.engine.engine import Engine
-    from hyperdraft.engine.gc_policy import defer_young_collections, freeze_startup_heap
+    from hyperdraft.engine.gc_policy import adopt_serving_policy
     from hyperdraft.server.engine_loop import EngineLoop
     from hyperdraft.server.generation import ServerContext
     from hyperdraft.server.metrics import ServerMetrics
@@ -32,8 +32,7 @@ def serve(args: EngineArgs, opts: ServeOptions, output_hook: Callable[[str | Non
     engine = Engine(args)
     lossy = engine.spec is not None and engine.spec.simulate_accept_rate is not None
     check_lossy(lossy, opts)
-    freeze_startup_heap()  # this process serves this engine until it ends
-    defer_young_collections()
+    adopt_serving_policy()  # this process serves this engine until it ends
     loop = EngineLoop(engine, opts.max_queued_requests, output_hook)
     preprocessor = Preprocessor(engine.tokenizer, opts.limits(engine.context_len), engine.context_len,
                                 engine.model_config.vocab_size)
