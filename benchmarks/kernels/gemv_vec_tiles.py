@@ -4,7 +4,11 @@ gated attention: qkv 10240x4096, o 4096x4096; every layer gate_up 24576x4096, do
 Llama-3.1-8B's (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336). Distinct weights per layer (no
 L2 reuse). Reports each tile's chain time and its weight-streaming rate against a device copy.
 
-  python -m benchmarks.kernels.gemv_vec_tiles [--out $OUT]
+--small sweeps small models' layers instead (SMALL_CHAINS: SmolLM2-135M, Qwen2.5-0.5B), where a product is a few
+hundred KB to 17 MB and its time is mostly latency, not bandwidth: each shape's own chain (one product a layer, the
+best tile per shape) and the whole chain under one tile.
+
+  python -m benchmarks.kernels.gemv_vec_tiles [--small] [--out $OUT]
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ CHAINS = {
     "llama-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)] * 4,
 }
 REPEATS = 8  # the chain above, 8 times: 32 layers
+SMALL_CHAINS = {  # a layer's one-row products (qkv, o, gate_up, down) and the model's layer count
+    "smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
+    "qwen2.5-0.5b": ([(1152, 896), (896, 896), (9728, 896), (896, 4864)], 24),
+}
+SMALL_TILES = [(n, k, w, 3) for n, k, w in itertools.product((1, 2, 4, 8), (256, 512, 1024), (1, 2, 4))]
 TILES = [(n, k, w, s) for n, k, w, s in itertools.product((4, 8, 16), (1024, 2048, 4096), (4, 8), (2, 3, 4))
          if n * k <= 65536]
 
@@ -42,12 +51,57 @@ def launch(x, w, out, tile) -> None:
         **gemv_module.pdl_args(x.device))
 
 
+def sweep_small(name: str) -> list[str]:
+    """A small model's products: per shape (one distinct weight a layer) and the whole chain, every small tile."""
+    chain, repeats = SMALL_CHAINS[name]
+    lines = [f"## {name}: per-shape chains of {repeats} products, then the whole chain (us)", ""]
+    weights = {shape: [torch.randn(*shape, dtype=torch.bfloat16, device="cuda") / 24 for _ in range(repeats)]
+               for shape in chain}
+    xs = {k: torch.randn(1, k, dtype=torch.bfloat16, device="cuda") for _, k in chain}
+    outs = {n: torch.empty(1, n, dtype=torch.bfloat16, device="cuda") for n, _ in chain}
+    large = (gemv_module.VEC_BLOCK_N, gemv_module.VEC_BLOCK_K, gemv_module.VEC_WARPS, 3)
+    small = (gemv_module.SMALL_VEC_BLOCK_N, gemv_module.VEC_BLOCK_K, gemv_module.SMALL_VEC_WARPS, 3)
+    marks = {large: " (engine, large weights)", small: " (engine, small weights)"}
+    header = "| tile (N, K, warps, stages) | " + " | ".join(f"{n}x{k}" for n, k in chain) + " | whole chain |"
+    rows = []
+    for tile in SMALL_TILES:
+        try:
+            launch(xs[chain[0][1]], weights[chain[0]][0], outs[chain[0][0]], tile)
+        except Exception as e:  # a tile the compiler rejects (too few elements for the warps) is left out
+            lines.append(f"- {tile}: {type(e).__name__}")
+            continue
+        per_shape = [graph_ms(lambda s=shape: [launch(xs[s[1]], w, outs[s[0]], tile) for w in weights[s]]) * 1e3
+                     for shape in chain]
+        whole = graph_ms(lambda: [launch(xs[s[1]], weights[s][i], outs[s[0]], tile)
+                                  for i in range(repeats) for s in chain]) * 1e3
+        rows.append((whole, tile, per_shape))
+    rows.sort()
+    lines += [header, "|---" * (len(chain) + 2) + "|"]
+    for whole, tile, per_shape in rows:
+        lines.append(f"| {tile}{marks.get(tile, '')} | " + " | ".join(f"{us:.1f}" for us in per_shape) + f" | {whole:.1f} |")
+    best = [min(rows, key=lambda r: r[2][i]) for i in range(len(chain))]
+    lines += ["", "best per shape: " + ", ".join(f"{n}x{k} {r[1]} {r[2][i]:.1f} us"
+                                                  for i, ((n, k), r) in enumerate(zip(chain, best))), ""]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.gemv_vec_tiles", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--small", action="store_true", help="small models' products (SMALL_CHAINS) instead of the 8B-class chains")
     a = ap.parse_args()
     require_cuda()
+    if a.small:
+        with activated(RuntimeOptions(pdl=True)):
+            text = "\n".join([f"# `_gemv_vec` tiles on {torch.cuda.get_device_name()} (small models)", "",
+                              "Command: `python -m benchmarks.kernels.gemv_vec_tiles --small`; one CUDA graph per "
+                              "chain, PDL on, 30 replays.", ""]
+                             + [line for name in SMALL_CHAINS for line in sweep_small(name)])
+        print(text)
+        with open(os.path.join(a.out, f"gemv_vec_tiles_small_{device_tag()}.md"), "w") as f:
+            f.write(text + "\n")
+        return
     engine_tile = (gemv_module.VEC_BLOCK_N, gemv_module.VEC_BLOCK_K, gemv_module.VEC_WARPS, 3)
     bw = bandwidth()  # eager copies, as hybrid_bench measures it (a graph-captured copy measured 2713 against 4233 GB/s)
     lines = [f"# `_gemv_vec` tiles on {torch.cuda.get_device_name()}", "",

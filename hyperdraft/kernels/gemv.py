@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,13 @@ MMA_K_MULTIPLE = 1024  # gemv_mma.cu: 4 warps split K, each in batches of 8 chun
 # (benchmarks/results/gemv_vec_tiles_h200.md); it is also among the best on both. 2..16 rows: tensor cores,
 # gemv_mma.cu or else (below) a Triton kernel over the rows padded to 16.
 VEC_BLOCK_N, VEC_BLOCK_K, VEC_WARPS = 8, 1024, 4
+# Small weights (a 135M-0.5B model's products, a few hundred KB to 17 MB) are latency-bound, not bandwidth-bound: 72
+# programs of 8 columns leave half an H200 idle on SmolLM2's 576-wide products. 4 columns on 2 warps (twice the
+# programs, each as quick) ran SmolLM2-135M's 120 one-row products in 216 against 280 us and Qwen2.5-0.5B's 96 in 362
+# against 468 (36 tiles swept; H200, benchmarks/results/gemv_vec_tiles_small_h200.md). In SmolLM2's decode graph: 680
+# -> 596 us a step with every product here (norm unfused), ~1 us with the norm fused (norm_gemv keeps the large tile,
+# measured better for it; only o and down come here). The 8B-class products (16.8M weights and up) keep the tile above.
+SMALL_VEC_BLOCK_N, SMALL_VEC_WARPS, SMALL_VEC_MAX_WEIGHTS = 4, 2, 10_000_000
 DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 6
 # Where 32-column tiles make between one and two waves of programs, the second wave runs mostly empty: wider tiles
 # (half the programs) with the operands swapped (W is the MMA's 64-row operand) measured 19.0 us against 20.5 for
@@ -243,16 +251,32 @@ def _launch_dot(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         num_warps=DOT_WARPS, num_stages=stages, **pdl_args(rows.device))
 
 
+class VecTile(NamedTuple):
+    """A one-row kernel's tile (_gemv_vec, norm_gemv's _norm_gemv): columns a program, its K step, warps."""
+
+    block_n: int
+    block_k: int
+    warps: int
+
+
+def vec_tile(n: int, k: int) -> VecTile:
+    """The one-row tile for an [n, k] weight: a function of the weight only (module doc, batch invariance)."""
+    block_k = min(VEC_BLOCK_K, triton.next_power_of_2(k))
+    if n * k <= SMALL_VEC_MAX_WEIGHTS:
+        return VecTile(SMALL_VEC_BLOCK_N, block_k, SMALL_VEC_WARPS)
+    return VecTile(VEC_BLOCK_N, block_k, VEC_WARPS)
+
+
 def _launch_vec(x: torch.Tensor, up: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                 residual: torch.Tensor | None, out: torch.Tensor) -> None:
     """One row: out = x @ weight^T (+ bias, + residual); with `up`, x is SiLU(x) * up first (GATED)."""
     n, k = weight.shape
-    block_k = min(VEC_BLOCK_K, triton.next_power_of_2(k))
-    _gemv_vec[(triton.cdiv(n, VEC_BLOCK_N),)](
+    tile = vec_tile(n, k)
+    _gemv_vec[(triton.cdiv(n, tile.block_n),)](
         x, up if up is not None else x, weight, bias if bias is not None else weight,
         residual if residual is not None else out, out, n, k, GATED=up is not None, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N,
-        BLOCK_K=block_k, LINE=min(block_k, 128 // x.element_size()), num_warps=VEC_WARPS, num_stages=3,
+        HAS_RES=residual is not None, EVEN=n % tile.block_n == 0 and k % tile.block_k == 0, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, LINE=min(tile.block_k, 128 // x.element_size()), num_warps=tile.warps, num_stages=3,
         **pdl_args(x.device))
 
 

@@ -29,7 +29,7 @@ import torch
 
 from hyperdraft import options
 from hyperdraft.kernels._triton import jit, tl, triton
-from hyperdraft.kernels.gemv import VEC_BLOCK_K, VEC_BLOCK_N, VEC_WARPS, _weights_first, gemv_fits
+from hyperdraft.kernels.gemv import VEC_BLOCK_K, VEC_BLOCK_N, VEC_WARPS, VecTile, _weights_first, gemv_fits
 from hyperdraft.kernels.norm import rms_norm_reference
 from hyperdraft.kernels.pdl import pdl_args
 
@@ -102,12 +102,16 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     assert residual is None or (residual.shape == x.shape and residual.is_contiguous() and residual.dtype == x.dtype)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     running = torch.empty_like(x) if residual is not None else x
-    block_k = min(VEC_BLOCK_K, triton.next_power_of_2(k))
-    _norm_gemv[(triton.cdiv(n, VEC_BLOCK_N),)](
+    # The large-weight tile at every size: each program's pass over the row does not shrink with its columns, and
+    # gemv.py's small-weight tile (4 columns, 2 warps) ran SmolLM2's qkv and gate_up chains slower here (54.1 against
+    # 52.9 and 84.6 against 77.7 us for 30 products; the decode graph 566 against 561 us, H200,
+    # benchmarks/results/gemv_vec_tiles_small_h200.md).
+    tile = VecTile(VEC_BLOCK_N, min(VEC_BLOCK_K, triton.next_power_of_2(k)), VEC_WARPS)
+    _norm_gemv[(triton.cdiv(n, tile.block_n),)](
         x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight, out,
         running, n, eps, K=k, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        EVEN=n % VEC_BLOCK_N == 0 and k % block_k == 0, BLOCK_N=VEC_BLOCK_N, BLOCK_K=block_k,
-        LINE=min(block_k, 128 // x.element_size()), num_warps=VEC_WARPS, num_stages=3, **pdl_args(x.device))
+        EVEN=n % tile.block_n == 0 and k % tile.block_k == 0, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        LINE=min(tile.block_k, 128 // x.element_size()), num_warps=tile.warps, num_stages=3, **pdl_args(x.device))
     return out, running
 
 
