@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, require_cuda
+from benchmarks.real_accept import GOODPUT_LADDER
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.engine.gc_policy import adopt_serving_policy
 from hyperdraft.models.default_model import ensure_default_model
@@ -31,6 +32,9 @@ ROWS = {  # name -> engine arguments over the common ones
     "plain, graphs to 64 (the old default)": dict(cuda_graph_max_bs=64),
     "plain, graphs as memory allows": {},
     "NGRAM, adaptive": dict(speculative_algorithm="NGRAM", speculative_adaptive=True),
+    # SGLang's default ladder keeps at least one draft below batch 8; the goodput strategy may run step 0 there too
+    "NGRAM, adaptive (goodput)": dict(speculative_algorithm="NGRAM", speculative_adaptive=True,
+                                      speculative_adaptive_config=GOODPUT_LADDER),
     # A model drafter under adaptive tiers (no smaller SmolLM2 exists: the model drafts for itself, so every draft is
     # accepted and the curve shows what the tiers cost, not what a draft gains).
     "STANDALONE self-draft, adaptive": dict(speculative_algorithm="STANDALONE", speculative_adaptive=True,
