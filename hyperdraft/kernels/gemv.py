@@ -58,6 +58,13 @@ DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 6
 # a 6144 x 4096 qkv product at 6 rows on an H100, 19.8 unswapped (benchmarks/results/gemv_shapes_h100.md); every
 # other 8B shape is best at the default.
 WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES = 64, 256, 3
+# Small weights (at most SMALL_DOT_MAX_WEIGHTS): 32-column tiles launch 18-96 programs on SmolLM2's products, and a
+# 6-stage pipeline over a 576-wide K is mostly prologue. 4 stages with the weight as the wide operand, and 16 x 128
+# tiles where both sides are at most 1024 (twice the programs), ran SmolLM2's 120 products of a verify in ~320 against
+# 371 us at 2 and at 6 rows (50 tiles swept), and its batch-4 decode graph in 691 against 730 us (H200,
+# benchmarks/results/gemv_dot_small_h200.md).
+SMALL_DOT_MAX_WEIGHTS, SMALL_DOT_STAGES = 2_000_000, 4
+NARROW_DOT_SIDE, NARROW_DOT_BLOCK_N, NARROW_DOT_BLOCK_K = 1024, 16, 128
 
 
 @jit
@@ -232,21 +239,30 @@ def invariant_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))
 
 
+def _dot_tile(n: int, k: int, sms: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, stages, SWAP) of the dot kernel for an [n, k] weight: a function of the weight (and the GPU)
+    only, so batch invariance holds."""
+    if n * k <= SMALL_DOT_MAX_WEIGHTS:
+        if max(n, k) <= NARROW_DOT_SIDE:
+            return NARROW_DOT_BLOCK_N, NARROW_DOT_BLOCK_K, SMALL_DOT_STAGES, True
+        return DOT_BLOCK_N, DOT_BLOCK_K, SMALL_DOT_STAGES, True
+    if sms < triton.cdiv(n, DOT_BLOCK_N) < 2 * sms:
+        return WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES, True
+    return DOT_BLOCK_N, DOT_BLOCK_K, DOT_STAGES, False
+
+
 def _launch_dot(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, has_res: bool,
                 res: torch.Tensor, out: torch.Tensor) -> None:
     """The dot kernel over ceil(m / 16) row tiles; its tiles depend on the weight (and the GPU) only."""
     m, k = rows.shape
     n = weight.shape[0]
     line = 128 // rows.element_size()
-    sms = _num_sms(rows.device)
-    wide = sms < triton.cdiv(n, DOT_BLOCK_N) < 2 * sms  # a function of the weight only: batch invariance holds
-    block_n, block_k, stages = (WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES) if wide else (
-        DOT_BLOCK_N, DOT_BLOCK_K, DOT_STAGES)
+    block_n, block_k, stages, swap = _dot_tile(n, k, _num_sms(rows.device))
     # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps the stages in 228 KB
     block_k = min(block_k // rows.element_size() * 2, max(16, triton.next_power_of_2(k)))
     _gemv_dot[(triton.cdiv(m, 16), triton.cdiv(n, block_n))](
         rows, weight, bias if bias is not None else weight, res, out, m, n, k, rows.stride(0), res.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, HAS_RES=has_res, IEEE=rows.dtype == torch.float32, SWAP=wide,
+        out.stride(0), HAS_BIAS=bias is not None, HAS_RES=has_res, IEEE=rows.dtype == torch.float32, SWAP=swap,
         EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, line),
         num_warps=DOT_WARPS, num_stages=stages, **pdl_args(rows.device))
 
