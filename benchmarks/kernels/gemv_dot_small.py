@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.common import device_tag, require_cuda
 from benchmarks.kernels.gemv_tiles import ENGINE_DOT_TILE, gemv_dot
-from benchmarks.kernels.timing import graph_ms
+from benchmarks.kernels.timing import graph_ms, shape_table
 from hyperdraft.options import RuntimeOptions, activated
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -25,10 +25,10 @@ LAYERS = 30
 TILES = list(itertools.product((16, 32), (64, 128, 256), (2, 4), (2, 4)))  # (BLOCK_N, BLOCK_K, warps, stages)
 
 
-def sweep(rows: int) -> list[str]:
+def sweep(num_rows: int) -> list[str]:
     weights = {s: [torch.randn(*s, dtype=torch.bfloat16, device="cuda") / 24 for _ in range(LAYERS)] for s in SHAPES}
-    xs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for _, k in SHAPES}
-    outs = {n: torch.empty(rows, n, dtype=torch.bfloat16, device="cuda") for n, _ in SHAPES}
+    xs = {k: torch.randn(num_rows, k, dtype=torch.bfloat16, device="cuda") for _, k in SHAPES}
+    outs = {n: torch.empty(num_rows, n, dtype=torch.bfloat16, device="cuda") for n, _ in SHAPES}
     results = []
     for tile, swap in itertools.product(TILES + [ENGINE_DOT_TILE], (False, True)):
         try:
@@ -40,17 +40,15 @@ def sweep(rows: int) -> list[str]:
                      for s in SHAPES]
         results.append((sum(per_shape), tile, swap, per_shape))
     results.sort()
-    engine = next(r for r in results if r[1] == ENGINE_DOT_TILE and not r[2])
-    lines = [f"## {rows} rows: chains of {LAYERS} products a shape (us)", "",
-             "| tile (N, K, warps, stages) | swap | " + " | ".join(f"{n}x{k}" for n, k in SHAPES) + " | sum |",
-             "|---|---|" + "---|" * (len(SHAPES) + 1)]
-    for total, tile, swap, per_shape in results[:12] + ([engine] if engine not in results[:12] else []):
-        mark = " (engine)" if (tile, swap) == (ENGINE_DOT_TILE, False) else ""
-        lines.append(f"| {tile}{mark} | {swap} | " + " | ".join(f"{us:.1f}" for us in per_shape) + f" | {total:.1f} |")
-    best = [min(results, key=lambda r: r[3][i]) for i in range(len(SHAPES))]
-    lines += ["", "best per shape: " + ", ".join(f"{n}x{k} {r[1]} swap={r[2]} {r[3][i]:.1f} us"
-                                                  for i, ((n, k), r) in enumerate(zip(SHAPES, best))), ""]
-    return lines
+    mark = " (large weights' tile)"
+    labelled = [(total, f"{tile}{mark if (tile, swap) == (ENGINE_DOT_TILE, False) else ''} swap={swap}", per_shape)
+                for total, tile, swap, per_shape in results]
+    large = next(r for r in labelled if mark in r[1])
+    shown = labelled[:12] + ([large] if large not in labelled[:12] else [])
+    lines = [f"## {num_rows} rows: chains of {LAYERS} products a shape (us)", "",
+             "tile = (BLOCK_N, BLOCK_K, warps, stages); total = the sum over the shapes; the 12 best, then the tile "
+             "larger weights take", ""]
+    return lines + shape_table(SHAPES, shown, best_of=labelled)
 
 
 def main() -> None:

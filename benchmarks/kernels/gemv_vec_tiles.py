@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.common import device_tag, require_cuda
 from benchmarks.e2e.hybrid_bench import bandwidth
-from benchmarks.kernels.timing import graph_ms
+from benchmarks.kernels.timing import graph_ms, shape_table
 from hyperdraft.kernels import gemv as gemv_module
 from hyperdraft.options import RuntimeOptions, activated
 
@@ -62,7 +62,6 @@ def sweep_small(name: str) -> list[str]:
     large = (gemv_module.VEC_BLOCK_N, gemv_module.VEC_BLOCK_K, gemv_module.VEC_WARPS, 3)
     small = (gemv_module.SMALL_VEC_BLOCK_N, gemv_module.VEC_BLOCK_K, gemv_module.SMALL_VEC_WARPS, 3)
     marks = {large: " (engine, large weights)", small: " (engine, small weights)"}
-    header = "| tile (N, K, warps, stages) | " + " | ".join(f"{n}x{k}" for n, k in chain) + " | whole chain |"
     rows = []
     for tile in SMALL_TILES:
         try:
@@ -74,14 +73,10 @@ def sweep_small(name: str) -> list[str]:
                      for shape in chain]
         whole = graph_ms(lambda: [launch(xs[s[1]], weights[s][i], outs[s[0]], tile)
                                   for i in range(repeats) for s in chain]) * 1e3
-        rows.append((whole, tile, per_shape))
+        rows.append((whole, f"{tile}{marks.get(tile, '')}", per_shape))
     rows.sort()
-    lines += [header, "|---" * (len(chain) + 2) + "|"]
-    for whole, tile, per_shape in rows:
-        lines.append(f"| {tile}{marks.get(tile, '')} | " + " | ".join(f"{us:.1f}" for us in per_shape) + f" | {whole:.1f} |")
-    best = [min(rows, key=lambda r: r[2][i]) for i in range(len(chain))]
-    lines += ["", "best per shape: " + ", ".join(f"{n}x{k} {r[1]} {r[2][i]:.1f} us"
-                                                  for i, ((n, k), r) in enumerate(zip(chain, best))), ""]
+    lines += ["tile = (BLOCK_N, BLOCK_K, warps, stages); total = the whole chain under that tile", ""]
+    lines += shape_table(chain, rows)
     return lines
 
 
@@ -89,7 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.gemv_vec_tiles", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--small", action="store_true", help="small models' products (SMALL_CHAINS) instead of the 8B-class chains")
+    ap.add_argument("--small", action="store_true",
+                    help="small models' products (SMALL_CHAINS) instead of the 8B-class chains")
     a = ap.parse_args()
     require_cuda()
     if a.small:

@@ -53,3 +53,15 @@ def eager_us(fn) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def shape_table(shapes: list[tuple[int, int]], rows: list[tuple[float, str, list[float]]],
+                best_of: list[tuple[float, str, list[float]]] | None = None) -> list[str]:
+    """Markdown lines of a tile sweep over weight shapes: rows (total us, tile label, us per shape) as given, then
+    each shape's best tile among best_of (default: the rows)."""
+    lines = ["| tile | " + " | ".join(f"{n}x{k}" for n, k in shapes) + " | total |", "|---" * (len(shapes) + 2) + "|"]
+    lines += [f"| {label} | " + " | ".join(f"{us:.1f}" for us in per_shape) + f" | {total:.1f} |"
+              for total, label, per_shape in rows]
+    best = [min(best_of or rows, key=lambda r: r[2][i]) for i in range(len(shapes))]
+    return lines + ["", "best per shape: " + ", ".join(f"{n}x{k} {r[1]} {r[2][i]:.1f} us"
+                                                        for i, ((n, k), r) in enumerate(zip(shapes, best))), ""]
