@@ -405,10 +405,11 @@ def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -
 
 def host_ranks(args: EngineArgs, options: RuntimeOptions | None = None) -> None:
     """A node other than 0 (node_rank > 0): run this node's ranks until rank 0 stops the group; raises if one fails."""
-    check_devices(args, resolve_device(args.device))
+    device = resolve_device(args.device)
+    check_devices(args, device)
     options = options if options is not None else RuntimeOptions.from_args(args)
     ranks = node_ranks(args)
-    followers = start_followers(args, follow, options, ranks, args.dist_init_addr)
+    followers = start_followers(args, follow, options, ranks, args.dist_init_addr, device)
     for p in followers:
         p.join()
     failed = [(rank, p.exitcode) for rank, p in zip(ranks, followers) if p.exitcode != 0]

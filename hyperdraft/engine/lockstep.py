@@ -19,6 +19,7 @@ broadcast, and every collective gives up after dist_timeout seconds.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -70,13 +71,35 @@ def check_devices(args: EngineArgs, device: torch.device) -> None:
                          f"this machine has {torch.cuda.device_count()} (lower tp_size or pick another device)")
 
 
-def start_followers(args: EngineArgs, follow: Callable, options, ranks, address: str) -> list:
-    """Start a process running follow(rank, args, options, address) for each rank."""
-    ctx = mp.get_context("spawn")
-    followers = [ctx.Process(target=follow, args=(rank, args, options, address), daemon=True) for rank in ranks]
+# What a CPU follower's process has imported before it forks (start_followers): torch, torch._dynamo (building a
+# module under a device context imports it lazily: 3.4 s of a follower's start), the tokenizer classes every engine
+# loads, and the engine.
+FOLLOWER_PRELOAD = ["torch", "torch._dynamo", "transformers.models.auto.tokenization_auto", "hyperdraft.engine.engine"]
+
+
+def start_followers(args: EngineArgs, follow: Callable, options, ranks, address: str, device: torch.device) -> list:
+    """Start a process running follow(rank, args, options, address) for each rank.
+
+    CUDA ranks start as fresh interpreters (spawn): nothing of this process's CUDA state can reach them. CPU ranks fork
+    from a server process that imported torch and the engine once (forkserver, FOLLOWER_PRELOAD): spawn re-imports
+    them in every follower, ~6 s of each tp_size-2 CPU engine's start on a 2-core machine, against well under a second
+    forked. A forked rank takes this process's environment as it is now (the server's dates from its own start)."""
+    if device.type == "cuda":
+        ctx, target, head = mp.get_context("spawn"), follow, ()
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(FOLLOWER_PRELOAD)  # takes effect when the server first starts
+        target, head = _follow_in_environment, (dict(os.environ), follow)
+    followers = [ctx.Process(target=target, args=(*head, rank, args, options, address), daemon=True) for rank in ranks]
     for p in followers:
         p.start()
     return followers
+
+
+def _follow_in_environment(environ: dict[str, str], follow: Callable, *follow_args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    follow(*follow_args)
 
 
 def push_wanted(args: EngineArgs, options: RuntimeOptions, rank: int, device: torch.device) -> bool:
@@ -133,7 +156,7 @@ class Lockstep:
             raise ValueError(f"tp_size={args.tp_size}: this process already belongs to a tensor-parallel group (another "
                              "engine with tp_size > 1 runs here); shut it down first (LLM.shutdown())")
         address = args.dist_init_addr or free_address()
-        followers = start_followers(args, follow, options, node_ranks(args)[1:], address)
+        followers = start_followers(args, follow, options, node_ranks(args)[1:], address, device)
         return cls(init_group(args, 0, address, device, options), followers)
 
     @property

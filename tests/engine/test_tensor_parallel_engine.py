@@ -359,6 +359,21 @@ def test_a_follower_that_dies_while_building_is_named(models, monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_followers_see_the_environment_of_their_start(models, monkeypatch):
+    """CPU followers fork from a server that started with the first tensor-parallel engine (engine/lockstep.py); a
+    variable set after that still reaches the next engine's followers (the follower stand-in exits with code 4
+    without it)."""
+    import hyperdraft.engine.engine as engine_module
+    from helpers.tp_faults import FOLLOWER_MARK, follow_if_marked
+
+    first, _ = _outputs(models["llama"], [[1, 2, 3]], [greedy(4)], tp_size=2)  # the server exists from here on
+    monkeypatch.setenv(*FOLLOWER_MARK)
+    monkeypatch.setattr(engine_module, "follow", follow_if_marked)
+    second, states = _outputs(models["llama"], [[1, 2, 3]], [greedy(4)], tp_size=2)
+    assert second == first
+    _check_pools_free(states, 2)
+
+
 def test_an_engine_that_fails_to_build_ends_its_followers(models, tmp_path):
     """The draft path is checked after the follower started: rank 0 ends it and leaves the group, so this process
     can build another tensor-parallel engine."""
