@@ -71,9 +71,9 @@ def check_devices(args: EngineArgs, device: torch.device) -> None:
                          f"this machine has {torch.cuda.device_count()} (lower tp_size or pick another device)")
 
 
-# What a CPU follower's process has imported before it forks (start_followers): torch, torch._dynamo (building a
-# module under a device context imports it lazily: 3.4 s of a follower's start), the tokenizer classes every engine
-# loads, and the engine.
+# What a CPU follower's process has imported before it forks (start_followers): torch, torch._dynamo (loading a
+# tokenizer imports transformers' model-loading modules, which import it: 1.4-3.4 s of a follower's start), the
+# tokenizer classes every engine loads, and the engine.
 FOLLOWER_PRELOAD = ["torch", "torch._dynamo", "transformers.models.auto.tokenization_auto", "hyperdraft.engine.engine"]
 
 

@@ -57,7 +57,7 @@ from hyperdraft.kernels.norm import embed_hidden_norm, embed_hidden_norm_referen
 from hyperdraft.kernels.rope import rope_table
 from hyperdraft.kernels.vocab_map import VocabMap
 from hyperdraft.models.hot_vocab import HotVocab
-from hyperdraft.models.tensor_parallel import VocabParallelEmbedding, head_vocab_modules
+from hyperdraft.models.tensor_parallel import VocabParallelEmbedding, empty_embedding, head_vocab_modules
 
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "eagle", "LlamaForCausalLM": "eagle", "LlamaForCausalLMEagle3": "eagle3"}
 
@@ -148,7 +148,7 @@ class _Head(nn.Module):
         self._shared: dict[str, nn.Module] = {}
         embed, lm_head = head_vocab_modules(target, embed=not own_embed, lm_head=not own_lm_head)
         if own_embed:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = empty_embedding(cfg.vocab_size, cfg.hidden_size)
         else:
             self._shared["embed_tokens"] = embed
         if own_lm_head:

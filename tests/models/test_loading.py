@@ -75,3 +75,18 @@ def test_model_config_is_frozen(llama_path):
     model = load_model(llama_path, "float32", torch.device("cpu"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         model.config.hidden_size = 1  # type: ignore[misc]
+
+
+def test_a_fresh_process_builds_its_first_engine_without_torch_dynamo(llama_path):
+    """Module tables are allocated, not drawn (models/tensor_parallel.py empty_embedding): nn.Embedding's normal_ init
+    under the device context a model is built in imports torch._dynamo on first use, ~3 s of every fresh process's
+    first engine (the CLI's, the server's). A new interpreter, so nothing else imported it first."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from hyperdraft import LLM; "
+              f"llm = LLM({llama_path!r}, device='cpu', dtype='float32', max_total_tokens=256, skip_tokenizer_init=True); "
+              "llm.shutdown(); print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stdout
