@@ -85,8 +85,8 @@ def test_a_fresh_process_builds_its_first_engine_without_torch_dynamo(llama_path
     import sys
 
     script = ("import sys; from hyperdraft import LLM; "
-              f"llm = LLM({llama_path!r}, device='cpu', dtype='float32', max_total_tokens=256, skip_tokenizer_init=True); "
-              "llm.shutdown(); print('torch._dynamo' in sys.modules)")
+              f"llm = LLM({llama_path!r}, device='cpu', dtype='float32', max_total_tokens=256, "
+              "skip_tokenizer_init=True); llm.shutdown(); print('torch._dynamo' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "False", done.stdout
