@@ -99,6 +99,7 @@ class SpecWorker:
         self.decode_reserve = spec.max_verify_tokens  # the scheduler reserves the widest round, never less
         self.metrics = SpecMetrics(spec.max_steps)
         self.last_tier = tiers.tier_for(1)
+        self.after_prefill = False  # the last step ran prefill chunks: nothing was queued ahead for this one
         self.sampler = Sampler()
         self.decode_sampling = SamplingBatchCache(target.config.vocab_size, target.device)  # running decodes: stable
         self.prefill_sampling = SamplingBatchCache(target.config.vocab_size, target.device)
@@ -107,7 +108,10 @@ class SpecWorker:
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
         decodes, prefills = batch.decodes, batch.prefills
         assert all(a is b for a, b in zip(batch.items, decodes + prefills)), "the scheduler puts decodes first"
-        start = time.perf_counter()
+        # A step's wall time is its tier's cost, unless prefill chunks ran in it or in the step before: that one queued
+        # no draft or verify ahead, so this one runs them cold, one after the other.
+        start = None if prefills or self.after_prefill else time.perf_counter()
+        self.after_prefill = bool(prefills)
         tier = self.last_tier = self.tiers.tier_for(len(decodes)) if decodes else self.last_tier
         reqs = [it.req for it in decodes]
         if decodes:
@@ -151,7 +155,7 @@ class SpecWorker:
         if round_ is not None and not prefills:  # the next round's draft, then its verify, before the host waits
             self.verify_ahead.queue(round_, self._draft_ahead(round_), fb)
         host = copy.wait()
-        results = [] if round_ is None else self._commit(round_, round_.decode(host.round), None if prefills else start)
+        results = [] if round_ is None else self._commit(round_, round_.decode(host.round), start)
         return results + _prefill_results(prefills, host.prefill)
 
     def _draft_ahead(self, round_: ChainRound | TreeRound) -> Proposal | TreeProposal | None:
@@ -174,7 +178,7 @@ class SpecWorker:
         return out.logits, torch.cat([hidden[i, : width - t.padding] for i, t in enumerate(tails)])  # <= 4 tails
 
     def _decode_plainly(self, batch: ScheduledBatch, reqs: list[Request], tier: Tier,
-                        start: float) -> list[RequestResult]:
+                        start: float | None) -> list[RequestResult]:
         """A batch of decodes that drafts nothing (step 0, or an NGRAM round that found no match for any request) as
         the plain worker's step. For the metrics, the tier source and each request it is a round that drafted nothing
         (the plain worker's results say so); its room stays, as a plain step's does. Nothing here is per request
@@ -184,7 +188,7 @@ class SpecWorker:
         self.proposer.park(reqs)
         results = self.plain.run(batch)
         self.metrics.observe_idle(len(results))
-        seconds = self.tp.first_rank_value(time.perf_counter() - start)
+        seconds = None if start is None else self.tp.first_rank_value(time.perf_counter() - start)
         nothing = [0] * len(results)
         self.tiers.observe(len(results), nothing, drafted=nothing, step_seconds=seconds)
         return results
@@ -196,7 +200,7 @@ class SpecWorker:
 
     def _commit(self, round_: ChainRound | TreeRound, outcome: RoundOutcome, start: float | None) -> list[RequestResult]:
         """The proposer, the metrics and the tier source learn what the round accepted. The step's wall time, which
-        includes its one sync, is the tier's real cost; a step that also ran prefill chunks (start None) is not."""
+        includes its one sync, is the tier's real cost; a step with prefill chunks or after them (start None) is not."""
         if round_.tier.steps > 0:
             self.proposer.commit(round_.reqs, outcome.draft_kv_valid)
         self.metrics.observe(outcome.depth, outcome.num_accepted, proposed=outcome.num_drafted)

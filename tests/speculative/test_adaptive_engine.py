@@ -182,6 +182,20 @@ def test_goodput_turns_speculation_off_for_a_useless_draft(models, plain, tmp_pa
     assert tiers.get("0", 0) > sum(tiers.values()) / 2, tiers  # a draft that is never accepted only costs time
 
 
+def test_goodput_does_not_time_the_step_after_a_prefill(models, plain):
+    """The step after one that ran prefill chunks found nothing queued ahead (speculative/worker.py): its wall time is
+    not its tier's cost. One request at a time, so each request's first decode step follows its prefill; no decision
+    (warmup past the run), so no tier switch leaves a step untimed either."""
+    cfg = _config(models, "goodput_untimed", {"strategy": "goodput", "goodput": {"warmup": 100000},
+                                              "1": {"candidate_steps": [0, 1, 3]}})
+    outs, state = _run(models, REPETITIVE, n_new=24, speculative_algorithm="NGRAM", speculative_adaptive=True,
+                       speculative_adaptive_config=cfg, max_running_requests=1)
+    assert outs == plain(REPETITIVE, 24)
+    slot = state["speculative_adaptive_slots"]["1"]
+    assert slot["counted"] >= 4 * 10, slot  # a few rounds accept several tokens; most do not
+    assert slot["timed_steps"] == slot["counted"] - len(REPETITIVE), slot
+
+
 def test_draft_state_survives_step_zero(models, plain):
     """A self-draft alternating 3, 0, 3, 0 (a huge down-hysteresis drops it after every fully accepted round; the
     probe brings it back) must still accept everything: a step run at 0 right after a fully accepted round must not

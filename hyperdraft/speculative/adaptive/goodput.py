@@ -22,7 +22,8 @@ the switch, not the tier. Under draft-ahead and round-ahead the step before queu
 the new tier's first step finds nothing queued and runs its draft, verify and bookkeeping one after another. Timed,
 that cold step seeded a tier's first cost (the EMA's start): NGRAM on code edits (H200, batch 1, one call, two trees
 in turns) ran at 0.97-1.23x plain against fixed chain 4's 1.35-1.58x, and with the step untimed at 1.44-1.46x
-against 1.54-1.57x (benchmarks/results/ngram_ahead_h200.md).
+against 1.54-1.57x (benchmarks/results/ngram_ahead_h200.md). For the same reason the worker times neither a step
+that runs prefill chunks nor the step after one (speculative/worker.py): nothing was queued ahead for it.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ class GoodputSlot:
         self.home: Tier | None = None  # the tier an exploration left; None when not exploring
         self.batch_size = 1  # of the latest observed step
         self.switched = False  # the tier changed at the last decision: the next step pays the switch (module doc)
+        self.timed_steps = 0  # steps whose wall time fed the cost EMAs
 
     @property
     def tier(self) -> Tier:
@@ -175,6 +177,7 @@ class GoodputSlot:
             key = (t, batch_size)
             old = self.timed.get(key)
             self.timed[key] = step_seconds if old is None else (1 - COST_ALPHA) * old + COST_ALPHA * step_seconds
+            self.timed_steps += 1
         self.counted += 1
         self.last_run[t] = self.counted
         if self.counted <= self.warmup or (self.counted - self.warmup) % self.decide_every:
@@ -249,6 +252,7 @@ class GoodputSlot:
         bs = self.batch_size
         cost = self.costs(bs)
         return {"strategy": "goodput", "tier": self._tier.describe(), "counted": self.counted,
+                "timed_steps": self.timed_steps,
                 "decisions": self.decisions, "exploring": self.home is not None,
                 "acceptance": self.acceptance["chain"].rates() if "chain" in self.acceptance else [],
                 "expected_tokens": {t.describe(): round(E[t], 4) for t in self.tiers},
