@@ -35,20 +35,22 @@ SMALL_CHAINS = {  # a layer's one-row products (qkv, o, gate_up, down) and the m
     "smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
     "qwen2.5-0.5b": ([(1152, 896), (896, 896), (9728, 896), (896, 4864)], 24),
 }
+GATED_SHAPE = 3  # down: a batch-1 decode forms SiLU(gate) * up inside it (gemv.silu_mul_gemv)
 SMALL_TILES = [(n, k, w, 3) for n, k, w in itertools.product((1, 2, 4, 8), (256, 512, 1024), (1, 2, 4))]
 TILES = [(n, k, w, s) for n, k, w, s in itertools.product((4, 8, 16), (1024, 2048, 4096), (4, 8), (2, 3, 4))
          if n * k <= 65536]
 
 
-def launch(x, w, out, tile) -> None:
+def launch(x, w, out, tile, up=None) -> None:
+    """x @ w^T at `tile`; with `up`, (SiLU(x) * up) @ w^T, as a batch-1 decode's down projection runs it."""
     import triton
 
     block_n, block_k, warps, stages = tile
     n, k = w.shape
     gemv_module._gemv_vec[(triton.cdiv(n, block_n),)](
-        x, x, w, w, out, out, n, k, GATED=False, HAS_BIAS=False, HAS_RES=False, EVEN=n % block_n == 0 and k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, 64), num_warps=warps, num_stages=stages,
-        **gemv_module.pdl_args(x.device))
+        x, x if up is None else up, w, w, out, out, n, k, GATED=up is not None, HAS_BIAS=False, HAS_RES=False,
+        EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, 64),
+        num_warps=warps, num_stages=stages, **gemv_module.pdl_args(x.device))
 
 
 def sweep_small(name: str) -> list[str]:
@@ -59,6 +61,8 @@ def sweep_small(name: str) -> list[str]:
                for shape in chain}
     xs = {k: torch.randn(1, k, dtype=torch.bfloat16, device="cuda") for _, k in chain}
     outs = {n: torch.empty(1, n, dtype=torch.bfloat16, device="cuda") for n, _ in chain}
+    ups = {shape: torch.randn(1, shape[1], dtype=torch.bfloat16, device="cuda") if i == GATED_SHAPE else None
+           for i, shape in enumerate(chain)}
     large = (gemv_module.VEC_BLOCK_N, gemv_module.VEC_BLOCK_K, gemv_module.VEC_WARPS, 3)
     small = (gemv_module.SMALL_VEC_BLOCK_N, gemv_module.VEC_BLOCK_K, gemv_module.SMALL_VEC_WARPS, 3)
     marks = {large: " (engine, large weights)", small: " (engine, small weights)"}
@@ -69,13 +73,14 @@ def sweep_small(name: str) -> list[str]:
         except Exception as e:  # a tile the compiler rejects (too few elements for the warps) is left out
             lines.append(f"- {tile}: {type(e).__name__}")
             continue
-        per_shape = [graph_ms(lambda s=shape: [launch(xs[s[1]], w, outs[s[0]], tile) for w in weights[s]]) * 1e3
-                     for shape in chain]
-        whole = graph_ms(lambda: [launch(xs[s[1]], weights[s][i], outs[s[0]], tile)
+        per_shape = [graph_ms(lambda s=shape: [launch(xs[s[1]], w, outs[s[0]], tile, ups[s]) for w in weights[s]])
+                     * 1e3 for shape in chain]
+        whole = graph_ms(lambda: [launch(xs[s[1]], weights[s][i], outs[s[0]], tile, ups[s])
                                   for i in range(repeats) for s in chain]) * 1e3
         rows.append((whole, f"{tile}{marks.get(tile, '')}", per_shape))
     rows.sort()
-    lines += ["tile = (BLOCK_N, BLOCK_K, warps, stages); total = the whole chain under that tile", ""]
+    lines += ["tile = (BLOCK_N, BLOCK_K, warps, stages); total = the whole chain under that tile; the last shape "
+              "(down) is the GATED product, SiLU(gate) * up formed inside it, as a batch-1 decode runs it", ""]
     lines += shape_table(chain, rows)
     return lines
 
