@@ -239,16 +239,26 @@ def invariant_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))
 
 
-def _dot_tile(n: int, k: int, sms: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, BLOCK_K, stages, SWAP) of the dot kernel for an [n, k] weight: a function of the weight (and the GPU)
-    only, so batch invariance holds."""
+class DotTile(NamedTuple):
+    """The dot kernel's tile: columns a program, its K step (bf16; fp32 halves it), pipeline stages, and whether the
+    weight is the MMA's wide operand (SWAP)."""
+
+    block_n: int
+    block_k: int
+    stages: int
+    swap: bool
+
+
+def dot_tile(n: int, k: int, sms: int) -> DotTile:
+    """The dot kernel's tile for an [n, k] weight: a function of the weight (and the GPU) only, so batch invariance
+    holds."""
     if n * k <= SMALL_DOT_MAX_WEIGHTS:
         if max(n, k) <= NARROW_DOT_SIDE:
-            return NARROW_DOT_BLOCK_N, NARROW_DOT_BLOCK_K, SMALL_DOT_STAGES, True
-        return DOT_BLOCK_N, DOT_BLOCK_K, SMALL_DOT_STAGES, True
+            return DotTile(NARROW_DOT_BLOCK_N, NARROW_DOT_BLOCK_K, SMALL_DOT_STAGES, True)
+        return DotTile(DOT_BLOCK_N, DOT_BLOCK_K, SMALL_DOT_STAGES, True)
     if sms < triton.cdiv(n, DOT_BLOCK_N) < 2 * sms:
-        return WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES, True
-    return DOT_BLOCK_N, DOT_BLOCK_K, DOT_STAGES, False
+        return DotTile(WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_STAGES, True)
+    return DotTile(DOT_BLOCK_N, DOT_BLOCK_K, DOT_STAGES, False)
 
 
 def _launch_dot(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, has_res: bool,
@@ -257,14 +267,14 @@ def _launch_dot(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     m, k = rows.shape
     n = weight.shape[0]
     line = 128 // rows.element_size()
-    block_n, block_k, stages, swap = _dot_tile(n, k, _num_sms(rows.device))
+    tile = dot_tile(n, k, _num_sms(rows.device))
     # fp32 tiles take twice the shared memory per pipeline stage: half the K step keeps the stages in 228 KB
-    block_k = min(block_k // rows.element_size() * 2, max(16, triton.next_power_of_2(k)))
-    _gemv_dot[(triton.cdiv(m, 16), triton.cdiv(n, block_n))](
+    block_k = min(tile.block_k // rows.element_size() * 2, max(16, triton.next_power_of_2(k)))
+    _gemv_dot[(triton.cdiv(m, 16), triton.cdiv(n, tile.block_n))](
         rows, weight, bias if bias is not None else weight, res, out, m, n, k, rows.stride(0), res.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, HAS_RES=has_res, IEEE=rows.dtype == torch.float32, SWAP=swap,
-        EVEN=n % block_n == 0 and k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, LINE=min(block_k, line),
-        num_warps=DOT_WARPS, num_stages=stages, **pdl_args(rows.device))
+        out.stride(0), HAS_BIAS=bias is not None, HAS_RES=has_res, IEEE=rows.dtype == torch.float32, SWAP=tile.swap,
+        EVEN=n % tile.block_n == 0 and k % block_k == 0, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+        LINE=min(block_k, line), num_warps=DOT_WARPS, num_stages=tile.stages, **pdl_args(rows.device))
 
 
 class VecTile(NamedTuple):
