@@ -520,3 +520,60 @@ def test_written_prompts_need_a_prompts_file(target, tmp_path):
         train_draft(_config(target, tmp_path, None, self_prompts=2))
     with pytest.raises(ValueError, match="self_prompts must be >= 0"):
         train_draft(_config(target, tmp_path, "p.jsonl", self_prompts=-1))
+
+
+def _unrolled_drafts(model, head, ids: list[int], steps: int) -> torch.Tensor:
+    """-> [steps, len(ids) - 2] target ids: row s, column i is the head's draft after s earlier ones, at head
+    position i (fed ids[i + 1]), as the training-time-test unroll computes it."""
+    t = len(ids)
+    tokens = torch.tensor(ids)
+    with torch.no_grad():
+        _, captured = model(tokens, torch.arange(t), _causal_within(1), target_capture_layers(head))
+        hidden = head.project_target_hidden(torch.cat(captured, -1)[: t - 2])
+        attention, drafts = UnrollAttention(), []
+        for _ in range(steps):
+            out = head(tokens[1:t - 1], torch.arange(t - 2), hidden, attention)
+            drafts.append(head.draft_to_target[head.compute_draft_logits(out).argmax(-1)])
+            hidden = torch.cat([out.new_zeros(1, out.shape[1]), out[:-1]])
+    return torch.stack(drafts)
+
+
+def _rounds_the_unroll_predicts(drafts: torch.Tensor, ids: list[int], prompt_len: int, new_tokens: int) -> list[int]:
+    """Greedy chain rounds over a known answer: a round whose newest token is ids[m] drafts drafts[s, m - 1 + s]
+    for s = 0 .. steps - 1 and accepts the longest prefix equal to ids[m + 1 ..]; -> accepted drafts per round."""
+    steps, m, emitted, accepted = drafts.shape[0], prompt_len, 1, []  # the prefill emitted ids[prompt_len]
+    while emitted < new_tokens:
+        a = 0
+        while a < steps and drafts[a, m - 1 + a].item() == ids[m + 1 + a]:
+            a += 1
+        accepted.append(a)
+        emitted, m = emitted + a + 1, m + a + 1
+    return accepted
+
+
+def test_the_engine_accepts_what_training_measured(trained, target):
+    """Training's agreement is the acceptance the engine gets: on each prompt's greedy answer, the chain rounds the
+    unroll predicts (its drafts against the answer) are the rounds the engine runs, round count and accepted drafts
+    both. Catches any drift between how the head is trained and how it drafts (positions, the K/V the head keeps
+    for accepted tokens, which target states feed it)."""
+    steps, new_tokens = 3, 24
+    model, head = _target_and_head(target, trained)
+    plain = LLM(target, device="cpu", dtype="float32")
+    prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    longer = SamplingParams(temperature=0, max_new_tokens=new_tokens + steps + 1, ignore_eos=True)
+    answers = [o.token_ids for o in plain.generate(input_ids=prompts, sampling_params=longer, use_tqdm=False)]
+    llm = LLM(target, device="cpu", dtype="float32", speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=trained, speculative_num_steps=steps, speculative_eagle_topk=1,
+              speculative_num_draft_tokens=steps + 1)
+    greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    total = 0
+    for prompt, answer in zip(prompts, answers):
+        out = llm.generate(input_ids=[prompt], sampling_params=greedy, use_tqdm=False)[0]
+        assert out.token_ids == answer[:new_tokens]
+        ids = prompt + answer
+        predicted = _rounds_the_unroll_predicts(_unrolled_drafts(model, head, ids, steps), ids, len(prompt), new_tokens)
+        info = out.meta_info
+        assert (info["spec_verify_ct"], info["spec_accepted_tokens"]) == (len(predicted), sum(predicted)), predicted
+        total += sum(predicted)
+    assert total > len(PROMPTS)  # the head accepts something, so the comparison has rounds of every kind
+    assert_engine_clean(llm)
