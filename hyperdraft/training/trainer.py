@@ -109,8 +109,7 @@ def train_draft(cfg: TrainConfig) -> dict:
         scheduler.load_state_dict(state["scheduler"])
         first_epoch, best = state["epoch"] + 1, state["best"]
     metrics: dict = {}
-    training_options = dataclasses.replace(options.current(), fused_kernels=False, gemv=False, cuda_kernels=False)
-    with options.activated(training_options):
+    with options.activated(reference_paths()):
         for epoch in range(first_epoch, cfg.epochs):
             metrics = _epoch(cfg, epoch, train, target, head, draft_ids, optimizer, scheduler)
             metrics, best = _validate_and_publish(cfg, epoch, metrics, held_out, target, head, draft_ids, config, best,
@@ -126,6 +125,12 @@ def train_draft(cfg: TrainConfig) -> dict:
     if first_epoch >= cfg.epochs and not held_out:
         save_head(cfg.out, config, head, next(target.parameters()).dtype)
     return metrics
+
+
+def reference_paths() -> options.RuntimeOptions:
+    """The current options with every Triton and CUDA kernel off: autograd cannot go through them, so the target and
+    the head train on the torch reference paths."""
+    return dataclasses.replace(options.current(), fused_kernels=False, gemv=False, cuda_kernels=False)
 
 
 def _check(cfg: TrainConfig) -> None:

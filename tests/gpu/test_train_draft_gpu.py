@@ -1,7 +1,8 @@
 """train-draft on CUDA: the target in bf16, the head's parameters in fp32 with its products under bf16 autocast,
 through the torch reference paths (autograd cannot go through the Triton kernels, which RuntimeOptions turns off
 while training); 2 of the 6 prompts held out. The loss falls, every epoch is scored on the held-out prompts, and the
-published head drafts losslessly with CUDA graphs on, in bf16 and in fp32."""
+published head drafts losslessly with CUDA graphs on, in bf16 and in fp32, and in fp32 its chain rounds accept exactly
+what the training-time-test unroll predicts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from helpers.unroll_rounds import load_target_and_head, predicted_rounds, unrolled_drafts
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.tiny import CORPUS, make_tiny_model
 from hyperdraft.training.trainer import TrainConfig, train_draft
@@ -62,3 +64,29 @@ def test_trained_head_drafts_losslessly_with_graphs(target_and_head, dtype):
     else:  # bf16 without the deterministic mode: batch-dependent rounding may move a near tie (issue 24)
         assert sum(a == b for a, b in zip(got, want)) >= len(want) - 1
     assert llm.get_server_info()["internal_states"][0]["spec_accepted_tokens"] > 0
+
+
+def test_graph_rounds_accept_what_training_measured(target_and_head):
+    """The CUDA path (Triton kernels, draft and verify graphs) drafts as the head was trained: in fp32, each prompt's
+    chain rounds accept exactly the drafts the unroll (torch reference paths) predicts on the greedy answer."""
+    target, head_dir = target_and_head
+    steps, new_tokens = 3, 24
+    model, head = load_target_and_head(target, head_dir, "cuda")
+    plain = LLM(target, device="cuda", dtype="float32", max_total_tokens=8192)
+    prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in CORPUS[:6]]
+    longer = SamplingParams(temperature=0, max_new_tokens=new_tokens + steps + 1, ignore_eos=True)
+    answers = [o.token_ids for o in plain.generate(input_ids=prompts, sampling_params=longer, use_tqdm=False)]
+    llm = LLM(target, device="cuda", dtype="float32", max_total_tokens=8192, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head_dir, speculative_num_steps=steps, speculative_eagle_topk=1,
+              speculative_num_draft_tokens=steps + 1)
+    greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    total = 0
+    for prompt, want in zip(prompts, answers):
+        out = llm.generate(input_ids=[prompt], sampling_params=greedy, use_tqdm=False)[0]
+        assert out.token_ids == want[:new_tokens]
+        ids = prompt + want
+        predicted = predicted_rounds(unrolled_drafts(model, head, ids, steps), ids, len(prompt), new_tokens)
+        assert (out.meta_info["spec_verify_ct"], out.meta_info["spec_accepted_tokens"]) == (len(predicted),
+                                                                                          sum(predicted)), predicted
+        total += sum(predicted)
+    assert total > 6  # rounds that accepted drafts are compared, not only misses

@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from conftest import assert_engine_clean
+from helpers.unroll_rounds import load_target_and_head, predicted_rounds, unrolled_drafts
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.cli import main as cli_main
 from hyperdraft.models.decoder import rotated
-from hyperdraft.models.eagle import Eagle3Head, eagle_config_from_dict, target_capture_layers
-from hyperdraft.models.loader import load_model
+from hyperdraft.models.eagle import target_capture_layers
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import CORPUS, make_tiny_model
 import hyperdraft.training.trainer as trainer
@@ -327,7 +327,7 @@ def test_bf16_target_trains_the_head_under_autocast(target, prompts_file, tmp_pa
 
 
 def test_fp32_target_trains_without_autocast(trained, target):
-    model, head = _target_and_head(target, trained)
+    model, head = load_target_and_head(target, trained)
     seen = []
     real = head.compute_draft_logits
     head.compute_draft_logits = lambda hidden: seen.append(real(hidden).dtype) or real(hidden)
@@ -358,23 +358,12 @@ def test_cli_passes_temperatures_and_validation_fraction(monkeypatch, tmp_path):
         ((0.0, 0.7), 0.1, 0), ((0.0,), 0.02, 0), ((0.0,), 0.02, 5)]
 
 
-def _target_and_head(target: str, head_dir: str):
-    """The target (fp32, CPU) and the head train-draft wrote, built as the trainer builds it."""
-    model = load_model(target, "float32", torch.device("cpu"))
-    with open(os.path.join(head_dir, "config.json")) as f:
-        cfg = eagle_config_from_dict(json.load(f))
-    head = Eagle3Head(cfg, model, own_embed=False, own_lm_head=True,
-                      aux_layer_ids=tuple(cfg.eagle_aux_hidden_state_layer_ids))
-    head.load_state_dict(load_file(os.path.join(head_dir, "model.safetensors")), strict=False)
-    head.finish_loading()
-    return model, head
-
 
 def test_unroll_equals_sequential_drafting(trained, target):
     """Step s of the unroll at position i is the s-th draft of the chain anchored at n = i - s + 1, drafted as the
     engine does: an extend over positions 0 .. n-1 fed the target's states, then one position per step fed the
     previous output (ground-truth tokens in both)."""
-    model, head = _target_and_head(target, trained)
+    model, head = load_target_and_head(target, trained)
     ids = torch.tensor([5, 17, 3, 99, 42, 8, 61, 23, 7, 30, 12, 4])
     t, steps = ids.numel(), 3
     with torch.no_grad():
@@ -446,7 +435,7 @@ def test_a_batch_trains_as_its_samples_one_by_one(trained, target):
     sums. Samples of different lengths, so padding and the answer mask both matter."""
     from hyperdraft.training.samples import Sample
 
-    model, head = _target_and_head(target, trained)
+    model, head = load_target_and_head(target, trained)
     gen = torch.Generator().manual_seed(4)
     samples = [Sample(torch.randint(0, 384, (n,), generator=gen).tolist(), start)
                for n, start in ((23, 1), (40, 12), (31, 30))]
@@ -522,42 +511,13 @@ def test_written_prompts_need_a_prompts_file(target, tmp_path):
         train_draft(_config(target, tmp_path, "p.jsonl", self_prompts=-1))
 
 
-def _unrolled_drafts(model, head, ids: list[int], steps: int) -> torch.Tensor:
-    """-> [steps, len(ids) - 2] target ids: row s, column i is the head's draft after s earlier ones, at head
-    position i (fed ids[i + 1]), as the training-time-test unroll computes it."""
-    t = len(ids)
-    tokens = torch.tensor(ids)
-    with torch.no_grad():
-        _, captured = model(tokens, torch.arange(t), _causal_within(1), target_capture_layers(head))
-        hidden = head.project_target_hidden(torch.cat(captured, -1)[: t - 2])
-        attention, drafts = UnrollAttention(), []
-        for _ in range(steps):
-            out = head(tokens[1:t - 1], torch.arange(t - 2), hidden, attention)
-            drafts.append(head.draft_to_target[head.compute_draft_logits(out).argmax(-1)])
-            hidden = torch.cat([out.new_zeros(1, out.shape[1]), out[:-1]])
-    return torch.stack(drafts)
-
-
-def _rounds_the_unroll_predicts(drafts: torch.Tensor, ids: list[int], prompt_len: int, new_tokens: int) -> list[int]:
-    """Greedy chain rounds over a known answer: a round whose newest token is ids[m] drafts drafts[s, m - 1 + s]
-    for s = 0 .. steps - 1 and accepts the longest prefix equal to ids[m + 1 ..]; -> accepted drafts per round."""
-    steps, m, emitted, accepted = drafts.shape[0], prompt_len, 1, []  # the prefill emitted ids[prompt_len]
-    while emitted < new_tokens:
-        a = 0
-        while a < steps and drafts[a, m - 1 + a].item() == ids[m + 1 + a]:
-            a += 1
-        accepted.append(a)
-        emitted, m = emitted + a + 1, m + a + 1
-    return accepted
-
-
 def test_the_engine_accepts_what_training_measured(trained, target):
     """Training's agreement is the acceptance the engine gets: on each prompt's greedy answer, the chain rounds the
     unroll predicts (its drafts against the answer) are the rounds the engine runs, round count and accepted drafts
     both. Catches any drift between how the head is trained and how it drafts (positions, the K/V the head keeps
     for accepted tokens, which target states feed it)."""
     steps, new_tokens = 3, 24
-    model, head = _target_and_head(target, trained)
+    model, head = load_target_and_head(target, trained)
     plain = LLM(target, device="cpu", dtype="float32")
     prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     longer = SamplingParams(temperature=0, max_new_tokens=new_tokens + steps + 1, ignore_eos=True)
@@ -567,13 +527,13 @@ def test_the_engine_accepts_what_training_measured(trained, target):
               speculative_num_draft_tokens=steps + 1)
     greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     total = 0
-    for prompt, answer in zip(prompts, answers):
+    for prompt, want in zip(prompts, answers):
         out = llm.generate(input_ids=[prompt], sampling_params=greedy, use_tqdm=False)[0]
-        assert out.token_ids == answer[:new_tokens]
-        ids = prompt + answer
-        predicted = _rounds_the_unroll_predicts(_unrolled_drafts(model, head, ids, steps), ids, len(prompt), new_tokens)
+        assert out.token_ids == want[:new_tokens]
+        ids = prompt + want
+        predicted = predicted_rounds(unrolled_drafts(model, head, ids, steps), ids, len(prompt), new_tokens)
         info = out.meta_info
         assert (info["spec_verify_ct"], info["spec_accepted_tokens"]) == (len(predicted), sum(predicted)), predicted
         total += sum(predicted)
-    assert total > len(PROMPTS)  # the head accepts something, so the comparison has rounds of every kind
+    assert total > len(PROMPTS)  # rounds that accepted drafts are compared, not only misses
     assert_engine_clean(llm)

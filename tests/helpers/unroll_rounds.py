@@ -1,0 +1,64 @@
+"""What train-draft's training-time-test unroll predicts the engine accepts, round by round, on a known greedy answer.
+
+The unroll scores every draft step at every head position at once; at inference a chain round anchored at the newest
+token ids[m] drafts step s at head position m - 1 + s (trainer.py, unroll_attention.py). Walking the answer round by
+round with those drafts gives the accepted drafts of each round the engine must run, in fp32, if the head drafts
+exactly as it was trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from hyperdraft import options
+from hyperdraft.models.eagle import Eagle3Head, eagle_config_from_dict, target_capture_layers
+from hyperdraft.models.loader import load_model
+from hyperdraft.training.trainer import _causal_within, reference_paths
+from hyperdraft.training.unroll_attention import UnrollAttention
+
+
+def load_target_and_head(target: str, head_dir: str, device: str = "cpu"):
+    """The target (fp32) and the head train-draft wrote, built as the trainer builds it."""
+    model = load_model(target, "float32", torch.device(device))
+    with open(os.path.join(head_dir, "config.json")) as f:
+        cfg = eagle_config_from_dict(json.load(f))
+    head = Eagle3Head(cfg, model, own_embed=False, own_lm_head=True,
+                      aux_layer_ids=tuple(cfg.eagle_aux_hidden_state_layer_ids))
+    head.load_state_dict(load_file(os.path.join(head_dir, "model.safetensors")), strict=False)
+    head.finish_loading()
+    return model, head.to(device)
+
+
+def unrolled_drafts(model, head, ids: list[int], steps: int) -> list[list[int]]:
+    """-> [steps][len(ids) - 2] target ids: row s, column i is the head's draft after s earlier ones, at head position
+    i (fed ids[i + 1]), as the training-time-test unroll computes it."""
+    t, device = len(ids), head.d2t.device
+    tokens = torch.tensor(ids, device=device)
+    positions = torch.arange(t, device=device)
+    with torch.no_grad(), options.activated(reference_paths()):
+        _, captured = model(tokens, positions, _causal_within(1), target_capture_layers(head))
+        hidden = head.project_target_hidden(torch.cat(captured, -1)[: t - 2])
+        attention, drafts = UnrollAttention(), []
+        for _ in range(steps):
+            out = head(tokens[1:t - 1], positions[: t - 2], hidden, attention)
+            drafts.append(head.draft_to_target[head.compute_draft_logits(out).argmax(-1)])
+            hidden = torch.cat([out.new_zeros(1, out.shape[1]), out[:-1]])
+    return torch.stack(drafts).tolist()
+
+
+def predicted_rounds(drafts: list[list[int]], ids: list[int], prompt_len: int, new_tokens: int) -> list[int]:
+    """Greedy chain rounds over a known answer (ids = prompt + answer, at least new_tokens + steps + 1 answer tokens):
+    the round whose newest token is ids[m] drafts drafts[s][m - 1 + s] for s = 0 .. steps - 1 and accepts the longest
+    prefix equal to ids[m + 1 ..]. -> accepted drafts per round, until new_tokens are out."""
+    steps, m, emitted, accepted = len(drafts), prompt_len, 1, []  # the prefill emitted ids[prompt_len]
+    while emitted < new_tokens:
+        a = 0
+        while a < steps and drafts[a][m - 1 + a] == ids[m + 1 + a]:
+            a += 1
+        accepted.append(a)
+        emitted, m = emitted + a + 1, m + a + 1
+    return accepted
