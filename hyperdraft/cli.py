@@ -169,6 +169,8 @@ def _add_train_draft(sub) -> None:
     train.add_argument("--draft-vocab-size", type=int,
                        help="target ids the head scores, the most frequent in the answers (default: all)")
     train.add_argument("--ttt-steps", type=int, default=5, help="unrolled draft steps per position (default: 5)")
+    train.add_argument("--head-intermediate-size", type=int,
+                       help="the head layer's MLP width (default: the target's intermediate_size)")
     train.add_argument("--temperature", type=float, nargs="+", default=[0.0],
                        help="of the target's answers; several: each prompt is answered once per temperature "
                             "(default: 0, greedy)")
@@ -272,6 +274,7 @@ def _train_draft(ns: argparse.Namespace) -> None:
     cfg = TrainConfig(_model_path(ns), ns.out, prompts=ns.prompts, num_samples=ns.num_samples,
                       self_prompts=ns.self_prompts, max_len=ns.max_len,
                       epochs=ns.epochs, lr=ns.lr, draft_vocab_size=ns.draft_vocab_size, ttt_steps=ns.ttt_steps,
+                      head_intermediate_size=ns.head_intermediate_size,
                       temperatures=tuple(ns.temperature), resume=ns.resume, device=ns.device, dtype=ns.dtype,
                       seed=ns.seed, batch_size=ns.batch_size, validation_fraction=ns.validation_fraction)
     print(json.dumps(train_draft(cfg)))

@@ -19,14 +19,16 @@ from hyperdraft.models.config import ModelConfig
 CHECKPOINT = "checkpoint.pt"
 
 
-def head_config(target: ModelConfig, draft_vocab_size: int, aux_layer_ids: tuple[int, ...]) -> dict:
-    """An EAGLE-3 head's config.json for this target: one Llama layer of the target's width and RoPE."""
+def head_config(target: ModelConfig, draft_vocab_size: int, aux_layer_ids: tuple[int, ...],
+                intermediate_size: int | None = None) -> dict:
+    """An EAGLE-3 head's config.json for this target: one Llama layer of the target's width and RoPE, its MLP as wide
+    as the target's unless intermediate_size says otherwise (the layout's loaders read the width from here)."""
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_act": "silu",
         "hidden_size": target.hidden_size,
-        "intermediate_size": target.intermediate_size,
+        "intermediate_size": intermediate_size or target.intermediate_size,
         "num_attention_heads": target.num_heads,
         "num_key_value_heads": target.num_kv_heads,
         "head_dim": target.head_dim,

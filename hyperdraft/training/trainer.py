@@ -70,6 +70,7 @@ class TrainConfig:
     epochs: int = 3
     lr: float = 1e-4  # the peak of the schedule
     draft_vocab_size: int | None = None  # None: the target's whole vocabulary
+    head_intermediate_size: int | None = None  # the head's MLP width; None: the target's
     ttt_steps: int = 5
     temperatures: tuple[float, ...] = (0.0,)  # of the target's answers: each prompt answered once per temperature
     resume: bool = False
@@ -95,7 +96,7 @@ def train_draft(cfg: TrainConfig) -> dict:
         [s.token_ids[s.answer_start:] for s in train], target.config.vocab_size,
         cfg.draft_vocab_size or target.config.vocab_size)
     aux_ids = default_aux_layer_ids(target.config.num_layers)
-    config = head_config(target.config, int(vocab.target_ids.numel()), aux_ids)
+    config = head_config(target.config, int(vocab.target_ids.numel()), aux_ids, cfg.head_intermediate_size)
     head = _new_head(config, target, vocab, aux_ids, device)
     draft_ids = vocab.target_ids.to(device)
     coverage = vocab.coverage([s.token_ids[s.answer_start:] for s in held_out])  # the same every epoch
@@ -134,8 +135,8 @@ def reference_paths() -> options.RuntimeOptions:
 
 
 def _check(cfg: TrainConfig) -> None:
-    for name in ("num_samples", "max_len", "epochs", "ttt_steps", "batch_size"):
-        if getattr(cfg, name) < 1:
+    for name in ("num_samples", "max_len", "epochs", "ttt_steps", "batch_size", "head_intermediate_size"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.self_prompts < 0:
         raise ValueError(f"self_prompts must be >= 0, got {cfg.self_prompts}")

@@ -339,11 +339,33 @@ def test_fp32_target_trains_without_autocast(trained, target):
 @pytest.mark.parametrize("field, value, match", [("validation_fraction", 0.7, "validation_fraction"),
                                                  ("validation_fraction", -0.1, "validation_fraction"),
                                                  ("temperatures", (0.0, -1.0), "temperature"),
-                                                 ("temperatures", (), "temperature")])
+                                                 ("temperatures", (), "temperature"),
+                                                 ("head_intermediate_size", 0, "head_intermediate_size")])
 def test_bad_values_are_refused(target, prompts_file, tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):
         train_draft(_config(target, tmp_path, prompts_file, **{field: value}))
     assert not os.listdir(tmp_path)  # refused before anything was answered or written
+
+
+def test_a_wider_head_is_written_and_drafts_losslessly(target, prompts_file, tmp_path):
+    """--head-intermediate-size widens the head's MLP: the config says so, the weights have that shape, and the head
+    loads through EAGLE3 and keeps speculation lossless."""
+    assert cli_main(["train-draft", "--model", target, "--out", str(tmp_path), "--prompts", prompts_file,
+                     "--num-samples", "2", "--max-len", "64", "--epochs", "1", "--draft-vocab-size", "200",
+                     "--ttt-steps", "2", "--head-intermediate-size", "256", "--validation-fraction", "0",
+                     "--device", "cpu"]) == 0
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        assert json.load(f)["intermediate_size"] == 256
+    weights = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert weights["midlayer.mlp.down_proj.weight"].shape[1] == 256
+    plain = LLM(target, device="cpu", dtype="float32")
+    prompt = plain.apply_chat_template([{"role": "user", "content": PROMPTS[0]}])
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    want = plain.generate(input_ids=[prompt], sampling_params=greedy, use_tqdm=False)[0].token_ids
+    llm = LLM(target, device="cpu", dtype="float32", speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=str(tmp_path), speculative_num_steps=3)
+    assert llm.generate(input_ids=[prompt], sampling_params=greedy, use_tqdm=False)[0].token_ids == want
+    assert_engine_clean(llm)
 
 
 def test_cli_passes_temperatures_and_validation_fraction(monkeypatch, tmp_path):
@@ -356,7 +378,6 @@ def test_cli_passes_temperatures_and_validation_fraction(monkeypatch, tmp_path):
                      "--self-prompts", "5"]) == 0
     assert [(c.temperatures, c.validation_fraction, c.self_prompts) for c in seen] == [
         ((0.0, 0.7), 0.1, 0), ((0.0,), 0.02, 0), ((0.0,), 0.02, 5)]
-
 
 
 def test_unroll_equals_sequential_drafting(trained, target):
