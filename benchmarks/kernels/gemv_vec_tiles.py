@@ -36,7 +36,9 @@ SMALL_CHAINS = {  # a layer's one-row products (qkv, o, gate_up, down) and the m
     "qwen2.5-0.5b": ([(1152, 896), (896, 896), (9728, 896), (896, 4864)], 24),
 }
 GATED_SHAPE = 3  # down: a batch-1 decode forms SiLU(gate) * up inside it (gemv.silu_mul_gemv)
-SMALL_TILES = [(n, k, w, 3) for n, k, w in itertools.product((1, 2, 4, 8), (256, 512, 1024), (1, 2, 4))]
+# 2048-wide steps: the engine's tile for small weights whose K is 1025-2048 (SmolLM2's down), one K step
+SMALL_TILES = ([(n, k, w, 3) for n, k, w in itertools.product((1, 2, 4, 8), (256, 512, 1024), (1, 2, 4))]
+               + [(n, 2048, w, 3) for n, w in itertools.product((4, 8), (4, 8))])
 TILES = [(n, k, w, s) for n, k, w, s in itertools.product((4, 8, 16), (1024, 2048, 4096), (4, 8), (2, 3, 4))
          if n * k <= 65536]
 

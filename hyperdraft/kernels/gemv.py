@@ -52,6 +52,13 @@ VEC_BLOCK_N, VEC_BLOCK_K, VEC_WARPS = 8, 1024, 4
 # -> 596 us a step with every product here (norm unfused), ~1 us with the norm fused (norm_gemv keeps the large tile,
 # measured better for it; only o and down come here). The 8B-class products (16.8M weights and up) keep the tile above.
 SMALL_VEC_BLOCK_N, SMALL_VEC_WARPS, SMALL_VEC_MAX_WEIGHTS = 4, 2, 10_000_000
+# A small weight's K from 1025 to 2048 is one K step (padded to 2048) of 8 columns on 4 warps, not two dependent
+# 1024-wide steps of 4: a latency-bound program's second step is a second memory round trip. SmolLM2's down (K = 1536,
+# SiLU(gate) * up formed in the program) took its decode graph from 527 to 473 us a step on an H200, in three runs
+# (benchmarks/results/plain_step_h200.md). 4 columns in one step: 527 (from 560); 2 columns: 538; 4 columns on 8 warps:
+# 545; three unmasked 512-wide steps: 576. Why 8 columns beat 4 by this much (72 programs against 144, on 132 SMs)
+# is not pinned down; the isolated-chain sweep (gemv_vec_tiles --small) does not show it, the graph does.
+SMALL_VEC_ONE_STEP_K, SMALL_VEC_ONE_STEP_BLOCK_N, SMALL_VEC_ONE_STEP_WARPS = 2048, 8, 4
 DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 6
 # Where 32-column tiles make between one and two waves of programs, the second wave runs mostly empty: wider tiles
 # (half the programs) with the operands swapped (W is the MMA's 64-row operand) measured 19.0 us against 20.5 for
@@ -289,6 +296,8 @@ def vec_tile(n: int, k: int) -> VecTile:
     """The one-row tile for an [n, k] weight: a function of the weight only (module doc, batch invariance)."""
     block_k = min(VEC_BLOCK_K, triton.next_power_of_2(k))
     if n * k <= SMALL_VEC_MAX_WEIGHTS:
+        if VEC_BLOCK_K < k <= SMALL_VEC_ONE_STEP_K:
+            return VecTile(SMALL_VEC_ONE_STEP_BLOCK_N, SMALL_VEC_ONE_STEP_K, SMALL_VEC_ONE_STEP_WARPS)
         return VecTile(SMALL_VEC_BLOCK_N, block_k, SMALL_VEC_WARPS)
     return VecTile(VEC_BLOCK_N, block_k, VEC_WARPS)
 

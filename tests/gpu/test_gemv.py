@@ -41,7 +41,8 @@ def _poisoned(fn, *args):
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 6, 8, 16])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (77, 300), (8, 16), (1000, 2049)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (77, 300), (8, 16), (1000, 2049), (576, 1536),
+                                 (200, 1500)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_linear(m, n, k, dtype, bias):
@@ -188,7 +189,7 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,inter", [(4096, 12288), (96, 200), (64, 1000)])
+@pytest.mark.parametrize("n,inter", [(4096, 12288), (96, 200), (64, 1000), (576, 1536), (64, 1100)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_silu_mul_gemv_equals_the_activation_then_the_product(dtype, n, inter, with_residual):
     """The batch-1 MLP's down projection with SiLU(gate) * up computed in its prologue == silu_mul's output fed to
