@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from helpers.unroll_rounds import load_target_and_head, predicted_rounds, unrolled_drafts
+from hyperdraft.training.unroll_rounds import load_target_and_head, predicted_rounds, unrolled_drafts
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.tiny import CORPUS, make_tiny_model
 from hyperdraft.training.trainer import TrainConfig, train_draft

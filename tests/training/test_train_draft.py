@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from conftest import assert_engine_clean
-from helpers.unroll_rounds import load_target_and_head, predicted_rounds, unrolled_drafts
+from hyperdraft.training.unroll_rounds import load_target_and_head, predicted_rounds, unrolled_drafts
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.cli import main as cli_main
 from hyperdraft.models.decoder import rotated

@@ -1,9 +1,10 @@
-"""What train-draft's training-time-test unroll predicts the engine accepts, round by round, on a known greedy answer.
+"""What the training-time-test unroll predicts the engine accepts, round by round, on a known greedy answer.
 
 The unroll scores every draft step at every head position at once; at inference a chain round anchored at the newest
 token ids[m] drafts step s at head position m - 1 + s (trainer.py, unroll_attention.py). Walking the answer round by
-round with those drafts gives the accepted drafts of each round the engine must run, in fp32, if the head drafts
-exactly as it was trained.
+round with those drafts gives the accepted drafts of each round the engine must run in fp32, if the head drafts
+exactly as it was trained. The tests hold the engine to it (tests/training, tests/gpu); the probe
+benchmarks/probes/unroll_rounds.py checks it on a real model and head.
 """
 
 from __future__ import annotations
