@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file
 
 from hyperdraft import options
+from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.models.eagle import Eagle3Head, eagle_config_from_dict, target_capture_layers
 from hyperdraft.models.loader import load_model
 from hyperdraft.training.trainer import _causal_within, reference_paths
@@ -63,3 +65,29 @@ def predicted_rounds(drafts: list[list[int]], ids: list[int], prompt_len: int, n
         accepted.append(a)
         emitted, m = emitted + a + 1, m + a + 1
     return accepted
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """One prompt's greedy chain rounds: the engine's and the unroll's (round count, accepted drafts)."""
+
+    engine: tuple[int, int]
+    unroll: tuple[int, int]
+    output_equal: bool  # the speculative output equals plain decoding's
+
+
+def compare_rounds(plain, speculative, model, head, prompts: list[list[int]], steps: int,
+                   new_tokens: int) -> list[Rounds]:
+    """plain, speculative: LLMs on the target (speculative: EAGLE-3 chain of `steps`, the head's directory); model,
+    head: load_target_and_head's. Each prompt alone, greedy, new_tokens long."""
+    longer = SamplingParams(temperature=0, max_new_tokens=new_tokens + steps + 1, ignore_eos=True)
+    answers = [o.token_ids for o in plain.generate(input_ids=prompts, sampling_params=longer, use_tqdm=False)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    rows = []
+    for prompt, answer in zip(prompts, answers):
+        out = speculative.generate(input_ids=[prompt], sampling_params=greedy, use_tqdm=False)[0]
+        ids = prompt + answer
+        rounds = predicted_rounds(unrolled_drafts(model, head, ids, steps), ids, len(prompt), new_tokens)
+        rows.append(Rounds((out.meta_info["spec_verify_ct"], out.meta_info["spec_accepted_tokens"]),
+                           (len(rounds), sum(rounds)), out.token_ids == answer[:new_tokens]))
+    return rows

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hyperdraft.training.unroll_rounds import load_target_and_head, predicted_rounds, unrolled_drafts
+from hyperdraft.training.unroll_rounds import compare_rounds, load_target_and_head
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.tiny import CORPUS, make_tiny_model
 from hyperdraft.training.trainer import TrainConfig, train_draft
@@ -70,23 +70,12 @@ def test_graph_rounds_accept_what_training_measured(target_and_head):
     """The CUDA path (Triton kernels, draft and verify graphs) drafts as the head was trained: in fp32, each prompt's
     chain rounds accept exactly the drafts the unroll (torch reference paths) predicts on the greedy answer."""
     target, head_dir = target_and_head
-    steps, new_tokens = 3, 24
-    model, head = load_target_and_head(target, head_dir, "cuda")
+    steps = 3
     plain = LLM(target, device="cuda", dtype="float32", max_total_tokens=8192)
-    prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in CORPUS[:6]]
-    longer = SamplingParams(temperature=0, max_new_tokens=new_tokens + steps + 1, ignore_eos=True)
-    answers = [o.token_ids for o in plain.generate(input_ids=prompts, sampling_params=longer, use_tqdm=False)]
     llm = LLM(target, device="cuda", dtype="float32", max_total_tokens=8192, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head_dir, speculative_num_steps=steps, speculative_eagle_topk=1,
               speculative_num_draft_tokens=steps + 1)
-    greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    total = 0
-    for prompt, want in zip(prompts, answers):
-        out = llm.generate(input_ids=[prompt], sampling_params=greedy, use_tqdm=False)[0]
-        assert out.token_ids == want[:new_tokens]
-        ids = prompt + want
-        predicted = predicted_rounds(unrolled_drafts(model, head, ids, steps), ids, len(prompt), new_tokens)
-        assert (out.meta_info["spec_verify_ct"], out.meta_info["spec_accepted_tokens"]) == (len(predicted),
-                                                                                          sum(predicted)), predicted
-        total += sum(predicted)
-    assert total > 6  # rounds that accepted drafts are compared, not only misses
+    prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in CORPUS[:6]]
+    rows = compare_rounds(plain, llm, *load_target_and_head(target, head_dir, "cuda"), prompts, steps, new_tokens=24)
+    assert all(row.output_equal and row.engine == row.unroll for row in rows), rows
+    assert sum(row.unroll[1] for row in rows) > 6  # rounds that accepted drafts are compared, not only misses

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from conftest import assert_engine_clean
-from hyperdraft.training.unroll_rounds import load_target_and_head, predicted_rounds, unrolled_drafts
+from hyperdraft.training.unroll_rounds import compare_rounds, load_target_and_head
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.cli import main as cli_main
 from hyperdraft.models.decoder import rotated
@@ -537,24 +537,13 @@ def test_the_engine_accepts_what_training_measured(trained, target):
     unroll predicts (its drafts against the answer) are the rounds the engine runs, round count and accepted drafts
     both. Catches any drift between how the head is trained and how it drafts (positions, the K/V the head keeps
     for accepted tokens, which target states feed it)."""
-    steps, new_tokens = 3, 24
-    model, head = load_target_and_head(target, trained)
+    steps = 3
     plain = LLM(target, device="cpu", dtype="float32")
-    prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    longer = SamplingParams(temperature=0, max_new_tokens=new_tokens + steps + 1, ignore_eos=True)
-    answers = [o.token_ids for o in plain.generate(input_ids=prompts, sampling_params=longer, use_tqdm=False)]
     llm = LLM(target, device="cpu", dtype="float32", speculative_algorithm="EAGLE3",
               speculative_draft_model_path=trained, speculative_num_steps=steps, speculative_eagle_topk=1,
               speculative_num_draft_tokens=steps + 1)
-    greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    total = 0
-    for prompt, want in zip(prompts, answers):
-        out = llm.generate(input_ids=[prompt], sampling_params=greedy, use_tqdm=False)[0]
-        assert out.token_ids == want[:new_tokens]
-        ids = prompt + want
-        predicted = predicted_rounds(unrolled_drafts(model, head, ids, steps), ids, len(prompt), new_tokens)
-        info = out.meta_info
-        assert (info["spec_verify_ct"], info["spec_accepted_tokens"]) == (len(predicted), sum(predicted)), predicted
-        total += sum(predicted)
-    assert total > len(PROMPTS)  # rounds that accepted drafts are compared, not only misses
+    prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    rows = compare_rounds(plain, llm, *load_target_and_head(target, trained), prompts, steps, new_tokens=24)
+    assert all(row.output_equal and row.engine == row.unroll for row in rows), rows
+    assert sum(row.unroll[1] for row in rows) > len(PROMPTS)  # rounds that accepted drafts are compared, not only misses
     assert_engine_clean(llm)
