@@ -23,6 +23,9 @@ from hyperdraft.options import RuntimeOptions, activated
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
 TILES = list(itertools.product((16, 32), (64, 128, 256), (2, 4), (2, 4)))  # (BLOCK_N, BLOCK_K, warps, stages)
+# Long K steps: one step for the 576-wide products at 1024, for down (K 1536) at 2048. A latency-bound one-row
+# product gained most from one K step (kernels/gemv.py SMALL_VEC_ONE_STEP_K); whether a few-row one does is open.
+TILES += [(n, k, 4, s) for n, k, s in itertools.product((16, 32), (512, 1024, 2048), (1, 2))]
 
 
 def sweep(num_rows: int) -> list[str]:
