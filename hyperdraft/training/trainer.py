@@ -105,6 +105,10 @@ def train_draft(cfg: TrainConfig) -> dict:
     scheduler = lr_schedule(optimizer, cfg.epochs * len(_batches(train, cfg.batch_size, random.Random(0))))
     first_epoch, best = 0, -math.inf
     if state:
+        trained_width = state["head"]["midlayer.mlp.down_proj.weight"].shape[1]
+        if trained_width != config["intermediate_size"]:
+            raise ValueError(f"--resume: head_intermediate_size {config['intermediate_size']} differs from the "
+                             f"checkpoint's {trained_width}")
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -304,7 +308,7 @@ def _batch_loss(batch: list[Sample], target, head: Eagle3Head, draft_ids: torch.
     length = max(len(s.token_ids) for s in batch)
     ids = torch.tensor([s.token_ids + [0] * (length - len(s.token_ids)) for s in batch], device=device)  # [B, L]
     with torch.no_grad():
-        final, captured = target(ids.flatten(), torch.arange(length, device=device).repeat(b), _causal_within(b),
+        final, captured = target(ids.flatten(), torch.arange(length, device=device).repeat(b), causal_within(b),
                                  target_capture_layers(head))
         labels = target.compute_logits(final).view(b, length, -1)[:, 1:length - 1]  # [B, n, V]
     n = length - 2  # head position i predicts t_{i+2}: labelled by the target's logits at i + 1
@@ -335,7 +339,7 @@ def _batch_loss(batch: list[Sample], target, head: Eagle3Head, draft_ids: torch.
     return loss, torch.stack(correct).tolist(), torch.stack(counted).tolist()
 
 
-def _causal_within(batch: int):
+def causal_within(batch: int):
     """The teacher's attention over `batch` whole sequences of one length packed back to back (no paged cache)."""
 
     def attend(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope=None) -> torch.Tensor:

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from hyperdraft import options
-from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.models.eagle import Eagle3Head, eagle_config_from_dict, target_capture_layers
 from hyperdraft.models.loader import load_model
-from hyperdraft.training.trainer import _causal_within, reference_paths
+from hyperdraft.sampling_params import SamplingParams
+from hyperdraft.training.trainer import causal_within, reference_paths
 from hyperdraft.training.unroll_attention import UnrollAttention
 
 
@@ -43,7 +43,7 @@ def unrolled_drafts(model, head, ids: list[int], steps: int) -> list[list[int]]:
     tokens = torch.tensor(ids, device=device)
     positions = torch.arange(t, device=device)
     with torch.no_grad(), options.activated(reference_paths()):
-        _, captured = model(tokens, positions, _causal_within(1), target_capture_layers(head))
+        _, captured = model(tokens, positions, causal_within(1), target_capture_layers(head))
         hidden = head.project_target_hidden(torch.cat(captured, -1)[: t - 2])
         attention, drafts = UnrollAttention(), []
         for _ in range(steps):

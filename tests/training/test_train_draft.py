@@ -28,7 +28,7 @@ import hyperdraft.training.trainer as trainer
 from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
 from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_samples
 from hyperdraft.training.samples import Sample, SampleStore, answer, refuse_evaluation_prompts
-from hyperdraft.training.trainer import TrainConfig, _batch_loss, _causal_within, train_draft
+from hyperdraft.training.trainer import TrainConfig, _batch_loss, causal_within, train_draft
 from hyperdraft.training.unroll_attention import UnrollAttention
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -368,6 +368,13 @@ def test_a_wider_head_is_written_and_drafts_losslessly(target, prompts_file, tmp
     assert_engine_clean(llm)
 
 
+def test_resume_refuses_another_head_width(target, prompts_file, tmp_path):
+    train_draft(_config(target, tmp_path, prompts_file, epochs=1, num_samples=2))
+    with pytest.raises(ValueError, match="head_intermediate_size 256 differs from the checkpoint's 128"):
+        train_draft(_config(target, tmp_path, prompts_file, epochs=2, num_samples=2, resume=True,
+                            head_intermediate_size=256))
+
+
 def test_cli_passes_temperatures_and_validation_fraction(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(trainer, "train_draft", lambda cfg: seen.append(cfg) or {})
@@ -388,7 +395,7 @@ def test_unroll_equals_sequential_drafting(trained, target):
     ids = torch.tensor([5, 17, 3, 99, 42, 8, 61, 23, 7, 30, 12, 4])
     t, steps = ids.numel(), 3
     with torch.no_grad():
-        _, captured = model(ids, torch.arange(t), _causal_within(1), target_capture_layers(head))
+        _, captured = model(ids, torch.arange(t), causal_within(1), target_capture_layers(head))
         hidden0 = head.project_target_hidden(torch.cat(captured, -1)[: t - 2])
         tokens, n_pos = ids[1:t - 1], t - 2
         unroll, attention, hidden = [], UnrollAttention(), hidden0
