@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -21,6 +22,9 @@ from hyperdraft.models.eagle import Eagle3Head, eagle_config_from_dict, target_c
 from hyperdraft.models.loader import load_model
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.training.trainer import causal_within, reference_paths
+
+if TYPE_CHECKING:
+    from hyperdraft.llm import LLM
 from hyperdraft.training.unroll_attention import UnrollAttention
 
 
@@ -76,7 +80,7 @@ class Rounds:
     output_equal: bool  # the speculative output equals plain decoding's
 
 
-def compare_rounds(plain, speculative, model, head, prompts: list[list[int]], steps: int,
+def compare_rounds(plain: LLM, speculative: LLM, model, head: Eagle3Head, prompts: list[list[int]], steps: int,
                    new_tokens: int) -> list[Rounds]:
     """plain, speculative: LLMs on the target (speculative: EAGLE-3 chain of `steps`, the head's directory); model,
     head: load_target_and_head's. Each prompt alone, greedy, new_tokens long."""
