@@ -171,6 +171,9 @@ def _add_train_draft(sub) -> None:
     train.add_argument("--ttt-steps", type=int, default=5, help="unrolled draft steps per position (default: 5)")
     train.add_argument("--head-intermediate-size", type=int,
                        help="the head layer's MLP width (default: the target's intermediate_size)")
+    train.add_argument("--aux-layers", type=int, nargs=3, metavar="LAYER",
+                       help="the 3 target layers whose outputs the head reads, in [0, num_layers - 2] (default: "
+                            "SGLang's 1, L/2 - 1, L - 4)")
     train.add_argument("--temperature", type=float, nargs="+", default=[0.0],
                        help="of the target's answers; several: each prompt is answered once per temperature "
                             "(default: 0, greedy)")
@@ -275,6 +278,7 @@ def _train_draft(ns: argparse.Namespace) -> None:
                       self_prompts=ns.self_prompts, max_len=ns.max_len,
                       epochs=ns.epochs, lr=ns.lr, draft_vocab_size=ns.draft_vocab_size, ttt_steps=ns.ttt_steps,
                       head_intermediate_size=ns.head_intermediate_size,
+                      aux_layer_ids=tuple(ns.aux_layers) if ns.aux_layers else None,
                       temperatures=tuple(ns.temperature), resume=ns.resume, device=ns.device, dtype=ns.dtype,
                       seed=ns.seed, batch_size=ns.batch_size, validation_fraction=ns.validation_fraction)
     print(json.dumps(train_draft(cfg)))

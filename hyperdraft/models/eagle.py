@@ -23,8 +23,8 @@ What the head consumes from the target:
   lo = 1 if hi >= 3 else 0: L=6 -> (1, 2, 4), L=5 -> (1, 2, 3), L=4, 3 -> (0, 1, 2); L < 3 has none.
   DecoderLM.forward(capture_layers=c) captures the INPUT of layer c = the output of layer c - 1, so pass
   target_capture_layers(head) = sorted(i + 1 for i in aux ids); the captured list comes back in that (fc's) order.
-  The last layer's output (id L - 1) would need the final PRE-norm hidden, which DecoderLM.forward does not expose:
-  target_capture_layers raises for it (of the defaults, only a 3-layer target's hits this).
+  The last layer's output (id L - 1) is the final pre-norm sum, captured after the layer loop (capture index L);
+  SGLang's target forward captures only inside its loop, so train-draft never picks it (--aux-layers <= L - 2).
 
 Alignment (SafeAILab's topK_genrate feeds input_ids[:, 1:]; SGLang's draft extend shifts input_ids left by one,
 appends the token the target just sampled, and keeps positions): the target ran t_0..t_{n-1} at positions 0..n-1,

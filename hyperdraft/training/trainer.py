@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperdraft import options
+from hyperdraft.models.config import load_model_config
 from hyperdraft.models.decoder import rotated
 from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, eagle_config_from_dict, target_capture_layers
 from hyperdraft.models.loader import load_model
@@ -71,6 +72,7 @@ class TrainConfig:
     lr: float = 1e-4  # the peak of the schedule
     draft_vocab_size: int | None = None  # None: the target's whole vocabulary
     head_intermediate_size: int | None = None  # the head's MLP width; None: the target's
+    aux_layer_ids: tuple[int, ...] | None = None  # target layers whose outputs the head reads; None: SGLang's default
     ttt_steps: int = 5
     temperatures: tuple[float, ...] = (0.0,)  # of the target's answers: each prompt answered once per temperature
     resume: bool = False
@@ -85,6 +87,7 @@ class TrainConfig:
 def train_draft(cfg: TrainConfig) -> dict:
     """Train (or resume) and write the head to cfg.out -> the last epoch's metrics."""
     _check(cfg)
+    aux_ids = _aux_layer_ids(cfg, load_model_config(cfg.model).num_layers)  # refused before anything is answered
     os.makedirs(cfg.out, exist_ok=True)
     torch.manual_seed(cfg.seed)
     state = _resume_state(cfg) if cfg.resume else None
@@ -95,7 +98,6 @@ def train_draft(cfg: TrainConfig) -> dict:
     vocab = DraftVocab(state["vocab"]) if state else frequent_tokens(
         [s.token_ids[s.answer_start:] for s in train], target.config.vocab_size,
         cfg.draft_vocab_size or target.config.vocab_size)
-    aux_ids = default_aux_layer_ids(target.config.num_layers)
     config = head_config(target.config, int(vocab.target_ids.numel()), aux_ids, cfg.head_intermediate_size)
     head = _new_head(config, target, vocab, aux_ids, device)
     draft_ids = vocab.target_ids.to(device)
@@ -105,6 +107,9 @@ def train_draft(cfg: TrainConfig) -> dict:
     scheduler = lr_schedule(optimizer, cfg.epochs * len(_batches(train, cfg.batch_size, random.Random(0))))
     first_epoch, best = 0, -math.inf
     if state:
+        trained_ids = tuple(state.get("aux_layer_ids", default_aux_layer_ids(target.config.num_layers)))  # older ones
+        if trained_ids != aux_ids:
+            raise ValueError(f"--resume: aux_layer_ids {list(aux_ids)} differ from the checkpoint's {list(trained_ids)}")
         trained_width = state["head"]["midlayer.mlp.down_proj.weight"].shape[1]
         if trained_width != config["intermediate_size"]:
             raise ValueError(f"--resume: head_intermediate_size {config['intermediate_size']} differs from the "
@@ -122,6 +127,7 @@ def train_draft(cfg: TrainConfig) -> dict:
             save_checkpoint(cfg.out, {"head": head.state_dict(), "optimizer": optimizer.state_dict(),
                                       "scheduler": scheduler.state_dict(), "epoch": epoch, "best": best,
                                       "validation_fraction": cfg.validation_fraction, "seed": cfg.seed,
+                                      "aux_layer_ids": aux_ids,
                                       "samples": [dataclasses.astuple(s) for s in samples],
                                       "vocab": vocab.target_ids, "metrics": metrics})
             plot_log(cfg.out)
@@ -136,6 +142,19 @@ def reference_paths() -> options.RuntimeOptions:
     """The current options with every Triton and CUDA kernel off: autograd cannot go through them, so the target and
     the head train on the torch reference paths."""
     return dataclasses.replace(options.current(), fused_kernels=False, gemv=False, cuda_kernels=False)
+
+
+def _aux_layer_ids(cfg: TrainConfig, num_layers: int) -> tuple[int, ...]:
+    """The head's aux layers: three distinct outputs of layers 0 .. num_layers - 2. The last layer's output is left
+    out because SGLang's target forward never captures it (it captures layer inputs inside its layer loop), so a head
+    reading it would not load there."""
+    if cfg.aux_layer_ids is None:
+        return default_aux_layer_ids(num_layers)
+    ids = tuple(sorted(cfg.aux_layer_ids))
+    if len(ids) != 3 or len(set(ids)) != 3 or not all(0 <= i <= num_layers - 2 for i in ids):
+        raise ValueError(f"aux_layer_ids {list(cfg.aux_layer_ids)}: give 3 distinct layers in [0, {num_layers - 2}] "
+                         f"(the target has num_layers={num_layers})")
+    return ids
 
 
 def _check(cfg: TrainConfig) -> None:

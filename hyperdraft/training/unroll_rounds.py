@@ -28,13 +28,15 @@ if TYPE_CHECKING:
 from hyperdraft.training.unroll_attention import UnrollAttention
 
 
-def load_target_and_head(target: str, head_dir: str, device: str = "cpu"):
-    """The target (fp32) and the head train-draft wrote, built as the trainer builds it."""
+def load_target_and_head(target: str, head_dir: str, device: str = "cpu",
+                         aux_layer_ids: tuple[int, ...] | None = None):
+    """The target (fp32) and the head train-draft wrote, built as the trainer builds it; aux_layer_ids, when given,
+    replaces the config's (to show that a check would see the engine read other layers)."""
     model = load_model(target, "float32", torch.device(device))
     with open(os.path.join(head_dir, "config.json")) as f:
         cfg = eagle_config_from_dict(json.load(f))
     head = Eagle3Head(cfg, model, own_embed=False, own_lm_head=True,
-                      aux_layer_ids=tuple(cfg.eagle_aux_hidden_state_layer_ids))
+                      aux_layer_ids=aux_layer_ids or tuple(cfg.eagle_aux_hidden_state_layer_ids))
     head.load_state_dict(load_file(os.path.join(head_dir, "model.safetensors")), strict=False)
     head.finish_loading()
     return model, head.to(device)

@@ -340,7 +340,10 @@ def test_fp32_target_trains_without_autocast(trained, target):
                                                  ("validation_fraction", -0.1, "validation_fraction"),
                                                  ("temperatures", (0.0, -1.0), "temperature"),
                                                  ("temperatures", (), "temperature"),
-                                                 ("head_intermediate_size", 0, "head_intermediate_size")])
+                                                 ("head_intermediate_size", 0, "head_intermediate_size"),
+                                                 ("aux_layer_ids", (0, 0, 1), r"aux_layer_ids \[0, 0, 1\]"),
+                                                 ("aux_layer_ids", (0, 1, 5), r"in \[0, 4\]"),
+                                                 ("aux_layer_ids", (0, 1), "give 3 distinct")])
 def test_bad_values_are_refused(target, prompts_file, tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):
         train_draft(_config(target, tmp_path, prompts_file, **{field: value}))
@@ -366,6 +369,36 @@ def test_a_wider_head_is_written_and_drafts_losslessly(target, prompts_file, tmp
               speculative_draft_model_path=str(tmp_path), speculative_num_steps=3)
     assert llm.generate(input_ids=[prompt], sampling_params=greedy, use_tqdm=False)[0].token_ids == want
     assert_engine_clean(llm)
+
+
+def test_chosen_aux_layers_are_written_and_read_by_the_engine(target, prompts_file, tmp_path):
+    """--aux-layers picks the target layers the head reads (here the output of the one before last): the config
+    names them, and the engine feeds the head those layers: its chain rounds are the ones the unroll (which reads
+    them from the config) predicts, and speculation stays lossless."""
+    assert cli_main(["train-draft", "--model", target, "--out", str(tmp_path), "--prompts", prompts_file,
+                     "--num-samples", "4", "--max-len", "96", "--epochs", "4", "--lr", "5e-3", "--draft-vocab-size",
+                     "200", "--ttt-steps", "3", "--batch-size", "2", "--aux-layers", "3", "0", "1",
+                     "--validation-fraction", "0", "--device", "cpu"]) == 0
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+    plain = LLM(target, device="cpu", dtype="float32")
+    llm = LLM(target, device="cpu", dtype="float32", speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=str(tmp_path), speculative_num_steps=3, speculative_eagle_topk=1,
+              speculative_num_draft_tokens=4)
+    prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    rows = compare_rounds(plain, llm, *load_target_and_head(target, str(tmp_path)), prompts, 3, new_tokens=24)
+    assert all(row.output_equal and row.engine == row.unroll for row in rows), rows
+    # the check can tell: an unroll fed the default layers (1, 2, 4) predicts other rounds than the engine runs
+    other = compare_rounds(plain, llm, *load_target_and_head(target, str(tmp_path), aux_layer_ids=(1, 2, 4)), prompts,
+                           3, new_tokens=24)
+    assert any(row.engine != row.unroll for row in other), other
+    assert_engine_clean(llm)
+
+
+def test_resume_refuses_other_aux_layers(target, prompts_file, tmp_path):
+    train_draft(_config(target, tmp_path, prompts_file, epochs=1, num_samples=2, aux_layer_ids=(0, 2, 4)))
+    with pytest.raises(ValueError, match=r"aux_layer_ids \[1, 2, 4\] differ from the checkpoint's \[0, 2, 4\]"):
+        train_draft(_config(target, tmp_path, prompts_file, epochs=2, num_samples=2, resume=True))
 
 
 def test_resume_refuses_another_head_width(target, prompts_file, tmp_path):
