@@ -47,5 +47,6 @@ def main() -> None:
     print(f"\nturns equal: {sum(r.engine == r.unroll for r in rows)}/{len(rows)}; engine accept length "
           f"{(rounds + accepted) / rounds:.3f}")
 
+
 if __name__ == "__main__":
     main()

@@ -109,7 +109,8 @@ def train_draft(cfg: TrainConfig) -> dict:
     if state:
         trained_ids = tuple(state.get("aux_layer_ids", default_aux_layer_ids(target.config.num_layers)))  # older ones
         if trained_ids != aux_ids:
-            raise ValueError(f"--resume: aux_layer_ids {list(aux_ids)} differ from the checkpoint's {list(trained_ids)}")
+            raise ValueError(f"--resume: aux_layer_ids {list(aux_ids)} differ from the checkpoint's "
+                             f"{list(trained_ids)}")
         trained_width = state["head"]["midlayer.mlp.down_proj.weight"].shape[1]
         if trained_width != config["intermediate_size"]:
             raise ValueError(f"--resume: head_intermediate_size {config['intermediate_size']} differs from the "

@@ -22,10 +22,10 @@ from hyperdraft.models.eagle import Eagle3Head, eagle_config_from_dict, target_c
 from hyperdraft.models.loader import load_model
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.training.trainer import causal_within, reference_paths
+from hyperdraft.training.unroll_attention import UnrollAttention
 
 if TYPE_CHECKING:
     from hyperdraft.llm import LLM
-from hyperdraft.training.unroll_attention import UnrollAttention
 
 
 def load_target_and_head(target: str, head_dir: str, device: str = "cpu",

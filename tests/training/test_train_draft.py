@@ -372,8 +372,8 @@ def test_a_wider_head_is_written_and_drafts_losslessly(target, prompts_file, tmp
 
 
 def test_chosen_aux_layers_are_written_and_read_by_the_engine(target, prompts_file, tmp_path):
-    """--aux-layers picks the target layers the head reads (here the output of the one before last): the config
-    names them, and the engine feeds the head those layers: its chain rounds are the ones the unroll (which reads
+    """--aux-layers picks the target layers the head reads (here 0, 1 and 3, not the default 1, 2, 4): the config names
+    them, and the engine feeds the head those layers: its chain rounds are the ones the unroll (which reads
     them from the config) predicts, and speculation stays lossless."""
     assert cli_main(["train-draft", "--model", target, "--out", str(tmp_path), "--prompts", prompts_file,
                      "--num-samples", "4", "--max-len", "96", "--epochs", "4", "--lr", "5e-3", "--draft-vocab-size",
@@ -585,5 +585,5 @@ def test_the_engine_accepts_what_training_measured(trained, target):
     prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     rows = compare_rounds(plain, llm, *load_target_and_head(target, trained), prompts, steps, new_tokens=24)
     assert all(row.output_equal and row.engine == row.unroll for row in rows), rows
-    assert sum(row.unroll[1] for row in rows) > len(PROMPTS)  # rounds that accepted drafts are compared, not only misses
+    assert sum(row.unroll[1] for row in rows) > len(PROMPTS)  # rounds with accepted drafts compared, not only misses
     assert_engine_clean(llm)
