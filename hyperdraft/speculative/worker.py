@@ -189,8 +189,7 @@ class SpecWorker:
         results = self.plain.run(batch)
         self.metrics.observe_idle(len(results))
         seconds = None if start is None else self.tp.first_rank_value(time.perf_counter() - start)
-        nothing = [0] * len(results)
-        self.tiers.observe(len(results), nothing, drafted=nothing, step_seconds=seconds)
+        self.tiers.observe(len(results), [0] * len(results), step_seconds=seconds)
         return results
 
     def _propose(self, reqs: list[Request], tier: Tier) -> tuple[SamplingBatch, Proposal | TreeProposal]:
@@ -205,7 +204,7 @@ class SpecWorker:
             self.proposer.commit(round_.reqs, outcome.draft_kv_valid)
         self.metrics.observe(outcome.depth, outcome.num_accepted, proposed=outcome.num_drafted)
         seconds = None if start is None else self.tp.first_rank_value(time.perf_counter() - start)
-        self.tiers.observe(len(round_.reqs), outcome.num_accepted, drafted=outcome.num_drafted, step_seconds=seconds)
+        self.tiers.observe(len(round_.reqs), outcome.num_accepted, step_seconds=seconds)
         if self.capabilities.may_draft_nothing and round_.tier.steps > 0 and not any(outcome.num_drafted) \
                 and not self.ahead_after_empty:
             # This round's drafts (a lookup queued ahead: the host learns its counts only now) were empty everywhere:

@@ -243,7 +243,7 @@ def test_ceiling_never_blocks_a_rise_but_caps_a_stay():
 
 def test_extra_observe_keywords_are_ignored_by_ema_slot():
     s = slot(7)
-    assert s.observe([0, 0], drafted=[7, 7], step_seconds=0.01) is True and s.steps == 1
+    assert s.observe([0, 0], batch_size=2, step_seconds=0.01) is True and s.steps == 1
 
 
 def test_controller_returns_switch_and_logs(caplog):
@@ -272,8 +272,8 @@ def test_pluggable_slot_factory_gets_keywords():
 
     ctl = AdaptiveController(load_adaptive_config({"1": [1, 3], "8": [1, 5]}), 3, slot_factory=Fixed)
     assert ctl.tier_for(9) == Tier(5)
-    assert ctl.observe(9, [1], drafted=[5], step_seconds=0.5) == (Tier(5), Tier(1))
-    assert seen == [(8, [1], {"batch_size": 9, "drafted": [5], "step_seconds": 0.5})]  # the batch size is forwarded
+    assert ctl.observe(9, [1], step_seconds=0.5) == (Tier(5), Tier(1))
+    assert seen == [(8, [1], {"batch_size": 9, "step_seconds": 0.5})]  # the batch size is forwarded
     assert ctl.state() == {"1": {"steps": 3}, "8": {"steps": 1}}
 
 

@@ -23,7 +23,7 @@ def run(slot, bs, accept, cost, n, noise=lambda i: 0.0):
     for i in range(n):
         t = slot.tier
         ran.append(t)
-        slot.observe([accept(t, r, i) for r in range(bs)], [t.steps] * bs, bs, cost(t, bs) * (1 + noise(i)))
+        slot.observe([accept(t, r, i) for r in range(bs)], bs, cost(t, bs) * (1 + noise(i)))
     return ran
 
 
@@ -95,16 +95,16 @@ def test_hysteresis_prevents_flapping_between_nearly_equal_tiers():
 
 def test_warmup_and_interval_respected():
     slot = GoodputSlot(CHAINS, 0, warmup=10, decide_every=4, explore_every=0)
-    changed = [slot.observe([0] * 4, [0] * 4, 4, 0.01) for _ in range(13)]
+    changed = [slot.observe([0] * 4, 4, 0.01) for _ in range(13)]
     assert changed == [False] * 13 and slot.tier == Tier(0)  # no decision before counted step 14
-    assert slot.observe([0] * 4, [0] * 4, 4, 0.01) is True  # the prior (a = 0.5, cheap drafts) favours 1 step
+    assert slot.observe([0] * 4, 4, 0.01) is True  # the prior (a = 0.5, cheap drafts) favours 1 step
     assert slot.tier == Tier(1) and slot.decisions == 1
 
 
 def test_empty_observations_ignored():
     slot = GoodputSlot(CHAINS, 3, warmup=0, decide_every=1, explore_every=0)
     before = slot.state()
-    assert slot.observe([], [], 8, 123.0) is False
+    assert slot.observe([], 8, 123.0) is False
     assert slot.counted == 0 and slot.timed == {} and slot.state() == before
 
 
@@ -128,7 +128,7 @@ def run_with_switch_cost(slot, steady: dict, first: float, n: int) -> list:
         t = slot.tier
         cost = first if ran and ran[-1] != t else steady[t]
         ran.append(t)
-        slot.observe([t.steps], [t.steps], 1, cost)
+        slot.observe([t.steps], 1, cost)
     return ran
 
 
@@ -153,9 +153,9 @@ def test_a_costly_switch_does_not_keep_speculation_off():
 def test_with_a_decision_every_step_every_step_is_timed():
     """decide_every 1: a tier may run one step at a time, so its switches are part of its cost."""
     slot = GoodputSlot([Tier(0), Tier(3)], 0, decide_every=1, warmup=0, explore_every=0)
-    slot.observe([0], [0], 1, 0.010)  # decides: the prior favours drafting, so the tier changes
+    slot.observe([0], 1, 0.010)  # decides: the prior favours drafting, so the tier changes
     assert slot.tier == Tier(3)
-    slot.observe([3], [3], 1, 0.200)
+    slot.observe([3], 1, 0.200)
     assert slot.timed[(Tier(3), 1)] == pytest.approx(0.200)
 
 
@@ -164,7 +164,7 @@ def test_with_a_decision_every_step_every_step_is_timed():
 
 def test_kaplan_meier_rates_exact():
     slot = GoodputSlot(CHAINS, 3, warmup=100)
-    slot.observe([0, 1, 3, 3], [3, 3, 3, 3], 4)
+    slot.observe([0, 1, 3, 3], 4)
     a0 = (3 + 0.5) / (4 + 1)  # 3 of 4 passed position 0; one pseudo-verify at the 0.5 prior
     a1 = (2 + a0) / (3 + 1)  # at risk: the 3 that accepted >= 1
     a2 = (2 + a1) / (2 + 1)
@@ -172,11 +172,30 @@ def test_kaplan_meier_rates_exact():
     assert slot.expected()[Tier(3)] == pytest.approx(1 + a0 + a0 * a1 + a0 * a1 * a2)
 
 
-def test_positions_past_drafted_are_unobserved_not_rejections():
-    slot = GoodputSlot(CHAINS, 3, warmup=100)
-    slot.observe([1, 1], [1, 1], 2)  # the proposer could draft only one token: both accepted
+def test_positions_past_the_tier_are_unobserved_not_rejections():
+    slot = GoodputSlot(CHAINS, 1, warmup=100)
+    slot.observe([1, 1], 2)  # a tier of one draft: both accepted, nothing known of position 1
     rates = slot.acceptance["chain"].rates()
     assert len(rates) == 1 and rates[0] == pytest.approx((2 + 0.5) / 3)
+
+
+def test_positions_the_drafter_left_empty_are_rejections():
+    """At a 3-draft tier, a request that drafted one token (an n-gram match of one) and had it accepted gains no
+    second token: position 1 counts it at risk and not passed, as a rejection."""
+    slot = GoodputSlot(CHAINS, 3, warmup=100)
+    slot.observe([1, 1], 2)
+    assert slot.acceptance["chain"].at_risk == [2, 2, 0, 0, 0, 0, 0]
+    assert slot.acceptance["chain"].passed == [2, 0, 0, 0, 0, 0, 0]
+
+
+def test_a_drafter_that_never_drafts_is_turned_off():
+    """Lookups that find nothing (n-gram drafting on chat) cost 1.3x a plain step and gain 1 token, as step 0 does
+    for 1.0x: goodput must settle at step 0, not keep the 0.5 prior of positions it never saw drafted (it ran the
+    deepest tier 2907 of 3000 steps when empty drafts were censored)."""
+    slot = GoodputSlot([Tier(s) for s in (0, 1, 2, 3, 5)], 2)
+    ran = run(slot, 1, lambda t, r, i: 0, lambda t, bs: 1.0 if t.steps == 0 else 1.3, 3000)
+    assert sum(t.steps == 0 for t in ran[-1000:]) >= 950  # only the periodic exploration leaves step 0
+    assert slot.expected()[Tier(5)] < 1.1
 
 
 def test_unobserved_positions_extrapolated():
@@ -207,10 +226,10 @@ def test_untimed_untried_tree_counts_as_its_chain_and_loses_to_it():
     assert slot.costs(4)[tree3] > slot.costs(4)[chain3] and slot.tier == chain3
 
 
-def test_tree_drafted_node_count_clamped_to_depth():
+def test_tree_counts_positions_to_its_depth():
     tree = Tier(2, 2, 5)
     slot = GoodputSlot([Tier(1), tree], 2, warmup=100)
-    slot.observe([2, 1], [4, 4], 2)  # drafted = tree nodes (4) > depth (2): no positions 2, 3 to reject
+    slot.observe([2, 1], 2)  # a tree of depth 2: no positions 2, 3 to reject
     assert slot.acceptance[(2, 5)].at_risk == [2, 2] and slot.acceptance[(2, 5)].passed == [2, 1]
     assert "chain" in slot.acceptance and slot.acceptance["chain"].at_risk == [0, 0]  # trees keep their own counts
 
@@ -223,7 +242,7 @@ def test_cost_fit_recovers_linear_model_and_predicts_untimed_tier():
     slot = GoodputSlot(CHAINS, 0, warmup=10**6)
     for t, bs in [(Tier(0), 1), (Tier(0), 16), (Tier(1), 4), (Tier(3), 8), (Tier(1), 16), (Tier(3), 2)]:
         slot._tier = t  # place the slot; observe() times the tier it holds
-        slot.observe([0] * bs, [t.steps] * bs, bs, truth(t, bs))
+        slot.observe([0] * bs, bs, truth(t, bs))
     c = slot.fit()
     assert c == pytest.approx([0.010, 2e-4, 0.002], rel=0.1)
     assert slot.costs(12)[Tier(7)] == pytest.approx(truth(Tier(7), 12), rel=0.05)  # never timed
@@ -239,7 +258,7 @@ def test_prior_cost_before_any_timing():
 
 def test_timed_tier_moved_to_another_batch_size_along_the_fit():
     slot = GoodputSlot([Tier(0), Tier(1)], 1, warmup=10**6)
-    slot.observe([1] * 8, [1] * 8, 8, 0.020)
+    slot.observe([1] * 8, 8, 0.020)
     c = slot.fit()
     moved = slot.costs(10)[Tier(1)]
     assert moved == pytest.approx(0.020 + c[1] * 2 * (10 - 8)) and moved > 0.020
@@ -277,6 +296,6 @@ def test_runs_under_the_adaptive_controller():
     ctl = AdaptiveController(cfg, 1, slot_factory=goodput_slot_factory(cfg))
     for _ in range(10):  # every draft accepted, flat cost: the bs-1 slot deepens; the bs-8 slot is untouched
         t = ctl.tier_for(1)
-        ctl.observe(1, [t.steps], drafted=[t.steps], step_seconds=0.01 + 0.001 * t.steps)
+        ctl.observe(1, [t.steps], step_seconds=0.01 + 0.001 * t.steps)
     assert ctl.tier_for(1) == Tier(3) and ctl.slots[8].counted == 0
     assert ctl.state()["1"]["tier"] == "3"

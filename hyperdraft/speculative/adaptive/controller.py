@@ -38,13 +38,13 @@ class AdaptiveController:
     def tier_for(self, batch_size: int) -> Tier:
         return self.slots[self.route(batch_size)].tier
 
-    def observe(self, batch_size: int, accepted_drafts: list[int], drafted: list[int] | None = None,
+    def observe(self, batch_size: int, accepted_drafts: list[int],
                 step_seconds: float | None = None) -> tuple[Tier, Tier] | None:
         """Feed the routed slot; (old, new) when its tier switched, else None."""
         key = self.route(batch_size)
         slot = self.slots[key]
         old = slot.tier
-        slot.observe(accepted_drafts, batch_size=batch_size, drafted=drafted, step_seconds=step_seconds)
+        slot.observe(accepted_drafts, batch_size=batch_size, step_seconds=step_seconds)
         new = slot.tier
         if new == old:
             return None
@@ -72,8 +72,7 @@ class TierSource(Protocol):
 
     def tier_for(self, batch_size: int) -> Tier: ...
 
-    def observe(self, batch_size: int, accepted_drafts: list[int], drafted: list[int],
-                step_seconds: float | None) -> None: ...
+    def observe(self, batch_size: int, accepted_drafts: list[int], step_seconds: float | None) -> None: ...
 
     def tier_sizes(self, sizes: list[int]) -> dict[Tier, list[int]]:
         """Every tier that can run -> the captured batch sizes that can run it (what CUDA graphs are planned for)."""
@@ -91,8 +90,7 @@ class StaticTiers:
     def tier_for(self, batch_size: int) -> Tier:
         return self.tier
 
-    def observe(self, batch_size: int, accepted_drafts: list[int], drafted: list[int],
-                step_seconds: float | None) -> None:
+    def observe(self, batch_size: int, accepted_drafts: list[int], step_seconds: float | None) -> None:
         pass
 
     def tier_sizes(self, sizes: list[int]) -> dict[Tier, list[int]]:

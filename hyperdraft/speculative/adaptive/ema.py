@@ -40,7 +40,7 @@ class EmaSlot:
 
     def observe(self, accepted_drafts: list[int], **_: Any) -> bool:
         """Feed one batch (accepted drafts per request); True iff the tier changed. Extra keyword arguments (the
-        goodput strategy's drafted counts and step time) are accepted and ignored."""
+        goodput strategy's batch size and step time) are accepted and ignored."""
         if not accepted_drafts:  # no signal: counts toward neither warmup nor interval
             return False
         if self.steps > 0:
