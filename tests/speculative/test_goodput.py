@@ -150,6 +150,22 @@ def test_a_costly_switch_does_not_keep_speculation_off():
     assert slot.tier == Tier(3) and ran[-40:] == [Tier(3)] * 40
 
 
+def test_a_host_hiccup_does_not_turn_a_paying_tier_off():
+    """One step of tier 3 timed at 20x its cost (a GC pause, a descheduled thread) moves its EMA as a step of twice its
+    cost would (1.2 -> 1.44 ms, not 5.76), so drafts worth 1.7x plain's goodput (one always lands: E = 2) keep running.
+    Uncapped, that one step made step 0 look better at the next decision and the slot stayed there until exploration
+    came back to tier 3, 250 steps later."""
+    slot = GoodputSlot([Tier(0), Tier(3)], 3, decide_every=5, warmup=0, explore_every=50)
+    cost = {Tier(0): 0.0010, Tier(3): 0.0012}
+    ran = []
+    for i in range(200):
+        t = slot.tier
+        ran.append(t)
+        slot.observe([1], 1, cost[t] * (20 if i == 100 else 1))
+    assert ran[100] == Tier(3)  # the hiccup hit a timed tier-3 step
+    assert ran[101:].count(Tier(0)) == 0
+
+
 def test_with_a_decision_every_step_every_step_is_timed():
     """decide_every 1: a tier may run one step at a time, so its switches are part of its cost."""
     slot = GoodputSlot([Tier(0), Tier(3)], 0, decide_every=1, warmup=0, explore_every=0)
