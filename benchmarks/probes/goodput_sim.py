@@ -67,8 +67,8 @@ def main() -> None:
             scores = [simulate(seed, a.steps, accept, noise, drift, spikes) for seed in range(a.seeds)]
             print(f"| {host} | {accept} | {best_rate(accept)[1]} | {sum(scores) / len(scores):.3f} | "
                   f"{min(scores):.3f} |")
-    print("\n| n-gram-like drafter (steady host) | match in | acceptance once matched | best tier | achieved / best, mean "
-          "| min |\n|---|---|---|---|---|---|")
+    print("\n| n-gram-like drafter (steady host) | match in | acceptance once matched | best tier | "
+          "achieved / best, mean | min |\n|---|---|---|---|---|---|")
     for match, accept in ((0.0, 0.8), (0.15, 0.8), (0.3, 0.8), (0.6, 0.8), (0.3, 0.5)):
         scores = [simulate(seed, a.steps, accept, 0.1, 0.0, 0.0, match) for seed in range(a.seeds)]
         print(f"| | {match} | {accept} | {best_rate(accept, match)[1]} | {sum(scores) / len(scores):.3f} | "
