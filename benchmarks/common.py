@@ -26,6 +26,11 @@ def mt_bench_first_turns() -> list[str]:
         return [json.loads(line)["turns"][0] for line in f]
 
 
+def chat_turns(llm, questions: list[str]) -> list[list[int]]:
+    """Each question as a one-turn chat through the model's template, as token ids."""
+    return [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+
+
 # Edits asked of code the answer must mostly copy: the workload prompt lookup (NGRAM) is for.
 EDIT_REQUESTS = ("Rename the variable `{name}` to `{name}_value` everywhere in this Python function and return the "
                  "whole function:", "Add a short docstring to this Python function and return the whole function "

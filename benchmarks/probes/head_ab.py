@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import mt_bench_first_turns
+from benchmarks.common import chat_turns, mt_bench_first_turns
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 from hyperdraft.training.unroll_rounds import load_target_and_head, predicted_rounds, unrolled_drafts
@@ -21,7 +21,7 @@ def greedy_answers(target: str, turns: int, length: int) -> list[tuple[list[int]
     """(prompt, answer) per MT-bench first turn; EOS ignored, so every answer has `length` tokens."""
     plain = LLM(target, device="cpu", dtype="float32")
     try:
-        prompts = [plain.apply_chat_template([{"role": "user", "content": q}]) for q in mt_bench_first_turns()[:turns]]
+        prompts = chat_turns(plain, mt_bench_first_turns()[:turns])
         params = SamplingParams(temperature=0, max_new_tokens=length, ignore_eos=True)
         outs = plain.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
         return [(p, o.token_ids) for p, o in zip(prompts, outs)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import mt_bench_first_turns
+from benchmarks.common import chat_turns, mt_bench_first_turns
 from hyperdraft import LLM
 from hyperdraft.models.default_model import ensure_default_model
 from hyperdraft.training.unroll_rounds import Rounds, compare_rounds, load_target_and_head
@@ -23,8 +23,7 @@ def compare(head_dir: str, turns: int, steps: int, new_tokens: int) -> list[Roun
                       speculative_draft_model_path=head_dir, speculative_num_steps=steps, speculative_eagle_topk=1,
                       speculative_num_draft_tokens=steps + 1)
     try:
-        prompts = [plain.apply_chat_template([{"role": "user", "content": q}])
-                   for q in mt_bench_first_turns()[:turns]]
+        prompts = chat_turns(plain, mt_bench_first_turns()[:turns])
         return compare_rounds(plain, speculative, *load_target_and_head(target, head_dir), prompts, steps, new_tokens)
     finally:
         plain.shutdown()

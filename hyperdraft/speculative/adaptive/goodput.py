@@ -87,21 +87,18 @@ class _Acceptance:
         self.recent: deque = deque()
         self.window = window
 
-    def add(self, accepted: list[int], depth: int) -> bool:
-        """One step's verifies of a tier `depth` deep: accepted drafts per request."""
+    def add(self, accepted: list[int], depth: int) -> None:
+        """One step's verifies (at least one) of a tier `depth` >= 1 deep: accepted drafts per request."""
         at_risk, passed = [0] * len(self.at_risk), [0] * len(self.at_risk)
         for a in accepted:
             a = max(0, min(a, depth))
             for j in range(min(a + 1, depth)):  # offered more than j, accepted at least j
                 at_risk[j] += 1
                 passed[j] += a > j
-        if not any(at_risk):
-            return False
         self.recent.append((at_risk, passed))
         self._sum(at_risk, passed, 1)
         if len(self.recent) > self.window:
             self._sum(*self.recent.popleft(), -1)
-        return True
 
     def _sum(self, at_risk, passed, sign):
         for j in range(len(at_risk)):
