@@ -47,6 +47,12 @@ CASES = {
     "ngram-chain": dict(speculative_algorithm="NGRAM", speculative_num_steps=5, speculative_num_draft_tokens=6),
     "eagle3-tree": dict(speculative_algorithm="EAGLE3", speculative_num_steps=4, speculative_eagle_topk=4,
                         speculative_num_draft_tokens=8, draft="eagle3"),
+    # adaptive tiers parked at step 0 (SGLang's ladder from 64 requests; goodput's choice where drafts do not pay):
+    # every step is the plain worker's, so what it costs over "plain" is the speculative worker's wrapper
+    "ngram-step0": dict(speculative_algorithm="NGRAM", speculative_adaptive=True,
+                        speculative_adaptive_config='{"1": [0]}'),
+    "ngram-step0-goodput": dict(speculative_algorithm="NGRAM", speculative_adaptive=True,
+                                speculative_adaptive_config='{"strategy": "goodput", "1": [0]}'),
 }
 DEFAULT_CASES = ("plain", "eagle3-chain", "ngram-chain", "eagle3-tree")
 PROMPT_LEN = 64
