@@ -82,7 +82,7 @@ class ModelWorker:
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
         items = batch.items
         reqs = [it.req for it in items]
-        decoding = all(it.is_decode for it in items)
+        decoding = not batch.prefills
         assert decoding or self.sink is None, "a sink sees decodes only: the speculative worker runs the rest"
         ahead, self.ahead = self.ahead, None
         if ahead is not None and decoding and same_requests(reqs, ahead.reqs):
@@ -91,7 +91,7 @@ class ModelWorker:
             self._moved_states(reqs, ahead.state_targets)
         else:
             self.ahead_discarded += ahead is not None
-            logits = self._forward(items, decoding)
+            logits = self._forward(batch)
             self._moved_states(reqs, [-1] * len(reqs))
             sampling = [it.req for it in items if it.samples]
             if not sampling:
@@ -107,23 +107,23 @@ class ModelWorker:
         return [RequestResult(it.num_tokens, *next(rows), **fields) if it.samples
                 else RequestResult(it.num_tokens, **fields) for it in items]
 
-    def _forward(self, items, decoding: bool) -> torch.Tensor:
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The step's forward -> the logits of its sampling items, in item order. Decodes with prompt tails beside
         them that fit captured graphs run as two replays, the decodes' and the tails' (runner/prompt_tails.py), not as
         one eager forward of the whole batch: every prompt admitted while others decode would otherwise cost one."""
+        items, num_decodes = batch.items, len(batch.decodes)
         inputs = [it.forward_input() for it in items]
         table, device = self.runner.page_table, self.runner.device
-        if decoding:
+        if not batch.prefills:
             return self._decode(build_forward_batch(ForwardMode.DECODE, inputs, table, device,
-                                                    **self._state_walk(items))).logits
-        num_decodes = sum(it.is_decode for it in items)  # the scheduler puts them first
+                                                    **self._state_walk(batch))).logits
         tails = None
         graphs = self.runner.graphs
         if num_decodes and graphs is not None and graphs.fits(GraphShape(1, 0), num_decodes):
             tails = padded_tails(graphs, inputs[num_decodes:])
         if tails is None:  # one forward; prompt tails alone padded to a captured width where they fit one
             fb = build_forward_batch(ForwardMode.EXTEND, padded_tails(graphs, inputs) or inputs, table, device,
-                                     **self._state_walk(items))
+                                     **self._state_walk(batch))
             return self.runner.forward(fb).logits
         decoded = self.runner.forward(build_forward_batch(ForwardMode.DECODE, inputs[:num_decodes], table, device))
         extended = self.runner.forward(build_forward_batch(ForwardMode.EXTEND, tails, table, device))
@@ -156,15 +156,14 @@ class ModelWorker:
     def _decode(self, fb: ForwardBatch) -> ForwardOutput:
         return self.runner.forward(fb, self.capture_layers, self.sink)
 
-    def _state_walk(self, items) -> dict:
+    def _state_walk(self, batch: ScheduledBatch) -> dict:
         """build_forward_batch's state arguments for a scheduled step: its leading decodes read their states where
         state_at says and write their slots; nothing when every state is in its slot already."""
         if not self.recurrent or not self.state_at:
             return {}
-        decodes = [it.req.row for it in items if it.is_decode]
+        decodes = [it.req.row for it in batch.decodes]
         if not any(row in self.state_at for row in decodes):
             return {}
-        assert all(it.is_decode for it in items[: len(decodes)]), "decodes lead a scheduled batch"
         return self._walk_tensors([self.state_at.get(row, -1) for row in decodes], [-1] * len(decodes))
 
     def _walk_tensors(self, parents: list[int], targets: list[int]) -> dict:

@@ -10,7 +10,8 @@ Each step, in order:
      prefix of its sequence (whole pages, locked) and prefills only the rest
      (a hybrid model: the longest with a state snapshot; its first chunk ends
      where a deeper cached prefix lacks one, so that it gets one).
-Decodes and prefill chunks share one forward.
+Decodes and prefill chunks share one forward; the batch lists the decodes first and
+says how many there are.
 
 After the forward, commit() applies the worker's results: K/V kept by
 length (and the next round's room), tokens appended one at a time through the StopChecker, finished
@@ -64,9 +65,10 @@ class Scheduler:
         for req in self.running:
             (decoding if req.is_decoding else prefilling).append(req)
         items = self._schedule_decodes(decoding)
+        num_decodes = len(items)
         prefilling = [r for r in prefilling if r.row is not None]  # a retraction above may have taken one back
         items += self._schedule_prefills(prefilling, self.prefill_budget)
-        return ScheduledBatch(items) if items else None
+        return ScheduledBatch(items, num_decodes) if items else None
 
     def _schedule_decodes(self, decoding: list[Request]) -> list[ScheduledRequest]:
         reserve = self.decode_reserve
@@ -162,11 +164,11 @@ class Scheduler:
     def commit(self, batch: ScheduledBatch, results: list[RequestResult]) -> list[StepOutput]:
         outputs = []
         now = time.perf_counter()
-        for item, res in zip(batch.items, results):
+        for i, (item, res) in enumerate(zip(batch.items, results)):
             req = item.req
             if req.finished:
                 continue  # aborted while its step ran
-            prefill = not item.is_decode
+            prefill = i >= batch.num_decodes
             req.num_computed += res.num_committed
             if res.num_drafted is not None and not res.keeps_room:  # rollback by length after a verify: room past
                 # the next round's goes back. The next schedule reserves decode_reserve past the new length for every

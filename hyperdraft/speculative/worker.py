@@ -107,7 +107,6 @@ class SpecWorker:
 
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
         decodes, prefills = batch.decodes, batch.prefills
-        assert all(a is b for a, b in zip(batch.items, decodes + prefills)), "the scheduler puts decodes first"
         # A step's wall time is its tier's cost, unless prefill chunks ran in it or in the step before: that one queued
         # no draft or verify ahead, so this one runs them cold, one after the other.
         start = None if prefills or self.after_prefill else time.perf_counter()
