@@ -10,6 +10,7 @@ in bf16 with --deterministic, the default there: --enable-deterministic-inferenc
   python -m benchmarks.real_accept --head /tmp/smol-eagle3 --device cpu --turns 10 --batch 1
       -> benchmarks/results/real_accept_cpu.md
   python -m benchmarks.real_accept --head /tmp/smol-eagle3 --device cuda --dtype bfloat16 --turns 80 --batch 1 16
+  ... --rows "chain 3" "head, adaptive"       # plain and the rows whose names contain one of these
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def rows(head: str | None) -> dict[str, dict]:
     if head:
         eagle = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
         out["trained head, chain 5"] = dict(eagle, speculative_num_steps=5)
+        # the tier SGLang's ladder settles on at batch 1 on chat: the adaptive rows against it, fixed
+        out["trained head, chain 3"] = dict(eagle, speculative_num_steps=3)
         out["trained head, tree (topk 4, 8 tokens)"] = dict(eagle, speculative_num_steps=5, speculative_eagle_topk=4,
                                                            speculative_num_draft_tokens=8)
         out["trained head, adaptive"] = dict(eagle, speculative_adaptive=True)
@@ -79,6 +82,8 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="every answer runs to --new-tokens (the default: equal work per row); --no-ignore-eos stops "
                          "at the end of the answer, so no row drafts the text a model writes past its end")
+    ap.add_argument("--rows", nargs="+", default=None,
+                    help="run only the rows whose names contain one of these (plain, the baseline, always runs)")
     ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: "
                                   "benchmarks/results/)")
     args = ap.parse_args()
@@ -98,7 +103,9 @@ def main() -> None:
         lines += [f"## batch {batch}", "", "| row | tok/s | vs plain | accept length | acceptance by position | "
                   "outputs equal to plain | steps per tier |", "|---|---|---|---|---|---|---|"]
         plain_ids, plain_rate = None, None
-        for name, spec in rows(args.head).items():
+        chosen = {name: spec for name, spec in rows(args.head).items()
+                  if name == "plain" or args.rows is None or any(r in name for r in args.rows)}
+        for name, spec in chosen.items():
             ids, rate, before, state = run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec,
                                            deterministic, args.ignore_eos)
             if plain_ids is None:

@@ -51,6 +51,9 @@ CASES = {
     # every step is the plain worker's, so what it costs over "plain" is the speculative worker's wrapper
     "ngram-step0": dict(speculative_algorithm="NGRAM", speculative_adaptive=True,
                         speculative_adaptive_config='{"1": [0]}'),
+    # the chain above under adaptive tiers that can only pick it: what adaptive bookkeeping costs a drafting step
+    "eagle3-adaptive-chain": dict(speculative_algorithm="EAGLE3", speculative_adaptive=True, draft="eagle3",
+                                  speculative_adaptive_config='{"1": [5]}'),
     "ngram-step0-goodput": dict(speculative_algorithm="NGRAM", speculative_adaptive=True,
                                 speculative_adaptive_config='{"strategy": "goodput", "1": [0]}'),
 }
