@@ -57,11 +57,15 @@ def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, devic
 
 
 def tier_steps(before: dict, after: dict) -> str:
-    """Steps the timed run spent at each tier ("3: 300, 0: 12", most first), from two internal states; "-" without
-    speculation. Why an adaptive row lands where it does."""
+    """Steps the timed run spent at each tier ("3: 300, 0: 12; 9 switches", most first), from two internal states;
+    "-" without speculation. Why an adaptive row lands where it does: each switch discards the work queued ahead
+    for the old tier, so the new tier's first step runs cold."""
     earlier = before.get("spec_steps_per_tier", {})
-    seen = {k: n - earlier.get(k, 0) for k, n in after.get("spec_steps_per_tier", {}).items()}
-    return ", ".join(f"{k}: {n}" for k, n in sorted(seen.items(), key=lambda kv: -kv[1]) if n > 0) or "-"
+    seen = {k: d for k, n in after.get("spec_steps_per_tier", {}).items() if (d := n - earlier.get(k, 0)) > 0}
+    steps = ", ".join(f"{k}: {n}" for k, n in sorted(seen.items(), key=lambda kv: -kv[1]))
+    if len(seen) > 1:
+        steps += f"; {after.get('spec_tier_switches', 0) - before.get('spec_tier_switches', 0)} switches"
+    return steps or "-"
 
 
 def main() -> None:
