@@ -8,7 +8,8 @@ The model is tiny (3 layers, hidden 32), so the ops outside the forwards run at 
 
 Cases: plain decode, EAGLE-3 chain, NGRAM chain (and EAGLE-3 tree), at batch 1 and 16, greedy. Speculative cases use
 a simulated accept rate (0.8 by default, as e2e/gpu_bench.py does), so a step commits several tokens the way a
-trained drafter's would.
+trained drafter's would. Not run by default (--cases): the EAGLE-3 chain under adaptive tiers that can only pick it,
+and NGRAM with its tiers parked at step 0 (EMA and goodput), each against its fixed counterpart or plain decoding.
 
   python -m benchmarks.e2e.host_overhead                                 # this tree, one table
   python -m benchmarks.e2e.host_overhead --compare /tmp/base --repeats 5 --write   # old tree vs this one, interleaved
