@@ -133,8 +133,10 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
     state_parents / num_spec_requests / state_targets: where a hybrid model's leading requests read and write their
     recurrent states (see ForwardBatch).
 
-    Every integer the forward needs travels in ONE host-to-device copy (pinned on CUDA, so it does not block). Default
-    RoPE positions are the tokens' sequence indices, so they are sent once and serve as both."""
+    Every integer the forward needs travels in ONE host-to-device copy (pinned on CUDA, so it does not block), the
+    page table's queued entries too (a decode at page size 1 queues one a step: its own copy cost a second transfer
+    and three more host calls a step). Default RoPE positions are the tokens' sequence indices, so they are sent once
+    and serve as both."""
     bsz = len(inputs)
     ext = [len(inp.token_ids) for inp in inputs]
     prefix = [inp.prefix_len for inp in inputs]
@@ -147,11 +149,13 @@ def build_forward_batch(mode: ForwardMode, inputs: list[ForwardInput], page_tabl
     # int32 lengths last, so one conversion serves all three; every part starts 16-byte aligned (host_copy.ALIGN_BYTES:
     # else a kernel compiles again for each alignment the batch's sizes give its pointers)
     lengths = aligned_concat([seq, starts, ext], torch.int32)
-    parts = [ids, pos, seq_index, row_of_token, logits_idx, rows, lengths]
+    table_index, table_pages = page_table.take_pending()
+    parts = [ids, pos, seq_index, row_of_token, logits_idx, rows, lengths, table_index, table_pages]
     flat = to_device(aligned_concat(parts, torch.int64), torch.int64, device)
-    d_ids, d_pos, d_seq_index, d_row_of_token, d_logits, d_rows, d_lengths = flat.split(
+    d_ids, d_pos, d_seq_index, d_row_of_token, d_logits, d_rows, d_lengths, d_table_index, d_table_pages = flat.split(
         aligned_sizes([len(p) for p in parts], torch.int64))[::2]
     d_seq, d_starts, d_ext = d_lengths.to(torch.int32).split(aligned_sizes([bsz] * 3, torch.int32))[::2]
+    page_table.write(d_table_index, d_table_pages)
     out_slots = page_table.token_slots(d_row_of_token, d_seq_index)
     if tail_mask is None and any(inp.mask is not None for inp in inputs):
         tail_mask = _stack_tail_masks(inputs, device)

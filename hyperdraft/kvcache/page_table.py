@@ -54,10 +54,19 @@ class PageTable:
         """Write the queued entries: one host-to-device copy and one launch (entries are unique: the latest wins)."""
         if not self._pending:
             return
-        index, pages = to_device_many([list(self._pending), list(self._pending.values())], torch.int64,
-                                      self._table.device)
+        self.write(*to_device_many(list(self.take_pending()), torch.int64, self._table.device))
+
+    def take_pending(self) -> tuple[list[int], list[int]]:
+        """The queued entries as (flat index, page) lists, no longer queued: for a caller that sends them in its own
+        host-to-device copy and then applies them with write() before anything reads the table."""
+        index, pages = list(self._pending), list(self._pending.values())
         self._pending = {}
-        self._table.view(-1).index_copy_(0, index, pages)
+        return index, pages
+
+    def write(self, index: torch.Tensor, pages: torch.Tensor) -> None:
+        """Apply entries taken with take_pending (device tensors, [N] each)."""
+        if index.numel():
+            self._table.view(-1).index_copy_(0, index, pages)
 
     @property
     def max_rows(self) -> int:
