@@ -68,6 +68,18 @@ def tier_steps(before: dict, after: dict) -> str:
     return steps or "-"
 
 
+def goodput_slots(state: dict) -> list[str]:
+    """The goodput slots' final estimates, one line per slot that ran: per tier, tokens a verify (E), seconds a step
+    as the slot priced it, and goodput. Why a goodput row picked its tiers (it prices tiers from its own timings)."""
+    lines = []
+    for key, slot in state.get("speculative_adaptive_slots", {}).items():
+        if slot.get("strategy") == "goodput" and slot.get("counted"):
+            per_tier = ", ".join(f"{t}: E {e:.2f}, {slot['cost_ms'][t]:.3f} ms, goodput {slot['goodput'][t]:.0f}"
+                                 for t, e in slot["expected_tokens"].items())
+            lines.append(f"  - slot {key} (at tier {slot['tier']} after {slot['counted']} steps): {per_tier}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.real_accept", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,7 +118,7 @@ def main() -> None:
     for batch in args.batch:
         lines += [f"## batch {batch}", "", "| row | tok/s | vs plain | accept length | acceptance by position | "
                   "outputs equal to plain | steps per tier |", "|---|---|---|---|---|---|---|"]
-        plain_ids, plain_rate = None, None
+        plain_ids, plain_rate, slot_lines = None, None, []
         chosen = {name: spec for name, spec in rows(args.head).items()
                   if name == "plain" or args.rows is None or any(r in name for r in args.rows)}
         for name, spec in chosen.items():
@@ -121,7 +133,9 @@ def main() -> None:
                          f"{'-' if not accept else f'{accept:.2f}'} | {' '.join(f'{a:.2f}' for a in by_pos) or '-'} "
                          f"| {same}/{len(ids)} | {tier_steps(before, state)} |")
             print(lines[-1], flush=True)
-        lines.append("")
+            if goodput_slots(state):
+                slot_lines += [f"- {name}, the goodput slots at the end:"] + goodput_slots(state)
+        lines += [""] + slot_lines + ([""] if slot_lines else [])
     out = args.out or results_path("real_accept", tag)
     if os.path.isdir(out):
         out = os.path.join(out, os.path.basename(results_path("real_accept", tag)))

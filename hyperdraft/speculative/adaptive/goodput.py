@@ -269,6 +269,7 @@ class GoodputSlot:
                 "decisions": self.decisions, "exploring": self.home is not None,
                 "acceptance": self.acceptance["chain"].rates() if "chain" in self.acceptance else [],
                 "expected_tokens": {t.describe(): round(E[t], 4) for t in self.tiers},
+                "cost_ms": {t.describe(): round(cost[t] * 1e3, 4) for t in self.tiers},
                 "cost_fit": [round(x, 9) for x in self.fit()], "goodput_at_bs": bs,
                 "goodput": {t.describe(): round(bs * E[t] / cost[t], 4) for t in self.tiers}}
 
