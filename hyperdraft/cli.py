@@ -176,7 +176,8 @@ def _add_train_draft(sub) -> None:
                             "SGLang's 1, L/2 - 1, L - 4)")
     train.add_argument("--temperature", type=float, nargs="+", default=[0.0],
                        help="of the target's answers; several: each prompt is answered once per temperature "
-                            "(default: 0, greedy)")
+                            "(default: 0, greedy; `0 0.8` trained a better SmolLM2 head than greedy answers at the "
+                            "same optimizer steps, benchmarks/results/real_accept_h200.md)")
     train.add_argument("--validation-fraction", type=float, default=0.02,
                        help="prompts held out, in [0, 0.5); the head is published only when it beats earlier "
                             "epochs on them (default: 0.02; 0: publish every epoch)")
