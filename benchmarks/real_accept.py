@@ -137,8 +137,9 @@ def main() -> None:
                          f"{'-' if not accept else f'{accept:.2f}'} | {' '.join(f'{a:.2f}' for a in by_pos) or '-'} "
                          f"| {same}/{len(ids)} | {tier_steps(before, state)} |")
             print(lines[-1], flush=True)
-            if goodput_slots(state):
-                slot_lines += [f"- {name}, the goodput slots at the end:"] + goodput_slots(state)
+            slots = goodput_slots(state)
+            if slots:
+                slot_lines += [f"- {name}, the goodput slots at the end:"] + slots
         lines += [""] + slot_lines + ([""] if slot_lines else [])
     out = args.out or results_path("real_accept", tag)
     if os.path.isdir(out):
