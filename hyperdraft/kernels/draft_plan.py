@@ -166,9 +166,10 @@ def _pack_catch_up(RowsStarts, NumAccepted, Tokens, Out, real, width, stride_tok
 
 def pack_catch_up(rows_starts: torch.Tensor, num_accepted: torch.Tensor, tokens: torch.Tensor,
                   out: torch.Tensor) -> torch.Tensor:
-    """rows_starts [R, 2] int64 (page-table row, first fed index), num_accepted [R] int64, tokens [R, >= W] int64
-    (the accepted drafts then the bonus token) -> out [B >= R, PACKED_FIELDS + W], filled in place: request r feeds
-    tokens[r, :a_r + 1], rows past R are padding. The kernel on CUDA, torch elsewhere."""
+    """rows_starts [R, 2] int64 (page-table row, first fed index), num_accepted [R] int64, tokens [R, T] int64
+    (the accepted drafts then the bonus token, a_r + 1 <= T) -> out [B >= R, PACKED_FIELDS + W], filled in place:
+    request r feeds tokens[r, :a_r + 1] and zeros up to W (T < W: a graph padded wider than this tier's catch-up,
+    an adaptive batch size's widest), rows past R are padding. The kernel on CUDA, torch elsewhere."""
     if use_fused_kernels(out):
         return pack_catch_up_kernel(rows_starts, num_accepted, tokens, out)
     return pack_catch_up_reference(rows_starts, num_accepted, tokens, out)
@@ -177,7 +178,7 @@ def pack_catch_up(rows_starts: torch.Tensor, num_accepted: torch.Tensor, tokens:
 def pack_catch_up_kernel(rows_starts, num_accepted, tokens, out):
     width = out.shape[1] - PACKED_FIELDS
     assert rows_starts.is_contiguous() and num_accepted.is_contiguous() and tokens.stride(1) == 1
-    assert out.stride(1) == 1 and tokens.shape[1] >= width
+    assert out.stride(1) == 1
     if out.shape[0]:
         _pack_catch_up[(out.shape[0],)](rows_starts, num_accepted, tokens, out, rows_starts.shape[0], width,
                                         tokens.stride(0), out.stride(0), FIELDS=PACKED_FIELDS, BLOCK_W=_block(width),
@@ -188,7 +189,8 @@ def pack_catch_up_kernel(rows_starts, num_accepted, tokens, out):
 def pack_catch_up_reference(rows_starts, num_accepted, tokens, out):
     real, width = rows_starts.shape[0], out.shape[1] - PACKED_FIELDS
     count = (num_accepted + 1)[:, None]
-    fed = torch.where(torch.arange(width, device=out.device) < count, tokens[:, :width], 0)
+    tokens = torch.nn.functional.pad(tokens[:, :width], (0, max(width - tokens.shape[1], 0)))
+    fed = torch.where(torch.arange(width, device=out.device) < count, tokens, 0)
     out[:real] = torch.cat([rows_starts, count, torch.ones_like(count), fed], 1)
     out[real:] = 0
     out[real:, 2] = width

@@ -132,8 +132,9 @@ class Proposer(Protocol):
         too, verify_ahead.py), or None when nothing was queued."""
         return None
 
-    def ahead_room(self, tier: Tier) -> int | None:
-        """K/V room past a request's n that draft_ahead's queued round writes (capabilities.drafts_ahead), or None."""
+    def ahead_room(self, tier: Tier, batch_size: int) -> int | None:
+        """K/V room past a request's n that draft_ahead's queued round for batch_size requests writes
+        (capabilities.drafts_ahead), or None."""
         return None
 
     def discard_ahead(self) -> None:

@@ -119,7 +119,7 @@ class SpecWorker:
             return self._decode_plainly(batch, reqs, tier, start)
         if decodes and not prefills and tier.steps > 0 and self.capabilities.drafts_ahead:
             # the next round's room, draft and verify, before this step's first page-table read
-            self.verify_ahead.reserve(reqs, tier, self.proposer.ahead_room(tier) or 0)
+            self.verify_ahead.reserve(reqs, tier, self.proposer.ahead_room(tier, len(reqs)) or 0)
         sampling, proposal = self._propose(reqs, tier) if decodes else (None, None)
         if self.plain is not None:
             if self.capabilities.may_draft_nothing and proposal is not None and not prefills \

@@ -82,13 +82,15 @@ def test_round_plan(monkeypatch, page_size, width, depths, k):
         same(mine, ref)
 
 
-@pytest.mark.parametrize("real,bs,width", [(1, 1, 6), (3, 8, 6), (5, 5, 1), (2, 4, 4)])
-def test_pack_catch_up(real, bs, width):
-    """Draft-ahead's packed catch-up: accepted drafts then the bonus token, zeros past them, padding rows."""
-    g = torch.Generator().manual_seed(real * 100 + bs)
+@pytest.mark.parametrize("real,bs,width,steps", [(1, 1, 6, 5), (3, 8, 6, 5), (5, 5, 1, 0), (2, 4, 4, 3), (3, 4, 8, 3),
+                                                 (1, 2, 5, 1)])
+def test_pack_catch_up(real, bs, width, steps):
+    """Draft-ahead's packed catch-up: accepted drafts then the bonus token, zeros past them, padding rows; a round of
+    fewer steps than the graph's width - 1 (an adaptive batch size's graphs take its widest tier's catch-up)."""
+    g = torch.Generator().manual_seed(real * 100 + bs + width)
     rows_starts = torch.randint(0, 50, (real, 2), generator=g).to(DEVICE)
-    num_accepted = torch.randint(0, width, (real,), generator=g).to(DEVICE)
-    tokens = torch.randint(0, 1000, (real, width + 2), generator=g).to(DEVICE)[:, :width + 1]  # a strided view
+    num_accepted = torch.randint(0, steps + 1, (real,), generator=g).to(DEVICE)
+    tokens = torch.randint(0, 1000, (real, steps + 2), generator=g).to(DEVICE)[:, :steps + 1]  # a strided view
     out = torch.full((bs, PACKED_FIELDS + width), -7, dtype=torch.int64, device=DEVICE)
     ref = pack_catch_up_reference(rows_starts, num_accepted, tokens, out.clone())
     assert torch.equal(pack_catch_up_kernel(rows_starts, num_accepted, tokens, out), ref)

@@ -13,6 +13,7 @@ to equal the head recomputed from scratch.
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -38,6 +39,8 @@ CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1)
 ADAPTIVE = {"ema_alpha": 0.5, "warmup_batches": 1, "update_interval": 1,
             "1": {"candidate_steps": [1, {"steps": 3, "topk": 2, "num_draft_tokens": 6},
                                       {"steps": 4, "topk": 3, "num_draft_tokens": 10}]}}
+# Starts at its 1-step chain and never rises (a catch-up of 2) while the tree makes every round graph 5 wide.
+NARROW_FIRST = {"1": {"candidate_steps": [1, {"steps": 4, "topk": 3, "num_draft_tokens": 10}], "up_hysteresis": 100.0}}
 CASES = {  # (target, drafter, engine args); the 8-token-vocabulary EAGLE pairs accept often: multi-position catch-ups
     "eagle3-chain": ("small", "small_eagle3", dict(speculative_algorithm="EAGLE3", **CHAIN)),
     "eagle3-tree": ("small", "small_eagle3", dict(speculative_algorithm="EAGLE3", **TREE)),
@@ -278,6 +281,35 @@ def test_catch_up_widths_follow_the_tiers_routed_to_each_batch_size(models, llm_
     assert graphs.sizes[GraphShape(2, 5)] == [1, 2]
     assert graphs.extend_width(2, 3) == 4 and graphs.extend_width(2, 1) == 1  # 1: the one-token decode graph
     assert graphs.extend_width(5, 2) == 2 and graphs.extend_width(5, 3) is None and graphs.extend_width(9, 1) is None
+
+
+@pytest.mark.parametrize("name", ["eagle3-adaptive", "standalone-adaptive"])
+def test_adaptive_tiers_narrower_than_the_graphs_draft_ahead(models, llm_factory, emulated_graphs, name):
+    """Under adaptive tiers a batch size's round graphs pad the catch-up to the widest that any tier routed there can
+    leave (here a 1-step chain, where the ladder starts and stays, and a 4-step tree). A narrower tier's round drafts ahead into that padded graph too, its
+    room reserved for the padding, and its next verify is queued behind it; before, only the widest tier drafted
+    ahead, and EMA adaptive at batch 1 ran every round cold on a GPU. Outputs stay those of spec off."""
+    (models["root"] / "narrow_first.json").write_text(json.dumps(NARROW_FIRST))
+    path, args = _args(models, name, page_size=4, speculative_num_steps=1,
+                       speculative_adaptive_config="narrow_first.json")
+    prompts, params = _prompts(CASES[name][0]), [greedy(n) for n in NEW_TOKENS]
+    llm = llm_factory(path, cuda_graph_max_bs=MAX_BS, **args)
+    worker = llm.engine.worker
+    proposer = worker.proposer
+    queued = collections.Counter()  # (tier, drafted ahead?) per draft_ahead call: observed, not changed
+
+    def draft_ahead(reqs, tier, *rest, _inner=proposer.draft_ahead):
+        out = _inner(reqs, tier, *rest)
+        queued[tier, out is not None] += 1
+        return out
+
+    proposer.draft_ahead = draft_ahead
+    assert [o.token_ids for o in gen(llm, prompts, params)] == _spec_off(path, prompts, params)
+    widest = max(w for by_size in proposer.draft_loop.widths.values() for ws in by_size.values() for w in ws)
+    assert widest == 5  # the tree's root plus 4 accepted nodes
+    narrower = {tier for tier, ahead in queued if ahead and proposer.catch_up_width(tier) < widest}
+    assert narrower, f"only the widest tier drafted ahead: {dict(queued)}"
+    assert proposer.ahead_used > 0 and worker.verify_ahead.used > 0
 
 
 @pytest.mark.parametrize("algo,head", [("EAGLE3", "small_eagle3"), ("EAGLE", "small_eagle")])

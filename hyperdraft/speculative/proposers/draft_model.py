@@ -110,7 +110,7 @@ class DraftModelProposer(ModelProposer):
         bonus token, after a fully accepted round); a tree the root plus the accepted nodes the draft never fed."""
         return tier.steps + 1 if tier.is_tree else 2
 
-    def ahead_room(self, tier: Tier) -> int:
+    def queued_room(self, tier: Tier) -> int:
         """Reach past n. After a round at n accepting a (n' = n + a + 1 committed, a <= steps), the queued catch-up
         feeds up to index n' and its steps write past n': a chain's n'+1 .. n'+K-1 <= n + 2K, a tree's nodes at
         offsets 1 .. (steps-1)*topk past n'. That K/V the next round keeps for the drafts it accepts (a tree's moves to

@@ -246,7 +246,7 @@ class EagleProposer(ModelProposer):
         """Positions the catch-up after a round of `tier` can feed: the root and every accepted draft."""
         return tier.steps + 1
 
-    def ahead_room(self, tier: Tier) -> int:
+    def queued_room(self, tier: Tier) -> int:
         """The queued round writes catch-up positions from n (padded to its width) and steps up to
         width + (steps-1)*topk - 1 past n. None of it need survive the commit: the catch-up's real positions end below
         the committed tokens, and the steps' K/V past them is speculative (the round after rewrites it)."""

@@ -152,7 +152,7 @@ class NgramProposer(Proposer):
         self.discard_ahead()
         # Only where a verify graph runs the batch: it feeds every request the full width anyway, while an eager
         # verify would feed K rows a request where the host's lookup found fewer.
-        if self.ahead_room(tier) is None or not verify_graph_runs(self.verify_graphs, tier, len(reqs)):
+        if self.ahead_room(tier, len(reqs)) is None or not verify_graph_runs(self.verify_graphs, tier, len(reqs)):
             return None
         history = self.history.tokens if self.history is not None else None
         drafts = self.sequences_on_device.draft_ahead(reqs, num_accepted, tokens, tier.steps, history)
@@ -160,7 +160,7 @@ class NgramProposer(Proposer):
         self.ahead = (list(reqs), tier, proposal)
         return proposal
 
-    def ahead_room(self, tier: Tier) -> int | None:
+    def ahead_room(self, tier: Tier, batch_size: int) -> int | None:
         """A lookup writes no K/V: 0 past the verify's own room for the chain tiers it drafts ahead."""
         return 0 if self.capabilities.drafts_ahead and tier.steps > 0 and not tier.is_tree else None
 
