@@ -85,16 +85,19 @@ class GraphedRunner:
         self.input_hidden_size = input_hidden_size  # per-token hidden inputs (fb.input_hidden) the model consumes
         self.graphs = GraphRunner(self, graphs) if graphs is not None else None
 
-    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (),
-                sink: DecodeSink | None = None) -> ForwardOutput:
+    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (), sink: DecodeSink | None = None,
+                later: bool = False) -> ForwardOutput:
         """Either way the caller gets the outputs of the path that ran, and nothing else. sink: handed the outputs
-        (inside the graph when the replayed one was captured with it)."""
+        (inside the graph when the replayed one was captured with it). later: a forward queued for the next step as
+        this step's last GPU work, whose replay may be launched from the graphs' launcher thread (GraphRunner.replay;
+        the caller joins it before queuing anything else)."""
         if self.graphs is not None:
             key = self.graphs.match(fb, capture_layers)
             if key is not None:
                 self.page_table.flush()  # a replay reads the device page table without asking for it
+                later = later and (sink is None or self.graphs.keeps(key, sink))  # an eager keep follows the replay
                 with torch.inference_mode():
-                    out = self.graphs.replay(fb, key)
+                    out = self.graphs.replay(fb, key, later)
                 if sink is not None and not self.graphs.keeps(key, sink):
                     sink.keep(fb, out)
                 return out
