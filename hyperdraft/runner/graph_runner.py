@@ -310,7 +310,7 @@ class GraphRunner:
     def release(self) -> None:
         """Destroy every graph; later forwards run eagerly. A graph that captured NCCL collectives must go before its
         process group: on an H100 pair, destroying the group while such graphs lived hung for good."""
-        self.launcher.join()  # never under a pending launch
+        self.launcher.close()  # never under a pending launch; nothing is left to launch later
         reset_graphs(self.graphs)
         self.outputs.clear()
         self.shared.clear()

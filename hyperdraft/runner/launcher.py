@@ -44,7 +44,7 @@ class Pending(Generic[T]):
 
 class Launcher:
     def __init__(self, enabled: bool, device: torch.device):
-        self.enabled, self.device = enabled, device
+        self.device = device
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hyperdraft-launch") if enabled else None
         self._pending: Future | None = None
         self.submitted = 0  # work handed to the helper thread (tests, benchmarks)
@@ -73,7 +73,9 @@ class Launcher:
             pending.result()
 
     def close(self) -> None:
+        """Join, and stop the helper thread; later work runs inline."""
         self.join()
-        if self._pool is not None:
-            self._pool.shutdown()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
 

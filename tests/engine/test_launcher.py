@@ -55,3 +55,4 @@ def test_an_error_surfaces_at_join_once():
     launcher.join()  # already raised: the launcher is usable again
     assert launcher.submit(lambda: 7).result() == 7
     launcher.close()
+    assert launcher.submit(threading.get_ident).result() == threading.get_ident()  # closed: inline
