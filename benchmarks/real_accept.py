@@ -11,6 +11,11 @@ in bf16 with --deterministic, the default there: --enable-deterministic-inferenc
       -> benchmarks/results/real_accept_cpu.md
   python -m benchmarks.real_accept --head /tmp/smol-eagle3 --device cuda --dtype bfloat16 --turns 80 --batch 1 16
   ... --rows "chain 3" "head, adaptive"       # plain and the rows whose names contain one of these
+  ... --repeats 3                              # every row three times, in turns: medians and paired ratios
+
+--repeats: a GPU host's speed drifts between rows of one run (an H200's host ran the same chain-5 row at 1.35 and
+1.81 ms a step, real_accept_h200.md session 32), so a row against plain is best read as the median of ratios taken
+in the same turn, plain first in each.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 
 from benchmarks.common import (code_edit_requests, command_line, device_tag, git_commit, mt_bench_first_turns,
                                results_path, timed_generate)
@@ -72,6 +78,25 @@ def tier_steps(before: dict, after: dict) -> str:
     return steps or "-"
 
 
+def row_line(name: str, row_runs: list[tuple], plain_runs: list[tuple]) -> str:
+    """A table row from a row's turns (each run()'s result) against plain's in the same turns: median tok/s, the
+    median of the paired ratios (ranges with more than one turn), acceptance and tiers from the last turn, and
+    outputs equal to plain's first run counted over every turn."""
+    rates = [r[1] for r in row_runs]
+    ratios = [r[1] / p[1] for r, p in zip(row_runs, plain_runs)]
+    ids, _, before, state = row_runs[-1]
+    plain_ids = plain_runs[0][0]
+    same = sum(a == b for r in row_runs for a, b in zip(r[0], plain_ids))
+    spread = len(rates) > 1
+    rate = f"{statistics.median(rates):.1f}" + (f" ({min(rates):.1f}-{max(rates):.1f})" if spread else "")
+    ratio = f"{statistics.median(ratios):.2f}x" + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if spread else "")
+    accept = state.get("avg_spec_accept_length")
+    by_pos = state.get("spec_acceptance_by_position") or []
+    return (f"| {name} | {rate} | {ratio} | {'-' if not accept else f'{accept:.2f}'} | "
+            f"{' '.join(f'{a:.2f}' for a in by_pos) or '-'} | {same}/{len(ids) * len(row_runs)} | "
+            f"{tier_steps(before, state)} |")
+
+
 def goodput_slots(state: dict) -> list[str]:
     """The goodput slots' final estimates, one line per slot that ran: per tier, tokens a verify (E), seconds a step
     as the slot priced it, and goodput. Why a goodput row picked its tiers (it prices tiers from its own timings)."""
@@ -104,6 +129,9 @@ def main() -> None:
                          "at the end of the answer, so no row drafts the text a model writes past its end")
     ap.add_argument("--rows", nargs="+", default=None,
                     help="run only the rows whose names contain one of these (plain, the baseline, always runs)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every row this many times, in turns (plain first in each): the table gives the median "
+                         "tok/s and the median of each turn's ratio to plain, with their ranges")
     ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: "
                                   "benchmarks/results/)")
     args = ap.parse_args()
@@ -122,22 +150,18 @@ def main() -> None:
     for batch in args.batch:
         lines += [f"## batch {batch}", "", "| row | tok/s | vs plain | accept length | acceptance by position | "
                   "outputs equal to plain | steps per tier |", "|---|---|---|---|---|---|---|"]
-        plain_ids, plain_rate, slot_lines = None, None, []
         chosen = {name: spec for name, spec in rows(args.head).items()
                   if name == "plain" or args.rows is None or any(r in name for r in args.rows)}
-        for name, spec in chosen.items():
-            ids, rate, before, state = run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec,
-                                           deterministic, args.ignore_eos)
-            if plain_ids is None:
-                plain_ids, plain_rate = ids, rate
-            same = sum(a == b for a, b in zip(ids, plain_ids))
-            accept = state.get("avg_spec_accept_length")
-            by_pos = state.get("spec_acceptance_by_position") or []
-            lines.append(f"| {name} | {rate:.1f} | {rate / plain_rate:.2f}x | "
-                         f"{'-' if not accept else f'{accept:.2f}'} | {' '.join(f'{a:.2f}' for a in by_pos) or '-'} "
-                         f"| {same}/{len(ids)} | {tier_steps(before, state)} |")
-            print(lines[-1], flush=True)
-            slots = goodput_slots(state)
+        runs: dict[str, list[tuple]] = {name: [] for name in chosen}  # (ids, tok/s, state before, after) per turn
+        for turn in range(args.repeats):
+            for name, spec in chosen.items():
+                runs[name].append(run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec,
+                                      deterministic, args.ignore_eos))
+                print(f"turn {turn + 1}: {name}: {runs[name][-1][1]:.1f} tok/s", flush=True)
+        slot_lines = []
+        for name, row_runs in runs.items():
+            lines.append(row_line(name, row_runs, runs["plain"]))
+            slots = goodput_slots(row_runs[-1][3])
             if slots:
                 slot_lines += [f"- {name}, the goodput slots at the end:"] + slots
         lines += [""] + slot_lines + ([""] if slot_lines else [])
