@@ -12,6 +12,7 @@ in bf16 with --deterministic, the default there: --enable-deterministic-inferenc
   python -m benchmarks.real_accept --head /tmp/smol-eagle3 --device cuda --dtype bfloat16 --turns 80 --batch 1 16
   ... --rows "chain 3" "head, adaptive"       # plain and the rows whose names contain one of these
   ... --repeats 3                              # every row three times, in turns: medians and paired ratios
+  ... --switch launch_thread                   # every row also with that RuntimeOptions switch flipped
 
 --repeats: a GPU host's speed drifts between rows of one run (an H200's host ran the same chain-5 row at 1.35 and
 1.81 ms a step, real_accept_h200.md session 32), so a row against plain is best read as the median of ratios taken
@@ -29,6 +30,7 @@ import statistics
 from benchmarks.common import (code_edit_requests, command_line, device_tag, git_commit, mt_bench_first_turns,
                                results_path, timed_generate)
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.options import RuntimeOptions
 from hyperdraft.models.default_model import ensure_default_model
 
 
@@ -59,9 +61,11 @@ def rows(head: str | None) -> dict[str, dict]:
 
 
 def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, device: str, dtype: str, spec: dict,
-        deterministic: bool = False, ignore_eos: bool = True):
+        deterministic: bool = False, ignore_eos: bool = True, switches: dict | None = None):
+    """switches: RuntimeOptions fields set over the environment's (--switch)."""
+    options = RuntimeOptions.from_env(deterministic=deterministic, **switches) if switches else None
     llm = LLM(model, device=device, dtype=dtype, max_running_requests=batch, enable_deterministic_inference=deterministic,
-              **spec)
+              runtime_options=options, **spec)
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=ignore_eos)
     return timed_generate(llm, prompts, params, warm_up=len(prompts) if device == "cuda" else batch)
 
@@ -132,6 +136,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every row this many times, in turns (plain first in each): the table gives the median "
                          "tok/s and the median of each turn's ratio to plain, with their ranges")
+    ap.add_argument("--switch", help="a RuntimeOptions switch (e.g. launch_thread): every row, plain too, also runs with it "
+                                     "flipped from its default, as a row of its own named 'ROW [switch]' (against "
+                                     "plain with the default)")
     ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: "
                                   "benchmarks/results/)")
     args = ap.parse_args()
@@ -152,11 +159,14 @@ def main() -> None:
                   "outputs equal to plain | steps per tier |", "|---|---|---|---|---|---|---|"]
         chosen = {name: spec for name, spec in rows(args.head).items()
                   if name == "plain" or args.rows is None or any(r in name for r in args.rows)}
-        runs: dict[str, list[tuple]] = {name: [] for name in chosen}  # (ids, tok/s, state before, after) per turn
+        flipped = {args.switch: not RuntimeOptions.__dataclass_fields__[args.switch].default} if args.switch else {}
+        variants = [(name, spec, None) for name, spec in chosen.items()]
+        variants += [(f"{name} [{args.switch}]", spec, flipped) for name, spec in chosen.items() if flipped]
+        runs: dict[str, list[tuple]] = {name: [] for name, _, _ in variants}  # (ids, tok/s, before, after) a turn
         for turn in range(args.repeats):
-            for name, spec in chosen.items():
+            for name, spec, switches in variants:
                 runs[name].append(run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec,
-                                      deterministic, args.ignore_eos))
+                                      deterministic, args.ignore_eos, switches))
                 print(f"turn {turn + 1}: {name}: {runs[name][-1][1]:.1f} tok/s", flush=True)
         slot_lines = []
         for name, row_runs in runs.items():
