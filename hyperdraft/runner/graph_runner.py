@@ -119,8 +119,12 @@ def activation_row_bytes(hidden: int, intermediate: int, vocab: int, dtype_bytes
 class _StaticInputs:
     """Input buffers for the largest batch of one GraphShape; smaller graphs use leading views."""
 
-    def __init__(self, shape: GraphShape, max_bs: int, device, hidden_size: int | None, dtype: torch.dtype):
+    def __init__(self, shape: GraphShape, max_bs: int, device, hidden_size: int | None, dtype: torch.dtype,
+                 recurrent: bool):
+        """recurrent: a hybrid target's graphs, which read the state walk buffers (a dense model's never do, so its
+        fills skip them: two launches of a decode step's seven on the host's critical path)."""
         q, n = shape.tokens_per_req, max_bs * shape.tokens_per_req
+        self.recurrent = recurrent
         # Sized from the model that consumes it (a head's hidden size is not the target's).
         self.input_hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device) if hidden_size else None
         as_long = dict(dtype=torch.int64, device=device)
@@ -160,6 +164,17 @@ class _StaticInputs:
             state_targets=self.state_targets[:n] if speculative and self.state_targets is not None else None,
         )
 
+    def _fill_state_walk(self, fb: ForwardBatch, n: int) -> None:
+        if fb.state_parents is not None:
+            self.state_parents[:n].copy_(fb.state_parents[:n])
+        elif self.state_targets is not None:  # a decode whose states stay in their slots
+            self.state_parents[:n].fill_(-1)
+        if self.state_targets is not None:
+            if fb.state_targets is not None:
+                self.state_targets[:n].copy_(fb.state_targets[:n])
+            else:
+                self.state_targets[:n].fill_(-1)
+
     def fill(self, fb: ForwardBatch, bs: int, q: int) -> None:
         """Copy the real batch in and reset the padding rows (device-to-device copies, no sync)."""
         real, n = fb.batch_size, fb.batch_size * q
@@ -170,15 +185,8 @@ class _StaticInputs:
         self.seq_lens[:real].copy_(fb.seq_lens_t)
         if fb.tail_mask is not None:
             self.tail_mask[:real].copy_(fb.tail_mask)
-        if fb.state_parents is not None:
-            self.state_parents[:n].copy_(fb.state_parents[:n])
-        elif self.state_targets is not None:  # a decode whose states stay in their slots
-            self.state_parents[:n].fill_(-1)
-        if self.state_targets is not None:
-            if fb.state_targets is not None:
-                self.state_targets[:n].copy_(fb.state_targets[:n])
-            else:
-                self.state_targets[:n].fill_(-1)
+        if self.recurrent:
+            self._fill_state_walk(fb, n)
         if self.input_hidden is not None:
             self.input_hidden[:n].copy_(fb.input_hidden)
         if self.one_logit:
@@ -191,8 +199,9 @@ class _StaticInputs:
             if self.input_hidden is not None:
                 self.input_hidden[n : bs * q].zero_()
             self.seq_lens[real:bs].fill_(q)
-            self.state_parents[n : bs * q].copy_(self.chain_parents[n : bs * q])
-            if self.state_targets is not None:
+            if self.recurrent:
+                self.state_parents[n : bs * q].copy_(self.chain_parents[n : bs * q])
+            if self.recurrent and self.state_targets is not None:
                 self.state_targets[n : bs * q].fill_(-1)
             if self.one_logit:
                 self.logits_indices[real:bs].copy_(self.default_logits[real:bs])
@@ -250,7 +259,8 @@ class GraphRunner:
                 self.projections[shape] = project
             if not segmented:
                 self.whole.add(shape)
-            self.inputs[shape] = _StaticInputs(shape, sizes[-1], device, self.runner.input_hidden_size, self.runner.dtype)
+            self.inputs[shape] = _StaticInputs(shape, sizes[-1], device, self.runner.input_hidden_size, self.runner.dtype,
+                                               self.recurrent)
             for bs in reversed(sizes):  # largest first, so smaller graphs reuse its pool memory
                 self._capture_one(shape, bs, mode)
         if not self.emulate:
