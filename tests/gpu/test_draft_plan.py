@@ -131,11 +131,12 @@ def test_accept_chain_simulated(monkeypatch, bsz, k, alpha):
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("bsz,k", [(1, 1), (1, 5), (5, 3), (8, 7)])
+@pytest.mark.parametrize("bsz,k", [(1, 1), (1, 5), (5, 3), (8, 7), (1, 0), (6, 0)])
 def test_move_chain_batch(page_size, bsz, k):
     """Round-ahead's chain batch move (verify_ahead.next_round_batch): the kernel == the torch code, element for
     element, with accept counts 0..K, rows in any order, and moved rows running past a row's pages (they map to its
-    last page entry, as token_slots clamps)."""
+    last page entry, as token_slots clamps). K = 0 is a plain decode moved on by one token (not used by the engine
+    yet: a candidate for decode-ahead's batch, session 32's note)."""
     table = _page_table(page_size, 6, seed=page_size * 10 + k)
     g = torch.Generator().manual_seed(bsz * 100 + k)
     width = k + 1
