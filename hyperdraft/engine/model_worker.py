@@ -71,13 +71,8 @@ class ModelWorker:
         self.state_at: dict[int, int] = {}  # hybrid models: row -> scratch entry holding its state (absent: the slot)
 
     def release_graphs(self) -> None:
-        self._join()
         self.ahead = None
-        self.runner.release_graphs()
-
-    def _join(self) -> None:
-        if self.runner.graphs is not None:
-            self.runner.graphs.launcher.join()
+        self.runner.release_graphs()  # joins a launch still pending first (GraphRunner.release)
 
     def discard_ahead(self) -> None:
         """Forget a queued decode: another worker is about to move its requests on (a speculative round after a step
@@ -90,7 +85,7 @@ class ModelWorker:
         reqs = [it.req for it in items]
         decoding = not batch.prefills
         assert decoding or self.sink is None, "a sink sees decodes only: the speculative worker runs the rest"
-        self._join()  # the decode queued ahead last step may still be launching (runner/launcher.py)
+        self.runner.join_launches()  # the decode queued ahead last step may still be launching (runner/launcher.py)
         ahead, self.ahead = self.ahead, None
         if ahead is not None and decoding and same_requests(reqs, ahead.reqs):
             self.ahead_used += 1

@@ -95,16 +95,22 @@ class GraphedRunner:
             key = self.graphs.match(fb, capture_layers)
             if key is not None:
                 self.page_table.flush()  # a replay reads the device page table without asking for it
-                later = later and (sink is None or self.graphs.keeps(key, sink))  # an eager keep follows the replay
-                with torch.inference_mode():
-                    out = self.graphs.replay(fb, key, later)
-                if sink is not None and not self.graphs.keeps(key, sink):
+                keep_after = sink is not None and not self.graphs.keeps(key, sink)
+                with torch.inference_mode():  # an eager keep after the replay must queue behind it: not later
+                    out = self.graphs.replay(fb, key, later and not keep_after)
+                if keep_after:
                     sink.keep(fb, out)
                 return out
         out = self.forward_eager(fb, capture_layers)
         if sink is not None:
             sink.keep(fb, out)
         return out
+
+    def join_launches(self) -> None:
+        """Wait for a forward queued with later=True to be launched (runner/launcher.py): the caller's next GPU work
+        must queue behind it."""
+        if self.graphs is not None:
+            self.graphs.launcher.join()
 
     def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (),
                       after_layer: Callable[[int], None] | None = None) -> ForwardOutput:

@@ -106,7 +106,7 @@ class SpecWorker:
         self.results_stream = torch.cuda.Stream(target.device) if target.device.type == "cuda" else None
 
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
-        self._join()  # a verify queued ahead last step may still be launching (runner/launcher.py)
+        self.runner.join_launches()  # a verify queued ahead last step may still be launching (runner/launcher.py)
         decodes, prefills = batch.decodes, batch.prefills
         # A step's wall time is its tier's cost, unless prefill chunks ran in it or in the step before: that one queued
         # no draft or verify ahead, so this one runs them cold, one after the other.
@@ -212,7 +212,7 @@ class SpecWorker:
             # This round's drafts (a lookup queued ahead: the host learns its counts only now) were empty everywhere:
             # with ahead_after_empty off, drop the next lookup and the verify queued behind it, so that the next step
             # looks up on the host and, finding nothing again, runs as a plain decode (module doc).
-            self._join()  # NGRAM's discard settles its device token store
+            self.runner.join_launches()  # NGRAM's discard settles its device token store
             self.proposer.discard_ahead()
             self.verify_ahead.discard()
         return outcome.results
@@ -240,12 +240,8 @@ class SpecWorker:
                                        project=project)
         self.proposer.capture_graphs(plan)
 
-    def _join(self) -> None:
-        if self.runner.graphs is not None:
-            self.runner.graphs.launcher.join()
-
     def release_graphs(self) -> None:
-        self._join()
+        self.runner.join_launches()  # before the draft graphs go: the target's release would join only after them
         self.verify_ahead.discard()  # its outputs live in the graphs' memory
         if self.plain is not None:
             self.plain.discard_ahead()

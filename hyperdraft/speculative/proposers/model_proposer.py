@@ -137,10 +137,11 @@ class ModelProposer(Proposer):
         if not self.capabilities.drafts_ahead:
             return None
         sampling_key = self._sampling_key(tier, sampling, self._draws(tier, sampling))
-        width, room = self.catch_up_width(tier), self.ahead_room(tier, len(reqs))
+        width = self.catch_up_width(tier)
         fit = self.draft_loop.padded(tier, len(reqs), width)
         key = None if fit is None else RoundKey(tier, *fit, sampling_key)
-        if room is None or fit is None or tokens.shape[1] < width or not self.draft_loop.has(key):
+        room = None if fit is None else self._padded_room(tier, fit[1])
+        if room is None or tokens.shape[1] < width or not self.draft_loop.has(key):
             return None
         # Reserve the room the queued round writes now, as the next schedule would have. Up to index n (reach 1) the
         # round itself had it: a step-0 round's catch-up needs nothing more, and skips a call per request.
@@ -161,9 +162,12 @@ class ModelProposer(Proposer):
         the padding in the room, and before it was allowed at all, only the widest tier at a batch size drafted
         ahead: EMA adaptive on chat at batch 1 (tier 3 under a 7-step ladder) queued no draft and no verify ahead,
         0.78x plain against fixed chain 3's 1.03x on an H200 (real_accept_h200.md, session 32)."""
-        width, room = self.catch_up_width(tier), self.queued_room(tier)
-        fit = None if self.draft_loop is None else self.draft_loop.padded(tier, batch_size, width)
-        return None if room is None or fit is None else room + fit[1] - width
+        fit = None if self.draft_loop is None else self.draft_loop.padded(tier, batch_size, self.catch_up_width(tier))
+        return None if fit is None else self._padded_room(tier, fit[1])
+
+    def _padded_room(self, tier: Tier, graph_width: int) -> int | None:
+        room = self.queued_room(tier)
+        return None if room is None else room + graph_width - self.catch_up_width(tier)
 
     def discard_ahead(self) -> None:
         self.ahead_discarded += self.ahead is not None
