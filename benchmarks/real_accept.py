@@ -26,9 +26,10 @@ import datetime
 import json
 import os
 import statistics
+from typing import NamedTuple
 
-from benchmarks.common import (code_edit_requests, command_line, device_tag, git_commit, mt_bench_first_turns,
-                               results_path, timed_generate)
+from benchmarks.common import (chat_turns, code_edit_requests, command_line, device_tag, git_commit,
+                               mt_bench_first_turns, results_path, timed_generate)
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.models.default_model import ensure_default_model
@@ -60,14 +61,23 @@ def rows(head: str | None) -> dict[str, dict]:
     return out
 
 
+class RowRun(NamedTuple):
+    """One timed run of a row (benchmarks/common.timed_generate)."""
+
+    ids: list[list[int]]  # output tokens per prompt
+    rate: float  # output tokens per second
+    before: dict  # the engine's internal state before the timed run, and after it
+    after: dict
+
+
 def run(model: str, prompts: list[list[int]], batch: int, new_tokens: int, device: str, dtype: str, spec: dict,
-        deterministic: bool = False, ignore_eos: bool = True, switches: dict | None = None):
+        deterministic: bool = False, ignore_eos: bool = True, switches: dict | None = None) -> RowRun:
     """switches: RuntimeOptions fields set over the environment's (--switch)."""
     options = RuntimeOptions.from_env(deterministic=deterministic, **switches) if switches else None
     llm = LLM(model, device=device, dtype=dtype, max_running_requests=batch, enable_deterministic_inference=deterministic,
               runtime_options=options, **spec)
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=ignore_eos)
-    return timed_generate(llm, prompts, params, warm_up=len(prompts) if device == "cuda" else batch)
+    return RowRun(*timed_generate(llm, prompts, params, warm_up=len(prompts) if device == "cuda" else batch))
 
 
 def tier_steps(before: dict, after: dict) -> str:
@@ -82,15 +92,14 @@ def tier_steps(before: dict, after: dict) -> str:
     return steps or "-"
 
 
-def row_line(name: str, row_runs: list[tuple], plain_runs: list[tuple]) -> str:
-    """A table row from a row's turns (each run()'s result) against plain's in the same turns: median tok/s, the
-    median of the paired ratios (ranges with more than one turn), acceptance and tiers from the last turn, and
-    outputs equal to plain's first run counted over every turn."""
-    rates = [r[1] for r in row_runs]
-    ratios = [r[1] / p[1] for r, p in zip(row_runs, plain_runs)]
+def row_line(name: str, row_runs: list[RowRun], plain_runs: list[RowRun]) -> str:
+    """A table row from a row's turns against plain's in the same turns: median tok/s, the median of the paired
+    ratios (ranges with more than one turn), acceptance and tiers from the last turn, and outputs equal to plain's
+    first run counted over every turn."""
+    rates = [r.rate for r in row_runs]
+    ratios = [r.rate / p.rate for r, p in zip(row_runs, plain_runs)]
     ids, _, before, state = row_runs[-1]
-    plain_ids = plain_runs[0][0]
-    same = sum(a == b for r in row_runs for a, b in zip(r[0], plain_ids))
+    same = sum(a == b for r in row_runs for a, b in zip(r.ids, plain_runs[0].ids))
     spread = len(rates) > 1
     rate = f"{statistics.median(rates):.1f}" + (f" ({min(rates):.1f}-{max(rates):.1f})" if spread else "")
     ratio = f"{statistics.median(ratios):.2f}x" + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if spread else "")
@@ -136,9 +145,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every row this many times, in turns (plain first in each): the table gives the median "
                          "tok/s and the median of each turn's ratio to plain, with their ranges")
-    ap.add_argument("--switch", help="a RuntimeOptions switch (e.g. launch_thread): every row, plain too, also runs with it "
-                                     "flipped from its default, as a row of its own named 'ROW [switch]' (against "
-                                     "plain with the default)")
+    ap.add_argument("--switch", help="a RuntimeOptions switch (e.g. launch_thread): every row, plain too, also runs "
+                                     "with it flipped from its default, as a row of its own named 'ROW [switch]' "
+                                     "(against plain with the default)")
     ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: "
                                   "benchmarks/results/)")
     args = ap.parse_args()
@@ -146,7 +155,7 @@ def main() -> None:
     model = ensure_default_model()
     chat = LLM(model, device="cpu", dtype="float32")
     questions = mt_bench_first_turns()[:args.turns] if args.task == "chat" else code_edit_requests(args.turns)
-    prompts = [chat.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    prompts = chat_turns(chat, questions)
     chat.shutdown()
     tag = device_tag(args.device)
     what = "MT-bench first turns" if args.task == "chat" else "code-edit requests (benchmarks/common.code_edit_requests)"
@@ -162,16 +171,16 @@ def main() -> None:
         flipped = {args.switch: not RuntimeOptions.__dataclass_fields__[args.switch].default} if args.switch else {}
         variants = [(name, spec, None) for name, spec in chosen.items()]
         variants += [(f"{name} [{args.switch}]", spec, flipped) for name, spec in chosen.items() if flipped]
-        runs: dict[str, list[tuple]] = {name: [] for name, _, _ in variants}  # (ids, tok/s, before, after) a turn
+        runs: dict[str, list[RowRun]] = {name: [] for name, _, _ in variants}
         for turn in range(args.repeats):
             for name, spec, switches in variants:
                 runs[name].append(run(model, prompts, batch, args.new_tokens, args.device, args.dtype, spec,
                                       deterministic, args.ignore_eos, switches))
-                print(f"turn {turn + 1}: {name}: {runs[name][-1][1]:.1f} tok/s", flush=True)
+                print(f"turn {turn + 1}: {name}: {runs[name][-1].rate:.1f} tok/s", flush=True)
         slot_lines = []
         for name, row_runs in runs.items():
             lines.append(row_line(name, row_runs, runs["plain"]))
-            slots = goodput_slots(row_runs[-1][3])
+            slots = goodput_slots(row_runs[-1].after)
             if slots:
                 slot_lines += [f"- {name}, the goodput slots at the end:"] + slots
         lines += [""] + slot_lines + ([""] if slot_lines else [])
