@@ -105,8 +105,8 @@ class StaticInputs:
             self.seq_lens[real:bs].fill_(q)
             if self.recurrent:
                 self.state_parents[n : bs * q].copy_(self.chain_parents[n : bs * q])
-            if self.recurrent and self.state_targets is not None:
-                self.state_targets[n : bs * q].fill_(-1)
+                if self.state_targets is not None:
+                    self.state_targets[n : bs * q].fill_(-1)
             if self.one_logit:
                 self.logits_indices[real:bs].copy_(self.default_logits[real:bs])
             if self.tail_mask is not None:
