@@ -12,7 +12,7 @@ in bf16 with --deterministic, the default there: --enable-deterministic-inferenc
   python -m benchmarks.real_accept --head /tmp/smol-eagle3 --device cuda --dtype bfloat16 --turns 80 --batch 1 16
   ... --rows "chain 3" "head, adaptive"       # plain and the rows whose names contain one of these
   ... --repeats 3                              # every row three times, in turns: medians and paired ratios
-  ... --switch launch_thread                   # every row also with that RuntimeOptions switch flipped
+  ... --switch fused_norm_gemv                 # every row also with that RuntimeOptions switch flipped
 
 --repeats: a GPU host's speed drifts between rows of one run (an H200's host ran the same chain-5 row at 1.35 and
 1.81 ms a step, real_accept_h200.md session 32), so a row against plain is best read as the median of ratios taken
@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every row this many times, in turns (plain first in each): the table gives the median "
                          "tok/s and the median of each turn's ratio to plain, with their ranges")
-    ap.add_argument("--switch", help="a RuntimeOptions switch (e.g. launch_thread): every row, plain too, also runs "
+    ap.add_argument("--switch", help="a RuntimeOptions switch (e.g. fused_norm_gemv): every row, plain too, also runs "
                                      "with it flipped from its default, as a row of its own named 'ROW [switch]' "
                                      "(against plain with the default)")
     ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: "

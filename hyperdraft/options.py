@@ -51,9 +51,6 @@ passes options instead of patching modules.
                                                                    nothing anywhere drops the lookup and verify queued
                                                                    behind it, so the next step looks up on the host
                                                                    and may run as a plain decode (default: keeps them)
-  HYPERDRAFT_LAUNCH_THREAD=1            launch_thread=True         the decode or verify queued ahead for the next step is
-                                                                   launched from a helper thread (runner/launcher.py);
-                                                                   off until measured on a GPU
   HYPERDRAFT_SIMULATE_ACCEPT_RATE=a     simulate_accept_rate=a     BENCHMARK ONLY, lossy (speculative/verify/simulated.py)
 
 `deterministic` has no variable: it is EngineArgs' enable_deterministic_inference (batch-invariant kernels only,
@@ -98,7 +95,6 @@ _SWITCHES = {
     "kv_in_attention": ("HYPERDRAFT_KV_IN_ATTENTION", "0"),
     "split_draft_head": ("HYPERDRAFT_SPLIT_DRAFT_HEAD", "1"),
     "ahead_after_empty": ("HYPERDRAFT_AHEAD_AFTER_EMPTY", "0"),
-    "launch_thread": ("HYPERDRAFT_LAUNCH_THREAD", "1"),
 }
 
 
@@ -124,7 +120,6 @@ class RuntimeOptions:
     push_all_reduce: bool = True  # 8B TP 2 step on two H100s 3.69 ms against NCCL's 4.03 (tp_bench_h100.md)
     kv_in_attention: bool = True  # SmolLM2 decode graph 586 -> 568 us on an H100 (plain_step_h100.md)
     ahead_after_empty: bool = True  # NGRAM chain 4 on chat, batch 1: 1.00-1.19x plain against 0.79-0.98x (H200)
-    launch_thread: bool = False  # written in session 32 without device time left: GPU-tested and timed first
     simulate_accept_rate: float | None = None
     deterministic: bool = False
 

@@ -240,8 +240,7 @@ class Engine:
         max_bs = self.args.cuda_graph_max_bs or self.lockstep.tp.agree_min(default_graph_max_bs(
             self.device, self.model_config, dtype, self._verify_width(), emulate))
         sizes = default_batch_sizes(min(max_bs, self.max_rows))
-        return GraphSettings(tuple(sizes), emulate=emulate, segments=self.options.graph_segments,
-                             launch_thread=self.options.launch_thread)
+        return GraphSettings(tuple(sizes), emulate=emulate, segments=self.options.graph_segments)
 
     def _make_scheduler(self) -> Scheduler:
         tokenizer, chunk = self.tokenizer, self.args.effective_chunked_prefill_size

@@ -31,7 +31,6 @@ from hyperdraft.core.host_copy import HostCopy, to_device
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
-from hyperdraft.runner.launcher import Pending
 from hyperdraft.runner.model_runner import DecodeSink, ForwardOutput, ModelRunner
 from hyperdraft.runner.next_token import next_token_batch
 from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
@@ -46,7 +45,7 @@ class AheadDecode:
 
     reqs: list[Request]
     sampling: SamplingBatch  # its rows' parameters, positions one past the step that queued it
-    sampled: Pending[SampledTokens]  # [B] each, once the launcher's thread has queued the sampling
+    sampled: SampledTokens  # [B] each
     state_targets: list[int]  # hybrid models: where each request's state went (-1 the slot, 0 scratch entry 0)
 
 
@@ -72,7 +71,7 @@ class ModelWorker:
 
     def release_graphs(self) -> None:
         self.ahead = None
-        self.runner.release_graphs()  # joins a launch still pending first (GraphRunner.release)
+        self.runner.release_graphs()
 
     def discard_ahead(self) -> None:
         """Forget a queued decode: another worker is about to move its requests on (a speculative round after a step
@@ -85,11 +84,10 @@ class ModelWorker:
         reqs = [it.req for it in items]
         decoding = not batch.prefills
         assert decoding or self.sink is None, "a sink sees decodes only: the speculative worker runs the rest"
-        self.runner.join_launches()  # the decode queued ahead last step may still be launching (runner/launcher.py)
         ahead, self.ahead = self.ahead, None
         if ahead is not None and decoding and same_requests(reqs, ahead.reqs):
             self.ahead_used += 1
-            sb, sampled = ahead.sampling, ahead.sampled.result()
+            sb, sampled = ahead.sampling, ahead.sampled
             self._moved_states(reqs, ahead.state_targets)
         else:
             self.ahead_discarded += ahead is not None
@@ -152,14 +150,11 @@ class ModelWorker:
         if fb is None:
             return
         next_sb = sb.at_offset(tokens[:, None])  # one position on; penalties count the token just sampled
-        # The step's last GPU work, the decode and its sampling, may be launched from the launcher's thread (the next
-        # run joins it first). Not for a hybrid target: its state walk stays on this thread.
-        out = self._decode(fb, later=not self.recurrent)
-        sampled = self.runner.graphs.launcher.submit(lambda: self.sampler.sample(out.logits, next_sb))
-        self.ahead = AheadDecode(list(reqs), next_sb, sampled, targets)
+        out = self._decode(fb)
+        self.ahead = AheadDecode(list(reqs), next_sb, self.sampler.sample(out.logits, next_sb), targets)
 
-    def _decode(self, fb: ForwardBatch, later: bool = False) -> ForwardOutput:
-        return self.runner.forward(fb, self.capture_layers, self.sink, later)
+    def _decode(self, fb: ForwardBatch) -> ForwardOutput:
+        return self.runner.forward(fb, self.capture_layers, self.sink)
 
     def _state_walk(self, batch: ScheduledBatch) -> dict:
         """build_forward_batch's state arguments for a scheduled step: its leading decodes read their states where

@@ -51,7 +51,6 @@ import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch
 from hyperdraft.runner.capture import capture_segments, into_shared, reset_graphs, shared_buffers
-from hyperdraft.runner.launcher import Launcher
 from hyperdraft.runner.static_inputs import GraphShape, StaticInputs
 
 logger = logging.getLogger("hyperdraft")
@@ -59,13 +58,11 @@ logger = logging.getLogger("hyperdraft")
 
 @dataclass(frozen=True)
 class GraphSettings:
-    """How a runner captures: the batch sizes (padded up to), emulation on CPU, segmented forwards, and whether a
-    forward queued for the next step may be launched from a helper thread (runner/launcher.py)."""
+    """How a runner captures: the batch sizes (padded up to), emulation on CPU, segmented forwards."""
 
     batch_sizes: tuple[int, ...]
     emulate: bool = False
     segments: bool = True
-    launch_thread: bool = False
 
 
 def segment_cuts(num_layers: int) -> tuple[int, ...]:
@@ -129,7 +126,6 @@ class GraphRunner:
         self.replays: Counter[tuple[GraphShape, int]] = Counter()  # the same, per (shape, padded batch size)
         self.capture_seconds = 0.0
         self.capture_bytes = 0
-        self.launcher = Launcher(settings.launch_thread, runner.page_table.table.device)
 
     # ---- capture ------------------------------------------------------------------------------------------------
     def capture(self, shapes: dict[GraphShape, list[int]], mode, capture_layers: tuple[int, ...] = (),
@@ -219,7 +215,6 @@ class GraphRunner:
     def release(self) -> None:
         """Destroy every graph; later forwards run eagerly. A graph that captured NCCL collectives must go before its
         process group: on an H100 pair, destroying the group while such graphs lived hung for good."""
-        self.launcher.close()  # never under a pending launch; nothing is left to launch later
         reset_graphs(self.graphs)
         self.outputs.clear()
         self.shared.clear()
@@ -287,9 +282,7 @@ class GraphRunner:
         """Whether replaying key runs sink.keep inside the graph (never for emulated graphs, which run eagerly)."""
         return not self.emulate and self.sinks.get(key[0]) is sink
 
-    def replay(self, fb: ForwardBatch, key: tuple[GraphShape, int], later: bool = False):
-        """later: the next step's forward, queued as this step's last GPU work: its inputs are filled here, its
-        launch may go to the launcher's thread (the caller then queues nothing until launcher.join())."""
+    def replay(self, fb: ForwardBatch, key: tuple[GraphShape, int]):
         shape, bs = key
         q, real = shape.tokens_per_req, fb.batch_size
         static = self.inputs[shape]
@@ -299,24 +292,14 @@ class GraphRunner:
         if self.emulate:  # the same buffers and padding, run eagerly; the torch backend reads the host lists
             padded = static.batch(fb.mode, bs, q, self.max_seq_len, fb.prefix_lens + [0] * (bs - real),
                                   self._speculative(shape))
-            project, shared = self.projections.get(shape), self.shared.get(shape)
-            if later and shared is not None:  # the helper computes into the shared buffers (full-size views here)
-                self.launcher.submit(lambda: into_shared(self._projected(
-                    self.runner.forward_eager(padded, self.capture_layers), project), shared))
-                out = shared
-            else:
-                fresh = self._projected(self.runner.forward_eager(padded, self.capture_layers), project)
-                if shared is None:  # buffers for the shape's largest size, which every replay overwrites in place,
-                    # as the graphs' shared outputs: a consumer keeping a view past the next forward is caught
-                    shared = self.shared[shape] = shared_buffers(fresh, bs, self.sizes[shape][-1])
-                out = into_shared(fresh, shared)
+            fresh = self._projected(self.runner.forward_eager(padded, self.capture_layers), self.projections.get(shape))
+            if shape not in self.shared:  # buffers for the shape's largest size, which every replay overwrites in
+                # place, as the graphs' shared outputs: a consumer keeping a view past the next forward is caught
+                self.shared[shape] = shared_buffers(fresh, bs, self.sizes[shape][-1])
+            out = into_shared(fresh, self.shared[shape])
         else:
-            segments = self.graphs[key]
-            if later:
-                self.launcher.submit(lambda: [segment.replay() for segment in segments])
-            else:
-                for segment in segments:
-                    segment.replay()
+            for segment in self.graphs[key]:
+                segment.replay()
             out = self.outputs[key]
         n = real * q
         rows = real if shape.one_logit else n

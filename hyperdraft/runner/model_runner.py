@@ -85,19 +85,17 @@ class GraphedRunner:
         self.input_hidden_size = input_hidden_size  # per-token hidden inputs (fb.input_hidden) the model consumes
         self.graphs = GraphRunner(self, graphs) if graphs is not None else None
 
-    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (), sink: DecodeSink | None = None,
-                later: bool = False) -> ForwardOutput:
+    def forward(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (),
+                sink: DecodeSink | None = None) -> ForwardOutput:
         """Either way the caller gets the outputs of the path that ran, and nothing else. sink: handed the outputs
-        (inside the graph when the replayed one was captured with it). later: a forward queued for the next step as
-        this step's last GPU work, whose replay may be launched from the graphs' launcher thread (GraphRunner.replay;
-        the caller joins it before queuing anything else)."""
+        (inside the graph when the replayed one was captured with it)."""
         if self.graphs is not None:
             key = self.graphs.match(fb, capture_layers)
             if key is not None:
                 self.page_table.flush()  # a replay reads the device page table without asking for it
                 keep_after = sink is not None and not self.graphs.keeps(key, sink)
-                with torch.inference_mode():  # an eager keep after the replay must queue behind it: not later
-                    out = self.graphs.replay(fb, key, later and not keep_after)
+                with torch.inference_mode():
+                    out = self.graphs.replay(fb, key)
                 if keep_after:
                     sink.keep(fb, out)
                 return out
@@ -105,12 +103,6 @@ class GraphedRunner:
         if sink is not None:
             sink.keep(fb, out)
         return out
-
-    def join_launches(self) -> None:
-        """Wait for a forward queued with later=True to be launched (runner/launcher.py): the caller's next GPU work
-        must queue behind it."""
-        if self.graphs is not None:
-            self.graphs.launcher.join()
 
     def forward_eager(self, fb: ForwardBatch, capture_layers: tuple[int, ...] = (),
                       after_layer: Callable[[int], None] | None = None) -> ForwardOutput:

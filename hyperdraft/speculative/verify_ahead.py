@@ -112,8 +112,7 @@ class VerifyAhead:
             return
         if fb is None:
             return
-        # the step's last GPU work: its launch may go to the launcher's thread (the worker joins it next step)
-        out = self.runner.forward(fb, capture_layers=self.capture_layers, later=True)
+        out = self.runner.forward(fb, capture_layers=self.capture_layers)
         self.queued = QueuedVerify(round_.reqs, tier, drafted if tier.steps > 0 else None, fb, out)
 
 

@@ -106,7 +106,6 @@ class SpecWorker:
         self.results_stream = torch.cuda.Stream(target.device) if target.device.type == "cuda" else None
 
     def run(self, batch: ScheduledBatch) -> list[RequestResult]:
-        self.runner.join_launches()  # a verify queued ahead last step may still be launching (runner/launcher.py)
         decodes, prefills = batch.decodes, batch.prefills
         # A step's wall time is its tier's cost, unless prefill chunks ran in it or in the step before: that one queued
         # no draft or verify ahead, so this one runs them cold, one after the other.
@@ -199,9 +198,7 @@ class SpecWorker:
 
     def _commit(self, round_: ChainRound | TreeRound, outcome: RoundOutcome, start: float | None) -> list[RequestResult]:
         """The proposer, the metrics and the tier source learn what the round accepted. The step's wall time, which
-        includes its one sync, is the tier's real cost; a step with prefill chunks or after them (start None) is not.
-        Host work only (a verify queued ahead may still be launching from the launcher's thread), but for the
-        discard below, which joins first."""
+        includes its one sync, is the tier's real cost; a step with prefill chunks or after them (start None) is not."""
         if round_.tier.steps > 0:
             self.proposer.commit(round_.reqs, outcome.draft_kv_valid)
         self.metrics.observe(outcome.depth, outcome.num_accepted, proposed=outcome.num_drafted)
@@ -212,7 +209,6 @@ class SpecWorker:
             # This round's drafts (a lookup queued ahead: the host learns its counts only now) were empty everywhere:
             # with ahead_after_empty off, drop the next lookup and the verify queued behind it, so that the next step
             # looks up on the host and, finding nothing again, runs as a plain decode (module doc).
-            self.runner.join_launches()  # NGRAM's discard settles its device token store
             self.proposer.discard_ahead()
             self.verify_ahead.discard()
         return outcome.results
@@ -241,7 +237,6 @@ class SpecWorker:
         self.proposer.capture_graphs(plan)
 
     def release_graphs(self) -> None:
-        self.runner.join_launches()  # before the draft graphs go: the target's release would join only after them
         self.verify_ahead.discard()  # its outputs live in the graphs' memory
         if self.plain is not None:
             self.plain.discard_ahead()
