@@ -18,6 +18,9 @@ passes options instead of patching modules.
   HYPERDRAFT_GRAPH_SEGMENTS=0           graph_segments=False       one CUDA graph per captured forward or draft round
   HYPERDRAFT_DECODE_AHEAD=0             decode_ahead=False         no plain decode, nor a step-0 round's next verify,
                                                                    queued before the host reads
+  HYPERDRAFT_MOVE_AHEAD_BATCH=0         move_ahead_batch=False     a plain decode queued ahead is packed on the host
+                                                                   (runner/next_token.py) instead of moved on from the
+                                                                   step's own batch on the device
   HYPERDRAFT_DRAFT_AHEAD=0              draft_ahead=False          no draft queued before the host reads
   HYPERDRAFT_ROUND_AHEAD=0              round_ahead=False          no verify of a draft queued ahead, queued with it
                                                                    (a drafted round's next verify waits for the host,
@@ -83,6 +86,7 @@ _SWITCHES = {
     "skinny_cpu_linear": ("HYPERDRAFT_DISABLE_SKINNY_LINEAR", "1"),
     "graph_segments": ("HYPERDRAFT_GRAPH_SEGMENTS", "0"),
     "decode_ahead": ("HYPERDRAFT_DECODE_AHEAD", "0"),
+    "move_ahead_batch": ("HYPERDRAFT_MOVE_AHEAD_BATCH", "0"),
     "draft_ahead": ("HYPERDRAFT_DRAFT_AHEAD", "0"),
     "round_ahead": ("HYPERDRAFT_ROUND_AHEAD", "0"),
     "park_head": ("HYPERDRAFT_PARK_HEAD", "0"),
@@ -108,6 +112,7 @@ class RuntimeOptions:
     skinny_cpu_linear: bool = True
     graph_segments: bool = True
     decode_ahead: bool = True
+    move_ahead_batch: bool = True  # runner/next_token.py
     draft_ahead: bool = True
     round_ahead: bool = True  # speculative/verify_ahead.py
     park_head: bool = True  # speculative/proposers/slot_hidden.py

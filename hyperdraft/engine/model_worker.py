@@ -26,13 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
+from hyperdraft import options
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from hyperdraft.core.host_copy import HostCopy, to_device
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.runner.model_runner import DecodeSink, ForwardOutput, ModelRunner
-from hyperdraft.runner.next_token import next_token_batch
+from hyperdraft.runner.next_token import moved_decode_batch, next_token_batch
 from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import SamplingBatch
@@ -47,6 +48,7 @@ class AheadDecode:
     sampling: SamplingBatch  # its rows' parameters, positions one past the step that queued it
     sampled: SampledTokens  # [B] each
     state_targets: list[int]  # hybrid models: where each request's state went (-1 the slot, 0 scratch entry 0)
+    batch: ForwardBatch  # what it fed: the decode queued after it moves this on (runner/next_token.py)
 
 
 class ModelWorker:
@@ -66,6 +68,7 @@ class ModelWorker:
         self.ahead: AheadDecode | None = None
         self.ahead_used = 0  # steps served by a queued decode, and queued decodes thrown away (tests, benchmarks)
         self.ahead_discarded = 0
+        self.ahead_moved = 0  # queued decodes whose batch was moved on from the step's own on the device
         self.recurrent = runner.state_pool is not None
         self.state_at: dict[int, int] = {}  # hybrid models: row -> scratch entry holding its state (absent: the slot)
 
@@ -87,11 +90,11 @@ class ModelWorker:
         ahead, self.ahead = self.ahead, None
         if ahead is not None and decoding and same_requests(reqs, ahead.reqs):
             self.ahead_used += 1
-            sb, sampled = ahead.sampling, ahead.sampled
+            sb, sampled, fed = ahead.sampling, ahead.sampled, ahead.batch
             self._moved_states(reqs, ahead.state_targets)
         else:
             self.ahead_discarded += ahead is not None
-            logits = self._forward(batch)
+            logits, fed = self._forward(batch)
             self._moved_states(reqs, [-1] * len(reqs))
             sampling = [it.req for it in items if it.samples]
             if not sampling:
@@ -100,23 +103,24 @@ class ModelWorker:
             sampled = self.sampler.sample(logits, sb)
         copy = HostCopy(sampled)  # the step's one device-to-host copy, queued
         if decoding:  # the next step's decode runs while the host commits this one
-            self._decode_ahead(reqs, sb, sampled.tokens)
+            self._decode_ahead(reqs, sb, sampled.tokens, fed)
         host = copy.wait()
         rows = iter(sampled_rows(host))
         fields = self.result_fields
         return [RequestResult(it.num_tokens, *next(rows), **fields) if it.samples
                 else RequestResult(it.num_tokens, **fields) for it in items]
 
-    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The step's forward -> the logits of its sampling items, in item order. Decodes with prompt tails beside
-        them that fit captured graphs run as two replays, the decodes' and the tails' (runner/prompt_tails.py), not as
-        one eager forward of the whole batch: every prompt admitted while others decode would otherwise cost one."""
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardBatch | None]:
+        """The step's forward -> (the logits of its sampling items, in item order; the batch it fed when the step is
+        all decodes, else None). Decodes with prompt tails beside them that fit captured graphs run as two replays, the
+        decodes' and the tails' (runner/prompt_tails.py), not as one eager forward of the whole batch: every prompt
+        admitted while others decode would otherwise cost one."""
         items, num_decodes = batch.items, len(batch.decodes)
         inputs = [it.forward_input() for it in items]
         table, device = self.runner.page_table, self.runner.device
         if not batch.prefills:
-            return self._decode(build_forward_batch(ForwardMode.DECODE, inputs, table, device,
-                                                    **self._state_walk(batch))).logits
+            fb = build_forward_batch(ForwardMode.DECODE, inputs, table, device, **self._state_walk(batch))
+            return self._decode(fb).logits, fb
         tails = None
         graphs = self.runner.graphs
         if num_decodes and graphs is not None and graphs.fits(GraphShape(1, 0), num_decodes):
@@ -124,10 +128,10 @@ class ModelWorker:
         if tails is None:  # one forward; prompt tails alone padded to a captured width where they fit one
             fb = build_forward_batch(ForwardMode.EXTEND, padded_tails(graphs, inputs) or inputs, table, device,
                                      **self._state_walk(batch))
-            return self.runner.forward(fb).logits
+            return self.runner.forward(fb).logits, None
         decoded = self.runner.forward(build_forward_batch(ForwardMode.DECODE, inputs[:num_decodes], table, device))
         extended = self.runner.forward(build_forward_batch(ForwardMode.EXTEND, tails, table, device))
-        return torch.cat([decoded.logits, extended.logits])  # each shape's graph writes its own output buffers
+        return torch.cat([decoded.logits, extended.logits]), None  # each shape's graph writes its own outputs
 
     def capture_graphs(self, sizes: list[int]) -> None:
         """One-token decodes at every captured batch size; for a dense model also prompt tails (runner/prompt_tails.py:
@@ -137,21 +141,28 @@ class ModelWorker:
         if not self.recurrent:
             graphs.capture(tail_shapes(sizes), ForwardMode.EXTEND)
 
-    def _decode_ahead(self, reqs: list[Request], sb: SamplingBatch, tokens: torch.Tensor) -> None:
+    def _decode_ahead(self, reqs: list[Request], sb: SamplingBatch, tokens: torch.Tensor, fed: ForwardBatch) -> None:
         """Queue the decode of every request's next token (tokens [B], just sampled) when a graph runs it. Called
-        before the scheduler commits this step: req.num_computed is still n, so the next step feeds index n + 1."""
+        before the scheduler commits this step: req.num_computed is still n, so the next step feeds index n + 1. fed:
+        this step's decode of the same requests at n, which a dense target's queued decode moves on by one token."""
         graphs, page_table = self.runner.graphs, self.runner.page_table
         if not self.decode_ahead or graphs is None or not graphs.fits(GraphShape(1, 0), len(reqs)):
             return
         parents = [self.state_at.get(r.row, -1) for r in reqs]
         targets = [0 if p < 0 else -1 for p in parents]  # the location the state is not in
-        walk = self._walk_tensors(parents, targets) if self.recurrent else {}
-        fb = next_token_batch(ForwardMode.DECODE, reqs, tokens, page_table, self.runner.device, **walk)
+        if self.recurrent:
+            fb = next_token_batch(ForwardMode.DECODE, reqs, tokens, page_table, self.runner.device,
+                                  **self._walk_tensors(parents, targets))
+        elif options.current().move_ahead_batch:
+            fb = moved_decode_batch(fed, reqs, tokens, page_table)
+            self.ahead_moved += fb is not None
+        else:
+            fb = next_token_batch(ForwardMode.DECODE, reqs, tokens, page_table, self.runner.device)
         if fb is None:
             return
         next_sb = sb.at_offset(tokens[:, None])  # one position on; penalties count the token just sampled
         out = self._decode(fb)
-        self.ahead = AheadDecode(list(reqs), next_sb, self.sampler.sample(out.logits, next_sb), targets)
+        self.ahead = AheadDecode(list(reqs), next_sb, self.sampler.sample(out.logits, next_sb), targets, fb)
 
     def _decode(self, fb: ForwardBatch) -> ForwardOutput:
         return self.runner.forward(fb, self.capture_layers, self.sink)

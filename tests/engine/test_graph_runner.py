@@ -199,8 +199,9 @@ def test_decode_ahead_changes_nothing(models, llm_factory, emulated_graphs, monk
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_new_tokens=30, ignore_eos=i < 2,
                              stop_token_ids=[7, 11] if i == 3 else None, **penalties.get(i, {})) for i in range(8)]
 
-    def run(ahead: str, graphs: bool = True):
+    def run(ahead: str, graphs: bool = True, moved: str = "1"):
         monkeypatch.setenv("HYPERDRAFT_DECODE_AHEAD", ahead)
+        monkeypatch.setenv("HYPERDRAFT_MOVE_AHEAD_BATCH", moved)
         if not graphs:
             monkeypatch.delenv(EMULATE_GRAPHS_ENV)
         llm = llm_factory(models["target"], cuda_graph_max_bs=8, chunked_prefill_size=24, max_total_tokens=max_total_tokens)
@@ -219,8 +220,11 @@ def test_decode_ahead_changes_nothing(models, llm_factory, emulated_graphs, monk
     engine, outs, retractions = run("1")
     worker = engine.worker
     assert worker.ahead_used > 10 and worker.ahead_discarded > 0
+    assert worker.ahead_moved == worker.ahead_used + worker.ahead_discarded + (worker.ahead is not None)  # all moved
     assert (retractions > 0) == (max_total_tokens is not None)
     assert run("0")[1] == outs
+    host_packed, host_outs, _ = run("1", moved="0")
+    assert host_packed.worker.ahead_moved == 0 and host_outs == outs
     assert run("1", graphs=False)[1] == outs
 
 
