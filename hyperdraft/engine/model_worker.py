@@ -33,7 +33,7 @@ from hyperdraft.core.schedule import RequestResult, ScheduledBatch
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.runner.model_runner import DecodeSink, ForwardOutput, ModelRunner
-from hyperdraft.runner.next_token import moved_decode_batch, next_token_batch
+from hyperdraft.runner.next_token import moved_next_token_batch, next_token_batch
 from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import SamplingBatch
@@ -154,7 +154,7 @@ class ModelWorker:
             fb = next_token_batch(ForwardMode.DECODE, reqs, tokens, page_table, self.runner.device,
                                   **self._walk_tensors(parents, targets))
         elif options.current().move_ahead_batch:
-            fb = moved_decode_batch(fed, reqs, tokens, page_table)
+            fb = moved_next_token_batch(fed, reqs, tokens, page_table)
             self.ahead_moved += fb is not None
         else:
             fb = next_token_batch(ForwardMode.DECODE, reqs, tokens, page_table, self.runner.device)

@@ -3,8 +3,8 @@
 produced, still on the device, at index n + 1 (req.num_computed is still n).
 
 Two ways to build it. `next_token_batch` packs the rows on the host, as any forward's batch (build_forward_batch: host
-lists, one pinned copy, splits, a slot gather). `moved_decode_batch` starts from the one-token decode the step itself
-fed (index n for each request, in the same order) and moves it on by one token on the device with the chain round's
+lists, one pinned copy, splits, a slot gather). `moved_next_token_batch` starts from the one-token forward the step
+itself fed (a decode, or a step-0 round's one-row verify: index n for each request, in the same order) and moves it on by one token on the device with the chain round's
 move kernel at no drafts (kernels/draft_plan.move_chain_batch: ids, positions, slots and lengths in one launch);
 only the page table's queued entries travel. A plain decode step at batch 1 spent ~127 us of a 290 us profiled host
 step in build_forward_batch (CPU, session 32), and on a GPU host such a step is host-bound (plain_step_h200.md)."""
@@ -31,11 +31,12 @@ def next_token_batch(mode: ForwardMode, reqs: list[Request], tokens: torch.Tenso
     return build_forward_batch(mode, inputs, page_table, device, input_ids=tokens, **state_walk)
 
 
-def moved_decode_batch(fed: ForwardBatch, reqs: list[Request], tokens: torch.Tensor,
-                       page_table: PageTable) -> ForwardBatch | None:
-    """fed: the step's own decode of reqs, one row each at index n (a dense target's: no state walk); tokens [B] on
-    the device -> the same rows at n + 1 fed `tokens`, as next_token_batch gives them; None when the pool is dry."""
-    assert fed.mode is ForwardMode.DECODE and fed.num_tokens == len(reqs) and fed.state_parents is None
+def moved_next_token_batch(fed: ForwardBatch, reqs: list[Request], tokens: torch.Tensor,
+                           page_table: PageTable) -> ForwardBatch | None:
+    """fed: the step's own one-token forward of reqs, one row each at index n (a dense target's: no state walk);
+    tokens [B] on the device -> the same rows at n + 1 fed `tokens`, in fed's mode, as next_token_batch gives them;
+    None when the pool is dry."""
+    assert fed.num_tokens == len(reqs) and fed.max_extend_len == 1 and fed.state_parents is None
     if not _reserve(reqs, page_table):
         return None
     no_drafts = tokens.new_empty(len(reqs), 0)

@@ -6,8 +6,9 @@ its verify; on a small model that host work is as long as the round's GPU work. 
 - **Step 0** (adaptive tiers give it to large batches: 64 requests and up on SGLang's default ladder) drafts
   nothing, so its verify is one row per request, [last token], the shape of a plain decode. For a drafter that must
   see every token it cannot run as the plain worker's step (speculative/worker.py). Such a round's output token is on
-  the device before the host reads it, so the next verify is that token at index n + 1 (next_token_batch). Measured
-  on an H100 with the SmolLM2 shape (benchmarks/results/step_zero_h100.md): at 64 requests a step-0 round took 2847
+  the device before the host reads it, so the next verify is that token at index n + 1 (this round's one-row verify
+  moved on by one token on the device: runner/next_token.py). Measured on an H100 with the SmolLM2 shape
+  (benchmarks/results/step_zero_h100.md): at 64 requests a step-0 round took 2847
   us without it and 2136 with it (plain decoding: 1292).
 - **A drafted round whose drafter queued the next draft** (draft-ahead: EAGLE heads and STANDALONE draft models
   with whole-round graphs, proposers/model_proposer.py). Request b's next rows, [bonus token, its next drafts] (a
@@ -35,12 +36,13 @@ from dataclasses import dataclass
 
 import torch
 
+from hyperdraft import options
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode
 from hyperdraft.kernels.draft_plan import move_chain_batch
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
-from hyperdraft.runner.next_token import next_token_batch
+from hyperdraft.runner.next_token import moved_next_token_batch, next_token_batch
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.graph_plan import verify_graph_runs
 from hyperdraft.speculative.proposal import Proposal, TreeProposal
@@ -105,7 +107,10 @@ class VerifyAhead:
         if not verify_graph_runs(self.runner.graphs, tier, len(round_.reqs)):
             return
         if tier.steps == 0 and self.step_zero:
-            fb = next_token_batch(ForwardMode.TARGET_VERIFY, round_.reqs, round_.tokens[:, 0], table, device)
+            if verified is not None and verified.num_tokens == len(round_.reqs) and options.current().move_ahead_batch:
+                fb = moved_next_token_batch(verified, round_.reqs, round_.tokens[:, 0], table)
+            else:
+                fb = next_token_batch(ForwardMode.TARGET_VERIFY, round_.reqs, round_.tokens[:, 0], table, device)
         elif tier.steps > 0 and self.drafted and verified is not None and _drafted_for(tier, drafted):
             fb = next_round_batch(verified, round_.reqs, round_.num_accepted, round_.tokens, drafted, table)
         else:

@@ -1,5 +1,5 @@
 """runner/next_token.py: the decode queued ahead built two ways. Moving the step's own decode on by one token on the
-device (moved_decode_batch) must give the forward exactly what packing it on the host (next_token_batch) gives: the
+device (moved_next_token_batch) must give the forward exactly what packing it on the host (next_token_batch) gives: the
 same ids, positions, slots, lengths and host bounds, at every page size, with rows in any order and lengths that
 cross page boundaries; the torch reference runs here, the Triton kernel against it in tests/gpu/test_draft_plan.py."""
 
@@ -11,7 +11,7 @@ import torch
 from hyperdraft.core.forward_batch import ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.request import Request
-from hyperdraft.runner.next_token import moved_decode_batch, next_token_batch
+from hyperdraft.runner.next_token import moved_next_token_batch, next_token_batch
 from hyperdraft.sampling_params import SamplingParams
 
 DEVICE = torch.device("cpu")
@@ -37,12 +37,12 @@ def _running(page_size: int, lengths: list[int], seed: int) -> tuple[PageTable, 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("lengths", [[5], [3, 16, 31, 7], [15, 63, 64, 1, 2, 47]])
-def test_moved_decode_batch_equals_the_host_packed_one(page_size, lengths):
+def test_moved_next_token_batch_equals_the_host_packed_one(page_size, lengths):
     table, reqs = _running(page_size, lengths, seed=page_size + len(lengths))
     fed = build_forward_batch(ForwardMode.DECODE, [ForwardInput(r.row, r.num_computed, [1], 1) for r in reqs],
                               table, DEVICE)
     tokens = torch.randint(0, 1000, (len(reqs),), generator=torch.Generator().manual_seed(page_size))
-    moved = moved_decode_batch(fed, reqs, tokens, table)
+    moved = moved_next_token_batch(fed, reqs, tokens, table)
     packed = next_token_batch(ForwardMode.DECODE, reqs, tokens, table, DEVICE)  # room already reserved: a no-op
     assert moved is not None and packed is not None
     for name in FIELDS:
@@ -56,15 +56,15 @@ def test_moved_decode_batch_equals_the_host_packed_one(page_size, lengths):
     assert moved.out_slots.tolist() == [table.slot(r.row, r.num_computed + 1) for r in reqs]
 
 
-def test_moved_decode_batch_reserves_or_refuses():
+def test_moved_next_token_batch_reserves_or_refuses():
     """Room for index n + 1 is reserved first; a row at its page-table width refuses, and nothing moves."""
     table, reqs = _running(4, [6, 9], seed=1)
     fed = build_forward_batch(ForwardMode.DECODE, [ForwardInput(r.row, r.num_computed, [1], 1) for r in reqs],
                               table, DEVICE)
     pages = [len(table.row_pages(r.row)) for r in reqs]
-    assert moved_decode_batch(fed, reqs, torch.tensor([3, 4]), table) is not None
+    assert moved_next_token_batch(fed, reqs, torch.tensor([3, 4]), table) is not None
     assert [len(table.row_pages(r.row)) for r in reqs] == [p + (r.num_computed + 2 > 4 * p) for p, r in
                                                             zip(pages, reqs)]
     full = reqs[0]
     full.num_computed = PAGES_PER_ROW * 4 - 1  # n + 2 past the row's pages
-    assert moved_decode_batch(fed, reqs, torch.tensor([3, 4]), table) is None
+    assert moved_next_token_batch(fed, reqs, torch.tensor([3, 4]), table) is None
