@@ -15,6 +15,8 @@ passes options instead of patching modules.
                                                                    layer's q/k/v and gate/up GEMVs (kernels/norm_gemv)
   HYPERDRAFT_DISABLE_PDL=1              pdl=False                  plain launches (no programmatic dependent launch)
   HYPERDRAFT_DISABLE_SKINNY_LINEAR=1    skinny_cpu_linear=False    F.linear for few-row fp32 products on the CPU
+  HYPERDRAFT_DISABLE_PACKED_VERIFY=1    packed_cpu_verify=False    no blocked weight copies for 3..16-row CPU verifies
+                                                                   (models/cpu_packed.py)
   HYPERDRAFT_GRAPH_SEGMENTS=0           graph_segments=False       one CUDA graph per captured forward or draft round
   HYPERDRAFT_DECODE_AHEAD=0             decode_ahead=False         no plain decode, nor a step-0 round's next verify,
                                                                    queued before the host reads
@@ -84,6 +86,7 @@ _SWITCHES = {
     "fused_norm_gemv": ("HYPERDRAFT_DISABLE_FUSED_NORM_GEMV", "1"),
     "pdl": ("HYPERDRAFT_DISABLE_PDL", "1"),
     "skinny_cpu_linear": ("HYPERDRAFT_DISABLE_SKINNY_LINEAR", "1"),
+    "packed_cpu_verify": ("HYPERDRAFT_DISABLE_PACKED_VERIFY", "1"),
     "graph_segments": ("HYPERDRAFT_GRAPH_SEGMENTS", "0"),
     "decode_ahead": ("HYPERDRAFT_DECODE_AHEAD", "0"),
     "move_ahead_batch": ("HYPERDRAFT_MOVE_AHEAD_BATCH", "0"),
@@ -110,6 +113,7 @@ class RuntimeOptions:
     fused_norm_gemv: bool = True  # SmolLM2 decode graph 661 -> 600 us on an H100; rows <= 1024 only (kernels/norm_gemv.py)
     pdl: bool = True
     skinny_cpu_linear: bool = True
+    packed_cpu_verify: bool = True  # 6-row SmolLM2 products 2-3x faster on a 2-core EPYC (models/cpu_packed.py)
     graph_segments: bool = True
     decode_ahead: bool = True
     move_ahead_batch: bool = True  # runner/next_token.py

@@ -1,12 +1,12 @@
-"""What a few-row verify costs on this CPU, projection by projection (SmolLM2-135M shapes, fp32).
+"""What a few-row verify costs on this CPU, projection by projection (SmolLM2-135M shapes, fp32), on the engine's
+two CPU paths: MKL in the orientation models/cpu_linear.py picks (`skinny_linear`: `W @ x^T`, one row padded to
+two) and oneDNN over a blocked copy of the weight (models/cpu_packed.py), which verifies of 3..16 rows take.
 
-models/cpu_linear.py runs few-row products as `W @ x^T` because MKL streams the weights fastest that way. Whether a
-chain of k drafts pays on the CPU depends on how a (k+1)-row product compares with the 2-row one a plain decode runs
-(one row is padded to two). Each projection is timed over 30 distinct weight copies (as many as SmolLM2 has
-layers), so the weights stream from memory as in a forward instead of sitting in cache; also the down projection
-(K = 1536) split into two contiguous K = 768 halves whose products are added.
+Whether a chain of k drafts pays on the CPU depends on how a (k+1)-row product compares with the 1-2 rows of a
+plain decode. Each projection is timed over 30 distinct weight copies (as many as SmolLM2 has layers; the lm_head
+over 3), so the weights stream from memory as in a forward instead of sitting in cache.
 
-    python -m benchmarks.probes.cpu_verify_rows            # -> stdout, a markdown table
+    python -m benchmarks.probes.cpu_verify_rows [--repeats 20]     # -> stdout, a markdown table
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import time
 import torch
 
 from benchmarks.common import command_line, cpu_name, git_commit
+from hyperdraft.models.cpu_linear import skinny_linear
+from hyperdraft.models.cpu_packed import pack_weight, packed_product
 
-SHAPES = {"q/k/v": (960, 576), "o_proj": (576, 576), "gate/up": (3072, 576), "down": (576, 1536)}
-LAYERS = 30
+SHAPES = {"q/k/v": (960, 576, 30), "o_proj": (576, 576, 30), "gate/up": (3072, 576, 30), "down": (576, 1536, 30),
+          "lm_head": (49152, 576, 3)}
+ROWS = [1, 2, 3, 4, 6, 8, 12, 16]
 
 
 def per_forward_ms(fn, repeats: int) -> float:
@@ -31,27 +34,17 @@ def per_forward_ms(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def row(name: str, out_features: int, in_features: int, rows: list[int], repeats: int) -> list[str]:
-    weights = [torch.randn(out_features, in_features) for _ in range(LAYERS)]
-    cells = []
-    for m in rows:
+def rows_of(name: str, out_features: int, in_features: int, copies: int, repeats: int) -> list[str]:
+    weights = [torch.randn(out_features, in_features) / in_features ** 0.5 for _ in range(copies)]
+    packs = [pack_weight(w) for w in weights]
+    mkl, onednn = [], []
+    for m in ROWS:
         x = torch.randn(m, in_features)
-        cells.append(f"{per_forward_ms(lambda: [torch.mm(w, x.t()) for w in weights], repeats):.1f}")
-    return [f"| {name} | " + " | ".join(cells) + " |"]
-
-
-def split_row(rows: list[int], repeats: int) -> list[str]:
-    out_features, in_features = SHAPES["down"]
-    half = in_features // 2
-    halves = [(w[:, :half].contiguous(), w[:, half:].contiguous())
-              for w in (torch.randn(out_features, in_features) for _ in range(LAYERS))]
-    cells = []
-    for m in rows:
-        x = torch.randn(m, in_features)
-        a, b = x[:, :half].contiguous(), x[:, half:].contiguous()
-        ms = per_forward_ms(lambda: [torch.mm(h0, a.t()) + torch.mm(h1, b.t()) for h0, h1 in halves], repeats)
-        cells.append(f"{ms:.1f}")
-    return ["| down, two K = 768 halves | " + " | ".join(cells) + " |"]
+        mkl.append(per_forward_ms(lambda: [skinny_linear(x, w) for w in weights], repeats))
+        onednn.append(per_forward_ms(lambda: [packed_product(x, p, None, out_features) for p in packs], repeats))
+    return [f"| {name} | MKL | " + " | ".join(f"{v:.1f}" for v in mkl) + " |",
+            "| | oneDNN, blocked | " + " | ".join(f"**{b:.1f}**" if b < a else f"{b:.1f}" for a, b in zip(mkl, onednn))
+            + " |"]
 
 
 def main() -> None:
@@ -61,13 +54,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [2, 3, 4, 5, 6]
     lines = [f"- device: {cpu_name()}, {args.threads} threads, torch {torch.__version__}; commit {git_commit()}; "
-             f"command: `{command_line()}`", "- ms per forward (30 layers' worth of distinct weights), `W @ x^T`", "",
-             "| projection | " + " | ".join(f"{m} rows" for m in rows) + " |", "|---" * (len(rows) + 1) + "|"]
-    for name, (out_features, in_features) in SHAPES.items():
-        lines += row(name, out_features, in_features, rows, args.repeats)
-    lines += split_row(rows, args.repeats)
+             f"command: `{command_line()}`",
+             "- ms per forward (each layer's distinct weights; bold: the blocked copy is faster)", "",
+             "| projection | path | " + " | ".join(f"{m} rows" for m in ROWS) + " |", "|---" * (len(ROWS) + 2) + "|"]
+    with torch.no_grad():
+        for name, (out_features, in_features, copies) in SHAPES.items():
+            lines += rows_of(name, out_features, in_features, copies, args.repeats)
     print("\n".join(lines))
 
 

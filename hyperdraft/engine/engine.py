@@ -26,6 +26,7 @@ from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.kvcache.prefix_cache import PrefixCache
 from hyperdraft.kvcache.radix_tree import RadixTree
 from hyperdraft.kvcache.state_snapshots import StateSnapshots
+from hyperdraft.models.cpu_linear import pack_for_verify
 from hyperdraft.models.config import load_model_config
 from hyperdraft.models.loader import load_model
 from hyperdraft.models.tensor_parallel import rank_config
@@ -109,6 +110,8 @@ class Engine:
         draft_tp = self.lockstep.tp if (self.options.split_draft_head if heads else self.options.split_draft_model) \
             else SINGLE
         draft = proposer_cls.load_draft(self.spec, model, args, self.device, draft_tp) if proposer_cls else None
+        if self.options.packed_cpu_verify:  # CPU verifies of 3+ rows through blocked weights (models/cpu_packed.py)
+            pack_for_verify([model, draft], self._verify_width(), self.device)
         tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
         parked_bytes = proposer_cls.parked_bytes_per_slot(draft) if self._parks_head() else 0
         self.max_rows, self.page_table = self._page_table(model, draft, tree, parked_bytes)
