@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.common import command_line, cpu_name, git_commit
 from hyperdraft.models.cpu_linear import skinny_linear
-from hyperdraft.models.cpu_packed import pack_weight, packed_product
+from hyperdraft.models.cpu_packed import BlockedWeight
 
 SHAPES = {"q/k/v": (960, 576, 30), "o_proj": (576, 576, 30), "gate/up": (3072, 576, 30), "down": (576, 1536, 30),
           "lm_head": (49152, 576, 3)}
@@ -36,12 +36,12 @@ def per_forward_ms(fn, repeats: int) -> float:
 
 def rows_of(name: str, out_features: int, in_features: int, copies: int, repeats: int) -> list[str]:
     weights = [torch.randn(out_features, in_features) / in_features ** 0.5 for _ in range(copies)]
-    packs = [pack_weight(w) for w in weights]
+    packs = [BlockedWeight.of(w, None) for w in weights]
     mkl, onednn = [], []
     for m in ROWS:
         x = torch.randn(m, in_features)
         mkl.append(per_forward_ms(lambda: [skinny_linear(x, w) for w in weights], repeats))
-        onednn.append(per_forward_ms(lambda: [packed_product(x, p, None, out_features) for p in packs], repeats))
+        onednn.append(per_forward_ms(lambda: [p.product(x) for p in packs], repeats))
     return [f"| {name} | MKL | " + " | ".join(f"{v:.1f}" for v in mkl) + " |",
             "| | oneDNN, blocked | " + " | ".join(f"**{b:.1f}**" if b < a else f"{b:.1f}" for a, b in zip(mkl, onednn))
             + " |"]

@@ -36,7 +36,7 @@ from torch import nn
 from hyperdraft import options
 from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
 from hyperdraft.kernels.gemv import cuda_linear, finish_product, silu_mul_gemv, silu_mul_gemv_fits
-from hyperdraft.models.cpu_packed import PACKED_MIN_ROWS, pack_weight, packed_product, packing_available, uses_packed_path
+from hyperdraft.models.cpu_packed import PACKED_MIN_ROWS, BlockedWeight, packing_available
 
 logger = logging.getLogger("hyperdraft")
 
@@ -55,17 +55,17 @@ def uses_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                  pack: torch.Tensor | None = None) -> torch.Tensor:
+                  blocked: BlockedWeight | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual, then cast to out_dtype) for x [..., in]; the fast orientation when
     uses_skinny_path holds, and on CUDA the few-row Triton GEMV (kernels/gemv.py), which adds the residual and
-    stores out_dtype in the same launch. pack: weight's blocked copy (models/cpu_packed.py), which 3..16 rows run
-    through."""
+    stores out_dtype in the same launch. blocked: weight's blocked copy (models/cpu_packed.py), which the rows it
+    takes run through."""
     if x.is_cuda:
         return cuda_linear(x, weight, bias, residual, out_dtype)
     if residual is not None or out_dtype is not None:
-        return finish_product(skinny_linear(x, weight, bias, pack=pack), residual, out_dtype)
-    if pack is not None and uses_packed_path(x, weight):
-        return packed_product(x, pack, bias, weight.shape[0])
+        return finish_product(skinny_linear(x, weight, bias, blocked=blocked), residual, out_dtype)
+    if blocked is not None and blocked.takes(x, weight):
+        return blocked.product(x)
     if not uses_skinny_path(x, weight):
         return F.linear(x, weight, bias)
     flat = x.dim() == 2 and x.is_contiguous()
@@ -95,12 +95,12 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fused_rows: FusedRows | None = None  # set by fuse_rows on the first of the projections it packs
-        self.verify_pack: torch.Tensor | None = None  # the weight's blocked copy, set by pack_for_verify
+        self.blocked: BlockedWeight | None = None  # the weight's blocked copy, set by pack_for_verify
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T + b, plus residual ([..., out]) when given, cast to out_dtype when given."""
-        return skinny_linear(x, self.weight, self.bias, residual, out_dtype, self.verify_pack)
+        return skinny_linear(x, self.weight, self.bias, residual, out_dtype, self.blocked)
 
     def forward_silu_mul(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor | None = None,
                          fused: bool = False) -> torch.Tensor:
@@ -119,7 +119,7 @@ class FusedRows:
     bias: torch.Tensor | None
     sizes: list[int]
     ptrs: list[int]  # where each projection's weight and bias start inside the buffers, to notice a swap
-    verify_pack: torch.Tensor | None = None  # weight's blocked copy, set by pack_for_verify
+    blocked: BlockedWeight | None = None  # weight's blocked copy, set by pack_for_verify
 
 
 def fuse_rows(*linears: Linear) -> None:
@@ -159,8 +159,8 @@ def project(x: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]:
     below bandwidth."""
     fused = packed(*linears)
     if fused is not None:
-        if uses_skinny_path(x, linears[0].weight) or (fused.verify_pack is not None and uses_packed_path(x, fused.weight)):
-            return skinny_linear(x, fused.weight, fused.bias, pack=fused.verify_pack).split(fused.sizes, -1)
+        if uses_skinny_path(x, linears[0].weight) or (fused.blocked is not None and fused.blocked.takes(x, fused.weight)):
+            return skinny_linear(x, fused.weight, fused.bias, blocked=fused.blocked).split(fused.sizes, -1)
         if x.is_cuda:
             return cuda_linear(x, fused.weight, fused.bias).split(fused.sizes, -1)
     return tuple(lin(x) for lin in linears)
@@ -175,29 +175,29 @@ def fuse_projections(layers) -> None:
 
 
 def pack_for_verify(models: list[nn.Module | None], verify_rows: int, device: torch.device) -> int:
-    """Give the fp32 CPU projections of these models their blocked copies (models/cpu_packed.py) when a verify feeds
-    PACKED_MIN_ROWS rows or more and the copies fit in half the free memory -> bytes packed (0: none). A fused
-    group's members run through their shared buffer (`project`), so the buffer is packed, not each member."""
+    """Give the fp32 CPU projections of these models (a target and its drafter) their blocked copies
+    (models/cpu_packed.py) when a verify feeds PACKED_MIN_ROWS rows or more and the copies fit in half the free
+    memory -> bytes of copies made (0: none)."""
     if device.type != "cpu" or verify_rows < PACKED_MIN_ROWS or not packing_available():
         return 0
     owners = _weight_owners([m for m in models if m is not None])
-    total = sum(weight.numel() * weight.element_size() for _, weight in owners)
+    total = sum(weight.numel() * weight.element_size() for _, weight, _ in owners)
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if 2 * total > free:
-        logger.info("verify weights not packed: %.0f MB of copies, %.0f MB free", total / 2**20, free / 2**20)
+        logger.info("verify weights not blocked: %.0f MB of copies, %.0f MB free", total / 2**20, free / 2**20)
         return 0
-    for owner, weight in owners:
-        owner.verify_pack = pack_weight(weight)
+    for owner, weight, bias in owners:
+        owner.blocked = BlockedWeight.of(weight, bias)
     return total
 
 
-def _weight_owners(models: list[nn.Module]) -> list[tuple[Linear | FusedRows, torch.Tensor]]:
-    """(holder of a verify_pack, the weight it packs) for each fp32 CPU projection not packed yet: a live fused
-    group's buffer once, every other Linear alone; a module two models share (a head's borrowed lm_head) once."""
+def _weight_owners(models: list[nn.Module]) -> list[tuple[Linear | FusedRows, torch.Tensor, torch.Tensor | None]]:
+    """(holder of a blocked copy, the weight and bias it copies) for each fp32 CPU projection not blocked yet: a live
+    fused group's buffer once, every other Linear alone; a module two models share (a head's borrowed lm_head) once."""
     linears = {id(m): m for model in models for m in model.modules() if isinstance(m, Linear)}.values()
     linears = [m for m in linears if m.weight.is_cpu and m.weight.dtype == torch.float32]
     groups = [m.fused_rows for m in linears if m.fused_rows is not None and m.weight.data_ptr() == m.fused_rows.ptrs[0]]
     in_groups = {ptr for group in groups for ptr in group.ptrs}
-    owners = [(g, g.weight) for g in groups if g.verify_pack is None]
-    owners += [(m, m.weight) for m in linears if m.weight.data_ptr() not in in_groups and m.verify_pack is None]
+    owners = [(g, g.weight, g.bias) for g in groups if g.blocked is None]
+    owners += [(m, m.weight, m.bias) for m in linears if m.weight.data_ptr() not in in_groups and m.blocked is None]
     return owners

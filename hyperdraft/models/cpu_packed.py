@@ -14,9 +14,16 @@ only when an engine verifies 3 rows or more on CPU in fp32, and only when it fit
 Numerics: another summation order than F.linear (float32 rounding apart, as two MKL row counts already are); the
 same weight gives a row the same bits at every row count from 2 to 16 (tests/models/test_cpu_packed.py), so a token
 gets the same logits in any verify width.
+
+Not done, measured: a drafter's products through bf16 blocked copies (AVX512-BF16 here) ran an EAGLE-3 head's five
+chain-5 steps' products in 2.2 ms instead of MKL fp32's 5.7, but its drafts then depend on the path and row count
+(graph against step-by-step drafts, a padded catch-up against its recomputation, a self-draft's full acceptance:
+~30 CPU tests of those invariants failed), so drafters keep fp32.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,21 +35,27 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
-def uses_packed_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x's product with weight takes its blocked copy: 3..16 fp32 rows on CPU, no autograd (the copy has
-    none)."""
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    return (x.is_cpu and x.dtype == torch.float32 and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS
-            and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))
+@dataclass(frozen=True)
+class BlockedWeight:
+    """A weight [out, in] (and its bias) in oneDNN's blocked layout, and the products it serves: fp32 rows on CPU,
+    PACKED_MIN_ROWS..PACKED_MAX_ROWS of them, outside autograd (the copy has no gradient)."""
 
+    weight: torch.Tensor  # opaque (torch.ops.mkldnn._reorder_linear_weight)
+    bias: torch.Tensor | None
+    out_features: int
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] -> the same values in oneDNN's blocked layout (an opaque tensor for packed_product)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "BlockedWeight":
+        blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+        return cls(blocked, None if bias is None else bias.detach(), weight.shape[0])
 
+    def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        return (x.is_cpu and x.dtype == torch.float32 and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS
+                and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()))
 
-def packed_product(x: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., in] (3..16 rows) @ W^T (+ bias) through the blocked copy of W -> [..., out]."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(rows, pack, bias, "none", [], "")
-    return out.view(*x.shape[:-1], out_features)
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] @ W^T (+ bias) -> [..., out]."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
