@@ -159,7 +159,8 @@ def project(x: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]:
     below bandwidth."""
     fused = packed(*linears)
     if fused is not None:
-        if uses_skinny_path(x, linears[0].weight) or (fused.blocked is not None and fused.blocked.takes(x, fused.weight)):
+        takes_blocked = fused.blocked is not None and fused.blocked.takes(x, fused.weight)
+        if takes_blocked or uses_skinny_path(x, linears[0].weight):
             return skinny_linear(x, fused.weight, fused.bias, blocked=fused.blocked).split(fused.sizes, -1)
         if x.is_cuda:
             return cuda_linear(x, fused.weight, fused.bias).split(fused.sizes, -1)

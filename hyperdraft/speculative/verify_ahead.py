@@ -8,8 +8,8 @@ its verify; on a small model that host work is as long as the round's GPU work. 
   see every token it cannot run as the plain worker's step (speculative/worker.py). Such a round's output token is on
   the device before the host reads it, so the next verify is that token at index n + 1 (this round's one-row verify
   moved on by one token on the device: runner/next_token.py). Measured on an H100 with the SmolLM2 shape
-  (benchmarks/results/step_zero_h100.md): at 64 requests a step-0 round took 2847
-  us without it and 2136 with it (plain decoding: 1292).
+  (benchmarks/results/step_zero_h100.md): at 64 requests a step-0 round took 2847 us without it and 2136 with it
+  (plain decoding: 1292).
 - **A drafted round whose drafter queued the next draft** (draft-ahead: EAGLE heads and STANDALONE draft models
   with whole-round graphs, proposers/model_proposer.py). Request b's next rows, [bonus token, its next drafts] (a
   chain) or its next tree rooted at the bonus token, at indices n + a_b + 1 onwards, depend on its accept count a_b,
