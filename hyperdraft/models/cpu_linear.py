@@ -183,9 +183,10 @@ def pack_for_verify(models: list[nn.Module | None], verify_rows: int, device: to
         return 0
     owners = _weight_owners([m for m in models if m is not None])
     total = sum(weight.numel() * weight.element_size() for _, weight, _ in owners)
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if 2 * total > free:
-        logger.info("verify weights not blocked: %.0f MB of copies, %.0f MB free", total / 2**20, free / 2**20)
+    free = _free_memory()
+    if free is None or 2 * total > free:
+        logger.info("verify weights not blocked: %.0f MB of copies, %s MB free", total / 2**20,
+                    "unknown" if free is None else f"{free / 2**20:.0f}")
         return 0
     for owner, weight, bias in owners:
         owner.blocked = BlockedWeight.of(weight, bias)
@@ -202,3 +203,11 @@ def _weight_owners(models: list[nn.Module]) -> list[tuple[Linear | FusedRows, to
     owners = [(g, g.weight, g.bias) for g in groups if g.blocked is None]
     owners += [(m, m.weight, m.bias) for m in linears if m.weight.data_ptr() not in in_groups and m.blocked is None]
     return owners
+
+
+def _free_memory() -> int | None:
+    """Bytes of physical memory free now, or None where the platform does not say (then nothing is copied)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no os.sysconf (Windows), or no such name (macOS)
+        return None

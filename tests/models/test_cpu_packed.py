@@ -121,3 +121,17 @@ def test_engine_with_blocked_copies_decodes_as_plain(spec_models, llm_factory, m
     plain, plain_counts = run(True)
     assert plain_counts == [0, 0]  # no verify, no drafter: no copies
     assert with_copies == without == plain
+
+
+@pytest.mark.parametrize("free", [None, 1000])
+def test_no_copies_without_the_memory_for_them(monkeypatch, free):
+    """Copies are made only when they fit in half the free memory, and never where the platform cannot say how much
+    is free: the engine then keeps MKL for every product."""
+    import hyperdraft.models.cpu_linear as cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_free_memory", lambda: free)
+    target = _Layer(Linear(16, 32, bias=False))
+    assert pack_for_verify([target], verify_rows=6, device=CPU) == 0
+    assert all(m.blocked is None for m in target.modules() if isinstance(m, Linear))
+    monkeypatch.setattr(cpu_linear, "_free_memory", lambda: 10**9)
+    assert pack_for_verify([target], verify_rows=6, device=CPU) > 0
