@@ -102,6 +102,10 @@ class Linear(nn.Linear):
         """x @ W^T + b, plus residual ([..., out]) when given, cast to out_dtype when given."""
         return skinny_linear(x, self.weight, self.bias, residual, out_dtype, self.blocked)
 
+    def blocked_copy(self) -> BlockedWeight:
+        """This projection's blocked copy (models/cpu_packed.py): the weight and the bias its product adds."""
+        return BlockedWeight.of(self.weight, self.bias)
+
     def forward_silu_mul(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor | None = None,
                          fused: bool = False) -> torch.Tensor:
         """self(SiLU(gate) * up, residual): fused (CUDA kernels) takes the activation's kernel, or for one row the
@@ -120,6 +124,9 @@ class FusedRows:
     sizes: list[int]
     ptrs: list[int]  # where each projection's weight and bias start inside the buffers, to notice a swap
     blocked: BlockedWeight | None = None  # weight's blocked copy, set by pack_for_verify
+
+    def blocked_copy(self) -> BlockedWeight:
+        return BlockedWeight.of(self.weight, self.bias)
 
 
 def fuse_rows(*linears: Linear) -> None:
@@ -182,26 +189,26 @@ def pack_for_verify(models: list[nn.Module | None], verify_rows: int, device: to
     if device.type != "cpu" or verify_rows < PACKED_MIN_ROWS or not packing_available():
         return 0
     owners = _weight_owners([m for m in models if m is not None])
-    total = sum(weight.numel() * weight.element_size() for _, weight, _ in owners)
+    total = sum(weight.numel() * weight.element_size() for _, weight in owners)
     free = _free_memory()
     if free is None or 2 * total > free:
         logger.info("verify weights not blocked: %.0f MB of copies, %s MB free", total / 2**20,
                     "unknown" if free is None else f"{free / 2**20:.0f}")
         return 0
-    for owner, weight, bias in owners:
-        owner.blocked = BlockedWeight.of(weight, bias)
+    for owner, _ in owners:
+        owner.blocked = owner.blocked_copy()
     return total
 
 
-def _weight_owners(models: list[nn.Module]) -> list[tuple[Linear | FusedRows, torch.Tensor, torch.Tensor | None]]:
-    """(holder of a blocked copy, the weight and bias it copies) for each fp32 CPU projection not blocked yet: a live
-    fused group's buffer once, every other Linear alone; a module two models share (a head's borrowed lm_head) once."""
+def _weight_owners(models: list[nn.Module]) -> list[tuple[Linear | FusedRows, torch.Tensor]]:
+    """(holder of a blocked copy, the weight it copies) for each fp32 CPU projection not blocked yet: a live fused
+    group's buffer once, every other Linear alone; a module two models share (a head's borrowed lm_head) once."""
     linears = {id(m): m for model in models for m in model.modules() if isinstance(m, Linear)}.values()
     linears = [m for m in linears if m.weight.is_cpu and m.weight.dtype == torch.float32]
     groups = [m.fused_rows for m in linears if m.fused_rows is not None and m.weight.data_ptr() == m.fused_rows.ptrs[0]]
     in_groups = {ptr for group in groups for ptr in group.ptrs}
-    owners = [(g, g.weight, g.bias) for g in groups if g.blocked is None]
-    owners += [(m, m.weight, m.bias) for m in linears if m.weight.data_ptr() not in in_groups and m.blocked is None]
+    owners = [(g, g.weight) for g in groups if g.blocked is None]
+    owners += [(m, m.weight) for m in linears if m.weight.data_ptr() not in in_groups and m.blocked is None]
     return owners
 
 

@@ -26,6 +26,7 @@ from hyperdraft.kernels.activation import silu_mul, silu_mul_reference
 from hyperdraft.kernels.gemv import silu_mul_gemv, silu_mul_gemv_fits
 from hyperdraft.models.config import ModelConfig
 from hyperdraft.models.cpu_linear import Linear, skinny_linear
+from hyperdraft.models.cpu_packed import BlockedWeight
 
 
 def split_problem(cfg: ModelConfig, tp: TensorParallel) -> str | None:
@@ -82,7 +83,11 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self._summed(skinny_linear(x, self.weight), residual, out_dtype)
+        return self._summed(skinny_linear(x, self.weight, blocked=self.blocked), residual, out_dtype)
+
+    def blocked_copy(self) -> BlockedWeight:
+        """Without the bias: it is added once, after the partial products are summed."""
+        return BlockedWeight.of(self.weight, None)
 
     def forward_silu_mul(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor | None = None,
                          fused: bool = False) -> torch.Tensor:

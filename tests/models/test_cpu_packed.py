@@ -135,3 +135,17 @@ def test_no_copies_without_the_memory_for_them(monkeypatch, free):
     assert all(m.blocked is None for m in target.modules() if isinstance(m, Linear))
     monkeypatch.setattr(cpu_linear, "_free_memory", lambda: 10**9)
     assert pack_for_verify([target], verify_rows=6, device=CPU) > 0
+
+
+@torch.no_grad()
+def test_a_row_parallel_projection_adds_its_bias_once():
+    """A row-split projection adds its bias after the partial products are summed, so its copy carries none."""
+    from hyperdraft.distributed.tensor_parallel import SINGLE
+    from hyperdraft.models.tensor_parallel import RowParallelLinear
+
+    torch.manual_seed(1)
+    proj = RowParallelLinear(24, 16, bias=True, tp=SINGLE)
+    x = torch.randn(5, 24)
+    want = F.linear(x, proj.weight, proj.bias)
+    assert pack_for_verify([proj], verify_rows=6, device=CPU) > 0 and proj.blocked.bias is None
+    torch.testing.assert_close(proj(x), want, rtol=1e-5, atol=1e-5)
