@@ -110,8 +110,6 @@ class Engine:
         draft_tp = self.lockstep.tp if (self.options.split_draft_head if heads else self.options.split_draft_model) \
             else SINGLE
         draft = proposer_cls.load_draft(self.spec, model, args, self.device, draft_tp) if proposer_cls else None
-        if self.options.packed_cpu_verify:  # CPU verifies of 3+ rows through blocked weights (models/cpu_packed.py)
-            pack_for_verify([model, draft], self._verify_width(), self.device)
         tree = None if args.disable_radix_cache else RadixTree(args.page_size)  # stays empty without a cache
         parked_bytes = proposer_cls.parked_bytes_per_slot(draft) if self._parks_head() else 0
         self.max_rows, self.page_table = self._page_table(model, draft, tree, parked_bytes)
@@ -120,6 +118,8 @@ class Engine:
         graphs = self._graph_settings(backend, dtype)
         self.runner = ModelRunner(model, self.page_table, backend, graphs, self._verify_width())
         self.worker = self._make_worker(proposer_cls, draft, backend, graphs)
+        if self.options.packed_cpu_verify:  # CPU verifies of 3+ rows via blocked weights, in what the pools left
+            pack_for_verify([model, draft], self._verify_width(), self.device)
         if graphs is not None:
             self.worker.capture_graphs(list(graphs.batch_sizes))
         return tree
