@@ -28,7 +28,7 @@ from hyperdraft.kvcache.radix_tree import RadixTree
 from hyperdraft.kvcache.state_snapshots import StateSnapshots
 from hyperdraft.models.cpu_linear import pack_for_verify
 from hyperdraft.models.config import load_model_config
-from hyperdraft.models.loader import load_model
+from hyperdraft.models.loader import load_model, load_tokenizer
 from hyperdraft.models.tensor_parallel import rank_config
 from hyperdraft.options import RuntimeOptions, activated
 from hyperdraft.request import Request, first_invalid_token
@@ -43,20 +43,6 @@ from hyperdraft.speculative.proposers import proposer_class
 from hyperdraft.speculative.worker import SpecWorker
 
 logger = logging.getLogger("hyperdraft")
-
-
-def load_tokenizer(args: EngineArgs):
-    if args.skip_tokenizer_init:
-        return None
-    from transformers import AutoTokenizer
-
-    from hyperdraft.models.gguf import is_gguf, load_gguf_tokenizer
-
-    path = args.tokenizer_path or args.model_path
-    try:
-        return load_gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # transformers raises many types for a missing tokenizer
-        raise ValueError(f"cannot load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True to run from token ids") from e
 
 
 def _configure_logging(level: str) -> None:
@@ -102,7 +88,7 @@ class Engine:
         self.model_config = model.config
         dtype = next(model.parameters()).dtype
         self.numerics = numerics_mode(self.device, dtype, self.options)  # docs/numerics.md
-        self.tokenizer = load_tokenizer(args)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or args.model_path)
         self.context_len = args.context_length or self.model_config.max_position_embeddings
         self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
         proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None

@@ -1,4 +1,5 @@
-"""Load a Hugging Face directory (config.json plus one or several *.safetensors shards) or a Llama .gguf file."""
+"""Load a Hugging Face directory (config.json plus one or several *.safetensors shards) or a Llama .gguf file, and
+its tokenizer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.config import ModelConfig, load_model_config
 from hyperdraft.models.cpu_linear import fuse_projections
 from hyperdraft.models.decoder import DecoderLM
-from hyperdraft.models.gguf import is_gguf, load_gguf_weights
+from hyperdraft.models.gguf import is_gguf, load_gguf_tokenizer, load_gguf_weights
 from hyperdraft.models.hybrid import HybridLM, is_packed_gdn_projection, unpack_gdn_projections
 from hyperdraft.models.moe import pack_experts
 from hyperdraft.models.tensor_parallel import rank_config, shard_state
@@ -135,3 +136,14 @@ def split_model(whole: DecoderLM | HybridLM, tp: TensorParallel) -> DecoderLM | 
     if cfg.moe is not None:
         pack_experts(part.model.layers)  # the part's own stacks: without them a CUDA graph captures the torch reference
     return part.eval().requires_grad_(False)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a Hugging Face directory or a .gguf file; a ValueError naming the path when there is none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return load_gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for a missing tokenizer
+        raise ValueError(f"cannot load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True to run from "
+                         "token ids") from e
