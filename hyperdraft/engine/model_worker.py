@@ -26,14 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft import options
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from hyperdraft.core.host_copy import HostCopy, to_device
 from hyperdraft.core.schedule import RequestResult, ScheduledBatch
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphShape
 from hyperdraft.runner.model_runner import DecodeSink, ForwardOutput, ModelRunner
-from hyperdraft.runner.next_token import moved_next_token_batch, next_token_batch
+from hyperdraft.runner.next_token import moved_next_token_batch, moves_on, next_token_batch
 from hyperdraft.runner.prompt_tails import padded_tails, tail_shapes
 from hyperdraft.sample.batch_cache import SamplingBatchCache
 from hyperdraft.sample.logits_ops import SamplingBatch
@@ -150,18 +149,16 @@ class ModelWorker:
             return
         parents = [self.state_at.get(r.row, -1) for r in reqs]
         targets = [0 if p < 0 else -1 for p in parents]  # the location the state is not in
-        if self.recurrent:
-            fb = next_token_batch(ForwardMode.DECODE, reqs, tokens, page_table, self.runner.device,
-                                  **self._walk_tensors(parents, targets))
-        elif options.current().move_ahead_batch:
+        if moves_on(None if self.recurrent else fed, reqs):  # a hybrid target's decode walks its states: packed
             fb = moved_next_token_batch(fed, reqs, tokens, page_table)
             self.ahead_moved += fb is not None
         else:
-            fb = next_token_batch(ForwardMode.DECODE, reqs, tokens, page_table, self.runner.device)
+            walk = self._walk_tensors(parents, targets) if self.recurrent else {}
+            fb = next_token_batch(ForwardMode.DECODE, reqs, tokens, page_table, self.runner.device, **walk)
         if fb is None:
             return
-        next_sb = sb.at_offset(tokens[:, None])  # one position on; penalties count the token just sampled
         out = self._decode(fb)
+        next_sb = sb.at_offset(tokens[:, None])  # one position on; penalties count the token just sampled
         self.ahead = AheadDecode(list(reqs), next_sb, self.sampler.sample(out.logits, next_sb), targets, fb)
 
     def _decode(self, fb: ForwardBatch) -> ForwardOutput:

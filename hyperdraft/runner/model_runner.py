@@ -93,10 +93,9 @@ class GraphedRunner:
             key = self.graphs.match(fb, capture_layers)
             if key is not None:
                 self.page_table.flush()  # a replay reads the device page table without asking for it
-                keep_after = sink is not None and not self.graphs.keeps(key, sink)
                 with torch.inference_mode():
                     out = self.graphs.replay(fb, key)
-                if keep_after:
+                if sink is not None and not self.graphs.keeps(key, sink):
                     sink.keep(fb, out)
                 return out
         out = self.forward_eager(fb, capture_layers)

@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from hyperdraft import options
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardInput, ForwardMode, build_forward_batch
 from hyperdraft.kernels.draft_plan import move_chain_batch
 from hyperdraft.kvcache.page_table import PageTable
@@ -30,6 +31,12 @@ def next_token_batch(mode: ForwardMode, reqs: list[Request], tokens: torch.Tenso
         return None
     inputs = [ForwardInput(r.row, r.num_computed + 1, [0], 1) for r in reqs]
     return build_forward_batch(mode, inputs, page_table, device, input_ids=tokens, **state_walk)
+
+
+def moves_on(fed: ForwardBatch | None, reqs: list[Request]) -> bool:
+    """Whether the next-token forward of reqs is moved_next_token_batch's (fed: the step's own one-token forward of
+    them over a dense target, or None) rather than next_token_batch's (RuntimeOptions.move_ahead_batch)."""
+    return fed is not None and fed.num_tokens == len(reqs) and options.current().move_ahead_batch
 
 
 def moved_next_token_batch(fed: ForwardBatch, reqs: list[Request], tokens: torch.Tensor,

@@ -36,13 +36,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperdraft import options
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode
 from hyperdraft.kernels.draft_plan import move_chain_batch
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
-from hyperdraft.runner.next_token import moved_next_token_batch, next_token_batch
+from hyperdraft.runner.next_token import moved_next_token_batch, moves_on, next_token_batch
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.graph_plan import verify_graph_runs
 from hyperdraft.speculative.proposal import Proposal, TreeProposal
@@ -107,7 +106,7 @@ class VerifyAhead:
         if not verify_graph_runs(self.runner.graphs, tier, len(round_.reqs)):
             return
         if tier.steps == 0 and self.step_zero:
-            if verified is not None and verified.num_tokens == len(round_.reqs) and options.current().move_ahead_batch:
+            if moves_on(verified, round_.reqs):
                 fb = moved_next_token_batch(verified, round_.reqs, round_.tokens[:, 0], table)
             else:
                 fb = next_token_batch(ForwardMode.TARGET_VERIFY, round_.reqs, round_.tokens[:, 0], table, device)
