@@ -30,8 +30,10 @@ PROMPT_LEN = 512
 
 
 def started_engine(target: str, switch: str, on: bool, steps: int, turns: int, batch: int = 1):
-    engine, _ = make_engine(target, "cuda", batch, None, batch * 8 * 4096, **{switch: on})
     params = SamplingParams(temperature=0.0, max_new_tokens=(turns + 1) * steps + 100, ignore_eos=True)
+    # each request's whole length, and no more: a flat 32k tokens a request outgrew the H200 at batch 256
+    engine, _ = make_engine(target, "cuda", batch, None, batch * (PROMPT_LEN + params.max_new_tokens + 64),
+                            **{switch: on})
     for _ in range(batch):
         engine.add_request(input_ids=torch.randint(10, SMOLLM2["vocab_size"] - 10, (PROMPT_LEN,)).tolist(),
                            params=params)
