@@ -268,7 +268,8 @@ def _cuda() -> bool:
 
 
 def _train_draft(ns: argparse.Namespace) -> None:
-    from hyperdraft.training.trainer import TrainConfig, plot_log, train_draft
+    from hyperdraft.training.plot import plot_log
+    from hyperdraft.training.trainer import TrainConfig, train_draft
 
     if ns.plot:
         print(plot_log(ns.plot) or "no plot drawn")
