@@ -26,6 +26,12 @@ def mt_bench_first_turns() -> list[str]:
         return [json.loads(line)["turns"][0] for line in f]
 
 
+def mt_bench_categories() -> list[str]:
+    """The category of every MT-bench question (writing, roleplay, ..., humanities), in file order."""
+    with open(MT_BENCH) as f:
+        return [json.loads(line)["category"] for line in f]
+
+
 def chat_turns(llm, questions: list[str]) -> list[list[int]]:
     """Each question as a one-turn chat through the model's template, as token ids."""
     return [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
