@@ -32,6 +32,18 @@ def mt_bench_categories() -> list[str]:
         return [json.loads(line)["category"] for line in f]
 
 
+def mt_bench_per_category(count: int) -> list[str]:
+    """The first `count` first turns of each MT-bench category, in file order: a short run that still samples all
+    eight kinds (the file's first questions are all writing)."""
+    taken: dict[str, int] = {}
+    questions = []
+    for question, category in zip(mt_bench_first_turns(), mt_bench_categories()):
+        if taken.get(category, 0) < count:
+            taken[category] = taken.get(category, 0) + 1
+            questions.append(question)
+    return questions
+
+
 def chat_turns(llm, questions: list[str]) -> list[list[int]]:
     """Each question as a one-turn chat through the model's template, as token ids."""
     return [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]

@@ -13,6 +13,13 @@ in bf16 with --deterministic, the default there: --enable-deterministic-inferenc
   ... --rows "chain 3" "head, adaptive"       # plain and the rows whose names contain one of these
   ... --repeats 3                              # every row three times, in turns: medians and paired ratios
   ... --switch fused_norm_gemv                 # every row also with that RuntimeOptions switch flipped
+  ... --no-ignore-eos --new-tokens 1024        # SGLang's MT-bench count (benchmark/mtbench/bench_sglang_eagle.py)
+  ... --per-category 2                         # the first 2 turns of each MT-bench category (CPU runs)
+
+Two counts of MT-bench. The default runs every answer to 128 tokens, past EOS: equal work per row, and the head
+drafts text the model writes after its answer ends. SGLang's benchmark stops at EOS and allows 1024 tokens: what a
+user gets, but on a 135M target half the answers then run to the cap in repetition loops, which any drafter,
+prompt lookup too, predicts well (real_accept_h200.md, session 35). Report which count a number comes from.
 
 --repeats: a GPU host's speed drifts between rows of one run (an H200's host ran the same chain-5 row at 1.35 and
 1.81 ms a step, real_accept_h200.md session 32), so a row against plain is best read as the median of ratios taken
@@ -29,7 +36,7 @@ import statistics
 from typing import NamedTuple
 
 from benchmarks.common import (chat_turns, code_edit_requests, command_line, device_tag, git_commit,
-                               mt_bench_first_turns, results_path, timed_generate)
+                               mt_bench_first_turns, mt_bench_per_category, results_path, timed_generate)
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.models.default_model import ensure_default_model
@@ -129,6 +136,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--turns", type=int, default=80, help="prompts (MT-bench first turns, or code edits)")
+    ap.add_argument("--per-category", type=int, default=None,
+                    help="chat: instead of the first --turns, the first this many turns of each of MT-bench's eight "
+                         "categories")
     ap.add_argument("--task", choices=["chat", "code-edit"], default="chat",
                     help="code-edit: requests to edit a function of hyperdraft's own source, quoted in full (answers "
                          "copy their prompt: prompt lookup's workload; the source changes, so compare within a run)")
@@ -154,11 +164,18 @@ def main() -> None:
     deterministic = args.deterministic if args.deterministic is not None else args.device.startswith("cuda")
     model = ensure_default_model()
     chat = LLM(model, device="cpu", dtype="float32")
-    questions = mt_bench_first_turns()[:args.turns] if args.task == "chat" else code_edit_requests(args.turns)
+    if args.task == "code-edit":
+        questions = code_edit_requests(args.turns)
+    elif args.per_category is not None:
+        questions = mt_bench_per_category(args.per_category)
+    else:
+        questions = mt_bench_first_turns()[:args.turns]
     prompts = chat_turns(chat, questions)
     chat.shutdown()
     tag = device_tag(args.device)
-    what = "MT-bench first turns" if args.task == "chat" else "code-edit requests (benchmarks/common.code_edit_requests)"
+    what = ("code-edit requests (benchmarks/common.code_edit_requests)" if args.task == "code-edit" else
+            f"MT-bench first turns ({args.per_category} a category)" if args.per_category is not None else
+            "MT-bench first turns")
     lines = [f"# Real acceptance: SmolLM2-135M-Instruct, {len(prompts)} {what} ({tag.upper()}, {args.dtype})",
              "", f"- date: {datetime.date.today()}; commit: {git_commit()}; command: `{command_line()}`",
              f"- greedy, {args.new_tokens} new tokens{' (ignore_eos)' if args.ignore_eos else ', or fewer at EOS'}; head: `{os.path.basename(str(args.head))}`; "
