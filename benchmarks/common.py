@@ -3,6 +3,7 @@ name) and the GPU check of the GPU-only scripts."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -35,13 +36,18 @@ def mt_bench_categories() -> list[str]:
 def mt_bench_per_category(count: int) -> list[str]:
     """The first `count` first turns of each MT-bench category, in file order: a short run that still samples all
     eight kinds (the file's first questions are all writing)."""
-    taken: dict[str, int] = {}
-    questions = []
-    for question, category in zip(mt_bench_first_turns(), mt_bench_categories()):
-        if taken.get(category, 0) < count:
-            taken[category] = taken.get(category, 0) + 1
-            questions.append(question)
-    return questions
+    return first_per_category(mt_bench_first_turns(), mt_bench_categories(), count)
+
+
+def first_per_category(questions: list[str], categories: list[str], count: int) -> list[str]:
+    """The first `count` questions of each category (categories[i] is questions[i]'s), in their order."""
+    taken: collections.Counter[str] = collections.Counter()
+    chosen = []
+    for question, category in zip(questions, categories, strict=True):
+        if taken[category] < count:
+            taken[category] += 1
+            chosen.append(question)
+    return chosen
 
 
 def chat_turns(llm, questions: list[str]) -> list[list[int]]:
