@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: "
                                   "benchmarks/results/)")
     args = ap.parse_args()
+    if args.per_category is not None and args.per_category < 1:
+        ap.error(f"--per-category must be >= 1, got {args.per_category}")
     deterministic = args.deterministic if args.deterministic is not None else args.device.startswith("cuda")
     model = ensure_default_model()
     chat = LLM(model, device="cpu", dtype="float32")
