@@ -182,6 +182,9 @@ def _add_train_draft(sub) -> None:
                        help="prompts held out, in [0, 0.5); the head is published only when it beats earlier "
                             "epochs on them (default: 0.02; 0: publish every epoch)")
     train.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    train.add_argument("--init", metavar="HEAD_DIR",
+                       help="start a new run from this published head (its weights, draft vocabulary, aux layers and "
+                            "MLP width) instead of a new one: more epochs, or other answers, for a head trained before")
     train.add_argument("--device", default="cuda" if _cuda() else "cpu", help="default: cuda when available")
     train.add_argument("--dtype", default="auto", help="the target's dtype (default: auto)")
     train.add_argument("--seed", type=int, default=0)
@@ -281,7 +284,8 @@ def _train_draft(ns: argparse.Namespace) -> None:
                       epochs=ns.epochs, lr=ns.lr, draft_vocab_size=ns.draft_vocab_size, ttt_steps=ns.ttt_steps,
                       head_intermediate_size=ns.head_intermediate_size,
                       aux_layer_ids=tuple(ns.aux_layers) if ns.aux_layers else None,
-                      temperatures=tuple(ns.temperature), resume=ns.resume, device=ns.device, dtype=ns.dtype,
+                      temperatures=tuple(ns.temperature), resume=ns.resume, init=ns.init, device=ns.device,
+                      dtype=ns.dtype,
                       seed=ns.seed, batch_size=ns.batch_size, validation_fraction=ns.validation_fraction)
     print(json.dumps(train_draft(cfg)))
     print(f"head written to {ns.out}: use it with --speculative-algorithm EAGLE3 --speculative-draft-model-path {ns.out}")

@@ -1,5 +1,5 @@
 """What train-draft writes: the head in the published EAGLE-3 layout (the files our loader and SGLang's read), and
-a training checkpoint to resume from.
+a training checkpoint to resume from; and a published head read back, to start a new run from (--init).
 
 Layout: config.json (LlamaForCausalLMEagle3; draft_vocab_size, target_hidden_size,
 eagle_config.eagle_aux_hidden_state_layer_ids) and model.safetensors with fc, midlayer.*, norm, lm_head, d2t, t2d.
@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from hyperdraft.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from hyperdraft.models.eagle import Eagle3Head
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -74,3 +79,50 @@ def load_checkpoint(out_dir: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"--resume: {path} does not exist (train without --resume first)")
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@dataclass(frozen=True)
+class PublishedHead:
+    """A head in the published layout, as a new run starts from it: what it reads, how wide it is, what it scores."""
+
+    aux_layer_ids: tuple[int, ...]
+    intermediate_size: int
+    draft_ids: torch.Tensor  # [Vd] int64, ascending: the target ids its lm_head rows score
+    tensors: dict[str, torch.Tensor]  # model.safetensors, as written
+
+    def refuse_other(self, aux_layer_ids: tuple[int, ...] | None, intermediate_size: int | None,
+                     draft_vocab_size: int | None) -> None:
+        """What the head fixes must not be asked otherwise (None: not asked)."""
+        asked = {"aux_layer_ids": (tuple(sorted(aux_layer_ids)) if aux_layer_ids else None, self.aux_layer_ids),
+                 "head_intermediate_size": (intermediate_size, self.intermediate_size),
+                 "draft_vocab_size": (draft_vocab_size, int(self.draft_ids.numel()))}
+        for name, (value, own) in asked.items():
+            if value is not None and value != own:
+                raise ValueError(f"{name} {list(value) if isinstance(value, tuple) else value} differs from the "
+                                 f"--init head's {list(own) if isinstance(own, tuple) else own} (leave it out: the "
+                                 "head fixes it)")
+
+    def load_into(self, head: Eagle3Head) -> None:
+        """The tensors into a head built to this one's shape (cast to its dtype); every tensor must find its place."""
+        missing, unexpected = head.load_state_dict(self.tensors, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"init: the head's tensors do not match the layout (missing {missing}, unexpected "
+                             f"{unexpected})")
+        head.finish_loading()
+
+
+def read_head(head_dir: str, target: ModelConfig) -> PublishedHead:
+    """head_dir's config.json and model.safetensors, refused unless they fit this target."""
+    with open(os.path.join(head_dir, "config.json")) as f:
+        config = json.load(f)
+    for name, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        if config.get(name) != want:
+            raise ValueError(f"init: {head_dir} has {name}={config.get(name)}, the target {want}")
+    tensors = load_file(os.path.join(head_dir, "model.safetensors"))
+    d2t = tensors.get("d2t", torch.zeros(target.vocab_size, dtype=torch.int64))  # no d2t: the whole vocabulary
+    draft_ids = torch.arange(d2t.numel()) + d2t.long()
+    if d2t.numel() > 1 and not bool((draft_ids[1:] > draft_ids[:-1]).all()):
+        raise ValueError(f"init: {head_dir}'s d2t does not map draft ids to ascending target ids, as train-draft's "
+                         "draft vocabulary does")
+    return PublishedHead(tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+                         config["intermediate_size"], draft_ids, tensors)

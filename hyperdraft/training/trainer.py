@@ -19,6 +19,9 @@ in the draft vocabulary. After each epoch the head is scored on them, and the pu
 model.safetensors) is rewritten only when its estimated accept length beats every earlier epoch's, so a head that
 has begun to memorise its training answers does not replace a better one; the checkpoint (for --resume) always holds
 the last epoch's head. With nothing held out every epoch's head is published.
+A run may start from a published head (cfg.init): its weights, and the draft vocabulary, aux layers and MLP width they
+were trained with; the optimizer and the lr schedule start afresh. That adds epochs, or other answers, to a head
+without training it again from nothing.
 The lr warms up linearly over the first 2% of the optimizer steps, then decays along a cosine to 0.1 x lr at the
 last step (plan.lr_schedule).
 
@@ -45,7 +48,7 @@ from hyperdraft.models.decoder import rotated
 from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, eagle_config_from_dict, target_capture_layers
 from hyperdraft.models.loader import load_model
 from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
-from hyperdraft.training.head_io import head_config, load_checkpoint, save_checkpoint, save_head
+from hyperdraft.training.head_io import head_config, load_checkpoint, read_head, save_checkpoint, save_head
 from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_samples
 from hyperdraft.training.plot import LOG, plot_log
 from hyperdraft.training.samples import (Sample, SampleStore, answer, load_prompts, refuse_evaluation_prompts,
@@ -76,6 +79,7 @@ class TrainConfig:
     ttt_steps: int = 5
     temperatures: tuple[float, ...] = (0.0,)  # of the target's answers: each prompt answered once per temperature
     resume: bool = False
+    init: str | None = None  # a published head to start from (weights, draft vocabulary, aux layers, MLP width)
     device: str = "cpu"
     dtype: str = "auto"  # the target's (and the written head's) dtype
     seed: int = 0
@@ -87,7 +91,11 @@ class TrainConfig:
 def train_draft(cfg: TrainConfig) -> dict:
     """Train (or resume) and write the head to cfg.out -> the last epoch's metrics."""
     _check(cfg)
-    aux_ids = _aux_layer_ids(cfg, load_model_config(cfg.model).num_layers)  # refused before anything is answered
+    target_config = load_model_config(cfg.model)
+    init = read_head(cfg.init, target_config) if cfg.init else None
+    if init:  # refused before anything is answered
+        init.refuse_other(cfg.aux_layer_ids, cfg.head_intermediate_size, cfg.draft_vocab_size)
+    aux_ids = init.aux_layer_ids if init else _aux_layer_ids(cfg, target_config.num_layers)
     os.makedirs(cfg.out, exist_ok=True)
     torch.manual_seed(cfg.seed)
     state = _resume_state(cfg) if cfg.resume else None
@@ -95,11 +103,18 @@ def train_draft(cfg: TrainConfig) -> dict:
     train, held_out = split_samples(samples, cfg.validation_fraction, cfg.seed)
     device = torch.device(cfg.device)
     target = load_model(cfg.model, cfg.dtype, device)
-    vocab = DraftVocab(state["vocab"]) if state else frequent_tokens(
-        [s.token_ids[s.answer_start:] for s in train], target.config.vocab_size,
-        cfg.draft_vocab_size or target.config.vocab_size)
-    config = head_config(target.config, int(vocab.target_ids.numel()), aux_ids, cfg.head_intermediate_size)
+    if state:
+        vocab = DraftVocab(state["vocab"])
+    elif init:
+        vocab = DraftVocab(init.draft_ids)
+    else:
+        vocab = frequent_tokens([s.token_ids[s.answer_start:] for s in train], target.config.vocab_size,
+                                cfg.draft_vocab_size or target.config.vocab_size)
+    width = init.intermediate_size if init else cfg.head_intermediate_size
+    config = head_config(target.config, int(vocab.target_ids.numel()), aux_ids, width)
     head = _new_head(config, target, vocab, aux_ids, device)
+    if init:
+        init.load_into(head)
     draft_ids = vocab.target_ids.to(device)
     coverage = vocab.coverage([s.token_ids[s.answer_start:] for s in held_out])  # the same every epoch
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr)
@@ -162,6 +177,8 @@ def _check(cfg: TrainConfig) -> None:
     for name in ("num_samples", "max_len", "epochs", "ttt_steps", "batch_size", "head_intermediate_size"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.init and cfg.resume:
+        raise ValueError("init starts a new run from a published head, resume continues --out's checkpoint: give one")
     if cfg.self_prompts < 0:
         raise ValueError(f"self_prompts must be >= 0, got {cfg.self_prompts}")
     if cfg.self_prompts and cfg.prompts is None:

@@ -587,3 +587,31 @@ def test_the_engine_accepts_what_training_measured(trained, target):
     assert all(row.output_equal and row.engine == row.unroll for row in rows), rows
     assert sum(row.unroll[1] for row in rows) > len(PROMPTS)  # rounds with accepted drafts compared, not only misses
     assert_engine_clean(llm)
+
+
+def test_init_starts_a_new_run_from_a_published_head(trained, target, prompts_file, tmp_path):
+    # lr 1e-12: one epoch moves no weight measurably, so the new run's head is the --init head, not a new one
+    train_draft(_config(target, tmp_path, prompts_file, epochs=1, lr=1e-12, init=trained))
+    before, after = load_file(os.path.join(trained, "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert before.keys() == after.keys()
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], atol=1e-8, rtol=0, msg=name)
+    with open(os.path.join(trained, "config.json")) as f, open(tmp_path / "config.json") as g:
+        assert json.load(f) == json.load(g)
+
+
+def test_init_refuses_what_the_head_fixes_and_resume(trained, target, prompts_file, tmp_path):
+    for kw, match in ((dict(aux_layer_ids=(0, 2, 4)), r"aux_layer_ids \[0, 2, 4\] differs from the --init head's"),
+                      (dict(draft_vocab_size=100), "draft_vocab_size 100 differs from the --init head's 200"),
+                      (dict(head_intermediate_size=256), "head_intermediate_size 256 differs from the --init"),
+                      (dict(resume=True), "init starts a new run from a published head, resume continues")):
+        with pytest.raises(ValueError, match=match):
+            train_draft(_config(target, tmp_path, prompts_file, epochs=1, init=trained, **kw))
+    assert not os.listdir(tmp_path)  # refused before anything was answered or written
+
+
+def test_cli_passes_init(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(trainer, "train_draft", lambda cfg: seen.append(cfg) or {})
+    assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path), "--init", "/heads/h24"]) == 0
+    assert seen[0].init == "/heads/h24" and not seen[0].resume
