@@ -48,7 +48,8 @@ from hyperdraft.models.decoder import rotated
 from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, eagle_config_from_dict, target_capture_layers
 from hyperdraft.models.loader import load_model
 from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
-from hyperdraft.training.head_io import head_config, load_checkpoint, read_head, save_checkpoint, save_head
+from hyperdraft.training.head_io import (PublishedHead, head_config, load_checkpoint, read_head, save_checkpoint,
+                                        save_head)
 from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_samples
 from hyperdraft.training.plot import LOG, plot_log
 from hyperdraft.training.samples import (Sample, SampleStore, answer, load_prompts, refuse_evaluation_prompts,
@@ -103,13 +104,7 @@ def train_draft(cfg: TrainConfig) -> dict:
     train, held_out = split_samples(samples, cfg.validation_fraction, cfg.seed)
     device = torch.device(cfg.device)
     target = load_model(cfg.model, cfg.dtype, device)
-    if state:
-        vocab = DraftVocab(state["vocab"])
-    elif init:
-        vocab = DraftVocab(init.draft_ids)
-    else:
-        vocab = frequent_tokens([s.token_ids[s.answer_start:] for s in train], target.config.vocab_size,
-                                cfg.draft_vocab_size or target.config.vocab_size)
+    vocab = _draft_vocab(cfg, state, init, train, target.config.vocab_size)
     width = init.intermediate_size if init else cfg.head_intermediate_size
     config = head_config(target.config, int(vocab.target_ids.numel()), aux_ids, width)
     head = _new_head(config, target, vocab, aux_ids, device)
@@ -152,6 +147,17 @@ def train_draft(cfg: TrainConfig) -> dict:
     if first_epoch >= cfg.epochs and not held_out:
         save_head(cfg.out, config, head, next(target.parameters()).dtype)
     return metrics
+
+
+def _draft_vocab(cfg: TrainConfig, state: dict | None, init: PublishedHead | None, train: list[Sample],
+                 vocab_size: int) -> DraftVocab:
+    """The checkpoint's (--resume), the --init head's, or the training answers' most frequent tokens."""
+    if state:
+        return DraftVocab(state["vocab"])
+    if init:
+        return DraftVocab(init.draft_ids)
+    return frequent_tokens([s.token_ids[s.answer_start:] for s in train], vocab_size,
+                           cfg.draft_vocab_size or vocab_size)
 
 
 def reference_paths() -> options.RuntimeOptions:
