@@ -11,15 +11,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from hyperdraft.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from hyperdraft.models.eagle import Eagle3Head
+from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, load_eagle_config
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -112,17 +109,20 @@ class PublishedHead:
 
 
 def read_head(head_dir: str, target: ModelConfig) -> PublishedHead:
-    """head_dir's config.json and model.safetensors, refused unless they fit this target."""
-    with open(os.path.join(head_dir, "config.json")) as f:
-        config = json.load(f)
-    for name, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-        if config.get(name) != want:
-            raise ValueError(f"init: {head_dir} has {name}={config.get(name)}, the target {want}")
+    """head_dir's config (parsed as the engine parses a draft's) and tensors, refused unless an EAGLE-3 head of this
+    target; aux layers the config does not name are the ones the engine would read."""
+    cfg = load_eagle_config(head_dir)
+    if cfg.kind != "eagle3":
+        raise ValueError(f"init: {head_dir} is a {cfg.architecture} head; train-draft trains EAGLE-3 heads")
+    for name, have, want in (("hidden_size", cfg.hidden_size, target.hidden_size),
+                             ("vocab_size", cfg.vocab_size, target.vocab_size)):
+        if have != want:
+            raise ValueError(f"init: {head_dir} has {name}={have}, the target {want}")
     tensors = load_file(os.path.join(head_dir, "model.safetensors"))
     d2t = tensors.get("d2t", torch.zeros(target.vocab_size, dtype=torch.int64))  # no d2t: the whole vocabulary
     draft_ids = torch.arange(d2t.numel()) + d2t.long()
     if d2t.numel() > 1 and not bool((draft_ids[1:] > draft_ids[:-1]).all()):
         raise ValueError(f"init: {head_dir}'s d2t does not map draft ids to ascending target ids, as train-draft's "
                          "draft vocabulary does")
-    return PublishedHead(tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-                         config["intermediate_size"], draft_ids, tensors)
+    aux_layer_ids = cfg.eagle_aux_hidden_state_layer_ids or default_aux_layer_ids(target.num_layers)
+    return PublishedHead(tuple(aux_layer_ids), cfg.intermediate_size, draft_ids, tensors)

@@ -348,6 +348,9 @@ def test_bad_values_are_refused(target, prompts_file, tmp_path, field, value, ma
     with pytest.raises(ValueError, match=match):
         train_draft(_config(target, tmp_path, prompts_file, **{field: value}))
     assert not os.listdir(tmp_path)  # refused before anything was answered or written
+    eagle1 = write_random_eagle_checkpoint(str(tmp_path.parent / "eagle1"), target, kind="eagle")
+    with pytest.raises(ValueError, match="is a LlamaForCausalLMEagle head; train-draft trains EAGLE-3 heads"):
+        train_draft(_config(target, tmp_path, prompts_file, epochs=1, init=eagle1))
 
 
 def test_a_wider_head_is_written_and_drafts_losslessly(target, prompts_file, tmp_path):
@@ -608,6 +611,9 @@ def test_init_refuses_what_the_head_fixes_and_resume(trained, target, prompts_fi
         with pytest.raises(ValueError, match=match):
             train_draft(_config(target, tmp_path, prompts_file, epochs=1, init=trained, **kw))
     assert not os.listdir(tmp_path)  # refused before anything was answered or written
+    eagle1 = write_random_eagle_checkpoint(str(tmp_path.parent / "eagle1"), target, kind="eagle")
+    with pytest.raises(ValueError, match="is a LlamaForCausalLMEagle head; train-draft trains EAGLE-3 heads"):
+        train_draft(_config(target, tmp_path, prompts_file, epochs=1, init=eagle1))
 
 
 def test_cli_passes_init(monkeypatch, tmp_path):
