@@ -71,11 +71,17 @@ class TorchAttentionBackend(AttentionBackend):
             q, k = apply_rope_reference(q, k, *rope)
         self.pool.store(layer_id, fb.out_slots, k, v)
         k_cache, v_cache = self.pool.layer(layer_id)
-        keys = k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, Kmax, D]
-        values = v_cache[meta.kv_slots].transpose(1, 2)
+        keys, values = (gathered(cache, meta.kv_slots) for cache in (k_cache, v_cache))  # [B, Hkv, Kmax, D]
         q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.mask, enable_gqa=True)
         out = out.transpose(1, 2)  # [B, Qmax, Hq, D]
         if meta.all_valid:  # a boolean-mask copy cost 37 us a layer in a CPU verify (profiled); a reshape, ~1
             return out.reshape(-1, *out.shape[2:])
         return out[meta.valid]  # packed order == request order, so this is [T, Hq, D]
+
+
+def gathered(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [S, Hkv, D], slots [B, K] -> [B, Hkv, K, D]. index_select, not cache[slots]: the same bits, and on CPU
+    5x faster (1024 keys of SmolLM2's shape: 45 against 241 us a layer), which at 1000-token contexts was a third
+    of a plain decode step."""
+    return cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:]).transpose(1, 2)
