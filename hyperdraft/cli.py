@@ -178,6 +178,9 @@ def _add_train_draft(sub) -> None:
                        help="of the target's answers; several: each prompt is answered once per temperature "
                             "(default: 0, greedy; `0 0.8` trained a better SmolLM2 head than greedy answers at the "
                             "same optimizer steps, benchmarks/results/real_accept_h200.md)")
+    train.add_argument("--hard-label-weight", type=float, default=0.0,
+                       help="in [0, 1]: this share of the loss is cross-entropy against the target's argmax instead "
+                            "of its distribution (default: 0, EAGLE-3's soft labels)")
     train.add_argument("--validation-fraction", type=float, default=0.02,
                        help="prompts held out, in [0, 0.5); the head is published only when it beats earlier "
                             "epochs on them (default: 0.02; 0: publish every epoch)")
@@ -286,7 +289,8 @@ def _train_draft(ns: argparse.Namespace) -> None:
                       aux_layer_ids=tuple(ns.aux_layers) if ns.aux_layers else None,
                       temperatures=tuple(ns.temperature), resume=ns.resume, init=ns.init, device=ns.device,
                       dtype=ns.dtype,
-                      seed=ns.seed, batch_size=ns.batch_size, validation_fraction=ns.validation_fraction)
+                      seed=ns.seed, batch_size=ns.batch_size, validation_fraction=ns.validation_fraction,
+                      hard_label_weight=ns.hard_label_weight)
     print(json.dumps(train_draft(cfg)))
     print(f"head written to {ns.out}: use it with --speculative-algorithm EAGLE3 --speculative-draft-model-path {ns.out}")
 

@@ -9,8 +9,8 @@ length, each attending only within itself):
   3. Step 0 is fed fc(aux states); step s >= 1 is fed the head's own step-(s-1) output at position i - 1, with the
      attention of unroll_attention.py, so every position is also trained as the s-th draft of a chain.
      Step s is valid from position s on, and counts only where t_{i+2} is an answer token.
-Loss: cross-entropy against the soft label, step s weighted STEP_DECAY^s, averaged over each sample's positions
-and then over the batch. Accuracy at step s: the head's argmax
+Loss: cross-entropy against the soft label (with cfg.hard_label_weight, mixed with cross-entropy against the target's
+argmax: loss.py), step s weighted STEP_DECAY^s, averaged over each sample's positions and then over the batch. Accuracy at step s: the head's argmax
 (as a target id) equals the target's argmax, i.e. greedy acceptance of the s-th draft given the earlier ones.
 
 Each prompt is answered once per temperature (cfg.temperatures). validation_fraction of the prompts, with all their
@@ -50,6 +50,7 @@ from hyperdraft.models.loader import load_model
 from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
 from hyperdraft.training.head_io import (PublishedHead, head_config, load_checkpoint, read_head, save_checkpoint,
                                         save_head)
+from hyperdraft.training.loss import draft_index, step_loss
 from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_samples
 from hyperdraft.training.plot import LOG, plot_log
 from hyperdraft.training.samples import (Sample, SampleStore, answer, load_prompts, refuse_evaluation_prompts,
@@ -87,6 +88,7 @@ class TrainConfig:
     progress: bool = True
     batch_size: int = 16  # samples per optimizer step
     validation_fraction: float = 0.02  # of the prompts, held out to choose the published epoch
+    hard_label_weight: float = 0.0  # of the cross-entropy against the target's argmax (loss.py); 0: EAGLE-3's loss
 
 
 def train_draft(cfg: TrainConfig) -> dict:
@@ -194,6 +196,8 @@ def _check(cfg: TrainConfig) -> None:
         raise ValueError(f"lr must be > 0, got {cfg.lr}")
     if cfg.max_len < 16:
         raise ValueError(f"max_len must be >= 16, got {cfg.max_len}")
+    if not 0 <= cfg.hard_label_weight <= 1:
+        raise ValueError(f"hard_label_weight must be in [0, 1], got {cfg.hard_label_weight}")
     if not 0 <= cfg.validation_fraction < 0.5:
         raise ValueError(f"validation_fraction must be in [0, 0.5), got {cfg.validation_fraction}")
     if not cfg.temperatures:
@@ -258,7 +262,7 @@ def _epoch(cfg: TrainConfig, epoch: int, samples: list[Sample], target, head: Ea
     bar = tqdm(total=len(samples), desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress)
     done = 0
     for batch in _batches(samples, cfg.batch_size, random.Random(cfg.seed + epoch)):
-        loss, correct, counted = _batch_loss(batch, target, head, draft_ids, cfg.ttt_steps)
+        loss, correct, counted = _batch_loss(batch, target, head, draft_ids, cfg.ttt_steps, cfg.hard_label_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
@@ -304,7 +308,8 @@ def _validate(cfg: TrainConfig, held_out: list[Sample], target, head: Eagle3Head
     with torch.no_grad():
         for start in range(0, len(ordered), cfg.batch_size):
             batch = ordered[start:start + cfg.batch_size]
-            loss, correct, counted = _batch_loss(batch, target, head, draft_ids, cfg.ttt_steps)
+            loss, correct, counted = _batch_loss(batch, target, head, draft_ids, cfg.ttt_steps,
+                                                 cfg.hard_label_weight)
             totals.add(float(loss), correct, counted, weight=len(batch))  # the mean over samples, not batches
     means = totals.means()
     return {**means, "accept_length_estimate": accept_length_estimate(means["accuracy_by_step"])}
@@ -344,7 +349,8 @@ def _batches(samples: list[Sample], size: int, rng: random.Random) -> list[list[
     return batches
 
 
-def _batch_loss(batch: list[Sample], target, head: Eagle3Head, draft_ids: torch.Tensor, steps: int):
+def _batch_loss(batch: list[Sample], target, head: Eagle3Head, draft_ids: torch.Tensor, steps: int,
+                hard_weight: float):
     """-> (the batch's mean weighted loss, correct drafts per step, counted positions per step)."""
     device, b = draft_ids.device, len(batch)
     lens = torch.tensor([len(s.token_ids) for s in batch], device=device)[:, None]  # [B, 1]
@@ -357,6 +363,7 @@ def _batch_loss(batch: list[Sample], target, head: Eagle3Head, draft_ids: torch.
     n = length - 2  # head position i predicts t_{i+2}: labelled by the target's logits at i + 1
     soft = torch.softmax(labels[..., draft_ids], dim=-1)  # [B, n, Vd]
     target_top = labels.argmax(-1)  # [B, n]
+    top, top_ok = draft_index(draft_ids, target_top)
     rows = torch.arange(n, device=device)
     answer_start = torch.tensor([s.answer_start for s in batch], device=device)[:, None]
     in_answer = (rows + 2 >= answer_start) & (rows + 2 < lens)  # [B, n]: answer tokens, not padding
@@ -374,7 +381,7 @@ def _batch_loss(batch: list[Sample], target, head: Eagle3Head, draft_ids: torch.
             log_q = F.log_softmax(head.compute_draft_logits(out).float(), dim=-1).view(b, n, -1)
             valid = in_answer & (rows >= s)
             weight = valid.float() / valid.sum(1, keepdim=True).clamp_min(1)  # each sample's positions average to 1
-            loss = loss + STEP_DECAY ** s * (-(soft * log_q).sum(-1) * weight).sum() / b
+            loss = loss + STEP_DECAY ** s * (step_loss(soft, log_q, top, top_ok, hard_weight) * weight).sum() / b
             correct.append(((draft_ids[log_q.argmax(-1)] == target_top) & valid).sum())
             counted.append(valid.sum())
             out = out.view(b, n, -1)  # step s + 1 at i is fed step s at i - 1

@@ -332,7 +332,7 @@ def test_fp32_target_trains_without_autocast(trained, target):
     real = head.compute_draft_logits
     head.compute_draft_logits = lambda hidden: seen.append(real(hidden).dtype) or real(hidden)
     with torch.no_grad():
-        _batch_loss([Sample(list(range(5, 30)), 10)], model, head, head.draft_to_target, 2)
+        _batch_loss([Sample(list(range(5, 30)), 10)], model, head, head.draft_to_target, 2, 0.0)
     assert seen == [torch.float32] * 2
 
 
@@ -343,7 +343,9 @@ def test_fp32_target_trains_without_autocast(trained, target):
                                                  ("head_intermediate_size", 0, "head_intermediate_size"),
                                                  ("aux_layer_ids", (0, 0, 1), r"aux_layer_ids \[0, 0, 1\]"),
                                                  ("aux_layer_ids", (0, 1, 5), r"in \[0, 4\]"),
-                                                 ("aux_layer_ids", (0, 1), "give 3 distinct")])
+                                                 ("aux_layer_ids", (0, 1), "give 3 distinct"),
+                                                 ("hard_label_weight", 1.5, r"hard_label_weight must be in \[0, 1\]"),
+                                                 ("hard_label_weight", -0.1, "hard_label_weight")])
 def test_bad_values_are_refused(target, prompts_file, tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):
         train_draft(_config(target, tmp_path, prompts_file, **{field: value}))
@@ -505,8 +507,8 @@ def test_a_batch_trains_as_its_samples_one_by_one(trained, target):
                for n, start in ((23, 1), (40, 12), (31, 30))]
     draft_ids = head.draft_to_target
     with torch.no_grad():
-        alone = [_batch_loss([s], model, head, draft_ids, 3) for s in samples]
-        loss, correct, counted = _batch_loss(samples, model, head, draft_ids, 3)
+        alone = [_batch_loss([s], model, head, draft_ids, 3, 0.0) for s in samples]
+        loss, correct, counted = _batch_loss(samples, model, head, draft_ids, 3, 0.0)
     torch.testing.assert_close(loss, torch.stack([a[0] for a in alone]).mean(), rtol=1e-5, atol=1e-5)
     assert correct == [sum(a[1][s] for a in alone) for s in range(3)]
     assert counted == [sum(a[2][s] for a in alone) for s in range(3)] and counted[0] > counted[2] > 0
@@ -621,3 +623,23 @@ def test_cli_passes_init(monkeypatch, tmp_path):
     monkeypatch.setattr(trainer, "train_draft", lambda cfg: seen.append(cfg) or {})
     assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path), "--init", "/heads/h24"]) == 0
     assert seen[0].init == "/heads/h24" and not seen[0].resume
+
+
+def test_the_hard_label_weight_mixes_the_two_losses(trained, target):
+    """The batch loss is linear in hard_label_weight (loss.py): w = 0.5 is the mean of w = 0 and w = 1, and w = 1 is
+    another loss, so the weight reaches every step's term."""
+    model, head = load_target_and_head(target, trained)
+    gen = torch.Generator().manual_seed(5)
+    samples = [Sample(torch.randint(0, 384, (n,), generator=gen).tolist(), start) for n, start in ((30, 4), (41, 9))]
+    with torch.no_grad():
+        soft, half, hard = (_batch_loss(samples, model, head, head.draft_to_target, 3, w)[0] for w in (0.0, 0.5, 1.0))
+    torch.testing.assert_close(half, (soft + hard) / 2, rtol=1e-5, atol=1e-6)
+    assert abs(float(hard - soft)) > 1e-3
+
+
+def test_cli_passes_the_hard_label_weight(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(trainer, "train_draft", lambda cfg: seen.append(cfg) or {})
+    assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path), "--hard-label-weight", "0.3"]) == 0
+    assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path)]) == 0
+    assert [c.hard_label_weight for c in seen] == [0.3, 0.0]
