@@ -180,7 +180,8 @@ def _add_train_draft(sub) -> None:
                             "same optimizer steps, benchmarks/results/real_accept_h200.md)")
     train.add_argument("--hard-label-weight", type=float, default=0.0,
                        help="in [0, 1]: this share of the loss is cross-entropy against the target's argmax instead "
-                            "of its distribution (default: 0, EAGLE-3's soft labels)")
+                            "of its distribution (default: 0, EAGLE-3's soft labels; 0.5 accepted more on SmolLM2, "
+                            "greedy and sampled, and 1 lost sampled acceptance: real_accept_h200.md, session 36)")
     train.add_argument("--validation-fraction", type=float, default=0.02,
                        help="prompts held out, in [0, 0.5); the head is published only when it beats earlier "
                             "epochs on them (default: 0.02; 0: publish every epoch)")

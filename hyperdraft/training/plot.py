@@ -1,5 +1,9 @@
 """train-draft's log, drawn: training.png from train_log.jsonl (loss and per-position agreement, training windows
-and held-out points)."""
+and held-out points).
+
+Each window is one or a few batches, so a long run's raw curve is noise as wide as the trend (a 141k-sample run:
+loss 4.5-8 from batch to batch); the curves are drawn as running means over 1% of the windows, the raw windows
+faintly behind them."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ def plot_log(out_dir: str) -> str | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import EngFormatter
     except ImportError:
         print("train-draft: matplotlib is not installed; train_log.jsonl holds the curves")
         return None
@@ -27,21 +32,36 @@ def plot_log(out_dir: str) -> str | None:
     rows = [r for r in rows if r.get("kind") == "window"]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [r["step"] for r in rows]
-    ax_loss.plot(steps, [r["loss"] for r in rows], marker=".")
+    width = max(1, len(rows) // 100)
+    losses = [r["loss"] for r in rows]
+    raw, = ax_loss.plot(steps, losses, alpha=0.2)
+    ax_loss.plot(steps, running_mean(losses, width), color=raw.get_color(), label=f"mean of {width} windows")
     if held:
         ax_loss.plot([r["step"] for r in held], [r["loss"] for r in held], marker="o", ls="--", label="held out")
-        ax_loss.legend()
+    ax_loss.legend()
     ax_loss.set(xlabel="samples seen", ylabel="loss", title="training loss")
     for s in range(len(rows[0]["accuracy_by_step"])):
-        line, = ax_acc.plot(steps, [r["accuracy_by_step"][s] for r in rows], marker=".", label=f"draft {s + 1}")
+        accuracy = [r["accuracy_by_step"][s] for r in rows]
+        line, = ax_acc.plot(steps, accuracy, alpha=0.2)
+        ax_acc.plot(steps, running_mean(accuracy, width), color=line.get_color(), label=f"draft {s + 1}")
         if held:
             ax_acc.plot([r["step"] for r in held], [r["accuracy_by_step"][s] for r in held], marker="o", ls="--",
                         color=line.get_color())
     ax_acc.set(xlabel="samples seen", ylabel="accuracy", title="argmax agreement per draft position (o: held out)",
                ylim=(0, 1))
     ax_acc.legend()
+    for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_formatter(EngFormatter())  # 140k, not 140000 run into its neighbours
     path = os.path.join(out_dir, "training.png")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def running_mean(values: list[float], width: int) -> list[float]:
+    """Each value's mean with the width - 1 before it (fewer at the start)."""
+    sums = [0.0]
+    for v in values:
+        sums.append(sums[-1] + v)
+    return [(sums[i + 1] - sums[max(0, i + 1 - width)]) / min(i + 1, width) for i in range(len(values))]
