@@ -36,6 +36,38 @@ class Sample:
     answer_start: int  # index of the answer's first token: the loss covers the answer only
 
 
+class EngineOnDemand:
+    """The target as the engine that answers (and writes) prompts, started on first use. A run whose answers are all
+    stored (a new --init run on an earlier run's answers, a run whose prompts were answered before) starts none: it
+    claims no K/V cache, so it can train beside another run on one GPU, where a second engine found no room for one
+    (benchmarks/results/real_accept_h200.md, session 36), and it skips the engine's start."""
+
+    def __init__(self, model: str, device: str, dtype: str):
+        self._args = dict(model=model, device=device, dtype=dtype)
+        self._llm = None
+
+    @property
+    def started(self) -> bool:
+        return self._llm is not None
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self._engine().apply_chat_template(messages)
+
+    def generate(self, **kwargs):
+        return self._engine().generate(**kwargs)
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+
+    def _engine(self):
+        if self._llm is None:
+            from hyperdraft.llm import LLM
+
+            self._llm = LLM(**self._args)
+        return self._llm
+
+
 def load_prompts(path: str) -> list[str]:
     """One prompt per JSONL line: {"prompt": ...}, ShareGPT's {"conversations": [{"from": "human", "value": ...}]}
     (its first human turn), {"turns": [...]} (the first), or {"text": ...}."""

@@ -53,8 +53,8 @@ from hyperdraft.training.head_io import (PublishedHead, head_config, load_checkp
 from hyperdraft.training.loss import draft_index, step_loss
 from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_samples
 from hyperdraft.training.plot import LOG, plot_log
-from hyperdraft.training.samples import (Sample, SampleStore, answer, load_prompts, refuse_evaluation_prompts,
-                                         self_written_prompts)
+from hyperdraft.training.samples import (EngineOnDemand, Sample, SampleStore, answer, load_prompts,
+                                         refuse_evaluation_prompts, self_written_prompts)
 from hyperdraft.training.unroll_attention import UnrollAttention
 
 STEP_DECAY = 0.8  # EAGLE-3's weighting of later unrolled steps
@@ -220,9 +220,7 @@ def _resume_state(cfg: TrainConfig) -> dict:
 
 
 def _make_samples(cfg: TrainConfig) -> list[Sample]:
-    from hyperdraft.llm import LLM
-
-    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    llm = EngineOnDemand(cfg.model, cfg.device, cfg.dtype)
     try:
         # The file's prompts keep their indices in the answer store, so a run that adds written prompts to an
         # earlier file-only run answers only the new ones.

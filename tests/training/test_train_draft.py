@@ -643,3 +643,20 @@ def test_cli_passes_the_hard_label_weight(monkeypatch, tmp_path):
     assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path), "--hard-label-weight", "0.3"]) == 0
     assert cli_main(["train-draft", "--model", "m", "--out", str(tmp_path)]) == 0
     assert [c.hard_label_weight for c in seen] == [0.3, 0.0]
+
+
+def test_a_run_whose_answers_are_stored_starts_no_engine(trained, target, prompts_file, tmp_path, monkeypatch):
+    """A new run (--init) on an earlier run's answers, copied into its --out: every prompt is read back from the
+    store, so no engine starts (none claims a K/V cache beside the training), and the run trains on those answers."""
+    import shutil
+
+    import hyperdraft.llm
+
+    shutil.copy(os.path.join(trained, "samples.jsonl"), tmp_path / "samples.jsonl")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an engine was started for answers that were stored")
+
+    monkeypatch.setattr(hyperdraft.llm.LLM, "__init__", refuse)
+    metrics = train_draft(_config(target, tmp_path, prompts_file, epochs=1, init=trained))
+    assert metrics["epoch"] == 1 and os.path.isfile(tmp_path / "model.safetensors")
