@@ -47,7 +47,12 @@ def kv_capacity_tokens(args: EngineArgs, kv_bytes_per_token: int, budget: int, s
     if tokens >= max(args.page_size * 2, 2):
         return tokens
     field = "max_total_tokens" if args.max_total_tokens is not None or device.type != "cuda" else "mem_fraction_static"
-    raise ValueError(f"{field} leaves no room for the K/V cache"
+    where = ""
+    if field == "mem_fraction_static":  # the usual cause: another process (a second engine) holds the device
+        where = (f" (mem_fraction_static={args.mem_fraction_static} of the device, less all memory in use on it, "
+                 f"this process's weights and any other process's, leaves {budget / 2**30:.2f} GiB: free the device, "
+                 "raise mem_fraction_static or set max_total_tokens)")
+    raise ValueError(f"{field} leaves no room for the K/V cache" + where
                      + (f" after the recurrent state of max_running_requests={rows} requests "
                         f"({state_bytes / 2**20:.1f} MiB): raise {field} or lower max_running_requests"
                         if state_bytes else ""))
