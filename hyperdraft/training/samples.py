@@ -46,10 +46,6 @@ class EngineOnDemand:
         self._args = dict(model=model, device=device, dtype=dtype)
         self._llm = None
 
-    @property
-    def started(self) -> bool:
-        return self._llm is not None
-
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self._engine().apply_chat_template(messages)
 

@@ -10,8 +10,9 @@ length, each attending only within itself):
      attention of unroll_attention.py, so every position is also trained as the s-th draft of a chain.
      Step s is valid from position s on, and counts only where t_{i+2} is an answer token.
 Loss: cross-entropy against the soft label (with cfg.hard_label_weight, mixed with cross-entropy against the target's
-argmax: loss.py), step s weighted STEP_DECAY^s, averaged over each sample's positions and then over the batch. Accuracy at step s: the head's argmax
-(as a target id) equals the target's argmax, i.e. greedy acceptance of the s-th draft given the earlier ones.
+argmax: loss.py), step s weighted STEP_DECAY^s, averaged over each sample's positions and then over the batch.
+Accuracy at step s: the head's argmax (as a target id) equals the target's argmax, i.e. greedy acceptance of the s-th
+draft given the earlier ones.
 
 Each prompt is answered once per temperature (cfg.temperatures). validation_fraction of the prompts, with all their
 answers, are held out (plan.split_samples: a seeded shuffle, the same after --resume): never trained on, not counted
