@@ -87,6 +87,25 @@ def results_path(what: str, device: str) -> str:
     return os.path.join(RESULTS_DIR, f"{what}_{device}.md")
 
 
+def write_results(lines: list[str], out: str | None, what: str, device: str) -> str:
+    """A run's report -> the path written. With out (a file, or a directory to hold <what>_<device>.md) it is written
+    there, replacing the file. Without, it is appended to benchmarks/results/<what>_<device>.md: those files keep the
+    earlier sessions' runs, which a run without --out used to overwrite."""
+    default = results_path(what, device)
+    if out is None:
+        had_runs = os.path.isfile(default) and os.path.getsize(default) > 0
+        os.makedirs(os.path.dirname(default), exist_ok=True)
+        with open(default, "a") as f:
+            f.write(("\n" if had_runs else "") + "\n".join(lines) + "\n")
+        return default
+    if os.path.isdir(out):
+        out = os.path.join(out, os.path.basename(default))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return out
+
+
 def device_tag(device="cuda") -> str:
     """The <device> part of a results file's name: cpu, or the GPU's model in lower case (h100, h200, ...)."""
     import torch

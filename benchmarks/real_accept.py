@@ -36,7 +36,7 @@ import statistics
 from typing import NamedTuple
 
 from benchmarks.common import (chat_turns, code_edit_requests, command_line, device_tag, git_commit,
-                               mt_bench_first_turns, mt_bench_per_category, results_path, timed_generate)
+                               mt_bench_first_turns, mt_bench_per_category, timed_generate, write_results)
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.models.default_model import ensure_default_model
@@ -158,8 +158,8 @@ def main() -> None:
     ap.add_argument("--switch", help="a RuntimeOptions switch (e.g. fused_norm_gemv): every row, plain too, also runs "
                                      "with it flipped from its default, as a row of its own named 'ROW [switch]' "
                                      "(against plain with the default)")
-    ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: "
-                                  "benchmarks/results/)")
+    ap.add_argument("--out", help="results file, or a directory for real_accept_<device>.md (default: appended to "
+                                  "benchmarks/results/real_accept_<device>.md)")
     args = ap.parse_args()
     if args.per_category is not None and args.per_category < 1:
         ap.error(f"--per-category must be >= 1, got {args.per_category}")
@@ -203,11 +203,7 @@ def main() -> None:
             if slots:
                 slot_lines += [f"- {name}, the goodput slots at the end:"] + slots
         lines += [""] + slot_lines + ([""] if slot_lines else [])
-    out = args.out or results_path("real_accept", tag)
-    if os.path.isdir(out):
-        out = os.path.join(out, os.path.basename(results_path("real_accept", tag)))
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    out = write_results(lines, args.out, "real_accept", tag)
     print("\n".join(lines))
     print(json.dumps({"written": out}))
 

@@ -22,7 +22,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import command_line, git_commit, results_path, timed_generate
+from benchmarks.common import command_line, git_commit, timed_generate, write_results
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.options import cache_dir
 
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, nargs="+", default=[4], help="draft chain lengths, one row each")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
-    ap.add_argument("--out", default=results_path("coder_pair", "cpu"))
+    ap.add_argument("--out", help="report path (default: appended to benchmarks/results/coder_pair_cpu.md)")
     args = ap.parse_args()
     draft, target = ensure(DRAFT), ensure(TARGET)
     chat = LLM(target, device="cpu", dtype="float32")
@@ -113,8 +113,7 @@ def main() -> None:
         lines.append(f"| 0.5B drafts, chain {steps} | {rate:.2f} | {rate / plain_rate:.2f}x | "
                      f"{state.get('avg_spec_accept_length') or 0:.2f} | {by_pos or '-'} | {same}/{len(ids)} |")
         print(lines[-1], flush=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(lines, args.out, "coder_pair", "cpu")
     print("\n".join(lines))
 
 

@@ -22,7 +22,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, results_path
+from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, write_results
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 from hyperdraft.models.gguf import gguf_config_dict, load_gguf_tokenizer
@@ -97,9 +97,7 @@ def main() -> None:
              f"new tokens each (ignore_eos); seed i for question i; plain decoding: {plain['tok_s']:.1f} tok/s", "",
              "| drafter | verification | acceptance (accepted / drafted) | accept length | tok/s | vs plain | "
              "outputs equal to plain decoding |", "|---|---|---|---|---|---|---|", *rows]
-    out = args.out or results_path("coupled_vs_rejection", "cpu")
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(lines, args.out, "coupled_vs_rejection", "cpu")
     print("\n".join(lines))
 
 

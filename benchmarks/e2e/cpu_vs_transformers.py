@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.common import command_line, cpu_name, git_commit, mt_bench_first_turns, results_path
+from benchmarks.common import command_line, cpu_name, git_commit, mt_bench_first_turns, write_results
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 
@@ -164,7 +164,7 @@ def main() -> None:
                          "what a 1-token decode does, so 3 is the cheapest useful width)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and configuration (the minimum is reported)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=results_path("cpu_vs_transformers", "cpu"), help="report path (default: %(default)s)")
+    ap.add_argument("--out", help="report path (default: appended to benchmarks/results/cpu_vs_transformers_cpu.md)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gguf = args.model or ensure_default_model()
@@ -228,9 +228,7 @@ def write(args, rows: dict[str, Row], loads) -> None:
               f"- d/c (what NGRAM buys hyperdraft at batch 1): {tok_s[names[3]] / tok_s[names[2]]:.2f}x",
               f"- c/a (plain decoding, batch 1): {tok_s[names[2]] / tok_s[names[0]]:.2f}x",
               f"- d16/b (batch 16, which transformers' prompt lookup cannot do): {tok_s[names[5]] / tok_s[names[1]]:.2f}x"]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(lines, args.out, "cpu_vs_transformers", "cpu")
     print("\n".join(lines))
 
 

@@ -11,7 +11,7 @@ import datetime
 import sys
 import time
 
-from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, results_path
+from benchmarks.common import command_line, device_tag, git_commit, mt_bench_first_turns, write_results
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 
@@ -41,9 +41,7 @@ def main() -> None:
              f"- identical token ids: **{same}/80**",
              f"- accept length with NGRAM (8 draft tokens): {results['NGRAM'][2]['avg_spec_accept_length']:.2f}",
              f"- seconds: off {results['off'][1]:.1f}, NGRAM {results['NGRAM'][1]:.1f}"]
-    out = args.out or results_path("mt_bench_lossless", tag)
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(lines, args.out, "mt_bench_lossless", tag)
     print("\n".join(lines))
     sys.exit(0 if same == 80 else 1)
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.common import command_line, cpu_name, git_commit, results_path
+from benchmarks.common import command_line, cpu_name, git_commit, write_results
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.tiny import make_tiny_model
 
@@ -56,8 +56,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10, help="timed runs per batch size; the fastest counts (default: 10)")
     ap.add_argument("--page-size", type=int, default=16, help="KV-cache page size (default: 16)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    ap.add_argument("--out", default=results_path("offline_throughput", "cpu"),
-                    help="markdown report path (default: %(default)s)")
+    ap.add_argument("--out", help="markdown report path (default: appended to "
+                                  "benchmarks/results/offline_throughput_cpu.md)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if args.threads:
@@ -106,10 +106,7 @@ def main() -> None:
     lines += [f"| {b} | {b} | {t} | {s:.3f} | {tps:.1f} | {tps / base:.2f}x |" for b, t, s, tps, _ in rows]
     lines += ["", "All timed runs, seconds: " + "; ".join(f"batch {b}: {', '.join(f'{x:.3f}' for x in runs)}"
                                                        for b, _, _, _, runs in rows) + "."]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_results(lines, args.out, 'offline_throughput', 'cpu')}")
 
 
 if __name__ == "__main__":

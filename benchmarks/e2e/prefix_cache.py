@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import MT_BENCH, command_line, cpu_name, device_tag, git_commit, results_path
+from benchmarks.common import MT_BENCH, command_line, cpu_name, device_tag, git_commit, write_results
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.models.default_model import ensure_default_model
 
@@ -176,9 +176,7 @@ def main() -> None:
     path, qs = ensure_default_model(), questions()
     results = run(path, qs, args)
     lines = report(results["on"], results["off"], args)
-    out = args.out or results_path("prefix_cache", device_tag(args.device))
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(lines, args.out, "prefix_cache", device_tag(args.device))
     print("\n".join(lines))
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from benchmarks.common import command_line, git_commit, results_path
+from benchmarks.common import command_line, git_commit, write_results
 from benchmarks.e2e.serving import LaunchedServer
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -215,9 +215,7 @@ def main() -> None:
               f"- server flags: `{' '.join(flags)}`; {args.rounds} rounds of {args.concurrency} concurrent mixed "
               f"requests (+8 seeded probes), {args.disconnect_fraction:.0%} abandoned by their client after "
               f"0.01-1 s; then the soak", f"- verdict: **{'healthy' if healthy else 'FAILED'}**", ""]
-    out = args.out or results_path("server_soak", args.device)
-    with open(out, "w") as f:
-        f.write("\n".join(header + lines) + "\n")
+    write_results(header + lines, args.out, "server_soak", args.device)
     print("\n".join(header + lines))
     raise SystemExit(0 if healthy else 1)
 

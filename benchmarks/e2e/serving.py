@@ -39,7 +39,7 @@ import httpx
 import numpy as np
 
 from benchmarks.common import (REPO_ROOT, command_line, cpu_name, device_tag, git_commit, mt_bench_first_turns,
-                               results_path)
+                               write_results)
 
 CONFIGS = {
     "none": [],
@@ -331,11 +331,7 @@ def write_report(args, model: str, flags: dict, summaries: dict, texts: dict) ->
         "speculative step can carry several tokens). TPOT: (E2E - TTFT) / (tokens - 1). Accept length: tokens "
         "emitted per request-verify over this run's requests (/server_info).",
     ]
-    args.out = args.out or results_path("serving", tag)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}; outputs identical: {same}")
+    print(f"wrote {write_results(lines, args.out, 'serving', tag)}; outputs identical: {same}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from benchmarks.common import MT_BENCH, command_line, device_tag, git_commit, mt_bench_first_turns, results_path
+from benchmarks.common import MT_BENCH, command_line, device_tag, git_commit, mt_bench_first_turns, write_results
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
@@ -98,9 +98,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7, help="for the greedy-vs-sampled-draft comparison")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per configuration; the fastest is reported")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared machine)")
-    ap.add_argument("--out", help="report path (default: benchmarks/results/spec_offline_<device>.md)")
+    ap.add_argument("--out", help="report path (default: appended to benchmarks/results/spec_offline_<device>.md)")
     args = ap.parse_args()
-    args.out = args.out or results_path("spec_offline", device_tag(args.device))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="hd_bench_")
@@ -177,10 +176,7 @@ def write_report(args, rows, sampled_rows) -> None:
             ph = {k: 1000 * v / r["verifies"] for k, v in r["phases"].items()}
             lines.append(f"| {name} | {ph.get('draft_extend', 0):.2f} ms | {ph.get('draft', 0) - ph.get('draft_extend', 0):.2f} ms | "
                          f"{ph.get('verify', 0):.2f} ms | {ph.get('accept_commit', 0):.2f} ms |")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("wrote", args.out)
+    print("wrote", write_results(lines, args.out, "spec_offline", device_tag(args.device)))
 
 
 if __name__ == "__main__":
