@@ -660,3 +660,21 @@ def test_a_run_whose_answers_are_stored_starts_no_engine(trained, target, prompt
     monkeypatch.setattr(hyperdraft.llm.LLM, "__init__", refuse)
     metrics = train_draft(_config(target, tmp_path, prompts_file, epochs=1, init=trained))
     assert metrics["epoch"] == 1 and os.path.isfile(tmp_path / "model.safetensors")
+
+
+def test_a_head_trained_with_hard_labels_drafts_losslessly(trained, target, prompts_file, tmp_path):
+    """Two more epochs from the trained head with all of the loss on the target's argmax, then EAGLE3 with it: greedy
+    and sampled (seeded) outputs equal speculation off, and the K/V pool is free after."""
+    train_draft(_config(target, tmp_path, prompts_file, epochs=2, init=trained, hard_label_weight=1.0))
+    llm_off = LLM(target, device="cpu", dtype="float32")
+    prompts = [llm_off.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:4]]
+    runs = [SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=24, ignore_eos=True)]
+    want = [[o.token_ids for o in llm_off.generate(input_ids=prompts, sampling_params=p, use_tqdm=False)] for p in runs]
+    llm = LLM(target, device="cpu", dtype="float32", speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=str(tmp_path), speculative_num_steps=3)
+    got = [[o.token_ids for o in llm.generate(input_ids=prompts, sampling_params=p, use_tqdm=False)] for p in runs]
+    assert got[0] == want[0]
+    assert got[1] == want[1]  # seeded sampling is coupled to the target's draws (the default verification)
+    assert llm.get_server_info()["internal_states"][0]["spec_accepted_tokens"] > 0
+    assert_engine_clean(llm)
