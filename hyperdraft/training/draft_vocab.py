@@ -12,6 +12,15 @@ import torch
 class DraftVocab:
     target_ids: torch.Tensor  # [Vd] int64, ascending
 
+    def __post_init__(self):
+        if self.target_ids.numel() > 1 and not bool((self.target_ids[1:] > self.target_ids[:-1]).all()):
+            raise ValueError("the draft vocabulary's target ids must ascend (train-draft's d2t encoding)")
+
+    @classmethod
+    def from_d2t(cls, d2t: torch.Tensor) -> DraftVocab:
+        """The inverse of .d2t: a published head's d2t (target_id = draft_id + d2t[draft_id])."""
+        return cls(torch.arange(d2t.numel()) + d2t.long())
+
     @property
     def d2t(self) -> torch.Tensor:
         return self.target_ids - torch.arange(self.target_ids.numel())

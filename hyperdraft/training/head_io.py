@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from hyperdraft.models.config import ModelConfig
 from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, load_eagle_config
+from hyperdraft.training.draft_vocab import DraftVocab
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -84,7 +85,7 @@ class PublishedHead:
 
     aux_layer_ids: tuple[int, ...]
     intermediate_size: int
-    draft_ids: torch.Tensor  # [Vd] int64, ascending: the target ids its lm_head rows score
+    vocab: DraftVocab  # the target ids its lm_head rows score
     tensors: dict[str, torch.Tensor]  # model.safetensors, as written
 
     def refuse_other(self, aux_layer_ids: tuple[int, ...] | None, intermediate_size: int | None,
@@ -92,7 +93,7 @@ class PublishedHead:
         """What the head fixes must not be asked otherwise (None: not asked)."""
         asked = {"aux_layer_ids": (tuple(sorted(aux_layer_ids)) if aux_layer_ids else None, self.aux_layer_ids),
                  "head_intermediate_size": (intermediate_size, self.intermediate_size),
-                 "draft_vocab_size": (draft_vocab_size, int(self.draft_ids.numel()))}
+                 "draft_vocab_size": (draft_vocab_size, int(self.vocab.target_ids.numel()))}
         for name, (value, own) in asked.items():
             if value is not None and value != own:
                 raise ValueError(f"{name} {list(value) if isinstance(value, tuple) else value} differs from the "
@@ -119,10 +120,9 @@ def read_head(head_dir: str, target: ModelConfig) -> PublishedHead:
         if have != want:
             raise ValueError(f"init: {head_dir} has {name}={have}, the target {want}")
     tensors = load_file(os.path.join(head_dir, "model.safetensors"))
-    d2t = tensors.get("d2t", torch.zeros(target.vocab_size, dtype=torch.int64))  # no d2t: the whole vocabulary
-    draft_ids = torch.arange(d2t.numel()) + d2t.long()
-    if d2t.numel() > 1 and not bool((draft_ids[1:] > draft_ids[:-1]).all()):
-        raise ValueError(f"init: {head_dir}'s d2t does not map draft ids to ascending target ids, as train-draft's "
-                         "draft vocabulary does")
+    try:  # no d2t: the whole vocabulary
+        vocab = DraftVocab.from_d2t(tensors.get("d2t", torch.zeros(target.vocab_size, dtype=torch.int64)))
+    except ValueError as e:
+        raise ValueError(f"init: {head_dir}'s d2t: {e}") from None
     aux_layer_ids = cfg.eagle_aux_hidden_state_layer_ids or default_aux_layer_ids(target.num_layers)
-    return PublishedHead(tuple(aux_layer_ids), cfg.intermediate_size, draft_ids, tensors)
+    return PublishedHead(tuple(aux_layer_ids), cfg.intermediate_size, vocab, tensors)

@@ -158,7 +158,7 @@ def _draft_vocab(cfg: TrainConfig, state: dict | None, init: PublishedHead | Non
     if state:
         return DraftVocab(state["vocab"])
     if init:
-        return DraftVocab(init.draft_ids)
+        return init.vocab
     return frequent_tokens([s.token_ids[s.answer_start:] for s in train], vocab_size,
                            cfg.draft_vocab_size or vocab_size)
 

@@ -678,3 +678,23 @@ def test_a_head_trained_with_hard_labels_drafts_losslessly(trained, target, prom
     assert got[1] == want[1]  # seeded sampling is coupled to the target's draws (the default verification)
     assert llm.get_server_info()["internal_states"][0]["spec_accepted_tokens"] > 0
     assert_engine_clean(llm)
+
+
+def test_init_refuses_a_head_whose_d2t_does_not_ascend(trained, target, prompts_file, tmp_path):
+    """train-draft's draft vocabulary is ascending target ids (its searches rely on it); a published head from
+    elsewhere may order its d2t otherwise, and is refused by name before anything is answered."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    other = tmp_path / "other"
+    shutil.copytree(trained, other)
+    tensors = load_file(str(other / "model.safetensors"))
+    ids = torch.arange(tensors["d2t"].numel()) + tensors["d2t"]
+    ids[[0, 1]] = ids[[1, 0]]  # the same ids, two of them swapped
+    tensors["d2t"] = ids - torch.arange(ids.numel())
+    save_file(tensors, str(other / "model.safetensors"))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"init: .*other's d2t: the draft vocabulary's target ids must ascend"):
+        train_draft(_config(target, out, prompts_file, epochs=1, init=str(other)))
+    assert not out.exists()
