@@ -66,13 +66,12 @@ def measure(target: str, head_dir: str, answers, steps: int, new_tokens: int, gr
     model, head = load_target_and_head(target, head_dir)
     tallies = collections.defaultdict(Tally)
     for (prompt, answer), group in zip(answers, groups):
+        answer = answer[:new_tokens] if stop_at_eos else answer
         ids = prompt + answer
         if stop_at_eos:
-            answer = answer[:new_tokens]
             # The unroll needs real tokens past the answer to run over; the rounds never accept them.
-            drafts = unrolled_drafts(model, head, prompt + answer + [answer[-1]] * (steps + 1), steps)
+            drafts = unrolled_drafts(model, head, ids + [answer[-1]] * (steps + 1), steps)
             rounds = rounds_to_end(drafts, prompt, answer, steps)
-            ids = prompt + answer
         else:
             drafts = unrolled_drafts(model, head, ids, steps)
             rounds = predicted_rounds(drafts, ids, len(prompt), new_tokens)

@@ -16,12 +16,8 @@ import argparse
 import torch
 
 from benchmarks.probes.head_ab import greedy_answers
-from hyperdraft import options
 from hyperdraft.models.default_model import ensure_default_model
-from hyperdraft.models.eagle import target_capture_layers
-from hyperdraft.training.trainer import causal_within, reference_paths
-from hyperdraft.training.unroll_attention import UnrollAttention
-from hyperdraft.training.unroll_rounds import load_target_and_head
+from hyperdraft.training.unroll_rounds import load_target_and_head, unrolled_logits
 
 
 def sampled_overlap(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_ids: torch.Tensor,
@@ -37,14 +33,9 @@ def sampled_overlap(target_logits: torch.Tensor, draft_logits: torch.Tensor, dra
 def first_draft_logits(model, head, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (target logits labelling each head position [len(ids) - 2, V], the head's first-draft logits there
     [len(ids) - 2, Vd]): head position i is fed ids[i + 1] and drafts ids[i + 2], labelled by the target at i + 1."""
-    t = len(ids)
-    tokens, positions = torch.tensor(ids), torch.arange(t)
-    with torch.no_grad(), options.activated(reference_paths()):
-        final, captured = model(tokens, positions, causal_within(1), target_capture_layers(head))
-        labels = model.compute_logits(final)[1:t - 1]
-        hidden = head.project_target_hidden(torch.cat(captured, -1)[: t - 2])
-        out = head(tokens[1:t - 1], positions[: t - 2], hidden, UnrollAttention())
-        return labels, head.compute_draft_logits(out)
+    final, (drafts,) = unrolled_logits(model, head, ids, 1)
+    with torch.no_grad():
+        return model.compute_logits(final[1:len(ids) - 1]), drafts
 
 
 def main() -> None:

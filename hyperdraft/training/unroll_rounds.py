@@ -45,18 +45,25 @@ def load_target_and_head(target: str, head_dir: str, device: str = "cpu",
 def unrolled_drafts(model, head, ids: list[int], steps: int) -> list[list[int]]:
     """-> [steps][len(ids) - 2] target ids: row s, column i is the head's draft after s earlier ones, at head position
     i (fed ids[i + 1]), as the training-time-test unroll computes it."""
+    _, logits = unrolled_logits(model, head, ids, steps)
+    return torch.stack([head.draft_to_target[step.argmax(-1)] for step in logits]).tolist()
+
+
+def unrolled_logits(model, head, ids: list[int], steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """-> (the target's final hidden states [len(ids), H], the head's draft logits [steps][len(ids) - 2, Vd]): step s
+    at head position i (fed ids[i + 1]) drafts ids[i + 2 + s] after s earlier drafts, as the unroll computes it."""
     t, device = len(ids), head.d2t.device
     tokens = torch.tensor(ids, device=device)
     positions = torch.arange(t, device=device)
     with torch.no_grad(), options.activated(reference_paths()):
-        _, captured = model(tokens, positions, causal_within(1), target_capture_layers(head))
+        final, captured = model(tokens, positions, causal_within(1), target_capture_layers(head))
         hidden = head.project_target_hidden(torch.cat(captured, -1)[: t - 2])
-        attention, drafts = UnrollAttention(), []
+        attention, logits = UnrollAttention(), []
         for _ in range(steps):
             out = head(tokens[1:t - 1], positions[: t - 2], hidden, attention)
-            drafts.append(head.draft_to_target[head.compute_draft_logits(out).argmax(-1)])
+            logits.append(head.compute_draft_logits(out))
             hidden = torch.cat([out.new_zeros(1, out.shape[1]), out[:-1]])
-    return torch.stack(drafts).tolist()
+    return final, logits
 
 
 def predicted_rounds(drafts: list[list[int]], ids: list[int], prompt_len: int, new_tokens: int) -> list[int]:
