@@ -3,7 +3,8 @@
 Workload: NGRAM drafts on a tiny "bigram" model (attention outputs zeroed, so greedy text falls into short
 cycles that prompt lookup predicts: cheap drafts, high acceptance). For each batch size it runs every static tier
 (steps 0 = no speculation), the SGLang-compatible EMA policy and the goodput policy, and reports tokens/s as a ratio
-to the best static tier at that batch size. Writes benchmarks/results/adaptive_cpu.md and adaptive_cpu.png.
+to the best static tier at that batch size. Appends its report to benchmarks/results/adaptive_cpu.md and redraws
+adaptive_cpu.png beside it (--out-dir DIR writes both there instead).
 
   python -m benchmarks.e2e.adaptive        # CPU; needs matplotlib for the plot
 """
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, command_line, git_commit
+from benchmarks.common import command_line, git_commit, write_results
 from hyperdraft import LLM, SamplingParams
 from hyperdraft.testing.tiny import make_tiny_model
 
@@ -66,7 +67,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out-dir", default=RESULTS_DIR, help="where adaptive_cpu.md/.png go (default: %(default)s)")
+    ap.add_argument("--out-dir", default=None,
+                    help="a directory for adaptive_cpu.md/.png, replacing them (default: the report is appended to "
+                         "benchmarks/results/adaptive_cpu.md, which keeps earlier runs; the plot is replaced)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp(prefix="hd_adaptive_")
@@ -106,9 +109,8 @@ def write(args, results, configs) -> None:
     for bs in sizes:
         for n in ("EMA", "goodput"):
             lines.append(f"- batch {bs}, {n}: {results[(bs, n)]['tiers']}")
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "adaptive_cpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    out = None if args.out_dir is None else os.path.join(args.out_dir, "adaptive_cpu.md")
+    report = write_results(lines, out, "adaptive", "cpu")
     try:
         import matplotlib
 
@@ -128,8 +130,8 @@ def write(args, results, configs) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out_dir, "adaptive_cpu.png"), dpi=110)
-    print("wrote", args.out_dir)
+    fig.savefig(report[:-len(".md")] + ".png", dpi=110)
+    print("wrote", report)
 
 
 if __name__ == "__main__":
