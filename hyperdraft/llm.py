@@ -82,27 +82,31 @@ class LLM:
     def stream(self, prompts: str | Sequence[str] | None = None,
                sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
                input_ids: Sequence[Sequence[int]] | None = None) -> Iterator[StreamDelta]:
-        """Submit requests and yield per-request increments as steps produce them."""
+        """Submit requests and yield per-request increments as steps produce them.
+
+        Each request's new tokens are read from its own output (what it holds past what was yielded), not from the
+        step's outputs: another stream or a generate() interleaved with this one steps the same engine, and the
+        tokens its steps give these requests must reach these detokenizers too."""
         reqs = self._submit(prompts, sampling_params, input_ids)
-        index = {req.rid: i for i, req in enumerate(reqs)}
-        detoks = {req.rid: self._detokenizer(req) for req in reqs}
-        pending = set(index)
+        detoks = [self._detokenizer(req) for req in reqs]
+        yielded = [0] * len(reqs)  # tokens of each request's output already in a delta
+        live = list(range(len(reqs)))
         try:
             with young_collections_deferred():  # engine/gc_policy.py: the GC's young walks off the step path
-                while pending:
-                    outs = [out for out in self.engine.step() if out.req.rid in pending]
-                    texts = push_all([(detoks[out.req.rid], out.new_token_ids, out.req.finished) for out in outs])
-                    for out, text in zip(outs, texts):
-                        yield self._delta(index[out.req.rid], out.req, out.new_token_ids, text, detoks[out.req.rid])
-                        if out.finished:
-                            pending.discard(out.req.rid)
-                    for rid in [r for r in pending if reqs[index[r]].finished]:  # aborted outside a step
-                        pending.discard(rid)
-                        text = detoks[rid].push([], final=True)
-                        yield self._delta(index[rid], reqs[index[rid]], [], text, detoks[rid])
+                while live:
+                    self.engine.step()
+                    moved = [i for i in live if reqs[i].finished or len(reqs[i].output_ids) > yielded[i]]
+                    pushes = [(detoks[i], reqs[i].output_ids[yielded[i]:], reqs[i].finished) for i in moved]
+                    texts = push_all(pushes)
+                    for i, (_, new_ids, _) in zip(moved, pushes):
+                        yielded[i] += len(new_ids)
+                    done = {i for i, (_, _, final) in zip(moved, pushes) if final}
+                    live = [i for i in live if i not in done]
+                    for i, (_, new_ids, final), text in zip(moved, pushes, texts):
+                        yield self._delta(i, reqs[i], new_ids, text, final, detoks[i])
         finally:
-            for rid in pending:  # the consumer stopped early: do not leave orphans holding KV
-                self.engine.abort(rid)
+            for i in live:  # the consumer stopped early: do not leave orphans holding KV
+                self.engine.abort(reqs[i].rid)
 
     # ---- chat ---------------------------------------------------------------------------------------------------
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
@@ -185,16 +189,17 @@ class LLM:
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, req.params.stop or [], req.params.skip_special_tokens)
 
-    def _delta(self, index: int, req: Request, new_ids: list[int], text: str,
+    def _delta(self, index: int, req: Request, new_ids: list[int], text: str, final: bool,
                detok: IncrementalDetokenizer) -> StreamDelta:
-        """text: what detok's push of new_ids gave (pushed for the whole step at once: detokenizer.push_all)."""
+        """text: what detok's push of new_ids gave (pushed for the whole step at once: detokenizer.push_all); final:
+        whether the request had finished at that push (it may have finished since, in a step of another caller)."""
         output = None
-        if req.finished:
+        if final:
             info = meta_info(req)
             if self.engine.spec is not None and self.engine.spec.simulate_accept_rate is not None:
                 info["simulated_accept_rate"] = self.engine.spec.simulate_accept_rate  # lossy benchmark mode
             output = GenerateOutput(detok.text, list(req.output_ids), req.finish_reason, info)
-        return StreamDelta(index, text, list(new_ids), req.finished, req.finish_reason, output)
+        return StreamDelta(index, text, list(new_ids), final, req.finish_reason if final else None, output)
 
     # ---- server-style introspection -----------------------------------------------------------------------------
     def flush_cache(self) -> bool:

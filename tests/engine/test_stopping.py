@@ -203,3 +203,54 @@ def test_stream_single_prompt_token_by_token(make_llm, llama_path, refs):
     assert "".join(d.text for d in deltas) == refs[3].text
     assert sum(1 for d in deltas if d.text) > 5
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+
+
+def _alternate(streams: list) -> list[tuple[str, list[int], object]]:
+    """Consume the streams one delta at a time in turn -> per stream (its deltas' text, their tokens, the final
+    output); a delta after a stream's finishing delta fails."""
+    got = [["", [], None] for _ in streams]
+    live = list(range(len(streams)))
+    while live:
+        for k in list(live):
+            delta = next(streams[k], None)
+            if delta is None:
+                live.remove(k)
+                continue
+            assert got[k][2] is None, "delta after the finishing delta"
+            got[k][0] += delta.text
+            got[k][1] += delta.token_ids
+            if delta.finished:
+                got[k][2] = delta.output
+    return [tuple(g) for g in got]
+
+
+@pytest.mark.parametrize("spec", [{}, dict(speculative_algorithm="NGRAM", speculative_num_steps=3)],
+                         ids=["plain", "ngram"])
+def test_interleaved_streams_each_get_all_their_text(make_llm, llama_path, refs, spec):
+    """Two streams consumed in turn step one engine: each step advances both streams' requests, and each stream's
+    deltas must still carry every token and character of its own requests (the steps' outputs went to whichever
+    stream ran the step, and the other one lost that text)."""
+    llm = make_llm(llama_path, page_size=4, **spec)
+    stop, _ = _pick_stop_string(refs[1].text, 3)
+    expect = [llm.generate(TEXT_PROMPTS[0], greedy(REF_TOKENS), use_tqdm=False),
+              llm.generate(TEXT_PROMPTS[1], greedy(REF_TOKENS, stop=[stop]), use_tqdm=False)]
+    assert expect[0].token_ids == refs[0].token_ids and expect[1].finish_reason == "stop"
+    got = _alternate([llm.stream(TEXT_PROMPTS[0], greedy(REF_TOKENS)),
+                      llm.stream(TEXT_PROMPTS[1], greedy(REF_TOKENS, stop=[stop]))])
+    for (text, tokens, output), out in zip(got, expect):
+        assert (text, tokens) == (out.text, out.token_ids)
+        assert (output.text, output.token_ids, output.finish_reason) == (out.text, out.token_ids, out.finish_reason)
+
+
+def test_generate_inside_an_open_stream(make_llm, llama_path, refs):
+    """A generate() while a stream is open runs steps that advance the stream's request too."""
+    llm = make_llm(llama_path, page_size=4)
+    stream = llm.stream(TEXT_PROMPTS[2], greedy(REF_TOKENS))
+    first = next(stream)
+    inner = llm.generate(TEXT_PROMPTS[3], greedy(REF_TOKENS), use_tqdm=False)
+    rest = list(stream)
+    assert inner.token_ids == refs[3].token_ids
+    assert first.token_ids + [t for d in rest for t in d.token_ids] == refs[2].token_ids
+    assert first.text + "".join(d.text for d in rest) == refs[2].text
+    assert [d.finished for d in rest] == [False] * (len(rest) - 1) + [True]
+    assert rest[-1].output.text == refs[2].text
