@@ -214,7 +214,7 @@ def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         # top-p acts on the top-k survivors, renormalised: keep the smallest head whose mass reaches top_p.
         kept = sorted_p * keep
         mass_before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)
-        keep &= mass_before < sb.top_p[:, None]
+        keep &= (mass_before < sb.top_p[:, None]) | (rank == 0)  # a top_p below float32's tiny rounds to 0
     if sb.need_min_p:
         keep &= sorted_p >= sb.min_p[:, None] * sorted_p[:, :1]
     filtered = torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)

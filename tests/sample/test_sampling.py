@@ -58,6 +58,13 @@ def test_top_p(top_p, kept):
     _assert_dist(_dist(top_p=top_p), _renorm(P[:kept] + [0.0] * (5 - kept)))
 
 
+@pytest.mark.parametrize("top_p", [1e-30, 1e-50, 5e-324])
+def test_top_p_below_float32_range_keeps_the_top_token(top_p):
+    """top_p is valid in (0, 1], but one below float32's smallest subnormal is 0 in the batch's tensor: no token's
+    preceding mass is below 0, and the empty distribution became 0/0 (every sample token 0)."""
+    _assert_dist(_dist(top_p=top_p), [1.0, 0, 0, 0, 0])
+
+
 @pytest.mark.parametrize("min_p,kept", [(0.3, 3), (0.25, 4), (0.26, 3), (0.76, 1), (0.74, 2), (0.125, 5), (1.0, 1)])
 def test_min_p(min_p, kept):
     """Keep p >= min_p * max p: min_p=0.3 -> threshold 0.12 keeps {0.4, 0.3, 0.15}."""
