@@ -149,10 +149,9 @@ class LLM:
         params = self._params(sampling_params, len(kw))
         # Validate everything before queueing anything, so one bad request leaves the others unsubmitted and intact.
         for k, p in zip(kw, params):
-            p.validate(self.engine.model_config.vocab_size)
             if "input_ids" not in k:
                 k["input_ids"] = self.engine.tokenize(k.pop("prompt"))
-            self.engine._check_prompt(k["input_ids"])
+            self.engine.check_request(p, k["input_ids"])
         return [self.engine.add_request(params=p, **k) for k, p in zip(kw, params)]
 
     @staticmethod

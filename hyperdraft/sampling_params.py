@@ -9,6 +9,12 @@ from dataclasses import dataclass, field, fields
 # they mean greedy.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 REPETITION_PENALTY_RANGE = (0.01, 2.0)  # SGLang's upper bound; the lower one keeps logits / penalty finite
+# Every accepted token of a request with stop strings looks for each of them in the text's tail, on the engine's
+# path and the server's event loop, so their count and length bound a step's cost for everyone in it: one request
+# with 110,000 stop strings held a server's event loop for 45 s. OpenAI allows 4; these leave room for real use.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -55,7 +61,8 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         def check(ok: bool, name: str, allowed: str):
             if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                got = repr(getattr(self, name))
+                raise ValueError(f"{name} must be {allowed}, got {got if len(got) <= 80 else got[:80] + '...'}")
 
         check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1")
         check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
@@ -72,12 +79,17 @@ class SamplingParams:
               <= REPETITION_PENALTY_RANGE[1], "repetition_penalty", "in [%g, %g]" % REPETITION_PENALTY_RANGE)
         check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
               "an integer in [-2**63, 2**63) or None")
-        check(self.stop is None or (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s
-                                                                               for s in self.stop)),
-              "stop", "a non-empty string or a list of them")
-        ids_ok = self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple)) and all(
+        check(self.stop is None or (isinstance(self.stop, (list, tuple)) and len(self.stop) <= MAX_STOP_STRINGS and all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)), "stop",
+              f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, each at most "
+              f"{MAX_STOP_STRING_CHARS} characters")
+        ids_ok = self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple)) and len(
+            self.stop_token_ids) <= MAX_STOP_TOKEN_IDS and all(
             _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in self.stop_token_ids))
-        check(ids_ok, "stop_token_ids", "a list of token ids " + (f"in [0, {vocab_size})" if vocab_size else ">= 0"))
+        check(ids_ok, "stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids "
+              + (f"in [0, {vocab_size})" if vocab_size else ">= 0"))
+        for name in ("ignore_eos", "return_logprob", "skip_special_tokens"):
+            check(isinstance(getattr(self, name), bool), name, "true or false")
 
 
 def _is_int(x) -> bool:

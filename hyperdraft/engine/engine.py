@@ -250,17 +250,24 @@ class Engine:
                     input_ids: list[int] | None = None, rid: str | None = None) -> Request:
         """Validate and queue one request. Bad input raises ValueError and leaves the engine untouched."""
         params = params or SamplingParams()
-        params.validate(self.model_config.vocab_size)
         if input_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             input_ids = self.tokenize(prompt)
-        self._check_prompt(input_ids)
+        self.check_request(params, input_ids)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(rid or f"req-{next(self._rid_counter)}", list(input_ids), params, seed)
         self.scheduler.add(req)
         self.lockstep.record("add", (req.rid, req.prompt_ids, params, seed))
         return req
+
+    def check_request(self, params: SamplingParams, ids: list[int]) -> None:
+        """Raise ValueError, naming the field, for a request this engine cannot serve as asked."""
+        params.validate(self.model_config.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer, which skip_tokenizer_init=True leaves unloaded; "
+                             "stop must be None here (stop_token_ids work without it)")
+        self._check_prompt(ids)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if len(ids) == 0:

@@ -161,8 +161,7 @@ class EngineLoop:
         engine = self.engine
         # Validate every choice before queueing any, so a refused request leaves nothing behind.
         for ids, params in zip(sub.input_ids, sub.params):
-            params.validate(engine.model_config.vocab_size)
-            engine._check_prompt(ids)
+            engine.check_request(params, ids)
         self._check_queue(len(sub.input_ids))
         added: list[Request] = []
         try:

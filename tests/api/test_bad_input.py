@@ -10,6 +10,7 @@ import pytest
 
 from conftest import VOCAB_SIZE, generate_ids, greedy, hf_greedy, random_prompts, run_until_done
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from hyperdraft.models.config import SUPPORTED_ARCHITECTURES
 
 CONTEXT = 64
@@ -48,6 +49,18 @@ BAD_REQUESTS = {
     "stop-not-a-string": (dict(input_ids=[[1, 2]]), dict(stop=5), r"^stop must be a non-empty string or a list"),
     "stop-token-ids-not-a-list": (dict(input_ids=[[1, 2]]), dict(stop_token_ids=3), r"^stop_token_ids must be a list"),
     "seed-not-int": (dict(input_ids=[[1, 2]]), dict(seed="7"), r"seed"),
+    # a stop list's count and lengths bound what every token costs the step (110,000 strings held a server 45 s)
+    "stop-too-many": (dict(input_ids=[[1, 2]]), dict(stop=["ab"] * (MAX_STOP_STRINGS + 1)),
+                      rf"^stop must be .* at most {MAX_STOP_STRINGS} of them, .*, got \['ab', .*\.\.\.$"),
+    "stop-too-long": (dict(input_ids=[[1, 2]]), dict(stop=["x" * (MAX_STOP_STRING_CHARS + 1)]),
+                      rf"^stop must be a non-empty string .* each at most {MAX_STOP_STRING_CHARS} characters"),
+    "stop-token-ids-too-many": (dict(input_ids=[[1, 2]]), dict(stop_token_ids=[3] * (MAX_STOP_TOKEN_IDS + 1)),
+                                rf"^stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids"),
+    # the flags were taken by truthiness, and a None skip_special_tokens failed the whole step in the stop check
+    "skip-special-tokens-none": (dict(input_ids=[[1, 2]]), dict(stop=["zz"], skip_special_tokens=None),
+                                 r"^skip_special_tokens must be true or false, got None"),
+    "ignore-eos-string": (dict(input_ids=[[1, 2]]), dict(ignore_eos="false"), r"^ignore_eos must be true or false"),
+    "return-logprob-string": (dict(input_ids=[[1, 2]]), dict(return_logprob="no"), r"^return_logprob must be true"),
     "prompt-at-context": (dict(input_ids=[[1] * CONTEXT]), {}, r"context_length"),
     "prompt-over-context": (dict(input_ids=[[3] * (CONTEXT + 37)]), {}, r"context_length"),
     "text-prompt-over-context": (dict(prompts=["The quick brown fox jumps over the lazy dog. " * 20]), {},
@@ -103,6 +116,17 @@ def test_bad_request_via_add_request(llama_path, make_llm, good_ref, case):
     with pytest.raises(ValueError, match=field):
         llm.engine.add_request(params=SamplingParams(**params), **arg)
     assert len(llm.engine.scheduler.waiting) + len(llm.engine.scheduler.running) == in_engine
+    _finish_good(llm, reqs, good_ref)
+
+
+def test_stop_strings_without_a_tokenizer(llama_path, make_llm, good_ref):
+    """With skip_tokenizer_init there is no text to look for stop strings in: they were accepted and ignored."""
+    llm = make_llm(llama_path, page_size=4, skip_tokenizer_init=True)
+    reqs = _start_good(llm)
+    with pytest.raises(ValueError, match=r"^stop strings need the tokenizer.*stop must be None"):
+        llm.engine.add_request(input_ids=[1, 2], params=greedy(N, stop=["de"]))
+    with pytest.raises(ValueError, match=r"^stop strings need the tokenizer"):
+        llm.generate(input_ids=[GOOD[0], [1, 2]], sampling_params=[greedy(N), greedy(N, stop=["de"])], use_tqdm=False)
     _finish_good(llm, reqs, good_ref)
 
 
