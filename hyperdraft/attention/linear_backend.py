@@ -105,6 +105,12 @@ class TorchLinearBackend:
             parent = torch.tensor([plan.parents[b][j] for b in reqs], device=device)
             target = torch.tensor([plan.targets[b][j] for b in reqs], device=device)
             conv_state, state = pool.conv[layer, slots], pool.recurrent[layer, slots].float()
+            if j == 0 and any(plan.fresh[b] and plan.targets[b][0] < 0 for b in reqs):
+                # a first chunk routed here (a graph-shaped batch) starts from zeros, not from what the slot's last
+                # occupant left: the rule of _advance, the walk kernels and walk_reference
+                fresh = torch.tensor([plan.fresh[b] and plan.targets[b][0] < 0 for b in reqs], device=device)
+                conv_state = torch.where(fresh[:, None, None], 0, conv_state)
+                state = torch.where(fresh[:, None, None, None], 0, state)
             if any(plan.parents[b][j] >= 0 for b in reqs):  # (a plain engine's decodes may have no scratch at all)
                 from_scratch = (parent >= 0)[:, None, None]
                 conv_state = torch.where(from_scratch, pool.conv_scratch[layer, slots, parent.clamp_min(0)], conv_state)

@@ -149,6 +149,22 @@ def test_decode_ahead_on_a_hybrid_target_changes_nothing(hybrid_models, llm_fact
     assert run(RuntimeOptions())[1] == outs
 
 
+@pytest.mark.parametrize("prompts", [[[1], [11]], [[1, 2, 3], [11], [5]]])
+def test_a_one_token_prompt_in_a_reused_state_slot_starts_from_zeros(hybrid_models, llm_factory, prompts):
+    """With graphs, a one-token first chunk takes the graph-shaped (speculative) path of the torch state backend,
+    which read the slot's states without the first-chunk rule: the request started from what the slot's previous
+    occupant left (one running request at a time, so each reuses the slot the one before freed)."""
+    from hyperdraft.options import RuntimeOptions
+
+    def run(batch: list[list[int]], options: RuntimeOptions) -> list[list[int]]:
+        llm = llm_factory(hybrid_models["target"], max_running_requests=1, runtime_options=options)
+        return [o.token_ids for o in gen(llm, batch, [greedy(12)] * len(batch))]
+
+    eager = run(prompts, RuntimeOptions())
+    assert run(prompts, RuntimeOptions(emulate_cuda_graphs=True)) == eager
+    assert [run([p], RuntimeOptions(emulate_cuda_graphs=True))[0] for p in prompts] == eager
+
+
 def test_retraction_with_speculation_under_a_small_pool(hybrid_models, llm_factory, reference, monkeypatch):
     """A pool too small for the batch: retracted requests lose their rows and state slots mid-speculation, come back
     and recompute; every accept length keeps occurring and the output stays that of speculation off."""
