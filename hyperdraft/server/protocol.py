@@ -159,6 +159,13 @@ class ResponseFormat(_Model):
     type: str
 
 
+# apply_chat_template's own arguments, which the server sets: from chat_template_kwargs they clashed with its call
+# ("got multiple values") or changed what it returns, and the error blamed the messages
+SERVER_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
+                                       "continue_final_message", "return_dict", "return_tensors", "padding",
+                                       "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: JsonInt | None = Field(None, ge=1)
@@ -181,6 +188,12 @@ class ChatCompletionRequest(_Sampling):
             raise unsupported("tools")
         if self.response_format is not None and self.response_format.type != "text":
             raise unsupported("response_format", "response_format must be {\"type\": \"text\"}")
+        clash = sorted(SERVER_TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or {}))
+        if clash:
+            raise APIError(400, f"chat_template_kwargs must not set {clash}: the server sets "
+                                f"{sorted(SERVER_TEMPLATE_ARGUMENTS)} itself (the template's own variables, such as "
+                                "enable_thinking, and chat_template are allowed)", "chat_template_kwargs",
+                           "invalid_value")
 
     def client_chat_template(self) -> str | None:
         """A template the client sent instead of the model's, or None."""

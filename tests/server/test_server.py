@@ -301,6 +301,8 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
     (b'{"prompt": "a", "temperature": Infinity}', 400, "temperature", "invalid_value"),
     (b'{"prompt": "a", "repetition_penalty": Infinity}', 400, "repetition_penalty", "invalid_value"),
     (b'{"prompt": "a", "top_p": NaN}', 400, "top_p", "invalid_value"),
+    ({"prompt": "a", "stop": ["zq"] * 65}, 400, "stop", "invalid_value"),  # 110,000 held the event loop 45 s
+    ({"prompt": "a", "stop": "z" * 257}, 400, "stop", "invalid_value"),
 ]
 BAD_CHATS = [
     ({"messages": []}, 400, "messages", "invalid_value"),
@@ -312,6 +314,11 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, 400, "top_logprobs",
      "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "hi " * 4000}]}, 400, "messages", "context_length_exceeded"),
+    # were blamed on messages ("got multiple values for keyword argument 'tokenize'")
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}}, 400,
+     "chat_template_kwargs", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": False}},
+     400, "chat_template_kwargs", "invalid_value"),
 ]
 
 
