@@ -98,6 +98,9 @@ class _Sampling(_Model):
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
         if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
             raise APIError(400, "stop strings must be non-empty", "stop", "invalid_value")
+        if self.seed is not None and self.seed + self.num_choices - 1 >= 2**63:  # choice i samples with seed + i
+            raise APIError(400, f"seed must be below 2**63 - {self.num_choices - 1} with n = {self.num_choices} "
+                                f"(choice i uses seed + i), got {self.seed}", "seed", "invalid_value")
 
 
 class CompletionRequest(_Sampling):

@@ -336,6 +336,14 @@ def test_bad_input_gets_an_openai_error_naming_the_field(server, path, case):
     assert error["type"] == "invalid_request_error"
 
 
+def test_a_seed_too_large_for_n_choices_names_the_value_sent(server):
+    """Choice i samples with seed + i; the error named seed + 1 = 2**63, a value the client never sent."""
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "seed": 2**63 - 1, "n": 2}, headers=AUTH,
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    assert str(2**63) not in r.json()["error"]["message"] and f"got {2**63 - 1}" in r.json()["error"]["message"]
+
+
 def test_no_filesystem_path_leaves_the_server(server, client, chat_model):
     """The model is named by its base name (--served-model-name overrides it); the directory never appears."""
     assert [m.id for m in client.models.list().data] == [served_name(chat_model)]
