@@ -28,6 +28,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = list(stop)
+        # stop string -> {character: the n where s[n - 1] is that character, longest first}, for n < len(s): a suffix
+        # of the text that is a proper prefix s[:n] ends with s[n - 1], so only those n are worth testing
+        self._prefix_ends = [(s, _ends_by_char(s)) for s in dict.fromkeys(self.stop)]
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.decoded = ""  # the text of ids[:read]
@@ -80,12 +83,23 @@ class IncrementalDetokenizer:
     def _partial_stop_len(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of some stop string."""
         best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
+        if not text:
+            return best
+        for s, ends in self._prefix_ends:
+            for n in ends.get(text[-1], ()):
+                if n <= best:
+                    break
+                if n <= len(text) and text.endswith(s[:n]):
                     best = n
                     break
         return best
+
+
+def _ends_by_char(s: str) -> dict[str, list[int]]:
+    ends: dict[str, list[int]] = {}
+    for n in range(len(s) - 1, 0, -1):
+        ends.setdefault(s[n - 1], []).append(n)
+    return ends
 
 
 def push_all(pushes: list[tuple[IncrementalDetokenizer, list[int], bool]]) -> list[str]:

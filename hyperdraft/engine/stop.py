@@ -7,6 +7,7 @@ check() after each, without the per-token loop unless stop strings need the deco
 
 from __future__ import annotations
 
+from hyperdraft.detokenizer import decode_many
 from hyperdraft.request import Request
 
 
@@ -67,7 +68,7 @@ class StopChecker:
     def _hit_stop_string(self, req: Request) -> bool:
         # A stop string of L characters spans at most 4L bytes, hence at most 4L byte-level tokens.
         window = 4 * max(len(s) for s in req.params.stop) + 2
-        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=req.params.skip_special_tokens)
+        tail = decode_many(self.tokenizer, [req.output_ids[-window:]], req.params.skip_special_tokens)[0]
         for s in req.params.stop:
             if s in tail:
                 req.stop_str_hit = s

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from hyperdraft.detokenizer import IncrementalDetokenizer
@@ -196,3 +198,28 @@ def test_decode_many_equals_decode(tok):
 
     for skip in (True, False):
         assert decode_many(tok, seqs, skip) == [tok.decode(s, skip_special_tokens=skip) for s in seqs]
+
+
+def _longest_partial_stop(text: str, stop: list[str]) -> int:
+    return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_exactly_the_longest_partial_stop_is_held_back(tok, seed):
+    """Random stop lists over a four-character alphabet (overlapping prefixes, repeats, one string the prefix of
+    another): after every token, what is held back is exactly the longest end of the text that a stop string could
+    still grow from, never more (the skipped candidates of the scan) and never less."""
+    rng = random.Random(seed)
+    pick = lambda n: "".join(rng.choice("ab c") for _ in range(n))  # noqa: E731
+    for _ in range(25):
+        stop = [pick(rng.randint(1, 7)) for _ in range(rng.randint(1, 5))]
+        text = pick(48)
+        ids = tok.encode(text)
+        detok, emitted = IncrementalDetokenizer(tok, stop), ""
+        for n in range(len(ids)):
+            emitted += detok.push(ids[n:n + 1])
+            so_far = tok.decode(ids[:n + 1])
+            if any(s in so_far for s in stop):
+                break
+            assert so_far.startswith(emitted)
+            assert len(so_far) - len(emitted) == _longest_partial_stop(so_far, stop), (stop, so_far, emitted)
