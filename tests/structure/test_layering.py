@@ -38,7 +38,8 @@ LAYERS: list[set[str]] = [
     {"speculative.proposers", "speculative.verify"},
     {"speculative.verify_ahead"},
     {"speculative.worker"},
-    {"engine", "detokenizer"},
+    {"detokenizer"},  # the engine's stop check decodes through its decode_many
+    {"engine"},
     {"llm"},
     {"demo", "server", "training", "testing"},
     {"cli"},
