@@ -105,7 +105,10 @@ def eagle_config_from_dict(raw: dict) -> EagleConfig:
         target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)
         raw_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids",
                                                       raw.get("eagle_aux_hidden_state_layer_ids"))
-        ids = None if raw_ids is None else tuple(int(i) for i in raw_ids)
+        if raw_ids is not None and not (isinstance(raw_ids, list) and all(type(i) is int for i in raw_ids)):
+            raise ValueError(f"eagle_config.eagle_aux_hidden_state_layer_ids must be a list of layer indices, got "
+                             f"{raw_ids!r}")
+        ids = None if raw_ids is None else tuple(raw_ids)
         if not 0 < draft_vocab <= vocab:
             raise ValueError(f"draft_vocab_size={draft_vocab} must lie in [1, vocab_size={vocab}]")
     return EagleConfig(arch, kind, layer, vocab, draft_vocab, target_hidden, ids, bool(raw.get("bias", kind == "eagle")))

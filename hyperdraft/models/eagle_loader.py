@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 
 import torch
@@ -18,6 +19,8 @@ from hyperdraft.models.eagle import (Eagle3Head, EagleConfig, EagleHead, default
                                      load_eagle_config)
 from hyperdraft.models.loader import DTYPES
 from hyperdraft.models.tensor_parallel import rank_config, rank_part, split_problem
+
+logger = logging.getLogger(__name__)
 
 
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
@@ -123,13 +126,20 @@ def _fill_state(head: EagleHead | Eagle3Head, path: str, cfg: EagleConfig, weigh
             if tensor.shape != state[name].shape:
                 raise ValueError(f"draft weight {name} has shape {tuple(tensor.shape)}, the head expects {tuple(state[name].shape)}")
             state[name].copy_(tensor)
+        if cfg.kind == "eagle3" and "d2t" in weights and "t2d" not in weights:  # SGLang reads d2t alone
+            targets = torch.arange(cfg.draft_vocab_size) + weights["d2t"].to(torch.int64)
+            state["t2d"].zero_()  # finish_loading refuses a d2t that maps outside the vocabulary
+            state["t2d"][targets.clamp(0, cfg.vocab_size - 1)] = True
 
 
 def _check_weight_names(path: str, cfg, state: dict, weights: dict) -> None:
-    optional = {"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set()
+    """Every weight the head needs is there; others are skipped with a warning, as SGLang skips them (t2d follows
+    from d2t, so a checkpoint may ship d2t alone)."""
+    optional = {"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else {"t2d"} if "d2t" in weights else set()
     unexpected = sorted(n for n in weights if n not in state and not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
-        raise ValueError(f"draft checkpoint {path!r} has weights the {cfg.architecture} layout lacks: {unexpected[:5]}")
+        logger.warning("draft checkpoint %r: skipping %d weight(s) the %s layout does not use: %s", path,
+                       len(unexpected), cfg.architecture, unexpected[:5])
     missing = sorted(set(state) - set(weights) - optional)
     if missing:
         raise ValueError(f"draft checkpoint {path!r} lacks weights: {missing[:5]}")

@@ -285,6 +285,9 @@ def test_bad_d2t_and_t2d_are_rejected(tmp_path, target_path, target):
     ("eagle3", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 2, 3]}}, r"eagle_aux_hidden_state_layer_ids"),
     ("eagle3", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}, r"eagle_aux_hidden_state_layer_ids.*exactly 3"),
     ("eagle3", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 2]}}, r"exactly 3 distinct"),
+    # int() of the string's characters failed without naming the field
+    ("eagle3", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": "1,2,3"}},
+     r"eagle_config.eagle_aux_hidden_state_layer_ids must be a list of layer indices, got '1,2,3'"),
     ("eagle3", {"architectures": ["MistralForCausalLM"]}, r"'MistralForCausalLM'.*LlamaForCausalLMEagle, .*LlamaForCausalLMEagle3"),
     ("eagle3", {"architectures": None}, r"draft architecture None"),
     ("eagle3", {"num_hidden_layers": 2}, r"num_hidden_layers=2"),
@@ -296,14 +299,33 @@ def test_bad_checkpoint_errors_name_the_field(tmp_path, target_path, target, kin
         load_eagle_head(path, target)
 
 
+def test_weights_the_layout_does_not_use_are_skipped_with_a_warning(tmp_path, target_path, target, caplog):
+    """As SGLang's loader skips them; the head is what the checkpoint without them gives."""
+    path = write(tmp_path, target_path, "b", kind="eagle")
+    clean = load_eagle_head(path, target)
+    edit_weights(path, add={"layers.0.input_layernorm.weight": torch.ones(64)})  # EAGLE-1 layer 0 has none
+    with caplog.at_level("WARNING"):
+        head = load_eagle_head(path, target)
+    assert "layers.0.input_layernorm.weight" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(clean.state_dict().values(), head.state_dict().values()))
+
+
+def test_an_eagle3_checkpoint_may_ship_d2t_without_t2d(tmp_path, target_path, target):
+    """SGLang reads d2t alone (t2d follows from it); the loader refused such checkpoints for lacking t2d."""
+    path = write(tmp_path, target_path, "a", kind="eagle3", draft_vocab_size=DRAFT_V)
+    full = load_eagle_head(path, target)
+    edit_weights(path, drop=("t2d",))
+    head = load_eagle_head(path, target)
+    assert torch.equal(head.t2d, full.t2d) and torch.equal(head.draft_to_target, full.draft_to_target)
+    edit_weights(path, add={"d2t": full.d2t + target.config.vocab_size})  # maps outside the vocabulary
+    with pytest.raises(ValueError, match="d2t maps draft ids outside"):
+        load_eagle_head(path, target)
+
+
 def test_missing_unexpected_and_misshapen_weights(tmp_path, target_path, target):
     path = write(tmp_path, target_path, "a", kind="eagle3", draft_vocab_size=DRAFT_V)
     edit_weights(path, drop=("midlayer.hidden_norm.weight",))
     with pytest.raises(ValueError, match="lacks weights.*midlayer.hidden_norm.weight"):
-        load_eagle_head(path, target)
-    path = write(tmp_path, target_path, "b", kind="eagle")
-    edit_weights(path, add={"layers.0.input_layernorm.weight": torch.ones(64)})  # EAGLE-1 layer 0 has none
-    with pytest.raises(ValueError, match="layers.0.input_layernorm.weight"):
         load_eagle_head(path, target)
     path = write(tmp_path, target_path, "c", kind="eagle3", draft_vocab_size=DRAFT_V)
     edit_weights(path, drop=("lm_head.weight",))  # a reduced vocabulary cannot borrow the target's lm_head

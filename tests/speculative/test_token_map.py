@@ -71,6 +71,22 @@ def test_eagle_head_with_a_token_map_equals_spec_off(llm_factory, tmp_path):
         assert [o.token_ids for o in gen(llm, prompts, params)] == ref
 
 
+def test_an_eagle3_head_ignores_a_token_map_as_sglang_does(llm_factory, tmp_path, caplog):
+    """SGLang warns that an EAGLE3 head already has a draft vocabulary and goes on without the map; refusing the
+    pair (as hyperdraft did) broke command lines that run on SGLang."""
+    target = make_tiny_model(str(tmp_path / "target"), "llama", num_hidden_layers=4)
+    head = write_random_eagle_checkpoint(str(tmp_path / "e3"), target, kind="eagle3", draft_vocab_size=VOCAB // 2)
+    prompts, params = mixed_prompts(4, seed=7, max_len=40), [greedy(12)] * 4
+    ref = [o.token_ids for o in gen(llm_factory(target), prompts, params)]
+    token_map = _write_map(tmp_path / "map", range(10))
+    with caplog.at_level("WARNING"):
+        llm = llm_factory(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                          speculative_token_map=token_map, speculative_num_steps=3)
+    assert "speculative_token_map" in caplog.text and "ignored" in caplog.text
+    assert llm.engine.spec.token_map is None
+    assert [o.token_ids for o in gen(llm, prompts, params)] == ref
+
+
 def test_the_map_decides_which_tokens_are_drafted(llm_factory, tmp_path):
     """A pass-through MTP drafts a bigram target perfectly. With a map of every token it still does, and a tree
     accepts exactly what it accepts without a map (the same rows in the same order), so the copied lm_head rows and
@@ -152,6 +168,3 @@ def test_token_map_errors_name_the_field(hybrid_models, tmp_path):
     token_map = _write_map(tmp_path / "ok", range(10))
     with pytest.raises(ValueError, match="speculative_token_map is for EAGLE, NEXTN and MTP.*NGRAM"):
         LLM(hybrid_models["with_mtp"], device="cpu", speculative_algorithm="NGRAM", speculative_token_map=token_map)
-    with pytest.raises(ValueError, match="EAGLE3 head carries its own draft vocabulary"):
-        LLM(hybrid_models["with_mtp"], device="cpu", speculative_algorithm="EAGLE3", speculative_token_map=token_map,
-            speculative_draft_model_path=hybrid_models["with_mtp"])
