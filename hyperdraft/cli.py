@@ -13,6 +13,8 @@ import json
 import sys
 from dataclasses import MISSING, asdict, fields
 
+from safetensors import SafetensorError
+
 from hyperdraft import __version__
 from hyperdraft.config import add_engine_args, engine_args_from_namespace
 from hyperdraft.models.default_model import DefaultModelUnavailable, ensure_default_model
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. piped into `head`
         sys.stdout = None
         return 1
-    except (ValueError, OSError, DefaultModelUnavailable) as e:
+    except (ValueError, OSError, SafetensorError, DefaultModelUnavailable) as e:  # a cut-short weights file too
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"hyperdraft: error: {message}", file=sys.stderr)
         return 2

@@ -10,14 +10,13 @@ import logging
 import os
 
 import torch
-from safetensors.torch import load_file
 
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.cpu_linear import fuse_projections
 from hyperdraft.models.decoder import DecoderLM
 from hyperdraft.models.eagle import (Eagle3Head, EagleConfig, EagleHead, default_aux_layer_ids,
                                      load_eagle_config)
-from hyperdraft.models.loader import DTYPES
+from hyperdraft.models.loader import DTYPES, read_safetensors
 from hyperdraft.models.tensor_parallel import rank_config, rank_part, split_problem
 
 logger = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"draft model path {path!r} has no *.safetensors or pytorch_model*.bin weights")
     weights = {}
     for f in files or bins:
-        weights.update(load_file(f) if files else torch.load(f, map_location="cpu", weights_only=True))
+        weights.update(read_safetensors(f) if files else torch.load(f, map_location="cpu", weights_only=True))
     return {n[len("model."):] if n.startswith("model.") else n: t for n, t in weights.items()}
 
 

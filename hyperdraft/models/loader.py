@@ -8,7 +8,8 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.models.config import ModelConfig, load_model_config
@@ -42,6 +43,15 @@ def safetensors_files(model_path: str) -> list[str]:
     if not files:
         raise ValueError(f"model path {model_path!r} has no *.safetensors weights")
     return files
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a file that is not one (cut short by a killed write, say) is a ValueError that
+    names it, where the reader's own error named no file and escaped the CLI as a traceback."""
+    try:
+        return load_file(path)
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
 
 
 def checkpoint_name(name: str) -> str:

@@ -13,10 +13,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from hyperdraft.models.config import ModelConfig
 from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, load_eagle_config
+from hyperdraft.models.loader import read_safetensors
 from hyperdraft.training.draft_vocab import DraftVocab
 
 CHECKPOINT = "checkpoint.pt"
@@ -55,13 +56,23 @@ def _rope_scaling(target: ModelConfig) -> dict | None:
 
 
 def save_head(out_dir: str, config: dict, head: torch.nn.Module, dtype: torch.dtype) -> None:
-    """config.json + model.safetensors; floating tensors stored as dtype (the target's)."""
+    """config.json + model.safetensors; floating tensors stored as dtype (the target's). Each file is written aside
+    and renamed, so a run killed while publishing leaves the head published before (the weights were rewritten in
+    place, and a kill left a truncated file where a usable head had been); a head whose weights are not finite (the
+    training diverged) is refused, not published."""
     os.makedirs(out_dir, exist_ok=True)
     tensors = {name: (t.to(dtype) if t.is_floating_point() else t).detach().contiguous().cpu()
                for name, t in head.state_dict().items()}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    diverged = sorted(n for n, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all()))
+    if diverged:
+        raise ValueError(f"training diverged: the head's {diverged[:3]} hold NaN or inf, so it is not published "
+                         "(lower --lr)")
+    weights, config_path = os.path.join(out_dir, "model.safetensors"), os.path.join(out_dir, "config.json")
+    save_file(tensors, weights + ".partial")
+    with open(config_path + ".partial", "w") as f:
         json.dump(config, f, indent=2)
+    os.replace(weights + ".partial", weights)  # a run's config is the same every epoch: the weights decide
+    os.replace(config_path + ".partial", config_path)
 
 
 def save_checkpoint(out_dir: str, state: dict) -> None:
@@ -76,7 +87,10 @@ def load_checkpoint(out_dir: str) -> dict:
     path = os.path.join(out_dir, CHECKPOINT)
     if not os.path.isfile(path):
         raise ValueError(f"--resume: {path} does not exist (train without --resume first)")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError) as e:  # cut short: torch's own message names no file
+        raise ValueError(f"--resume: {path} cannot be read ({e}); remove it to train from the start") from None
 
 
 @dataclass(frozen=True)
@@ -119,10 +133,13 @@ def read_head(head_dir: str, target: ModelConfig) -> PublishedHead:
                              ("vocab_size", cfg.vocab_size, target.vocab_size)):
         if have != want:
             raise ValueError(f"init: {head_dir} has {name}={have}, the target {want}")
-    tensors = load_file(os.path.join(head_dir, "model.safetensors"))
+    tensors = read_safetensors(os.path.join(head_dir, "model.safetensors"))
     try:  # no d2t: the whole vocabulary
         vocab = DraftVocab.from_d2t(tensors.get("d2t", torch.zeros(target.vocab_size, dtype=torch.int64)))
     except ValueError as e:
         raise ValueError(f"init: {head_dir}'s d2t: {e}") from None
     aux_layer_ids = cfg.eagle_aux_hidden_state_layer_ids or default_aux_layer_ids(target.num_layers)
+    if not all(0 <= i < target.num_layers for i in aux_layer_ids):  # it failed at the first batch, naming a shape
+        raise ValueError(f"init: {head_dir} reads target layers {list(aux_layer_ids)}; the target has "
+                         f"num_layers={target.num_layers}")
     return PublishedHead(tuple(aux_layer_ids), cfg.intermediate_size, vocab, tensors)

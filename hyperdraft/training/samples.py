@@ -8,13 +8,20 @@ refused.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 from hyperdraft.sampling_params import SamplingParams
+from hyperdraft.training.evaluation_set import MT_BENCH_FINGERPRINTS, fingerprint
 
-# Where the MT-bench questions live beside a checkout (shared/data), checked against training prompts.
-MT_BENCH_CANDIDATES = ("shared/data/mt_bench_questions.jsonl", "../shared/data/mt_bench_questions.jsonl")
+logger = logging.getLogger(__name__)
+
+_CHECKOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+# Where the MT-bench questions live beside a checkout (shared/data): with them, a training prompt that contains a
+# question is refused too (the fingerprints catch a question alone, however spaced or capitalised).
+MT_BENCH_CANDIDATES = tuple(os.path.normpath(os.path.join(_CHECKOUT, up, "shared", "data", "mt_bench_questions.jsonl"))
+                            for up in (".", ".."))
 # What the target is asked to write, in turn: kinds of requests a chat assistant gets (writing, roleplay, reasoning,
 # math, coding, extraction, science, humanities, and plain questions). A head trained only on ShareGPT's questions
 # agreed with the target 0.11 less on MT-bench's instruction-style requests than on held-out ShareGPT ones, although
@@ -68,53 +75,79 @@ def load_prompts(path: str) -> list[str]:
     """One prompt per JSONL line: {"prompt": ...}, ShareGPT's {"conversations": [{"from": "human", "value": ...}]}
     (its first human turn), {"turns": [...]} (the first), or {"text": ...}."""
     prompts = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
+    with open(path, encoding="utf-8", errors="strict") as f:
+        for number, line in enumerate(_lines(path, f), 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            prompt = _prompt_of(row)
+            try:
+                prompt = _prompt_of(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not a JSON line ({e.msg})") from None
             if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError(f"{path}:{number}: no prompt (expected a 'prompt', 'conversations', 'turns' or "
-                                 "'text' field)")
+                raise ValueError(f"{path}:{number}: no prompt (expected an object with a 'prompt' or 'text' string, "
+                                 "'conversations' (a list of {'from', 'value'}) or 'turns' (a list of strings))")
             prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
     return prompts
 
 
-def _prompt_of(row: dict):
+def _lines(path: str, f):
+    try:
+        yield from f
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
+
+
+def _prompt_of(row):
+    """A row's prompt, or None where the row has none of the shapes load_prompts reads (a bare string, a 'turns'
+    string, whose first character was taken as the prompt, and the like)."""
+    if not isinstance(row, dict):
+        return None
     if "prompt" in row:
         return row["prompt"]
-    if "conversations" in row:
-        return next((t.get("value") for t in row["conversations"] if t.get("from") in ("human", "user")), None)
+    turns = row.get("conversations")
+    if turns is not None:
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            return None
+        return next((t.get("value") for t in turns if t.get("from") in ("human", "user")), None)
     if "turns" in row:
-        return (row["turns"] or [None])[0]
+        return row["turns"][0] if isinstance(row["turns"], list) and row["turns"] else None
     return row.get("text")
 
 
-def refuse_evaluation_prompts(prompts: list[str], candidates: tuple[str, ...] = MT_BENCH_CANDIDATES) -> None:
-    """Raise if any prompt is an MT-bench first turn (when the questions file is found)."""
+def refuse_evaluation_prompts(prompts: list[str], candidates: tuple[str, ...] = MT_BENCH_CANDIDATES,
+                              fingerprints: frozenset[str] = MT_BENCH_FINGERPRINTS) -> None:
+    """Raise if any prompt is an MT-bench question (any turn; evaluation_set.py), or, where the questions file is
+    found, contains one."""
+    leaked = [p for p in prompts if fingerprint(p) in fingerprints]
     path = next((p for p in candidates if os.path.isfile(p)), None)
-    if path is None:
-        return
-    with open(path) as f:
-        evaluation = {json.loads(line)["turns"][0].strip() for line in f if line.strip()}
-    leaked = [p for p in prompts if p.strip() in evaluation]
+    if path is not None and not leaked:
+        with open(path) as f:
+            questions = [" ".join(t.casefold().split()) for line in f if line.strip() for t in json.loads(line)["turns"]]
+        leaked = [p for p in prompts if any(q in " ".join(p.casefold().split()) for q in questions)]
     if leaked:
-        raise ValueError(f"{len(leaked)} training prompts are MT-bench questions (the evaluation set), e.g. "
-                         f"{leaked[0][:60]!r}: train on other prompts")
+        raise ValueError(f"{len(leaked)} training prompts are or contain MT-bench questions (the evaluation set), "
+                         f"e.g. {leaked[0][:60]!r}: train on other prompts")
 
 
 def self_written_prompts(llm, count: int, seed: int, path: str | None = None) -> list[str]:
     """`count` distinct requests the target writes itself, of each kind of SELF_PROMPT_KINDS in turn, sampled at
     temperature 1 (seed, seed + 1, ...); with a path, the ones written there by an earlier run (a resumed run
     answers the same requests)."""
+    asked = {"count": count, "seed": seed}
     if path is not None and os.path.isfile(path):
         with open(path) as f:
-            return [json.loads(line)["prompt"] for line in f][:count]
+            rows = [json.loads(line) for line in f if line.strip()]
+        written_for = rows.pop(0)["asked"] if rows and "asked" in rows[0] else asked  # older files: as they are
+        if written_for != asked:  # a larger count took the file's fewer prompts without a word
+            raise ValueError(f"{path} holds prompts written for {written_for}, this run asks {asked}: remove it, or "
+                             "ask as it was written")
+        return [row["prompt"] for row in rows][:count]
     prompts = _write_prompts(llm, count, seed)
     if path is not None:
         with open(path, "w") as f:
-            f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+            f.writelines(json.dumps(row) + "\n" for row in [{"asked": asked}] + [{"prompt": p} for p in prompts])
     return prompts
 
 
@@ -146,16 +179,27 @@ class SampleStore:
     index, its text (a resumed run with other prompts is refused), and its sample, or null when the prompt was too
     long or the answer empty."""
 
-    def __init__(self, path: str | None):
-        """path None: kept in memory only."""
+    def __init__(self, path: str | None, made_by: dict | None = None):
+        """path None: kept in memory only. made_by: what makes the answers (the model, temperature, max_len, seed),
+        the store's first line; a store made otherwise is refused, since its answers would be trained on as this
+        run's (a store from before the record is used with a warning)."""
         self.path = path
         self.done: dict[int, tuple[str, Sample | None]] = {}
-        if path is not None and os.path.isfile(path):
-            with open(path) as f:
-                for line in f:
-                    row = json.loads(line)
-                    sample = None if row["sample"] is None else Sample(*row["sample"])
-                    self.done[row["index"]] = (row["prompt"], sample)
+        if path is None:
+            return
+        if not os.path.isfile(path):
+            with open(path, "w") as f:
+                f.write(json.dumps({"made_by": made_by}) + "\n")
+            return
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        if rows and "made_by" in rows[0]:
+            _refuse_other_maker(path, rows.pop(0)["made_by"], made_by)
+        else:
+            logger.warning("%s does not record the model, temperature, max_len and seed its answers were made with; "
+                           "they are used as this run's", path)
+        for row in rows:
+            self.done[row["index"]] = (row["prompt"], None if row["sample"] is None else Sample(*row["sample"]))
 
     def check(self, prompts: list[str]) -> None:
         for index, (text, _) in self.done.items():
@@ -169,6 +213,14 @@ class SampleStore:
                 f.write(json.dumps({"index": index, "prompt": prompt,
                                     "sample": None if sample is None else [sample.token_ids, sample.answer_start]}) + "\n")
         self.done[index] = (prompt, sample)
+
+
+def _refuse_other_maker(path: str, stored: dict | None, wanted: dict | None) -> None:
+    stored = stored or {}
+    differ = [f"{k} {stored.get(k)!r}, this run {v!r}" for k, v in sorted((wanted or {}).items()) if stored.get(k) != v]
+    if differ:
+        raise ValueError(f"{path} holds answers made with other settings ({'; '.join(differ)}): remove it (or give "
+                         "--out another directory), or run with the settings it was made with")
 
 
 ANSWER_CHUNK = 2048  # prompts answered between two appends to the store (larger: fewer low-batch tails on GPU)

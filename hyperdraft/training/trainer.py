@@ -38,7 +38,6 @@ import json
 import math
 import os
 import random
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +55,7 @@ from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_
 from hyperdraft.training.plot import LOG, plot_log
 from hyperdraft.training.samples import (EngineOnDemand, Sample, SampleStore, answer, load_prompts,
                                          refuse_evaluation_prompts, self_written_prompts)
+from hyperdraft.training.train_config import TrainConfig
 from hyperdraft.training.unroll_attention import UnrollAttention
 
 STEP_DECAY = 0.8  # EAGLE-3's weighting of later unrolled steps
@@ -64,38 +64,16 @@ SAMPLES = "samples.jsonl"  # the target's answers, appended as they are made (a 
 SAMPLES_COPY = "samples_{}.jsonl"  # the answers at the c-th temperature, c >= 1
 SELF_PROMPTS = "self_prompts.jsonl"
 LOG_EVERY = 25  # samples per logged point
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    model: str
-    out: str
-    prompts: str | None = None  # JSONL; None: the target writes its own
-    num_samples: int = 2000  # prompts taken from the file, or written by the target without one
-    self_prompts: int = 0  # with a prompts file: this many target-written prompts added after the file's
-    max_len: int = 512
-    epochs: int = 3
-    lr: float = 1e-4  # the peak of the schedule
-    draft_vocab_size: int | None = None  # None: the target's whole vocabulary
-    head_intermediate_size: int | None = None  # the head's MLP width; None: the target's
-    aux_layer_ids: tuple[int, ...] | None = None  # target layers whose outputs the head reads; None: SGLang's default
-    ttt_steps: int = 5
-    temperatures: tuple[float, ...] = (0.0,)  # of the target's answers: each prompt answered once per temperature
-    resume: bool = False
-    init: str | None = None  # a published head to start from (weights, draft vocabulary, aux layers, MLP width)
-    device: str = "cpu"
-    dtype: str = "auto"  # the target's (and the written head's) dtype
-    seed: int = 0
-    progress: bool = True
-    batch_size: int = 16  # samples per optimizer step
-    validation_fraction: float = 0.02  # of the prompts, held out to choose the published epoch
-    hard_label_weight: float = 0.0  # of the cross-entropy against the target's argmax (loss.py); 0: EAGLE-3's loss
+# What a resumed run must be given as the checkpoint was made (its samples, vocabulary and optimizer carry them on)
+RESUME_FIXED = ("model", "prompts", "num_samples", "self_prompts", "max_len", "lr", "draft_vocab_size",
+                "temperatures", "batch_size", "ttt_steps", "hard_label_weight")  # (the head's width: checked by shape)
 
 
 def train_draft(cfg: TrainConfig) -> dict:
     """Train (or resume) and write the head to cfg.out -> the last epoch's metrics."""
-    _check(cfg)
+    cfg.check()
     target_config = load_model_config(cfg.model)
+    cfg.check_against(target_config.vocab_size)
     init = read_head(cfg.init, target_config) if cfg.init else None
     if init:  # refused before anything is answered
         init.refuse_other(cfg.aux_layer_ids, cfg.head_intermediate_size, cfg.draft_vocab_size)
@@ -141,7 +119,7 @@ def train_draft(cfg: TrainConfig) -> dict:
             save_checkpoint(cfg.out, {"head": head.state_dict(), "optimizer": optimizer.state_dict(),
                                       "scheduler": scheduler.state_dict(), "epoch": epoch, "best": best,
                                       "validation_fraction": cfg.validation_fraction, "seed": cfg.seed,
-                                      "aux_layer_ids": aux_ids,
+                                      "aux_layer_ids": aux_ids, "made_with": _made_with(cfg),
                                       "samples": [dataclasses.astuple(s) for s in samples],
                                       "vocab": vocab.target_ids, "metrics": metrics})
             plot_log(cfg.out)
@@ -182,32 +160,6 @@ def _aux_layer_ids(cfg: TrainConfig, num_layers: int) -> tuple[int, ...]:
     return ids
 
 
-def _check(cfg: TrainConfig) -> None:
-    for name in ("num_samples", "max_len", "epochs", "ttt_steps", "batch_size", "head_intermediate_size"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.init and cfg.resume:
-        raise ValueError("init starts a new run from a published head, resume continues --out's checkpoint: give one")
-    if cfg.self_prompts < 0:
-        raise ValueError(f"self_prompts must be >= 0, got {cfg.self_prompts}")
-    if cfg.self_prompts and cfg.prompts is None:
-        raise ValueError("self_prompts adds target-written prompts to a --prompts file; without one the target "
-                         "writes --num-samples prompts itself")
-    if not cfg.lr > 0:
-        raise ValueError(f"lr must be > 0, got {cfg.lr}")
-    if cfg.max_len < 16:
-        raise ValueError(f"max_len must be >= 16, got {cfg.max_len}")
-    if not 0 <= cfg.hard_label_weight <= 1:
-        raise ValueError(f"hard_label_weight must be in [0, 1], got {cfg.hard_label_weight}")
-    if not 0 <= cfg.validation_fraction < 0.5:
-        raise ValueError(f"validation_fraction must be in [0, 0.5), got {cfg.validation_fraction}")
-    if not cfg.temperatures:
-        raise ValueError("temperature: give at least one")
-    for temperature in cfg.temperatures:
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-
-
 def _resume_state(cfg: TrainConfig) -> dict:
     state = load_checkpoint(cfg.out)
     if "scheduler" not in state:
@@ -217,7 +169,17 @@ def _resume_state(cfg: TrainConfig) -> dict:
         if state[name] != getattr(cfg, name):
             raise ValueError(f"--resume: {name} {getattr(cfg, name)} differs from the checkpoint's {state[name]} (the "
                              "held-out prompts would change)")
+    # A resumed run continues the checkpoint's samples, vocabulary and optimizer: another value of these would be
+    # ignored without a word. (Checkpoints before session 37 recorded none of them.)
+    for name, value in state.get("made_with", {}).items():
+        if getattr(cfg, name) != value:
+            raise ValueError(f"--resume: {name} {getattr(cfg, name)!r} differs from the checkpoint's {value!r}: the "
+                             "run continues with the checkpoint's; give its value, or start a new run")
     return state
+
+
+def _made_with(cfg: TrainConfig) -> dict:
+    return {name: getattr(cfg, name) for name in RESUME_FIXED}
 
 
 def _make_samples(cfg: TrainConfig) -> list[Sample]:
@@ -232,7 +194,8 @@ def _make_samples(cfg: TrainConfig) -> list[Sample]:
         refuse_evaluation_prompts(prompts)
         samples: list[Sample] = []
         for c, temperature in enumerate(cfg.temperatures):  # copy c's seeds follow copy c - 1's: no answer shares one
-            store = SampleStore(os.path.join(cfg.out, SAMPLES if c == 0 else SAMPLES_COPY.format(c)))
+            store = SampleStore(os.path.join(cfg.out, SAMPLES if c == 0 else SAMPLES_COPY.format(c)),
+                                dict(model=cfg.model, temperature=temperature, max_len=cfg.max_len, seed=cfg.seed))
             samples += answer(llm, prompts, cfg.max_len, temperature, cfg.seed + c * len(prompts), store)
     finally:
         llm.shutdown()

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file
 
 from hyperdraft import options
 from hyperdraft.models.eagle import Eagle3Head, eagle_config_from_dict, target_capture_layers
-from hyperdraft.models.loader import load_model
+from hyperdraft.models.loader import load_model, read_safetensors
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.training.trainer import causal_within, reference_paths
 from hyperdraft.training.unroll_attention import UnrollAttention
@@ -37,7 +36,7 @@ def load_target_and_head(target: str, head_dir: str, device: str = "cpu",
         cfg = eagle_config_from_dict(json.load(f))
     head = Eagle3Head(cfg, model, own_embed=False, own_lm_head=True,
                       aux_layer_ids=aux_layer_ids or tuple(cfg.eagle_aux_hidden_state_layer_ids))
-    head.load_state_dict(load_file(os.path.join(head_dir, "model.safetensors")), strict=False)
+    head.load_state_dict(read_safetensors(os.path.join(head_dir, "model.safetensors")), strict=False)
     head.finish_loading()
     return model, head.to(device)
 

@@ -167,6 +167,10 @@ def test_resume_refuses_another_split_or_an_older_checkpoint(target, prompts_fil
         train_draft(_config(target, tmp_path, prompts_file, epochs=2, resume=True, validation_fraction=HELD_OUT))
     with pytest.raises(ValueError, match="seed"):
         train_draft(_config(target, tmp_path, prompts_file, epochs=2, resume=True, seed=1))
+    # the checkpoint's samples, vocabulary and optimizer go on: other values were ignored without a word
+    for field, value in (("lr", 0.5), ("draft_vocab_size", 50), ("max_len", 64), ("temperatures", (0.0, 0.7))):
+        with pytest.raises(ValueError, match=rf"--resume: {field} .* differs from the checkpoint's"):
+            train_draft(_config(target, tmp_path, prompts_file, epochs=2, resume=True, **{field: value}))
     path = str(tmp_path / "checkpoint.pt")
     state = torch.load(path, weights_only=False)
     torch.save({k: v for k, v in state.items() if k not in ("scheduler", "best", "validation_fraction")}, path)
@@ -345,7 +349,13 @@ def test_fp32_target_trains_without_autocast(trained, target):
                                                  ("aux_layer_ids", (0, 1, 5), r"in \[0, 4\]"),
                                                  ("aux_layer_ids", (0, 1), "give 3 distinct"),
                                                  ("hard_label_weight", 1.5, r"hard_label_weight must be in \[0, 1\]"),
-                                                 ("hard_label_weight", -0.1, "hard_label_weight")])
+                                                 ("hard_label_weight", -0.1, "hard_label_weight"),
+                                                 # inf trained and published a head of NaNs
+                                                 ("lr", float("inf"), "lr must be a finite number > 0"),
+                                                 # 0 meant the whole vocabulary; 10**6 failed after every answer
+                                                 ("draft_vocab_size", 0, "draft_vocab_size must be >= 1"),
+                                                 ("draft_vocab_size", 10**6,
+                                                  r"draft_vocab_size must be at most the target's vocab_size=")])
 def test_bad_values_are_refused(target, prompts_file, tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):
         train_draft(_config(target, tmp_path, prompts_file, **{field: value}))
@@ -488,11 +498,23 @@ def test_validation_reports_the_draft_vocabulary_coverage(validated):
 
 
 def test_mt_bench_prompts_are_refused(tmp_path):
+    """With the questions file: a prompt that is a question (any turn) or contains one. Without it (a run started
+    outside the checkout, or an installed copy: the file was looked for relative to the working directory and the
+    check skipped), the packaged fingerprints still refuse a question, however spaced or capitalised."""
+    from hyperdraft.training.evaluation_set import MT_BENCH_FINGERPRINTS, fingerprint
+
     evaluation = tmp_path / "mt_bench_questions.jsonl"
     evaluation.write_text(json.dumps({"turns": ["What is the capital of France?", "And Spain?"]}) + "\n")
     refuse_evaluation_prompts(["Tell me a joke."], (str(evaluation),))
-    with pytest.raises(ValueError, match="MT-bench questions"):
-        refuse_evaluation_prompts(["Tell me a joke.", "What is the capital of France?"], (str(evaluation),))
+    for leak in ("What is the capital of France?", "and  SPAIN?", "Please answer: what is the capital of France? Now."):
+        with pytest.raises(ValueError, match="MT-bench questions"):
+            refuse_evaluation_prompts(["Tell me a joke.", leak], (str(evaluation),))
+    prints = frozenset({fingerprint("What is the capital of France?")})
+    refuse_evaluation_prompts(["Tell me a joke."], (), prints)
+    for leak in ("What is the capital of France?", "  what is the CAPITAL of\nFrance? "):
+        with pytest.raises(ValueError, match="MT-bench questions"):
+            refuse_evaluation_prompts([leak], (), prints)
+    assert len(MT_BENCH_FINGERPRINTS) == 160  # both turns of 80 questions, all distinct
 
 
 def test_a_batch_trains_as_its_samples_one_by_one(trained, target):
@@ -539,10 +561,31 @@ def test_answers_are_stored_and_a_stopped_run_answers_only_the_rest(target, tmp_
     resumed = answer(llm, prompts, 96, 0.0, seed=0, store=SampleStore(path))
     assert resumed == want and first == want[:5]
     assert sum(seen) == 5, seen  # prompts 5..9 answered, the too-long one never sent
-    assert len(open(path).read().splitlines()) == len(prompts)
+    assert len(open(path).read().splitlines()) == 1 + len(prompts)  # what made them, then one line a prompt
     with pytest.raises(ValueError, match="holds answers to other prompts"):
         answer(llm, ["another"] + prompts[1:], 96, 0.0, seed=0, store=SampleStore(path))
     llm.shutdown()
+
+
+def test_answers_made_with_other_settings_are_refused(target, prompts_file, tmp_path, caplog):
+    """A second run into the same --out trained on the first run's answers whatever made them: another target, another
+    temperature or max_len. The store records what made it; a store from before the record is used with a warning."""
+    train_draft(_config(target, tmp_path, prompts_file, epochs=1))
+    os.remove(tmp_path / "checkpoint.pt")  # new runs over the same --out, not resumes
+    other = make_tiny_model(str(tmp_path.parent / "other_target"), "llama", num_hidden_layers=6, seed=3)
+    for change, named in ((dict(max_len=64), "max_len 96, this run 64"), (dict(temperatures=(0.7,)), "temperature"),
+                          (dict(seed=5), "seed 0, this run 5")):
+        with pytest.raises(ValueError, match=rf"samples.jsonl holds answers made with other settings \(.*{named}"):
+            train_draft(_config(target, tmp_path, prompts_file, epochs=1, **change))
+    with pytest.raises(ValueError, match=r"holds answers made with other settings \(model "):
+        train_draft(_config(other, tmp_path, prompts_file, epochs=1))
+    path = str(tmp_path / "samples.jsonl")
+    lines = open(path).read().splitlines()
+    with open(path, "w") as f:  # as stores were written before the record
+        f.write("\n".join(lines[1:]) + "\n")
+    with caplog.at_level("WARNING"):
+        assert len(SampleStore(path).done) == len(PROMPTS)
+    assert "does not record the model" in caplog.text
 
 
 def test_written_prompts_are_added_after_the_file_and_reused(target, prompts_file, tmp_path):
@@ -560,7 +603,9 @@ def test_written_prompts_are_added_after_the_file_and_reused(target, prompts_fil
     assert sorted(file_only) == list(range(len(PROMPTS)))
     os.remove(tmp_path / "checkpoint.pt")  # a new run over the same answers, not a resume
     train_draft(_config(target, tmp_path, prompts_file, epochs=1, self_prompts=3))
-    written = [json.loads(line)["prompt"] for line in open(tmp_path / "self_prompts.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "self_prompts.jsonl")]
+    assert rows[0] == {"asked": {"count": 3, "seed": 0}}  # what they were written for
+    written = [row["prompt"] for row in rows[1:]]
     assert len(written) == 3 and len(set(written)) == 3
     store = SampleStore(str(tmp_path / "samples.jsonl")).done
     assert sorted(store) == list(range(len(PROMPTS) + 3))
@@ -568,6 +613,10 @@ def test_written_prompts_are_added_after_the_file_and_reused(target, prompts_fil
     assert [store[len(PROMPTS) + i][0] for i in range(3)] == written
     state = torch.load(str(tmp_path / "checkpoint.pt"), weights_only=False)
     assert len(state["samples"]) == sum(s is not None for _, s in store.values())
+    os.remove(tmp_path / "checkpoint.pt")  # more written prompts took the file's 3 without a word
+    with pytest.raises(ValueError, match=r"self_prompts.jsonl holds prompts written for \{'count': 3, 'seed': 0\}, "
+                                         r"this run asks \{'count': 5"):
+        train_draft(_config(target, tmp_path, prompts_file, epochs=1, self_prompts=5))
 
 
 def test_written_prompts_need_a_prompts_file(target, tmp_path):
