@@ -182,11 +182,14 @@ class Lockstep:
         return box[0]
 
     def gather(self, state: dict) -> list[dict]:
-        """Rank 0: every rank's `state` (its engine's own, the followers' through report()), rank order."""
+        """Rank 0: every rank's `state` (its engine's own, the followers' through report()), rank order. What was
+        recorded since the last step (a flush, an abort) goes first, so the followers report the state rank 0 is in;
+        sent only with the next step, they reported the state before it."""
         if not self.leads:
             return [state]
         self._check_followers()
-        dist.broadcast_object_list([[Command("report")]], src=0, group=self.tp.control)
+        commands, self.pending = self.pending + [Command("report")], []
+        dist.broadcast_object_list([commands], src=0, group=self.tp.control)
         states: list = [None] * self.tp.size
         dist.gather_object(state, states, dst=0, group=self.tp.control)
         return states

@@ -188,6 +188,25 @@ def test_flush_cache_empties_every_ranks_ngram_history(models):
     _check_pools_free(states, 2)
 
 
+def test_rank_states_after_a_flush_or_an_abort_are_every_ranks_current_ones(models):
+    """A flush or an abort is recorded on rank 0 and reached the followers only with the next step, so rank_states()
+    right after one showed the followers as before it: a prefix cache still holding tokens, a request still running."""
+    llm = LLM(models["llama"], device="cpu", dtype="float32", tp_size=2, dist_timeout=120)
+    try:
+        llm.generate(input_ids=[[5, 6, 7, 8] * 5], sampling_params=greedy(4), use_tqdm=False)
+        assert llm.flush_cache()
+        assert [s.get("cache_tokens", 0) for s in llm.engine.rank_states()] == [0, 0]
+        req = llm.engine.add_request(input_ids=[1, 2, 3], params=greedy(50))
+        llm.engine.step()
+        llm.engine.abort(req.rid)
+        states = llm.engine.rank_states()
+        assert [s["num_running_reqs"] for s in states] == [0, 0]
+        assert states[0] == states[1]
+        assert_engine_clean(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_two_nodes_give_one_nodes_output(models):
     """nnodes 2, one rank each, on this machine: "node 1" is `hyperdraft serve --node-rank 1` in its own process
     (it hosts rank 1 and serves nothing), node 0 the LLM; it equals TP 1, and node 1 exits cleanly when node 0 stops."""
