@@ -77,7 +77,7 @@ class EngineArgs:
     attention_backend: str | None = _opt(None, "attention implementation: triton (the default on CUDA) or torch (the default on CPU, and the reference)", choices=ATTENTION_BACKENDS)
     log_level: str = _opt("warning", "logging level")
     disable_cuda_graph: bool = _opt(False, "run every forward eagerly (no CUDA graphs)")
-    disable_radix_cache: bool = _opt(False, "turn prefix caching off: every prompt is computed from scratch (the radix cache shares whole K/V pages of common prefixes between requests; always off for hybrid models)")
+    disable_radix_cache: bool = _opt(False, "turn prefix caching off: every prompt is computed from scratch (the radix cache shares whole K/V pages of common prefixes between requests; on hybrid models with snapshots of the recurrent state where a cached prefix ends)")
     enable_deterministic_inference: bool = _opt(False, "CUDA: batch-invariant kernels, so a request's tokens never depend on what else runs with it, the verify width, graphs or the prefill split; greedy speculative output is then bit for bit plain decoding's in bf16 (dense attention models; costs some speed, see docs/numerics.md)")
     cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default: up to 256 as free GPU memory allows, capped by max_running_requests)")
     # ---- tensor parallelism (SGLang names) ----
