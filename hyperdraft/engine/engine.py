@@ -169,7 +169,11 @@ class Engine:
             num_pages=capacity // args.page_size + 1,  # + the reserved padding page
             page_size=args.page_size,
             max_rows=rows,
-            max_pages_per_row=-(-(self.context_len + self._decode_reserve()) // args.page_size),
+            # a row never holds more pages than the pool has, and one column more stays the padding page (where
+            # token_slots clamps indices past a row's pages): sized by context_length alone, a 1M-token context
+            # made a 2 GiB table for a pool of 256 tokens
+            max_pages_per_row=min(-(-(self.context_len + self._decode_reserve()) // args.page_size),
+                                  capacity // args.page_size + 1),
             device=self.device,
             cache=tree,
         )

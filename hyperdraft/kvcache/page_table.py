@@ -168,7 +168,9 @@ class PageTable:
         if total == 0:
             return True
         if any(len(row_pages[row]) + need > width for row, need in zip(rows, needs)):
-            raise ValueError(f"a request needs {max(num_tokens)} tokens, more than the page table row holds")
+            if width < self.num_pages:  # narrower than the pool: the context's bound, which the scheduler keeps
+                raise ValueError(f"a request needs {max(num_tokens)} tokens, more than the page table row holds")
+            return False  # as wide as the pool (engine._page_table): more than the pool holds, a short pool's answer
         if not self._take(total):
             return False
         free = self._free_pages

@@ -35,3 +35,27 @@ def test_no_room_after_the_recurrent_states_says_so():
     with pytest.raises(ValueError, match=r"after the recurrent state of max_running_requests=8 requests \(1.0 MiB\): "
                                          "raise max_total_tokens or lower max_running_requests"):
         kv_capacity_tokens(EngineArgs(model_path="m", max_total_tokens=10), 100, 2**20, 2**20, 8, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("spec", [{}, dict(speculative_algorithm="NGRAM", speculative_num_steps=3)], ids=["plain", "ngram"])
+def test_the_page_table_is_as_wide_as_the_pool_not_the_context(make_llm, tmp_path, spec):
+    """A row never holds more pages than the pool has: sized by context_length alone, a model with a 1M-token context
+    made a 2 GiB table for a 256-token pool. One column past the pool stays the padding page, so indices past a full
+    row still land there: outputs, including a request that outgrows the pool, equal an engine whose context is
+    short enough for the old sizing."""
+    from conftest import greedy, random_prompts
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    long_context = make_tiny_model(str(tmp_path / "long"), "llama", max_position_embeddings=2**20)
+    short_context = make_tiny_model(str(tmp_path / "short"), "llama", max_position_embeddings=512)
+    prompts = random_prompts([5, 30, 12], seed=9) + [[7, 8, 9] * 12]
+    params = [greedy(20), greedy(40), greedy(8), greedy(400)]  # the last outgrows the pool
+    runs = []
+    for path in (long_context, short_context):
+        llm = make_llm(path, page_size=4, max_total_tokens=256, **spec)
+        runs.append([(o.token_ids, o.finish_reason) for o in
+                     llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)])
+        if path == long_context:
+            assert tuple(llm.engine.page_table.table.shape[1:]) == (256 // 4 + 1,)
+    assert runs[0] == runs[1]
+    assert runs[0][3][1] == "abort"  # it filled the pool (a row as wide as the table) and could grow no further
