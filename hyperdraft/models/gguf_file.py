@@ -102,6 +102,8 @@ def read_gguf(path: str) -> GGUFFile:
         dims = tuple(cur.unpack("<Q") for _ in range(cur.unpack("<I")))
         infos.append((name, dims, GGMLQuantizationType(cur.unpack("<I")), cur.unpack("<Q")))
     alignment = int(metadata.get("general.alignment", 32))
+    if alignment < 1:
+        raise ValueError(f"general.alignment must be >= 1, got {alignment}")
     start = -(-cur.pos // alignment) * alignment
     tensors, names = [], set()
     for name, dims, kind, offset in infos:
@@ -111,6 +113,8 @@ def read_gguf(path: str) -> GGUFFile:
         block, type_size = GGML_QUANT_SIZES[kind]
         n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
         begin = start + offset
+        if offset % alignment:
+            raise ValueError(f"tensor {name}'s offset {offset} is not a multiple of general.alignment={alignment}")
         if begin + n_bytes > raw.size:
             raise ValueError(f"tensor {name} runs past the end of the file")
         rows_first = tuple(reversed(dims))
@@ -120,4 +124,10 @@ def read_gguf(path: str) -> GGUFFile:
         else:
             data = data.reshape(quant_shape_to_byte_shape(rows_first, kind))
         tensors.append(GGUFTensor(name, dims, kind, begin, n_bytes, data))
+    # Each tensor's bytes its own (llama.cpp lays them back to back): an offset into another tensor's data loaded
+    # that tensor's weights twice, without a word.
+    spans = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in tensors)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ValueError(f"tensors {first} and {second} overlap in the file")
     return GGUFFile(metadata, tensors)

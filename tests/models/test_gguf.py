@@ -434,3 +434,37 @@ def test_smollm2_tokenizer_matches_transformers_gguf_tokenizer(smol_llm, smol_pa
     assert ours.decode(ids) == ref.decode(ids) == text
     assert ours.chat_template and ours.chat_template == ref.chat_template
     assert ours.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [1, 2]
+
+
+def _two_f32_tensors(path, offsets: tuple[int, int], alignment: int | None = None) -> str:
+    """A GGUF v3 file by hand: two F32 [8] tensors at the given data offsets (each 32 bytes), optional alignment."""
+    import struct
+
+    def string(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    fields = b"" if alignment is None else string("general.alignment") + struct.pack("<II", 4, alignment)  # UINT32
+    header = b"GGUF" + struct.pack("<IQQ", 3, 2, 0 if alignment is None else 1) + fields
+    for name, offset in zip(("a.weight", "b.weight"), offsets):
+        header += string(name) + struct.pack("<IQIQ", 1, 8, 0, offset)  # 1 dim of 8, GGML F32
+    align = alignment or 32
+    header += b"\0" * (-len(header) % align)
+    data = np.arange(16, dtype=np.float32).tobytes() + b"\0" * 64
+    with open(path, "wb") as f:
+        f.write(header + data)
+    return str(path)
+
+
+def test_tensor_data_must_not_overlap_or_sit_off_the_alignment(tmp_path):
+    """Offsets were checked only against the file's end: one tensor's offset pointing into another's data loaded those
+    weights twice without a word, and an offset off the alignment read shifted values."""
+    from hyperdraft.models.gguf_file import read_gguf
+
+    good = read_gguf(_two_f32_tensors(tmp_path / "good.gguf", (0, 32)))
+    assert [t.data.tolist() for t in good.tensors] == [list(range(8)), list(range(8, 16))]
+    with pytest.raises(ValueError, match="tensors a.weight and b.weight overlap in the file"):
+        read_gguf(_two_f32_tensors(tmp_path / "alias.gguf", (0, 0)))
+    with pytest.raises(ValueError, match=r"tensor b.weight's offset 36 is not a multiple of general.alignment=32"):
+        read_gguf(_two_f32_tensors(tmp_path / "shifted.gguf", (0, 36)))
+    with pytest.raises(ValueError, match="general.alignment must be >= 1"):
+        read_gguf(_two_f32_tensors(tmp_path / "zero.gguf", (0, 32), alignment=0))
