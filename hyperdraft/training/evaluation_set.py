@@ -11,8 +11,13 @@ from __future__ import annotations
 import hashlib
 
 
+def folded(text: str) -> str:
+    """text case-folded, its whitespace runs one space each: what a fingerprint (and a containment check) compares."""
+    return " ".join(text.casefold().split())
+
+
 def fingerprint(text: str) -> str:
-    return hashlib.sha256(" ".join(text.casefold().split()).encode()).hexdigest()[:16]
+    return hashlib.sha256(folded(text).encode()).hexdigest()[:16]
 
 
 MT_BENCH_FINGERPRINTS = frozenset({

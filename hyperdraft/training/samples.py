@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from hyperdraft.sampling_params import SamplingParams
-from hyperdraft.training.evaluation_set import MT_BENCH_FINGERPRINTS, fingerprint
+from hyperdraft.training.evaluation_set import MT_BENCH_FINGERPRINTS, fingerprint, folded
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,8 @@ def refuse_evaluation_prompts(prompts: list[str], candidates: tuple[str, ...] = 
     path = next((p for p in candidates if os.path.isfile(p)), None)
     if path is not None and not leaked:
         with open(path) as f:
-            questions = [" ".join(t.casefold().split()) for line in f if line.strip() for t in json.loads(line)["turns"]]
-        leaked = [p for p in prompts if any(q in " ".join(p.casefold().split()) for q in questions)]
+            questions = [folded(t) for line in f if line.strip() for t in json.loads(line)["turns"]]
+        leaked = [p for p, text in zip(prompts, map(folded, prompts)) if any(q in text for q in questions)]
     if leaked:
         raise ValueError(f"{len(leaked)} training prompts are or contain MT-bench questions (the evaluation set), "
                          f"e.g. {leaked[0][:60]!r}: train on other prompts")
