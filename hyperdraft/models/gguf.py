@@ -16,9 +16,11 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import math
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -99,40 +101,87 @@ def _dequantize(t) -> torch.Tensor:
     return torch.from_numpy(values).reshape(shape)
 
 
-def _rope_scaling(reader, arch: str, tensors: dict) -> dict | None:
+def _rope_scaling(reader, arch: str, tensors: dict, head_dim: int) -> dict | None:
     if "rope_freqs.weight" in tensors:  # how llama.cpp's converter writes Llama 3 scaling
-        factors = _dequantize(tensors["rope_freqs.weight"])
+        factors = _dequantize(tensors["rope_freqs.weight"]).flatten()
+        if factors.numel() != head_dim // 2 or not torch.isfinite(factors).all() or (factors <= 0).any():
+            raise ValueError(f"GGUF tensor rope_freqs.weight must hold {head_dim // 2} positive divisors (one per "
+                             f"RoPE frequency of head dimension {head_dim}), got {factors.numel()} values")
         return {"rope_type": "freq_factors", "factors": tuple(float(x) for x in factors.tolist())}
     kind = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor", _field(reader, f"{arch}.rope.scale_linear"))
+    factor_key = f"{arch}.rope.scaling.factor" if f"{arch}.rope.scaling.factor" in reader.metadata \
+        else f"{arch}.rope.scale_linear"
+    factor = _field(reader, factor_key)
     if kind in (None, "none") and factor in (None, 1.0):
         return None
-    if kind in (None, "linear"):
-        return {"rope_type": "linear", "factor": float(factor)}
-    raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported; supported: none, linear, rope_freqs factors")
+    if kind not in (None, "linear"):
+        raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported; supported: none, linear, rope_freqs factors")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"GGUF metadata {factor_key} must be a positive number for linear RoPE scaling, "
+                         f"got {factor!r}")
+    return {"rope_type": "linear", "factor": float(factor)}
+
+
+@dataclass(frozen=True)
+class _ArchMetadata:
+    """The `{arch}.*` metadata keys of one file, each read with the check its use needs."""
+
+    reader: GGUFFile
+    arch: str
+    path: str
+
+    def has(self, key: str) -> bool:
+        return f"{self.arch}.{key}" in self.reader.metadata
+
+    def get(self, key: str, default: Any = None, required: bool = True) -> Any:
+        value = _field(self.reader, f"{self.arch}.{key}", default)
+        if value is None and required:
+            raise ValueError(f"GGUF file {self.path!r} lacks the metadata key {self.arch}.{key}")
+        if isinstance(value, list):
+            raise ValueError(f"GGUF metadata {self.arch}.{key} varies per layer, which is not supported")
+        return value
+
+    def count(self, key: str, default: Any = None) -> int:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"GGUF metadata {self.arch}.{key} must be a positive integer, got {value!r}")
+        return value
+
+    def number(self, key: str, default: Any = None) -> float:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"GGUF metadata {self.arch}.{key} must be a positive number, got {value!r}")
+        return float(value)
+
+
+def _attention_shape(meta: _ArchMetadata) -> tuple[int, int, int, int]:
+    """(hidden size, query heads, key/value heads, head dimension), checked against each other."""
+    arch = meta.arch
+    hidden, heads = meta.count("embedding_length"), meta.count("attention.head_count")
+    kv_heads = meta.count("attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise ValueError(f"GGUF metadata {arch}.attention.head_count={heads} is not a multiple of "
+                         f"{arch}.attention.head_count_kv={kv_heads}")
+    if not meta.has("attention.key_length") and hidden % heads:
+        raise ValueError(f"GGUF metadata {arch}.embedding_length={hidden} is not a multiple of "
+                         f"{arch}.attention.head_count={heads}, and {arch}.attention.key_length is not given")
+    head_dim = meta.count("attention.key_length", hidden // heads)
+    if meta.count("attention.value_length", head_dim) != head_dim or meta.count("rope.dimension_count",
+                                                                                  head_dim) != head_dim:
+        raise ValueError(f"GGUF file {meta.path!r}: value length or RoPE dimension differs from the head dimension "
+                         f"{head_dim} (partial rotary embeddings are not supported)")
+    return hidden, heads, kv_heads, head_dim
 
 
 def _config_dict(reader, path: str) -> dict:
     arch = _check_architecture(reader, path)
-
-    def get(key: str, default: Any = None, required: bool = True) -> Any:
-        value = _field(reader, f"{arch}.{key}", default)
-        if value is None and required:
-            raise ValueError(f"GGUF file {path!r} lacks the metadata key {arch}.{key}")
-        if isinstance(value, list):
-            raise ValueError(f"GGUF metadata {arch}.{key} varies per layer, which is not supported")
-        return value
-
+    meta = _ArchMetadata(reader, arch, path)
     tensors = {t.name: t for t in reader.tensors}
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    if int(get("attention.value_length", head_dim)) != head_dim or int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError(f"GGUF file {path!r}: value length or RoPE dimension differs from the head dimension "
-                         f"{head_dim} (partial rotary embeddings are not supported)")
+    hidden, heads, kv_heads, head_dim = _attention_shape(meta)
     if "token_embd.weight" in tensors:
         vocab = int(tensors["token_embd.weight"].shape[-1])
     else:
-        vocab = int(get("vocab_size", None, False) or len(_field(reader, "tokenizer.ggml.tokens", [])))
+        vocab = int(meta.get("vocab_size", None, False) or len(_field(reader, "tokenizer.ggml.tokens", [])))
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
@@ -140,14 +189,14 @@ def _config_dict(reader, path: str) -> dict:
         "architectures": [GGUF_ARCHITECTURES[arch][0]],
         "model_type": GGUF_ARCHITECTURES[arch][1],
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": meta.count("feed_forward_length"),
+        "num_hidden_layers": meta.count("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 4096)),
+        "rms_norm_eps": meta.number("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.number("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta.count("context_length", 4096),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
@@ -156,10 +205,62 @@ def _config_dict(reader, path: str) -> dict:
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "torch_dtype": "float32",
     }
-    rope = _rope_scaling(reader, arch, tensors)
+    rope = _rope_scaling(reader, arch, tensors, head_dim)
     if rope is not None:
         config["rope_scaling"] = rope
+    _check_tensor_list(config, tensors, path, arch)
     return config
+
+
+def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape, for every weight and bias such a model can hold."""
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    per_layer = {
+        "self_attn.q_proj": ((q, h), (q,)), "self_attn.k_proj": ((kv, h), (kv,)),
+        "self_attn.v_proj": ((kv, h), (kv,)), "self_attn.o_proj": ((h, q), (h,)),
+        "mlp.gate_proj": ((inter, h), (inter,)), "mlp.up_proj": ((inter, h), (inter,)),
+        "mlp.down_proj": ((h, inter), (h,)), "input_layernorm": ((h,), None), "post_attention_layernorm": ((h,), None),
+    }
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for i in range(config["num_hidden_layers"]):
+        for module, (weight, bias) in per_layer.items():
+            shapes[f"model.layers.{i}.{module}.weight"] = weight
+            if bias is not None:
+                shapes[f"model.layers.{i}.{module}.bias"] = bias
+    return shapes
+
+
+def _check_tensor_list(config: dict, tensors: dict, path: str, arch: str) -> None:
+    """The metadata's sizes must match the tensors before a model is built from them: a header alone could
+    otherwise ask for any number of layers or any width, and allocate it."""
+    blocks = config["num_hidden_layers"]
+    layers = {int(m.group(1)) for m in map(_BLOCK.fullmatch, tensors) if m}
+    if len(layers) != blocks or max(layers) != blocks - 1:  # checked first: the shapes' list grows with blocks
+        raise ValueError(f"GGUF metadata {arch}.block_count={blocks}, but the file holds tensors for "
+                         f"{len(layers)} layers (blk.{min(layers, default=0)} to blk.{max(layers, default=-1)})")
+    expected = _expected_shapes(config)
+    found = set()
+    for t in tensors.values():
+        if t.name == "rope_freqs.weight":
+            continue
+        name = hf_name(t.name)
+        if name is None or name not in expected:
+            raise ValueError(f"GGUF tensor {t.name!r} has no place in this {GGUF_ARCHITECTURES[arch][0]} model "
+                             f"({arch}.block_count={config['num_hidden_layers']})")
+        shape = tuple(reversed(t.shape))
+        if shape != expected[name]:
+            raise ValueError(
+                f"GGUF tensor {t.name} has shape {shape}, but the metadata ({arch}.embedding_length="
+                f"{config['hidden_size']}, feed_forward_length={config['intermediate_size']}, attention.head_count="
+                f"{config['num_attention_heads']}, head_count_kv={config['num_key_value_heads']}, head dimension "
+                f"{config['head_dim']}, vocabulary {config['vocab_size']}) implies {expected[name]}")
+        found.add(name)
+    missing = [n for n in expected if n.endswith(".weight") and n not in found
+               and not (n == "lm_head.weight" and config["tie_word_embeddings"])]
+    if missing:
+        raise ValueError(f"GGUF file {path!r} lacks weights: {missing[:5]}"
+                         f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}")
 
 
 def gguf_config_dict(path: str) -> dict:

@@ -94,7 +94,9 @@ def quantized(hf_dir: str, qtype: Q, types: dict | None = None, permute_qk: bool
     return tensors, ref
 
 
-def write_gguf(path: str, hf_dir: str, tensors: dict, arch: str = "llama", with_tokenizer: bool = True) -> str:
+def write_gguf(path: str, hf_dir: str, tensors: dict, arch: str = "llama", with_tokenizer: bool = True,
+               metadata: dict | None = None) -> str:
+    """metadata: keys to overwrite after the converter's, {key: (value, gguf.GGUFValueType)}, or {key: None} to drop."""
     cfg = AutoConfig.from_pretrained(hf_dir)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Qwen2 has no field
     w = gguf.GGUFWriter(path, arch)
@@ -127,6 +129,10 @@ def write_gguf(path: str, hf_dir: str, tensors: dict, arch: str = "llama", with_
         w.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
         w.add_eos_token_id(cfg.eos_token_id)
         w.add_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    for key, typed in (metadata or {}).items():
+        w.kv_data[0].pop(key, None)
+        if typed is not None:
+            w.add_key_value(key, *typed)
     for name, (data, raw_dtype) in tensors.items():
         w.add_tensor(name, data, raw_dtype=raw_dtype)
     w.write_header_to_file()
@@ -350,6 +356,57 @@ def test_missing_gguf_weight(tiny, tmp_path):
     path = write_gguf(str(tmp_path / "missing.gguf"), tiny["llama"], tensors)
     with pytest.raises(ValueError, match="lacks weights.*layers.1.self_attn.v_proj"):
         load_model(path, "float32", CPU)
+
+
+U32, F32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING
+BAD_HEADERS = {  # metadata edits -> what the error must say; every one is refused before a model is allocated
+    "layers beyond the tensors": ({"llama.block_count": (4_000_000_000, U32)},
+                                  r"llama\.block_count=4000000000, but the file holds tensors for 2 layers"),
+    "fewer layers than the tensors": ({"llama.block_count": (1, U32)}, r"llama\.block_count=1, but .* 2 layers"),
+    "a wider FFN than the tensors": ({"llama.feed_forward_length": (1 << 30, U32)},
+                                     r"ffn_\w+\.weight has shape \(\d+, \d+\), but the metadata .*"
+                                     r"feed_forward_length=1073741824"),
+    "a wider model than the tensors": ({"llama.embedding_length": (1 << 20, U32), "llama.attention.key_length":
+                                        (64, U32), "llama.attention.value_length": (64, U32)},
+                                       r"embedding_length=1048576.* implies"),
+    "no heads": ({"llama.attention.head_count": (0, U32)}, r"llama\.attention\.head_count must be a positive integer"),
+    "heads as text": ({"llama.attention.head_count": ("4", STR)}, r"head_count must be a positive integer, got '4'"),
+    "kv heads not dividing heads": ({"llama.attention.head_count_kv": (3, U32)},
+                                    r"head_count=4 is not a multiple of llama\.attention\.head_count_kv=3"),
+    "no epsilon": ({"llama.attention.layer_norm_rms_epsilon": None},
+                   r"lacks the metadata key llama\.attention\.layer_norm_rms_epsilon"),
+    "a negative epsilon": ({"llama.attention.layer_norm_rms_epsilon": (-1.0, F32)},
+                           r"layer_norm_rms_epsilon must be a positive number, got -1\.0"),
+    "linear RoPE without a factor": ({"llama.rope.scaling.type": ("linear", STR)},
+                                     r"llama\.rope\.scale_linear must be a positive number .* got None"),
+    "a zero RoPE factor": ({"llama.rope.scaling.type": ("linear", STR), "llama.rope.scaling.factor": (0.0, F32)},
+                           r"llama\.rope\.scaling\.factor must be a positive number"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_HEADERS, ids=lambda c: c.replace(" ", "-"))
+def test_bad_metadata_is_named_before_the_model_is_built(tiny, tmp_path, case):
+    edits, message = BAD_HEADERS[case]
+    cfg = AutoConfig.from_pretrained(tiny["k256"])  # plain RoPE: no rope_freqs tensor overrides the scaling keys
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 4, 2)  # the messages' numbers
+    tensors, _ = quantized(tiny["k256"], Q.F32)
+    path = write_gguf(str(tmp_path / "bad.gguf"), tiny["k256"], tensors, metadata=edits, with_tokenizer=False)
+    with pytest.raises(ValueError, match=message):
+        load_model_config(path)
+
+
+def test_rope_freqs_of_the_wrong_length_is_named(tiny, tmp_path):
+    tensors, _ = quantized(tiny["k256"], Q.F32)
+    head_dim = 256 // 4
+    for n, ok in ((head_dim // 2, True), (head_dim // 2 - 1, False)):
+        freqs = {**tensors, "rope_freqs.weight": (np.full(n, 2.0, np.float32), None)}
+        path = write_gguf(str(tmp_path / f"freqs{n}.gguf"), tiny["k256"], freqs, with_tokenizer=False)
+        if ok:
+            assert gguf_config_dict(path)["rope_scaling"]["factors"] == (2.0,) * n
+            continue
+        with pytest.raises(ValueError, match=rf"rope_freqs\.weight must hold {head_dim // 2} positive divisors.*"
+                                             rf"got {n} values"):
+            load_model_config(path)
 
 
 # ---- the real thing: SmolLM2-135M-Instruct, Q4_1 ----------------------------------------------------------------
