@@ -50,7 +50,10 @@ GOODPUT_LADDER = '{"strategy": "goodput", "1": [0, 1, 2, 3, 5], "8": [0, 1, 2, 3
 def rows(head: str | None) -> dict[str, dict]:
     ngram = dict(speculative_algorithm="NGRAM")
     out = {"plain": {}, "NGRAM, chain 4": dict(ngram, speculative_num_steps=4),
-           "NGRAM, adaptive (goodput)": dict(ngram, speculative_adaptive=True, speculative_adaptive_config=GOODPUT_LADDER)}
+           "NGRAM, adaptive (goodput)": dict(ngram, speculative_adaptive=True, speculative_adaptive_config=GOODPUT_LADDER),
+           # SGLang 0.5.23's NGRAM at its defaults: a trie tree of 12 tokens, up to 10 children a node
+           "NGRAM, trie tree (BFS, 12 tokens)": dict(ngram, speculative_ngram_match_type="BFS"),
+           "NGRAM, trie tree (PROB, 12 tokens)": dict(ngram, speculative_ngram_match_type="PROB")}
     if head:
         eagle = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
         out["trained head, chain 5"] = dict(eagle, speculative_num_steps=5)

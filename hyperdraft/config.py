@@ -104,6 +104,11 @@ class EngineArgs:
     load_format: str = _opt("auto", "auto: read the checkpoint's weights; dummy: random weights of the checkpoint's shapes (benchmarks)", choices=LOAD_FORMATS)
     speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix that may match")
     speculative_ngram_max_match_window_size: int = _opt(12, "NGRAM: longest suffix tried first")
+    # SGLang 0.5.23's NGRAM: any of these four makes NGRAM draft its trie tree instead of the prompt-lookup chain
+    speculative_ngram_min_bfs_breadth: int | None = _opt(None, "NGRAM trie tree: children per node for the longest matches (BFS; default 1)")
+    speculative_ngram_max_bfs_breadth: int | None = _opt(None, "NGRAM trie tree: most children per node, for the shortest matches; the tree's topk (default 10)")
+    speculative_ngram_match_type: str | None = _opt(None, "NGRAM trie tree: BFS (children by recency, wider for shorter matches) or PROB (by frequency, best first) (default BFS)", choices=("BFS", "PROB"))
+    speculative_ngram_max_trie_depth: int | None = _opt(None, "NGRAM trie tree: longest n-gram kept, the matched suffix included (default 18)")
 
     def __post_init__(self):
         def bad(name: str, allowed: str):

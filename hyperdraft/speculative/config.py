@@ -19,6 +19,19 @@ from hyperdraft.speculative.adaptive.tier import Tier, max_tree_tokens
 logger = logging.getLogger("hyperdraft")
 
 NGRAM_DEFAULT_DRAFT_TOKENS = 8
+NGRAM_TRIE_FLAGS = ("speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
+                    "speculative_ngram_match_type", "speculative_ngram_max_trie_depth")
+NGRAM_TRIE_MATCH_TYPES = ("BFS", "PROB")
+
+
+@dataclass(frozen=True)
+class NgramTrie:
+    """SGLang 0.5.23's NGRAM tree (proposers/ngram_tree.py); its breadth cap is the tier's topk, its size the tier's
+    num_draft_tokens."""
+
+    min_breadth: int = 1
+    max_trie_depth: int = 18
+    match_type: str = "BFS"
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,7 @@ class SpecConfig:
     simulate_accept_rate: float | None = None  # benchmark-only LOSSY accept decision (verify/simulated.py)
     simulate_sibling_rate: float | None = None  # with it, trees: a lower-ranked child's chance (verify/simulated.py)
     token_map: str | None = None  # hot token ids for a full-vocabulary head's draft lm_head (models/hot_vocab.py)
+    ngram_trie: NgramTrie | None = None  # NGRAM drafts SGLang 0.5.23's trie tree instead of the prompt-lookup chain
 
     @property
     def num_steps(self) -> int:
@@ -58,8 +72,13 @@ class SpecConfig:
     @property
     def max_verify_tokens(self) -> int:
         """K/V room a round can need past the committed tokens (Tier.reserve_tokens), over every tier that can run,
-        never the initial one alone: pools and buffers are never resized mid-run."""
-        return max(t.reserve_tokens for t in self.tiers() + [self.tier])
+        never the initial one alone: pools and buffers are never resized mid-run. A drafter without a model writes
+        no draft K/V, so its rounds need only the verify's width (NGRAM's 12-node trie tree at topk 10: 12, where
+        a beam of that shape would feed 101)."""
+        tiers = self.tiers() + [self.tier]
+        if not SPECULATIVE_ALGORITHMS[self.algorithm].draft_model:
+            return max(t.num_draft_tokens for t in tiers)
+        return max(t.reserve_tokens for t in tiers)
 
     @property
     def max_steps(self) -> int:
@@ -101,7 +120,9 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
             steps = draft_tokens - 1
         if args.speculative_use_rejection_sampling:
             raise ValueError(f"speculative_use_rejection_sampling needs a draft model; {algo} drafts are deterministic")
-    tier = _initial_tier(algo, steps, topk, draft_tokens, adaptive is not None)
+    trie = _ngram_trie(args, algo)
+    tier = _ngram_trie_tier(args) if trie is not None else _initial_tier(algo, steps, topk, draft_tokens,
+                                                                            adaptive is not None)
     if not 1 <= args.speculative_ngram_min_match_window_size <= args.speculative_ngram_max_match_window_size:
         raise ValueError("speculative_ngram_min_match_window_size must be >= 1 and <= speculative_ngram_max_match_window_size")
     token_map = args.speculative_token_map
@@ -124,7 +145,7 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
                       args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
                       adaptive, simulate_accept_rate=alpha,
                       simulate_sibling_rate=args.speculative_simulate_sibling_rate if alpha is not None else None,
-                      token_map=token_map)
+                      token_map=token_map, ngram_trie=trie)
 
 
 def _sampling_mode(args: EngineArgs) -> str:
@@ -158,7 +179,8 @@ def _initial_tier(algo: str, steps: int | None, topk: int | None, draft_tokens: 
     if topk < 1:
         raise ValueError(f"speculative_eagle_topk must be >= 1, got {topk}")
     if topk > 1 and not SPECULATIVE_ALGORITHMS[algo].trees:
-        raise ValueError(f"speculative_eagle_topk > 1 is not supported for {algo}; {algo} drafts a chain")
+        trie = " (for SGLang 0.5.23's trie tree, set speculative_ngram_max_bfs_breadth)" if algo == "NGRAM" else ""
+        raise ValueError(f"speculative_eagle_topk > 1 is not supported for {algo}; {algo} drafts a chain{trie}")
     if topk == 1 and draft_tokens != steps + 1:
         if draft_tokens is not None:
             logger.warning("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1")
@@ -170,3 +192,51 @@ def _initial_tier(algo: str, steps: int | None, topk: int | None, draft_tokens: 
                              f"and speculative_eagle_topk={topk} (the root plus at most {most - 1} candidate nodes), "
                              f"got {draft_tokens}")
     return Tier(steps, topk, draft_tokens)
+
+
+def _ngram_trie(args: EngineArgs, algo: str) -> NgramTrie | None:
+    """The trie tree's settings when any of its flags is given (SGLang 0.5.23's NGRAM), checked by name."""
+    given = [name for name in NGRAM_TRIE_FLAGS if getattr(args, name) is not None]
+    if not given:
+        return None
+    if algo != "NGRAM":
+        raise ValueError(f"{given[0]} is for speculative_algorithm NGRAM, not {algo}")
+    if args.speculative_adaptive:
+        raise ValueError(f"{given[0]}: the NGRAM trie tree has one shape; speculative_adaptive adapts NGRAM's "
+                         f"prompt-lookup chains (leave the trie flags out for those)")
+    min_breadth = 1 if args.speculative_ngram_min_bfs_breadth is None else args.speculative_ngram_min_bfs_breadth
+    max_breadth = _trie_max_breadth(args)
+    if not isinstance(min_breadth, int) or not 1 <= min_breadth <= max_breadth:
+        raise ValueError(f"speculative_ngram_min_bfs_breadth must be an integer in [1, speculative_ngram_max_bfs_breadth="
+                         f"{max_breadth}], got {min_breadth!r}")
+    depth = 18 if args.speculative_ngram_max_trie_depth is None else args.speculative_ngram_max_trie_depth
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 2:
+        raise ValueError(f"speculative_ngram_max_trie_depth must be an integer >= 2 (a matched token and one to draft), "
+                         f"got {depth!r}")
+    match_type = "BFS" if args.speculative_ngram_match_type is None else args.speculative_ngram_match_type
+    if match_type not in NGRAM_TRIE_MATCH_TYPES:
+        raise ValueError(f"speculative_ngram_match_type must be one of {', '.join(NGRAM_TRIE_MATCH_TYPES)}, "
+                         f"got {match_type!r}")
+    return NgramTrie(min_breadth, depth, match_type)
+
+
+def _trie_max_breadth(args: EngineArgs) -> int:
+    breadth = 10 if args.speculative_ngram_max_bfs_breadth is None else args.speculative_ngram_max_bfs_breadth
+    if not isinstance(breadth, int) or isinstance(breadth, bool) or breadth < 1:
+        raise ValueError(f"speculative_ngram_max_bfs_breadth must be an integer >= 1, got {breadth!r}")
+    return breadth
+
+
+def _ngram_trie_tier(args: EngineArgs) -> Tier:
+    """SGLang 0.5.23: topk := speculative_ngram_max_bfs_breadth, 12 draft tokens unless given; the tree may be as
+    deep as its nodes reach, so the tier's depth is num_draft_tokens - 1 (speculative_num_steps is not used)."""
+    topk, draft_tokens = _trie_max_breadth(args), args.speculative_num_draft_tokens
+    if args.speculative_eagle_topk is not None and args.speculative_eagle_topk != topk:
+        logger.warning("speculative_eagle_topk=%s is replaced by speculative_ngram_max_bfs_breadth=%s for the NGRAM "
+                       "trie tree (as SGLang)", args.speculative_eagle_topk, topk)
+    if draft_tokens is None:
+        draft_tokens = 12
+    if not isinstance(draft_tokens, int) or draft_tokens < 2:
+        raise ValueError(f"speculative_num_draft_tokens must be >= 2 for the NGRAM trie tree (the last token and at "
+                         f"least one draft), got {draft_tokens!r}")
+    return Tier(draft_tokens - 1, topk, draft_tokens)

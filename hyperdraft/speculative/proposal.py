@@ -27,3 +27,6 @@ class TreeProposal:
     parents: torch.Tensor  # [B, N] int64, -1 for the root; parents come before children
     fed: torch.Tensor  # [B, N] int64, offset past the root's index where the draft holds the node's K/V, -1 if none
     q: torch.Tensor | None = None  # [B, N, V] q each node's children were drawn from (sampled trees); None = top-k
+    # [B] host counts of real nodes, the root included, where trees differ in size (NGRAM's trie tree); the nodes
+    # past them are padding, never verified. None = all N
+    num_nodes: list[int] | None = None

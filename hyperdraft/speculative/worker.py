@@ -252,8 +252,10 @@ class SpecWorker:
 
 
 def _drafts_nothing(proposal: Proposal | TreeProposal) -> bool:
-    """A chain proposal without a single draft token (NGRAM finding no match anywhere): verifying it is a decode."""
-    return isinstance(proposal, Proposal) and not any(proposal.lens)
+    """A proposal without a single draft token (NGRAM finding no match anywhere): verifying it is a decode."""
+    if isinstance(proposal, TreeProposal):
+        return proposal.num_nodes is not None and max(proposal.num_nodes) <= 1
+    return not any(proposal.lens)
 
 
 def _prefill_results(prefills: list[ScheduledRequest], sampled: SampledTokens | None) -> list[RequestResult]:

@@ -19,6 +19,8 @@ CONFIGS = {  # row name -> EngineArgs fields over plain decoding
     "plain eager": dict(disable_cuda_graph=True),
     "plain, 32-token prefill chunks": dict(chunked_prefill_size=32),
     "NGRAM chain 4": dict(speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_num_draft_tokens=5),
+    "NGRAM trie tree BFS/12": dict(speculative_algorithm="NGRAM", speculative_ngram_match_type="BFS"),
+    "NGRAM trie tree PROB/12": dict(speculative_algorithm="NGRAM", speculative_ngram_match_type="PROB"),
     "self-draft chain 5": dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=SELF,
                                speculative_num_steps=5, speculative_eagle_topk=1, speculative_num_draft_tokens=6),
     "self-draft tree 3x4/8": dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=SELF,

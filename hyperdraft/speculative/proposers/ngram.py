@@ -29,9 +29,11 @@ from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.graph_runner import GraphRunner
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.speculative.graph_plan import verify_graph_runs
-from hyperdraft.speculative.proposal import Proposal
+from hyperdraft.speculative.config import NgramTrie
+from hyperdraft.speculative.proposal import Proposal, TreeProposal
 from hyperdraft.speculative.proposer import Proposer, ProposerCapabilities, ProposerContext
 from hyperdraft.speculative.proposers.ngram_store import DeviceSequences
+from hyperdraft.speculative.proposers.ngram_tree import TrieTreeShape, trie_tree
 
 HISTORY_TOKENS = 1 << 16  # finished requests' tokens kept for matching (512 KiB)
 
@@ -108,15 +110,19 @@ class NgramProposer(Proposer):
     def build(cls, ctx: ProposerContext, draft: None) -> "NgramProposer":
         spec = ctx.spec
         graphs = ctx.target.graphs
+        # The trie tree is looked up on the host only (as SGLang's): draft-ahead queues the chain's device lookup.
         ahead = DeviceSequences(ctx.target.page_table, HISTORY_TOKENS, spec.ngram_min_window, spec.ngram_max_window) \
-            if graphs is not None and ctx.options.draft_ahead else None
-        return cls(spec.ngram_min_window, spec.ngram_max_window, ctx.target.device, ahead=ahead, verify_graphs=graphs)
+            if graphs is not None and ctx.options.draft_ahead and spec.ngram_trie is None else None
+        return cls(spec.ngram_min_window, spec.ngram_max_window, ctx.target.device, ahead=ahead, verify_graphs=graphs,
+                   trie=spec.ngram_trie)
 
     def __init__(self, min_window: int, max_window: int, device: torch.device, history_tokens: int = HISTORY_TOKENS,
-                 ahead: DeviceSequences | None = None, verify_graphs: GraphRunner | None = None):
+                 ahead: DeviceSequences | None = None, verify_graphs: GraphRunner | None = None,
+                 trie: NgramTrie | None = None):
         """ahead: where the device lookup keeps sequences (None: no draft-ahead); verify_graphs: the target's, which
-        must run a batch's verify for it to be drafted ahead."""
-        self.min_window, self.max_window, self.device = min_window, max_window, device
+        must run a batch's verify for it to be drafted ahead; trie: draft SGLang 0.5.23's trie tree (ngram_tree.py)
+        instead of the prompt-lookup chain."""
+        self.min_window, self.max_window, self.device, self.trie = min_window, max_window, device, trie
         self.capabilities = ProposerCapabilities(idle_at_step_zero=True, may_draft_nothing=True,
                                                  drafts_ahead=ahead is not None and verify_graphs is not None)
         self.pool = None
@@ -130,7 +136,7 @@ class NgramProposer(Proposer):
         # the whole token list every round cost 20-150 us a request at 1k-4k tokens, more than the lookup itself.
         self.sequences: dict[str, tuple[Request, np.ndarray, int]] = {}
 
-    def propose(self, reqs: list[Request], tier: Tier, sampling) -> Proposal:
+    def propose(self, reqs: list[Request], tier: Tier, sampling) -> Proposal | TreeProposal:
         steps = tier.steps
         self._collect_finished(reqs)
         queued = self._take_ahead(reqs, tier)
@@ -138,12 +144,35 @@ class NgramProposer(Proposer):
             return queued
         if steps == 0:  # adaptive step 0: no speculation, and no drafter state to keep warm
             return Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.device), [0] * len(reqs))
+        if self.trie is not None:
+            return self._propose_trie(reqs, tier)
         history = self.history.tokens if self.history is not None else None
         drafts = [ngram_match(self._sequence(r), steps, self.min_window, self.max_window, history) for r in reqs]
         padded = np.zeros((len(reqs), steps), dtype=np.int64)
         for b, d in enumerate(drafts):
             padded[b, : len(d)] = d
         return Proposal(host_to_device(torch.from_numpy(padded), self.device), [len(d) for d in drafts])
+
+    def _propose_trie(self, reqs: list[Request], tier: Tier) -> Proposal | TreeProposal:
+        """Each request's trie tree (ngram_tree.py) over the history and its own tokens; a breadth of one drafts
+        a chain."""
+        shape = TrieTreeShape(tier.num_draft_tokens, tier.topk, self.trie.min_breadth, self.trie.max_trie_depth,
+                              self.trie.match_type)
+        history = self.history.tokens if self.history is not None else np.zeros(0, dtype=np.int64)
+        n = tier.num_draft_tokens
+        tokens, parents = np.zeros((len(reqs), n), dtype=np.int64), np.full((len(reqs), n), -1, dtype=np.int64)
+        counts = []
+        for b, req in enumerate(reqs):
+            seq = self._sequence(req)
+            corpus = np.concatenate([history, [SEPARATOR], seq]) if len(history) else seq
+            node_tokens, node_parents = trie_tree(corpus, seq, shape)
+            tokens[b, : len(node_tokens)], parents[b, : len(node_parents)] = node_tokens, node_parents
+            counts.append(len(node_tokens))
+        if not tier.is_tree:  # breadth 1: node i's parent is node i - 1
+            return Proposal(host_to_device(torch.from_numpy(tokens[:, 1:]), self.device), [c - 1 for c in counts])
+        tokens_d, parents_d = host_to_device(torch.from_numpy(np.stack([tokens, parents])), self.device)
+        fed = torch.full_like(tokens_d, -1)  # no draft K/V
+        return TreeProposal(tokens_d, parents_d, fed, num_nodes=counts)
 
     def draft_ahead(self, reqs: list[Request], tier: Tier, sampling, num_accepted: torch.Tensor, tokens: torch.Tensor,
                     kept: torch.Tensor | None = None) -> Proposal | None:

@@ -42,7 +42,9 @@ class TreeRound:
         self.ctx, self.reqs, self.sampling, self.tier, self.proposal = ctx, reqs, sampling, tier, proposal
         self.n = tier.num_draft_tokens
         room = reserved_room(ctx.target, reqs)
-        self.num_nodes = [min(self.n, m + 1) for m in room]  # fewer only when a lone request fills the pool
+        # fewer only when a lone request fills the pool, or where the drafter found fewer nodes
+        drafted = proposal.num_nodes or [self.n] * len(reqs)
+        self.num_nodes = [min(self.n, m + 1, d) for m, d in zip(room, drafted)]
         # The beam writes offsets up to (steps-1)*topk whatever the room; past the room they land in the padding
         # page, so such nodes have no draft K/V to keep.
         self.room, num_nodes, self.base, self.rows = to_device_many(

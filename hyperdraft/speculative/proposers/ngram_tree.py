@@ -1,0 +1,167 @@
+"""The draft tree of SGLang 0.5.23's NGRAM (`--speculative-ngram-match-type BFS|PROB`), built from occurrence lists.
+
+Terms, for one request:
+  corpus      what drafts come from: finished requests' tokens (the history, SEPARATOR between sequences), then the
+              request's own tokens, newest last
+  n-gram      at most max_trie_depth (D) consecutive corpus tokens, never across a SEPARATOR. SGLang keeps every one
+              in a trie: the node of n-gram s has a child c for each token that followed s somewhere, with a count
+              (freq: how often s + c occurs) and a recency (the latest occurrence of s + c)
+  anchor      the n-gram of the request's last w tokens (1 <= w < D) when it has children; used longest first
+  tree        N node slots: node 0 the request's last token (the root), then draft tokens, each under its parent,
+              a (parent, token) pair made once (later anchors merge into the nodes earlier ones made); at most
+              max_breadth children a node (verification tries that many siblings, Tier.topk)
+
+No trie is built. The children of n-gram s = anchor + p are the tokens that follow those occurrences of the anchor
+whose continuation starts with p: one pass over the corpus finds every anchor's occurrences (each length's survivors
+of the next), and each tree node under an anchor holds the subset of those rows that reach it. A child's freq is its
+row count, its recency its latest row. Why: a Python trie holds about D nodes per corpus token (over a million
+objects for the 64k-token history); the rows are one int64 an occurrence, and a round touches only the anchor's.
+
+BFS (recency first): an anchor of length w takes breadth(w) = min_breadth + (D' - w) * scale children a node, most
+recent first, the breadth falling by scale a level (never below one child), with D' = max(1, D - 1) and
+scale = (max_breadth - min_breadth) / D'. A short match says less about what follows, so it branches wider.
+PROB (frequency first): a node's max_breadth most frequent children (ties: the smaller token) share its probability
+in proportion to freq; nodes join the tree best first, until the tree is full.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyperdraft.kernels.ngram import SEPARATOR
+
+MATCH_TYPES = ("BFS", "PROB")
+# An anchor keeps its latest MAX_ROWS occurrences. A one-token anchor can occur thousands of times in the history
+# (a frequent token of a 64k-token history: 3-17k rows on Zipf-like text, 7-15 ms a tree); the latest 1024 keep the
+# recent children BFS ranks first and the counts PROB compares, in about a tenth of the time.
+MAX_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class TrieTreeShape:
+    num_nodes: int  # N: node slots, the root included (speculative_num_draft_tokens)
+    max_breadth: int  # most children a node (speculative_ngram_max_bfs_breadth; the tier's topk)
+    min_breadth: int  # BFS: the longest anchors' breadth (speculative_ngram_min_bfs_breadth)
+    max_trie_depth: int  # D: the longest n-gram (speculative_ngram_max_trie_depth)
+    match_type: str  # one of MATCH_TYPES
+
+
+class _Tree:
+    """Nodes in the order they are made, so every parent comes before its children."""
+
+    def __init__(self, root: int, shape: TrieTreeShape):
+        self.tokens, self.parents, self.children = [root], [-1], [0]
+        self.made: dict[tuple[int, int], int] = {}
+        self.shape = shape
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) >= self.shape.num_nodes
+
+    def add(self, parent: int, token: int) -> int | None:
+        """The node for token under parent, made if needed; None when the tree or the parent has no room."""
+        node = self.made.get((parent, token))
+        if node is not None:
+            return node
+        if self.full or self.children[parent] >= self.shape.max_breadth:
+            return None
+        node = len(self.tokens)
+        self.made[(parent, token)] = node
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.children.append(0)
+        self.children[parent] += 1
+        return node
+
+
+def anchor_ends(corpus: np.ndarray, seq: np.ndarray, longest: int) -> list[np.ndarray]:
+    """ends[w - 1]: the ascending positions e < len(corpus) with corpus[e - w : e] == seq[-w:], for w = 1, 2, ...
+    while any remain and w <= longest."""
+    found = []
+    ends = np.flatnonzero(corpus[:-1] == seq[-1]) + 1
+    for w in range(1, min(longest, len(seq)) + 1):
+        if w > 1:
+            at = ends - w
+            ends = ends[(at >= 0) & (corpus[np.maximum(at, 0)] == seq[-w])]
+        if not len(ends):
+            break
+        found.append(ends)
+    return found
+
+
+class _Children:
+    """The distinct tokens at one level of a node's rows, ascending, with each token's rows (latest first)."""
+
+    def __init__(self, corpus: np.ndarray, starts: np.ndarray, level: int, members: np.ndarray):
+        """starts: where each of the anchor's continuations begins in the corpus, latest first; members: the rows
+        that reach this node (each took a real token at every level above, so none has crossed a SEPARATOR)."""
+        at = starts[members] + level
+        members, at = members[at < len(corpus)], at[at < len(corpus)]
+        col = corpus[at]
+        keep = col != SEPARATOR
+        members, col = members[keep], col[keep]
+        self.tokens, first, inverse, self.counts = np.unique(col, return_index=True, return_inverse=True,
+                                                             return_counts=True)
+        self.latest = members[first]  # rows run latest first, so a smaller row is more recent
+        self._grouped = members[np.argsort(inverse, kind="stable")]  # one sort, instead of a pass per child
+        self._starts = np.cumsum(self.counts) - self.counts
+
+    def members(self, i: int) -> np.ndarray:
+        return self._grouped[self._starts[i]:self._starts[i] + self.counts[i]]
+
+
+def trie_tree(corpus: np.ndarray, seq: np.ndarray, shape: TrieTreeShape) -> tuple[list[int], list[int]]:
+    """corpus ends with seq (the request's own tokens) -> (tokens, parents) of its draft tree, root first."""
+    tree = _Tree(int(seq[-1]), shape)
+    depth = shape.max_trie_depth
+    for w, ends in reversed(list(enumerate(anchor_ends(corpus, seq, depth - 1), start=1))):
+        if tree.full:
+            break
+        grow = _grow_by_recency if shape.match_type == "BFS" else _grow_by_frequency
+        grow(tree, corpus, ends[::-1][:MAX_ROWS], depth - w, w)
+    return tree.tokens, tree.parents
+
+
+def _grow_by_recency(tree: _Tree, corpus: np.ndarray, starts: np.ndarray, levels: int, w: int) -> None:
+    """Under the anchor of length w whose continuations begin at starts (latest first), `levels` deep."""
+    shape = tree.shape
+    longest = max(1, shape.max_trie_depth - 1)
+    scale = (shape.max_breadth - shape.min_breadth) / longest
+    queue = deque([(0, (longest - w) * scale + shape.min_breadth, np.arange(len(starts)), 0)])
+    while queue and not tree.full:
+        parent, breadth, members, level = queue.popleft()
+        children = _Children(corpus, starts, level, members)
+        for i in np.argsort(children.latest)[: max(1, int(breadth))]:
+            node = tree.add(parent, int(children.tokens[i]))
+            if node is not None and level + 1 < levels:
+                queue.append((node, breadth - scale, children.members(i), level + 1))
+            if tree.full:
+                return
+
+
+def _grow_by_frequency(tree: _Tree, corpus: np.ndarray, starts: np.ndarray, levels: int, w: int) -> None:
+    heap: list = []
+    order = 0  # ties in probability leave the heap first in, first out
+
+    def offer(parent: int, members: np.ndarray, level: int, prob: float) -> None:
+        nonlocal order
+        if level >= levels:
+            return
+        children = _Children(corpus, starts, level, members)
+        best = np.lexsort((children.tokens, -children.counts))[: tree.shape.max_breadth]
+        total = float(children.counts[best].sum())
+        for i in best:
+            heapq.heappush(heap, (-(children.counts[i] / total * prob), order, parent, int(children.tokens[i]),
+                                  children.members(i), level + 1))
+            order += 1
+
+    offer(0, np.arange(len(starts)), 0, 1.0)
+    while heap and not tree.full:
+        neg_prob, _, parent, token, members, level = heapq.heappop(heap)
+        node = tree.add(parent, token)
+        if node is not None:
+            offer(node, members, level, -neg_prob)
