@@ -56,6 +56,20 @@ def check_us(tok, ids: list[int], stop: list[str], context: int) -> float:
     return (time.perf_counter() - start) / (len(ids) - context) * 1e6
 
 
+def run_us(tok, ids: list[int], stop: list[str], context: int, run: int, one_by_one: bool) -> float:
+    """StopChecker.append of runs of `run` tokens (a speculative step's accepted tokens), per token; one_by_one: the
+    check after each token of the run (what append did before it decoded a run once)."""
+    checker = StopChecker(tok, (), 10**9)
+    req = Request("probe", [1], SamplingParams(stop=stop, max_new_tokens=10**9), 0)
+    req.output_ids.extend(ids[:context])
+    append = checker._append_one_by_one if one_by_one else checker.append
+    start = time.perf_counter()
+    for at in range(context, len(ids) - run + 1, run):
+        if append(req, ids[at:at + run], [0.0] * run)[1] is not None:
+            raise AssertionError("a probe's stop string occurred in the text")
+    return (time.perf_counter() - start) / (len(ids) - context) * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.probes.stop_cost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,12 +82,15 @@ def main() -> None:
     rng = random.Random(0)
     lines = ["## Stop strings: cost per token", "", f"- date: {datetime.date.today()}; device: this machine's CPU "
              f"({platform.machine()}); commit: {git_commit()}", f"- command: `{command_line()}`", "",
-             "| stop strings | kind | detokenizer push, us a token | engine stop check, us a token |",
-             "|---|---|---|---|"]
+             "| stop strings | kind | detokenizer push, us a token | engine stop check, us a token | runs of 4: "
+             "checked token by token, us a token | runs of 4: one decode a run, us a token |",
+             "|---|---|---|---|---|---|"]
     for count, length in CASES:
         for kind, stop in stop_lists(count, length, rng).items():
             push, check = push_us(tok, ids[: args.tokens], stop), check_us(tok, ids, stop, args.tokens)
-            lines.append(f"| {count} x {length} characters | {kind} | {push:.0f} | {check:.0f} |")
+            each, once = (run_us(tok, ids, stop, args.tokens, 4, one_by_one) for one_by_one in (True, False))
+            lines.append(f"| {count} x {length} characters | {kind} | {push:.0f} | {check:.0f} | {each:.0f} | "
+                         f"{once:.0f} |")
             print(lines[-1], flush=True)
     print("wrote", write_results(lines, args.out, "stop_cost", "cpu"))
 

@@ -7,8 +7,12 @@ check() after each, without the per-token loop unless stop strings need the deco
 
 from __future__ import annotations
 
+from transformers import PreTrainedTokenizerFast
+
 from hyperdraft.detokenizer import decode_many
 from hyperdraft.request import Request
+
+REPLACEMENT = "\ufffd"  # what a decode ending inside a UTF-8 character reads there
 
 
 class StopChecker:
@@ -16,6 +20,11 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_len = context_len
+        # Whether a decode of a run of tokens contains the decode of every piece of it (edges aside): the Rust
+        # decoders map tokens to text one by one; clean_up_tokenization_spaces rewrites " ." and the like, which can
+        # move text across a piece's end.
+        self.pieces_are_substrings = isinstance(tokenizer, PreTrainedTokenizerFast) and \
+            not tokenizer.clean_up_tokenization_spaces
 
     def check(self, req: Request) -> str | None:
         """-> "stop", "length" or None, for the state after the newest token was appended."""
@@ -36,8 +45,9 @@ class StopChecker:
         p = req.params
         if not tokens:
             return [], None
-        if len(tokens) == 1 or (p.stop and self.tokenizer is not None):  # a plain decode's token (the common case:
-            # check() is the shortest test), or stop strings, which need the text after every token
+        if len(tokens) == 1 or (p.stop and self.tokenizer is not None and self._may_stop_inside(req, tokens)):
+            # a plain decode's token (the common case: check() is the shortest test), or a stop string that may end
+            # at one of the tokens, which needs the text after each
             return self._append_one_by_one(req, tokens, logprobs)
         # check() fires at the first token that reaches a length limit, or earlier at a stop id (at the same token
         # the stop id wins: check() tests it first).
@@ -65,12 +75,31 @@ class StopChecker:
                 return tokens[: i + 1], reason
         return list(tokens), None
 
+    def _may_stop_inside(self, req: Request, tokens: list[int]) -> bool:
+        """Whether check() after some token of this run could find a stop string, from one decode of everything
+        those checks read (the last `window` tokens before each: the window less one, then the run). Each check's
+        text is a piece of that text, edges aside: a piece's first token may lose its leading space (Metaspace,
+        Strip), which only shortens it, and its last may end inside a character and read U+FFFD. So where the
+        tokenizer keeps pieces as substrings and no stop string holds U+FFFD, no hit in the whole means no hit in
+        any check. A hit means only "look closer": the run is checked token by token, as plain decoding would."""
+        stops = req.params.stop
+        if not self.pieces_are_substrings or any(REPLACEMENT in s for s in stops):
+            return True
+        ids = req.output_ids[-(_window(stops) - 1):] + list(tokens)
+        text = decode_many(self.tokenizer, [ids], req.params.skip_special_tokens)[0]
+        return any(s in text for s in stops)
+
     def _hit_stop_string(self, req: Request) -> bool:
-        # A stop string of L characters spans at most 4L bytes, hence at most 4L byte-level tokens.
-        window = 4 * max(len(s) for s in req.params.stop) + 2
+        window = _window(req.params.stop)
         tail = decode_many(self.tokenizer, [req.output_ids[-window:]], req.params.skip_special_tokens)[0]
         for s in req.params.stop:
             if s in tail:
                 req.stop_str_hit = s
                 return True
         return False
+
+
+def _window(stops: list[str]) -> int:
+    """Tokens a stop check decodes: a stop string of L characters spans at most 4L bytes, so at most 4L byte-level
+    tokens, and one more on each side may hold part of a character."""
+    return 4 * max(len(s) for s in stops) + 2

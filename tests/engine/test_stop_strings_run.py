@@ -1,0 +1,80 @@
+"""A run of accepted tokens meets a request's stop strings exactly where checking the text after each token would
+(StopChecker.append's one decode of the run, against check() token by token), on real tokenizers: SmolLM2's
+byte-level BPE and a Llama-2-style Metaspace BPE (its decoder strips a window's leading space), over text with
+multi-byte characters, stop strings cut from the text around the run (so they hit, across token edges) and strings
+that never occur."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from hyperdraft import SamplingParams
+from hyperdraft.engine.stop import StopChecker
+from hyperdraft.request import Request
+
+TEXT = ("Le café coûte 3,50 € — très cher! 東京は大きい。 The fox 🦊 jumps over the lazy dog 🐶, twice: "
+        "fox fox. Ω ≈ 2π; naïve coöperation. ") * 3
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from hyperdraft.models.default_model import ensure_default_model
+    from hyperdraft.models.loader import load_tokenizer
+
+    tok = load_tokenizer(ensure_default_model(progress=False))
+    assert isinstance(tok, PreTrainedTokenizerFast) and not tok.clean_up_tokenization_spaces  # the one-decode path
+    return tok
+
+
+@pytest.fixture(scope="module")
+def metaspace():
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"],
+                                                             show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>",
+                                   clean_up_tokenization_spaces=False)
+    assert fast.decode(fast.encode("the fox", add_special_tokens=False)) == "the fox"
+    return fast
+
+
+def _one_by_one(stop: StopChecker, req: Request, tokens):
+    for i, tok in enumerate(tokens):
+        req.output_ids.append(tok)
+        reason = stop.check(req)
+        if reason is not None:
+            return tokens[: i + 1], reason
+    return list(tokens), None
+
+
+@pytest.mark.parametrize("name", ["smollm2", "metaspace"])
+def test_a_run_stops_where_token_by_token_checks_do(name, request):
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    stop = StopChecker(tokenizer, (), context_len=10_000)
+    rng = random.Random(0)
+    outcomes = {"hit": 0, "none": 0}
+    for case in range(1500):
+        start = rng.randrange(len(ids) - 40)
+        before, run = ids[start:start + rng.randint(0, 12)], ids[start + 12:start + 12 + rng.randint(2, 9)]
+        around = tokenizer.decode(ids[start + 8:start + 24])
+        cut = rng.randrange(len(around))
+        stops = [around[cut:cut + rng.randint(1, 6)] or "x", "never-in-text" if rng.random() < 0.5 else "ZZ"]
+        params = SamplingParams(max_new_tokens=500, stop=stops, skip_special_tokens=rng.random() < 0.5)
+        req = Request("r", [1], params, 0, output_ids=list(before))
+        if before and stop.check(req) is not None:
+            continue  # a request that already stopped is never appended to
+        ref = copy.deepcopy(req)
+        expect = _one_by_one(stop, ref, run)
+        got = stop.append(req, run, [0.0] * len(run))
+        assert got == expect and req.output_ids == ref.output_ids, (case, before, run, stops)
+        assert req.stop_str_hit == ref.stop_str_hit
+        outcomes["hit" if expect[1] else "none"] += 1
+    assert min(outcomes.values()) > 200, outcomes  # both the one-decode path and the stops inside runs were met
