@@ -25,7 +25,7 @@ from helpers.host_sync_cases import PARAMS, engine_args, write_models
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 GPU_CASES = ["plain", "eagle3-chain", "eagle3-tree", "eagle3-tree-sampled", "eagle3-chain-simulated", "ngram",
-             "standalone-tree", "eagle3-step-zero"]
+             "ngram-trie-tree", "standalone-tree", "eagle3-step-zero"]
 RUNS = [(case, params) for case in GPU_CASES for params in ("greedy", "sampled")]
 RUNS += [(case, "penalties") for case in ("plain", "eagle3-chain", "eagle3-tree")]
 WARMUP_STEPS = 4

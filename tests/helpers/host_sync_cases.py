@@ -20,6 +20,8 @@ CASES = {  # "draft" names a checkpoint of write_models
                                      speculative_use_rejection_sampling=True, **CHAIN),
     "standalone-tree": dict(speculative_algorithm="STANDALONE", draft="draft", **TREE),
     "ngram": dict(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=4),
+    "ngram-trie-tree": dict(speculative_algorithm="NGRAM", speculative_ngram_match_type="BFS",
+                            speculative_ngram_max_bfs_breadth=3, speculative_num_draft_tokens=6),
     "eagle3-chain-simulated": dict(speculative_algorithm="EAGLE3", draft="eagle3", speculative_simulate_accept_rate=0.7,
                                    **CHAIN),
     # adaptive tiers of step 0 only: rounds that draft nothing, each queuing the next verify where graphs run
