@@ -31,6 +31,9 @@ REPORT = os.path.join(os.environ.get("OUT", "/tmp"), "cuda_graphs_bf16.json")
 CASES = {
     "plain": {},
     "ngram": dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5),
+    # SGLang 0.5.23's trie tree: node counts differ per request, padded to the captured tree width
+    "ngram-trie": dict(speculative_algorithm="NGRAM", speculative_ngram_match_type="PROB",
+                       speculative_ngram_max_bfs_breadth=3, speculative_num_draft_tokens=6),
     "standalone-chain": dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, draft="draft"),
     "standalone-tree": dict(speculative_algorithm="STANDALONE", speculative_num_steps=3, speculative_eagle_topk=2,
                             speculative_num_draft_tokens=6, draft="draft"),
@@ -179,7 +182,7 @@ def test_every_batch_size_of_a_shape_shares_one_set_of_outputs(models):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram", "eagle3-chain", "eagle3-tree"])
+@pytest.mark.parametrize("name", ["plain", "ngram", "ngram-trie", "eagle3-chain", "eagle3-tree"])
 def test_prompts_admitted_beside_running_requests(models, name):
     """Three requests at a time (fp32): every later prompt is admitted while others decode or speculate, and its tail
     replays a captured prompt-tail extend beside the decodes' or the verify's graph (runner/prompt_tails.py). Token
