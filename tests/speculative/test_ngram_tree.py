@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hyperdraft.kernels.ngram import SEPARATOR
+import hyperdraft.speculative.proposers.ngram_tree as ngram_tree
 from hyperdraft.speculative.proposers.ngram_tree import TrieTreeShape, trie_tree
 
 
@@ -98,8 +99,10 @@ def corpus_of(history: list[list[int]], seq: list[int]) -> np.ndarray:
     return np.asarray(flat + seq, dtype=np.int64)
 
 
+@pytest.mark.parametrize("small_node", [0, 16, 10**9], ids=["numpy-grouping", "both", "python-grouping"])
 @pytest.mark.parametrize("match_type", ["BFS", "PROB"])
-def test_tree_equals_a_literal_trie_on_random_sequences(match_type):
+def test_tree_equals_a_literal_trie_on_random_sequences(match_type, small_node, monkeypatch):
+    monkeypatch.setattr(ngram_tree, "SMALL_NODE", small_node)
     rng = np.random.default_rng(1)
     for _ in range(600):
         vocab = int(rng.integers(2, 7))  # small vocabularies: deep tries and many merges
@@ -216,3 +219,17 @@ def test_the_tree_reserves_only_its_verify_width():
     """No draft K/V: a round needs the 12 verified nodes' room, not a beam's 1 + 10 * 10 fed nodes."""
     spec = resolve_spec_config(EngineArgs(speculative_algorithm="NGRAM", speculative_ngram_match_type="BFS"))
     assert spec.tier.reserve_tokens == 101 and spec.max_verify_tokens == 12
+
+
+def test_an_anchor_keeps_its_latest_occurrences(monkeypatch):
+    """MAX_ROWS: "7" was followed by 1, 2, then 3; kept to its two latest occurrences, the tree drafts 3 and 2."""
+    seq = np.asarray([7, 1, 7, 2, 7, 3, 7])
+    shape = TrieTreeShape(num_nodes=8, max_breadth=10, min_breadth=1, max_trie_depth=18, match_type="BFS")
+
+    def root_children():
+        tokens, parents = trie_tree(seq, seq, shape)
+        return {t for t, p in zip(tokens, parents) if p == 0}
+
+    assert root_children() == {1, 2, 3}
+    monkeypatch.setattr(ngram_tree, "MAX_ROWS", 2)
+    assert root_children() == {2, 3}

@@ -39,6 +39,9 @@ MATCH_TYPES = ("BFS", "PROB")
 # (a frequent token of a 64k-token history: 3-17k rows on Zipf-like text, 7-15 ms a tree); the latest 1024 keep the
 # recent children BFS ranks first and the counts PROB compares, in about a tenth of the time.
 MAX_ROWS = 1024
+# A node reached by this many rows or fewer is grouped in Python: about half the nodes of a tree on chat text have one
+# row, a quarter 2-4, and numpy's per-call cost (~2 us a call, ~10 calls) was most of a tree's 0.4 ms.
+SMALL_NODE = 16
 
 
 @dataclass(frozen=True)
@@ -94,24 +97,43 @@ def anchor_ends(corpus: np.ndarray, seq: np.ndarray, longest: int) -> list[np.nd
 
 
 class _Children:
-    """The distinct tokens at one level of a node's rows, ascending, with each token's rows (latest first)."""
+    """The distinct tokens at one level of a node's rows, as lists: tokens ascending, each one's latest row and row
+    count; members(i) gives token i's rows, latest first (set by the grouping)."""
 
-    def __init__(self, corpus: np.ndarray, starts: np.ndarray, level: int, members: np.ndarray):
+    def __init__(self, corpus: np.ndarray, starts: np.ndarray, level: int, members):
         """starts: where each of the anchor's continuations begins in the corpus, latest first; members: the rows
-        that reach this node (each took a real token at every level above, so none has crossed a SEPARATOR)."""
+        that reach this node, ascending (each took a real token at every level above, so none has crossed a
+        SEPARATOR)."""
+        if len(members) <= SMALL_NODE:
+            self._group_in_python(corpus, starts, level, members)
+        else:
+            self._group_in_numpy(corpus, starts, level, np.asarray(members))
+
+    def _group_in_python(self, corpus: np.ndarray, starts: np.ndarray, level: int, members) -> None:
+        groups: dict[int, list[int]] = {}
+        for row, at in zip(list(members), (starts[members] + level).tolist()):
+            token = int(corpus[at]) if at < len(corpus) else SEPARATOR
+            if token != SEPARATOR:
+                groups.setdefault(token, []).append(row)
+        self.tokens = sorted(groups)
+        rows = [groups[t] for t in self.tokens]
+        self.latest = [r[0] for r in rows]  # rows run latest first, so a smaller row is more recent
+        self.counts = [len(r) for r in rows]
+        self.members = rows.__getitem__
+
+    def _group_in_numpy(self, corpus: np.ndarray, starts: np.ndarray, level: int, members: np.ndarray) -> None:
         at = starts[members] + level
-        members, at = members[at < len(corpus)], at[at < len(corpus)]
-        col = corpus[at]
+        inside = at < len(corpus)
+        members, col = members[inside], corpus[at[inside]]
         keep = col != SEPARATOR
         members, col = members[keep], col[keep]
-        self.tokens, first, inverse, self.counts = np.unique(col, return_index=True, return_inverse=True,
-                                                             return_counts=True)
-        self.latest = members[first]  # rows run latest first, so a smaller row is more recent
-        self._grouped = members[np.argsort(inverse, kind="stable")]  # one sort, instead of a pass per child
-        self._starts = np.cumsum(self.counts) - self.counts
-
-    def members(self, i: int) -> np.ndarray:
-        return self._grouped[self._starts[i]:self._starts[i] + self.counts[i]]
+        order = np.argsort(col, kind="stable")  # one sort groups every child's rows, each group still ascending
+        grouped, col = members[order], col[order]
+        first = np.flatnonzero(np.concatenate(([True], col[1:] != col[:-1]))) if len(col) else order[:0]
+        self.tokens, self.latest = col[first].tolist(), grouped[first].tolist()
+        self.counts = (np.append(first[1:], len(col)) - first).tolist()
+        starts_of = first.tolist()  # a child's rows are sliced when asked for: most children are never expanded
+        self.members = lambda i: grouped[starts_of[i]:starts_of[i] + self.counts[i]]
 
 
 def trie_tree(corpus: np.ndarray, seq: np.ndarray, shape: TrieTreeShape) -> tuple[list[int], list[int]]:
@@ -135,8 +157,8 @@ def _grow_by_recency(tree: _Tree, corpus: np.ndarray, starts: np.ndarray, levels
     while queue and not tree.full:
         parent, breadth, members, level = queue.popleft()
         children = _Children(corpus, starts, level, members)
-        for i in np.argsort(children.latest)[: max(1, int(breadth))]:
-            node = tree.add(parent, int(children.tokens[i]))
+        for i in sorted(range(len(children.tokens)), key=children.latest.__getitem__)[: max(1, int(breadth))]:
+            node = tree.add(parent, children.tokens[i])
             if node is not None and level + 1 < levels:
                 queue.append((node, breadth - scale, children.members(i), level + 1))
             if tree.full:
@@ -152,16 +174,17 @@ def _grow_by_frequency(tree: _Tree, corpus: np.ndarray, starts: np.ndarray, leve
         if level >= levels:
             return
         children = _Children(corpus, starts, level, members)
-        best = np.lexsort((children.tokens, -children.counts))[: tree.shape.max_breadth]
-        total = float(children.counts[best].sum())
+        tokens, counts = children.tokens, children.counts
+        best = sorted(range(len(tokens)), key=lambda i: (-counts[i], tokens[i]))[: tree.shape.max_breadth]
+        total = float(sum(counts[i] for i in best))
         for i in best:
-            heapq.heappush(heap, (-(children.counts[i] / total * prob), order, parent, int(children.tokens[i]),
-                                  children.members(i), level + 1))
+            heapq.heappush(heap, (-(counts[i] / total * prob), order, parent, tokens[i], children.members(i),
+                                  level + 1))
             order += 1
 
     offer(0, np.arange(len(starts)), 0, 1.0)
     while heap and not tree.full:
         neg_prob, _, parent, token, members, level = heapq.heappop(heap)
         node = tree.add(parent, token)
-        if node is not None:
+        if node is not None and not tree.full:
             offer(node, members, level, -neg_prob)
