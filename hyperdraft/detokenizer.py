@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
         self.decoded = ""  # the text of ids[:read]
         self.emitted = ""  # a prefix of decoded
         self.stopped = False
+        self.stop_hit: str | None = None  # the stop string that ended the text
         self._prefix = self._read = 0  # the decode window: ids[prefix:read] gave the end of `decoded`
 
     @property
@@ -45,6 +46,22 @@ class IncrementalDetokenizer:
     def push(self, new_ids: list[int], final: bool = False) -> str:
         """Add tokens; return the newly final text."""
         return push_all([(self, new_ids, final)])[0]
+
+    @property
+    def settled(self) -> bool:
+        """Every pushed token's text is final: the last push did not end inside a character (or in a token that
+        decodes to nothing). A byte-fallback decoder turns a whole run of byte tokens into U+FFFD while its last
+        character is incomplete, so text visible after one token of a run can vanish after the next."""
+        return self._read == len(self.ids)
+
+    def mark(self) -> tuple:
+        """The state as it stands, for rewind: a push of several tokens that stopped can be replayed a token at a
+        time to find the token it stopped at."""
+        return len(self.ids), self.decoded, self.emitted, self.stopped, self.stop_hit, self._prefix, self._read
+
+    def rewind(self, mark: tuple) -> None:
+        n, self.decoded, self.emitted, self.stopped, self.stop_hit, self._prefix, self._read = mark
+        del self.ids[n:]
 
     def windows(self) -> list[list[int]]:
         """The two windows this push decodes (none when there is nothing to decode): what gave `decoded`'s end last
@@ -57,9 +74,10 @@ class IncrementalDetokenizer:
         """The push's newly final text, from its windows' decoded texts."""
         text = self._advance(now[len(before):], final)
         start = len(self.emitted)
-        cut = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=-1)
+        found = [(at, k) for k, at in enumerate(text.find(s, start) for s in self.stop) if at >= 0]
+        cut = min(found, default=(-1, -1))[0]  # at one place, the first string of the list is the one hit
         if cut >= 0:
-            safe, self.stopped = text[:cut], True
+            safe, self.stopped, self.stop_hit = text[:cut], True, self.stop[min(found)[1]]
         elif final:
             safe = text
         else:

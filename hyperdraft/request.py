@@ -41,6 +41,8 @@ class Request:
     prefill_cut: int = 0  # hybrid models: a prefill chunk ends here, where the prefix cache wants a state snapshot
     finish_reason: str | None = None
     stop_str_hit: str | None = None
+    # the engine's incremental text of the output, for stop strings (engine/stop.py: a detokenizer.IncrementalDetokenizer)
+    stop_text: object | None = field(default=None, repr=False, compare=False)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

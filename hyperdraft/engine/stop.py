@@ -1,18 +1,22 @@
 """StopChecker: decides where a request's newly accepted tokens end.
 
 A speculative step may accept several tokens; a stop inside the run truncates exactly where plain decoding, one
-token per step, would have stopped. scan() gives the same answer as appending the tokens one at a time and calling
-check() after each, without the per-token loop unless stop strings need the decoded text.
+token per step, would have stopped. append() gives the same answer as appending the tokens one at a time and calling
+check() after each, without the per-token loop unless a stop string ends inside the run.
+
+Stop strings are looked for in the output's text as the user gets it: an IncrementalDetokenizer per request
+(Request.stop_text), which decodes from character boundaries. A window of the last tokens decoded on its own missed
+stops: with byte-fallback tokenizers (Llama 2, Mistral) a window starting inside a character turns the whole run of
+byte tokens to U+FFFD, and skipped special tokens decode to nothing, so a stop can span more tokens than any window
+(found by an audit: the user's text was cut at the stop while the engine generated on to max_new_tokens). The
+detokenizer's text is the same however its tokens are pushed, so a run is pushed at once; only a run that stops is
+replayed a token at a time.
 """
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerFast
-
-from hyperdraft.detokenizer import decode_many
+from hyperdraft.detokenizer import IncrementalDetokenizer
 from hyperdraft.request import Request
-
-REPLACEMENT = "\ufffd"  # what a decode ending inside a UTF-8 character reads there
 
 
 class StopChecker:
@@ -20,11 +24,6 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_len = context_len
-        # Whether a decode of a run of tokens contains the decode of every piece of it (edges aside): the Rust
-        # decoders map tokens to text one by one; clean_up_tokenization_spaces rewrites " ." and the like, which can
-        # move text across a piece's end.
-        self.pieces_are_substrings = isinstance(tokenizer, PreTrainedTokenizerFast) and \
-            not tokenizer.clean_up_tokenization_spaces
 
     def check(self, req: Request) -> str | None:
         """-> "stop", "length" or None, for the state after the newest token was appended."""
@@ -45,9 +44,9 @@ class StopChecker:
         p = req.params
         if not tokens:
             return [], None
-        if len(tokens) == 1 or (p.stop and self.tokenizer is not None and self._may_stop_inside(req, tokens)):
-            # a plain decode's token (the common case: check() is the shortest test), or a stop string that may end
-            # at one of the tokens, which needs the text after each
+        if len(tokens) == 1 or (p.stop and self.tokenizer is not None and self._stops_inside(req, tokens)):
+            # a plain decode's token (the common case: check() is the shortest test), or a stop string that ends at
+            # one of the tokens, which needs the text after each
             return self._append_one_by_one(req, tokens, logprobs)
         # check() fires at the first token that reaches a length limit, or earlier at a stop id (at the same token
         # the stop id wins: check() tests it first).
@@ -75,31 +74,31 @@ class StopChecker:
                 return tokens[: i + 1], reason
         return list(tokens), None
 
-    def _may_stop_inside(self, req: Request, tokens: list[int]) -> bool:
-        """Whether check() after some token of this run could find a stop string, from one decode of everything
-        those checks read (the last `window` tokens before each: the window less one, then the run). Each check's
-        text is a piece of that text, edges aside: a piece's first token may lose its leading space (Metaspace,
-        Strip), which only shortens it, and its last may end inside a character and read U+FFFD. So where the
-        tokenizer keeps pieces as substrings and no stop string holds U+FFFD, no hit in the whole means no hit in
-        any check. A hit means only "look closer": the run is checked token by token, as plain decoding would."""
-        stops = req.params.stop
-        if not self.pieces_are_substrings or any(REPLACEMENT in s for s in stops):
-            return True
-        ids = req.output_ids[-(_window(stops) - 1):] + list(tokens)
-        text = decode_many(self.tokenizer, [ids], req.params.skip_special_tokens)[0]
-        return any(s in text for s in stops)
+    def _stops_inside(self, req: Request, tokens: list[int]) -> bool:
+        """Push the run to the request's text at once (one decode); True, with the text rewound to before the run,
+        when a stop string may end inside it. A run that does not stop stays pushed: append() keeps all of it
+        unless an EOS, stop id or length limit ends the request, whose text is then never read again."""
+        text = self._text(req)
+        before = text.mark()
+        text.push(list(tokens))
+        if not text.stopped and text.settled:
+            return False
+        # A stop, or text held back at the run's end: a stop string visible after an earlier token of the run may
+        # be hidden there (byte-fallback decoders, detokenizer.IncrementalDetokenizer.settled), so look token by token.
+        text.rewind(before)
+        return True
 
     def _hit_stop_string(self, req: Request) -> bool:
-        window = _window(req.params.stop)
-        tail = decode_many(self.tokenizer, [req.output_ids[-window:]], req.params.skip_special_tokens)[0]
-        for s in req.params.stop:
-            if s in tail:
-                req.stop_str_hit = s
-                return True
-        return False
+        text = self._text(req)
+        if text.stopped:
+            req.stop_str_hit = text.stop_hit
+        return text.stopped
 
-
-def _window(stops: list[str]) -> int:
-    """Tokens a stop check decodes: a stop string of L characters spans at most 4L bytes, so at most 4L byte-level
-    tokens, and one more on each side may hold part of a character."""
-    return 4 * max(len(s) for s in stops) + 2
+    def _text(self, req: Request) -> IncrementalDetokenizer:
+        """req's stop-string text, holding every output token appended so far."""
+        if req.stop_text is None:
+            req.stop_text = IncrementalDetokenizer(self.tokenizer, req.params.stop, req.params.skip_special_tokens)
+        text = req.stop_text
+        if len(text.ids) < len(req.output_ids):
+            text.push(req.output_ids[len(text.ids):])
+        return text

@@ -6,7 +6,6 @@ that never occur."""
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
@@ -54,7 +53,68 @@ def _one_by_one(stop: StopChecker, req: Request, tokens):
     return list(tokens), None
 
 
-@pytest.mark.parametrize("name", ["smollm2", "metaspace"])
+@pytest.fixture(scope="module")
+def byte_fallback():
+    """Llama 2 / Mistral style: a few words, every other character spelled as <0xNN> byte tokens, and a decoder
+    that turns a run of byte tokens that is not valid UTF-8 into U+FFFD, the whole run."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+    vocab.update((f"<0x{i:02X}>", 4 + i) for i in range(256))
+    for word in ["▁", "x", "▁Hello", "▁world", "▁fox", "o", "▁w"]:
+        vocab[word] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", clean_up_tokenization_spaces=False)
+    assert fast.decode(fast.encode("x日本😀\n", add_special_tokens=False)) == "x日本😀\n"
+    return fast
+
+
+def _first_stop(tokenizer, ids: list[int], stop: str, skip_special_tokens: bool = True) -> int:
+    """Tokens up to the first whose whole decoded output contains stop."""
+    return next(k for k in range(1, len(ids) + 1)
+                if stop in tokenizer.decode(ids[:k], skip_special_tokens=skip_special_tokens))
+
+
+def test_a_stop_made_of_byte_tokens_after_wide_characters(byte_fallback):
+    """Found by an audit: the engine decoded the last 4 * len(stop) + 2 tokens on their own; that window began inside
+    "😀"'s bytes, so the run of byte tokens decoded to U+FFFD and "\n\n" was never seen (the user's text was cut
+    at it; the engine generated to max_new_tokens)."""
+    tok = byte_fallback
+    ids = tok.encode("x日本😀\n\n日本 more", add_special_tokens=False)
+    want = _first_stop(tok, ids, "\n\n")
+    stop = StopChecker(tok, (2,), 4096)
+    for run in (1, 3, len(ids)):  # a token at a time, runs of three, the whole output as one run
+        req = Request("r", [1], SamplingParams(max_new_tokens=100, stop=["\n\n"]), 0)
+        kept, reason = [], None
+        for at in range(0, len(ids), run):
+            appended, reason = stop.append(req, ids[at:at + run], [0.0] * run)
+            kept += appended
+            if reason:
+                break
+        assert (len(kept), reason, req.stop_str_hit) == (want, "stop", "\n\n"), run
+
+
+def test_a_stop_across_skipped_special_tokens(byte_fallback):
+    """Thirty special tokens between "Hello" and " world" decode to nothing: "o w" spans 32 tokens, more than any
+    window of 4 * 3 + 2."""
+    tok = byte_fallback
+    ids = tok.encode("Hello", add_special_tokens=False) + [3] * 30 + tok.encode("world", add_special_tokens=False)
+    want = _first_stop(tok, ids, "o w")
+    assert want > len(tok.encode("Hello", add_special_tokens=False)) + 30  # the stop ends past the special tokens
+    for run in (1, 5):
+        req = Request("r", [1], SamplingParams(max_new_tokens=100, stop=["o w"], ignore_eos=True), 0)
+        stop, kept, reason = StopChecker(tok, (2,), 4096), [], None
+        for at in range(0, len(ids), run):
+            appended, reason = stop.append(req, ids[at:at + run], [0.0] * run)
+            kept += appended
+            if reason:
+                break
+        assert (len(kept), reason) == (want, "stop"), run
+
+
+@pytest.mark.parametrize("name", ["smollm2", "metaspace", "byte_fallback"])
 def test_a_run_stops_where_token_by_token_checks_do(name, request):
     tokenizer = request.getfixturevalue(name)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
@@ -68,10 +128,9 @@ def test_a_run_stops_where_token_by_token_checks_do(name, request):
         cut = rng.randrange(len(around))
         stops = [around[cut:cut + rng.randint(1, 6)] or "x", "never-in-text" if rng.random() < 0.5 else "ZZ"]
         params = SamplingParams(max_new_tokens=500, stop=stops, skip_special_tokens=rng.random() < 0.5)
-        req = Request("r", [1], params, 0, output_ids=list(before))
+        req, ref = (Request("r", [1], params, 0, output_ids=list(before)) for _ in range(2))
         if before and stop.check(req) is not None:
             continue  # a request that already stopped is never appended to
-        ref = copy.deepcopy(req)
         expect = _one_by_one(stop, ref, run)
         got = stop.append(req, run, [0.0] * len(run))
         assert got == expect and req.output_ids == ref.output_ids, (case, before, run, stops)
