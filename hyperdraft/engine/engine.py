@@ -239,7 +239,10 @@ class Engine:
         tokenizer, chunk = self.tokenizer, self.args.effective_chunked_prefill_size
         eos = self.model_config.eos_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
-        return Scheduler(self.page_table, StopChecker(tokenizer, eos, self.context_len),
+        # A request ends with "length" where it would outgrow the whole pool, as SGLang's max_req_len does (it was
+        # aborted there: an OpenAI client got finish_reason "abort"); its newest token needs no slot yet.
+        longest = min(self.context_len, self.page_table.capacity_slots + 1)
+        return Scheduler(self.page_table, StopChecker(tokenizer, eos, longest),
                          max_running_requests=self.max_rows,
                          prefill_budget=chunk if chunk > 0 else self.context_len, chunked_prefill=chunk > 0,
                          decode_reserve=self._decode_reserve(), cache=self.prefix_cache)

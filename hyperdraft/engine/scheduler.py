@@ -88,7 +88,9 @@ class Scheduler:
                     while width and not self.page_table.reserve(req.row, req.num_computed + width):
                         width -= 1
                     if not width:
-                        self._finish(req, "abort")  # the pool can never hold it
+                        # the pool can never hold it: unreachable while StopChecker ends a request at the pool's
+                        # size with "length" (engine.py), kept so a miscount cannot hang the engine
+                        self._finish(req, "abort")
                     break
                 self._retract(victim)
                 if victim is req:

@@ -58,4 +58,4 @@ def test_the_page_table_is_as_wide_as_the_pool_not_the_context(make_llm, tmp_pat
         if path == long_context:
             assert tuple(llm.engine.page_table.table.shape[1:]) == (256 // 4 + 1,)
     assert runs[0] == runs[1]
-    assert runs[0][3][1] == "abort"  # it filled the pool (a row as wide as the table) and could grow no further
+    assert runs[0][3][1] == "length"  # it filled the pool (a row as wide as the table) and could grow no further
