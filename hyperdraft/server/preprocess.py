@@ -49,8 +49,25 @@ class Preprocessor:
     async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
         self._check_limits(req)
         if isinstance(req, ChatCompletionRequest):
-            return await self._prepare_chat(req)
-        return await self._off_loop(lambda tok: self._prepare_completion(tok, req))
+            prepared = await self._prepare_chat(req)
+        else:
+            prepared = await self._off_loop(lambda tok: self._prepare_completion(tok, req))
+        self._check_room(req, prepared)
+        return prepared
+
+    def _check_room(self, req, prepared: PreparedRequest) -> None:
+        """Tokens asked for must fit the context after the prompt: OpenAI, vLLM and SGLang refuse the request (the
+        engine would end the answer at the context instead, and max_tokens of 10**9 ran for minutes)."""
+        chat = isinstance(req, ChatCompletionRequest)
+        asked = req.requested_max_tokens if chat else req.max_tokens
+        longest = max(len(ids) for ids in prepared.inputs)
+        if asked is None or longest >= self.context_len:  # the engine refuses a prompt that fills the context itself
+            return
+        if longest + asked > self.context_len:
+            field = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"this model's context length is {self.context_len} tokens; the prompt has {longest} "
+                                f"and {field} asks for {asked} more ({longest + asked} in all)", field,
+                           "context_length_exceeded")
 
     # ---- 1. cheap checks ----------------------------------------------------------------------------------------
     def _check_limits(self, req) -> None:

@@ -70,6 +70,17 @@ class _Sampling(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # SGLang's and vLLM's output constraints, and min_tokens: named here only to be refused, since ignoring them
+    # returns text that does not mean what the client asked for
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    min_tokens: Any = None
 
     def sampling_params(self, max_new_tokens: int, choice: int, logprobs: bool) -> SamplingParams:
         """The engine parameters of one choice. With a seed and n > 1, choice i uses seed + i, so the n samples
@@ -94,6 +105,12 @@ class _Sampling(_Model):
     def check_supported(self) -> None:
         if self.logit_bias:
             raise unsupported("logit_bias")
+        for name in CONSTRAINT_FIELDS:
+            if getattr(self, name) is not None:
+                raise unsupported(name, f"{name} is not supported by this server: output constraints are not "
+                                        "implemented, and unconstrained text would not mean what was asked")
+        if self.min_tokens not in (None, 0):
+            raise unsupported("min_tokens", "min_tokens is not supported by this server (0 or omitted)")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
         if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
@@ -176,6 +193,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: JsonInt | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's field; also accepted inside chat_template_kwargs
@@ -189,6 +209,11 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs", "invalid_value")
         if self.tools:
             raise unsupported("tools")
+        if self.tool_choice not in (None, "none"):  # OpenAI refuses tool_choice without tools too
+            raise unsupported("tool_choice", "tool_choice must be \"none\" or omitted: tools are not supported")
+        for name in ("functions", "function_call"):  # the deprecated form of tools
+            if getattr(self, name) is not None:
+                raise unsupported(name)
         if self.response_format is not None and self.response_format.type != "text":
             raise unsupported("response_format", "response_format must be {\"type\": \"text\"}")
         clash = sorted(SERVER_TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or {}))
@@ -208,6 +233,10 @@ class ChatCompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 
 
 def unsupported(field: str, message: str | None = None) -> APIError:

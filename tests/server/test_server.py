@@ -303,6 +303,13 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
     (b'{"prompt": "a", "top_p": NaN}', 400, "top_p", "invalid_value"),
     ({"prompt": "a", "stop": ["zq"] * 65}, 400, "stop", "invalid_value"),  # 110,000 held the event loop 45 s
     ({"prompt": "a", "stop": "z" * 257}, 400, "stop", "invalid_value"),
+    # output constraints of SGLang and vLLM were accepted and ignored (found by an audit)
+    ({"prompt": "a", "regex": "[0-9]+"}, 400, "regex", "unsupported_parameter"),
+    ({"prompt": "a", "json_schema": "{}"}, 400, "json_schema", "unsupported_parameter"),
+    ({"prompt": "a", "guided_choice": ["yes", "no"]}, 400, "guided_choice", "unsupported_parameter"),
+    ({"prompt": "a", "min_tokens": 5}, 400, "min_tokens", "unsupported_parameter"),
+    # the prompt plus max_tokens past the context: was cut at the context (10**9 ran for minutes)
+    ({"prompt": "a", "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded"),
 ]
 BAD_CHATS = [
     ({"messages": []}, 400, "messages", "invalid_value"),
@@ -319,6 +326,14 @@ BAD_CHATS = [
      "chat_template_kwargs", "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": False}},
      400, "chat_template_kwargs", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice",
+     "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, 400, "functions",
+     "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}}, 400, "guided_json",
+     "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9}, 400, "max_completion_tokens",
+     "context_length_exceeded"),
 ]
 
 
