@@ -101,8 +101,8 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
         topk, draft_tokens = initial.topk, initial.num_draft_tokens
         if not SPECULATIVE_ALGORITHMS[algo].trees and any(t.is_tree for t in adaptive.candidate_union()):
             raise ValueError(f"speculative_adaptive_config: tree tiers (topk > 1) are not supported for {algo}")
-    elif args.speculative_adaptive_config:
-        raise ValueError("speculative_adaptive_config is given but speculative_adaptive is off")
+    elif args.speculative_adaptive_config:  # SGLang reads the config only under the flag
+        logger.warning("speculative_adaptive_config is ignored: speculative_adaptive is off")
     if SPECULATIVE_ALGORITHMS[algo].draft_model:
         if not args.speculative_draft_model_path and not SPECULATIVE_ALGORITHMS[algo].own_mtp:
             raise ValueError(f"speculative_draft_model_path is required for speculative_algorithm {algo}")
@@ -121,6 +121,10 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
         if args.speculative_use_rejection_sampling:
             raise ValueError(f"speculative_use_rejection_sampling needs a draft model; {algo} drafts are deterministic")
     trie = _ngram_trie(args, algo)
+    if trie is not None and adaptive is not None:  # as SGLang's NGRAM: a warning, then the static shape
+        logger.warning("speculative_adaptive disabled: the NGRAM trie tree has one shape. Falling back to static "
+                       "speculative params.")
+        adaptive = None
     tier = _ngram_trie_tier(args) if trie is not None else _initial_tier(algo, steps, topk, draft_tokens,
                                                                             adaptive is not None)
     if not 1 <= args.speculative_ngram_min_match_window_size <= args.speculative_ngram_max_match_window_size:
@@ -201,9 +205,6 @@ def _ngram_trie(args: EngineArgs, algo: str) -> NgramTrie | None:
         return None
     if algo != "NGRAM":
         raise ValueError(f"{given[0]} is for speculative_algorithm NGRAM, not {algo}")
-    if args.speculative_adaptive:
-        raise ValueError(f"{given[0]}: the NGRAM trie tree has one shape; speculative_adaptive adapts NGRAM's "
-                         f"prompt-lookup chains (leave the trie flags out for those)")
     min_breadth = 1 if args.speculative_ngram_min_bfs_breadth is None else args.speculative_ngram_min_bfs_breadth
     max_breadth = _trie_max_breadth(args)
     if not isinstance(min_breadth, int) or not 1 <= min_breadth <= max_breadth:

@@ -252,7 +252,8 @@ def test_controller_returns_switch_and_logs(caplog):
     assert ctl.observe(2, [2, 2]) is None
     with caplog.at_level(logging.INFO, logger="hyperdraft"):
         assert ctl.observe(2, [0, 0]) == (Tier(3), Tier(1))
-    assert "Adaptive spec params updated: steps 3 -> 1 (ema=0.00, bs slot=1)" in caplog.text
+    # SGLang's wording, ema_accept_len included (log scrapers key on it)
+    assert "Adaptive spec params updated: steps 3 -> 1 (ema_accept_len=0.00, bs slot=1)" in caplog.text
     assert ctl.tier_for(2) == Tier(1)
 
 
@@ -315,7 +316,9 @@ def test_strategy_and_goodput_globals():
     cfg = load_adaptive_config({"strategy": "goodput", "goodput": goodput, "1": [1, 3]})
     assert cfg.strategy == "goodput" and cfg.goodput == goodput
     assert load_adaptive_config({"strategy": "ema", "1": [1]}).strategy == "ema"
-    for bad in ("throughput_aware", "EMA", None, 1):
+    # SGLang 0.5.23 ignores the key, so a config written for a later SGLang runs its EMA policy
+    assert load_adaptive_config({"strategy": "throughput_aware", "1": [1, 3]}).strategy == "ema"
+    for bad in ("EMA", None, 1):
         with pytest.raises(ValueError, match=rf"^speculative_adaptive_config: 'strategy' must be 'ema' or 'goodput', "
                                              rf"got {re.escape(repr(bad))}$"):
             load_adaptive_config({"strategy": bad, "1": [1, 3]})
@@ -355,10 +358,21 @@ def test_json_file_with_globals_and_bare_lists(tmp_path):
 
 
 def test_bad_policy_numbers_rejected():
-    for extra in ({"ema_alpha": 0}, {"ema_alpha": 1.5}, {"update_interval": 0}, {"warmup_batches": -1},
-                  {"ceiling_coeff": -1}, {"ema_alpha": "x"}):
+    for extra in ({"ema_alpha": -0.1}, {"ema_alpha": 1.5}, {"update_interval": 0}, {"warmup_batches": -1},
+                  {"ema_alpha": "x"}):
         with pytest.raises(ValueError, match="^BS 1: "):
             load_adaptive_config({"1": {"candidate_steps": [1, 3], **extra}})
+
+
+def test_policy_numbers_sglang_gives_a_meaning_are_accepted():
+    """ema_alpha 0: the EMA stays where it starts, so the tier never moves; ceiling_coeff <= 0: no ceiling (SGLang's
+    `if ceiling_coeff > 0`). Both were refused."""
+    frozen = slot(3, ema_alpha=0.0, warmup_batches=0, update_interval=1)
+    for _ in range(20):
+        frozen.observe([0, 0])
+    assert frozen.steps == 3
+    no_ceiling = load_adaptive_config({"1": {"candidate_steps": [1, 3], "ceiling_coeff": -1}}).slots[0][1]
+    assert no_ceiling.ceiling_coeff == -1
 
 
 def test_max_reserve_tokens_of_default_config():
@@ -403,3 +417,14 @@ def test_reserved_globals_are_not_slot_keys(caplog):
     with caplog.at_level(logging.WARNING, logger="hyperdraft"):
         load_adaptive_config({"up_hysterisis": 0.5, "1": [1, 3]})  # a typo: ignored like SGLang, but said
     assert "ignoring unknown keys ['up_hysterisis']" in caplog.text
+
+
+def test_a_config_without_the_flag_is_ignored_with_a_warning(caplog):
+    """SGLang reads --speculative-adaptive-config only under --speculative-adaptive; it was an error here."""
+    from hyperdraft.config import EngineArgs
+    from hyperdraft.speculative.config import resolve_spec_config
+
+    spec = resolve_spec_config(EngineArgs(speculative_algorithm="NGRAM", speculative_num_steps=3,
+                                          speculative_adaptive_config='{"1": [1, 3]}'))
+    assert spec.adaptive is None and spec.tier == Tier(3)
+    assert "speculative_adaptive_config is ignored: speculative_adaptive is off" in caplog.text

@@ -200,8 +200,6 @@ def test_trie_flags_resolve_as_sglang():
     (dict(speculative_ngram_match_type="DFS"), r"speculative_ngram_match_type must be one of BFS, PROB, got 'DFS'"),
     (dict(speculative_ngram_match_type="BFS", speculative_num_draft_tokens=1),
      r"speculative_num_draft_tokens must be >= 2"),
-    (dict(speculative_ngram_match_type="BFS", speculative_adaptive=True),
-     r"speculative_ngram_match_type: the NGRAM trie tree has one shape; speculative_adaptive"),
 ])
 def test_bad_trie_flags_are_named(args, message):
     with pytest.raises(ValueError, match=message):
@@ -233,3 +231,11 @@ def test_an_anchor_keeps_its_latest_occurrences(monkeypatch):
     assert root_children() == {1, 2, 3}
     monkeypatch.setattr(ngram_tree, "MAX_ROWS", 2)
     assert root_children() == {2, 3}
+
+
+def test_adaptive_falls_back_to_the_static_tree_with_a_warning(caplog):
+    """As SGLang: adaptive speculation covers EAGLE chains there, and NGRAM gets its static parameters."""
+    spec = resolve_spec_config(EngineArgs(speculative_algorithm="NGRAM", speculative_ngram_match_type="BFS",
+                                          speculative_adaptive=True))
+    assert spec.adaptive is None and spec.tier == Tier(11, 10, 12)
+    assert "speculative_adaptive disabled: the NGRAM trie tree has one shape" in caplog.text

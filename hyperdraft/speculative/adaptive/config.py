@@ -114,9 +114,9 @@ def _parse_slot(key: str, merged: dict[str, Any], topk: int, num_draft_tokens: i
                          float(v["ema_alpha"]), int(v["warmup_batches"]), int(v["update_interval"]))
     except (TypeError, ValueError) as e:
         raise ValueError(str(e) if str(e).startswith("BS ") else f"BS {key}: {e}") from None
-    if not 0.0 < cfg.ema_alpha <= 1.0 or cfg.warmup_batches < 0 or cfg.update_interval < 1 or cfg.ceiling_coeff < 0:
-        raise ValueError(f"BS {key}: needs 0 < ema_alpha <= 1, warmup_batches >= 0, update_interval >= 1 and "
-                         f"ceiling_coeff >= 0, got {v}")
+    # SGLang gives ema_alpha 0 a meaning (the EMA stays where it starts) and ceiling_coeff <= 0 too (no ceiling)
+    if not 0.0 <= cfg.ema_alpha <= 1.0 or cfg.warmup_batches < 0 or cfg.update_interval < 1:
+        raise ValueError(f"BS {key}: needs 0 <= ema_alpha <= 1, warmup_batches >= 0 and update_interval >= 1, got {v}")
     return cfg
 
 
@@ -152,6 +152,10 @@ def load_adaptive_config(source: str | dict | None, default_topk: int = 1,
     if not isinstance(raw, dict):
         raise ValueError("speculative_adaptive_config must be a JSON object")
     strategy = raw.get("strategy", "ema")
+    if strategy == "throughput_aware":  # SGLang after 0.5.23; 0.5.23 ignores the key and runs its EMA policy
+        logger.warning("speculative_adaptive_config: strategy 'throughput_aware' runs the EMA policy here, as SGLang "
+                       "0.5.23 does (hyperdraft's own throughput-driven policy is 'goodput')")
+        strategy = "ema"
     if strategy not in STRATEGIES:
         raise ValueError(f"speculative_adaptive_config: 'strategy' must be 'ema' or 'goodput', got {strategy!r}")
     goodput = raw.get("goodput", {})

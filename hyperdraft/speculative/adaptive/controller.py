@@ -49,7 +49,7 @@ class AdaptiveController:
         if new == old:
             return None
         ema = slot.state().get("ema")
-        logger.info("Adaptive spec params updated: steps %s -> %s (ema=%s, bs slot=%d)", old.describe(),
+        logger.info("Adaptive spec params updated: steps %s -> %s (ema_accept_len=%s, bs slot=%d)", old.describe(),
                     new.describe(), "n/a" if ema is None else f"{ema:.2f}", key)
         return old, new
 
