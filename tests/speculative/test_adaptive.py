@@ -428,3 +428,10 @@ def test_a_config_without_the_flag_is_ignored_with_a_warning(caplog):
                                           speculative_adaptive_config='{"1": [1, 3]}'))
     assert spec.adaptive is None and spec.tier == Tier(3)
     assert "speculative_adaptive_config is ignored: speculative_adaptive is off" in caplog.text
+
+
+def test_a_non_ascii_digit_key_is_a_global_not_a_slot(caplog):
+    """"²" is a digit to str.isdigit but not to int(): it was a slot key that failed to parse, naming nothing."""
+    cfg = load_adaptive_config({"1": [1, 3], "²": [5]})
+    assert ladders(cfg) == {1: [1, 3]}
+    assert "ignoring unknown keys ['²']" in caplog.text

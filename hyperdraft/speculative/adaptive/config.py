@@ -161,7 +161,8 @@ def load_adaptive_config(source: str | dict | None, default_topk: int = 1,
     goodput = raw.get("goodput", {})
     if not isinstance(goodput, dict):
         raise ValueError("speculative_adaptive_config: 'goodput' must be a JSON object")
-    slot_keys = [k for k in raw if isinstance(k, str) and k.isdigit()]
+    # ASCII digits only: "²".isdigit() is True, and int("²") failed with an error that named no key
+    slot_keys = [k for k in raw if isinstance(k, str) and k.isascii() and k.isdigit()]
     if not slot_keys:
         raise ValueError('speculative_adaptive_config must contain at least one integer-string BS key, '
                          f'e.g. {{"1": {{"candidate_steps": [1,3,7]}}}}. Got keys: {list(raw)}')
