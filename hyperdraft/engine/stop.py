@@ -9,8 +9,9 @@ Stop strings are looked for in the output's text as the user gets it: an Increme
 stops: with byte-fallback tokenizers (Llama 2, Mistral) a window starting inside a character turns the whole run of
 byte tokens to U+FFFD, and skipped special tokens decode to nothing, so a stop can span more tokens than any window
 (found by an audit: the user's text was cut at the stop while the engine generated on to max_new_tokens). The
-detokenizer's text is the same however its tokens are pushed, so a run is pushed at once; only a run that stops is
-replayed a token at a time.
+detokenizer's settled text is the same however its tokens are pushed, so a run is pushed at once; only a run that
+stops, or ends inside a character (where a byte-fallback decoder can hide text an earlier token of the run showed),
+is replayed a token at a time.
 """
 
 from __future__ import annotations
