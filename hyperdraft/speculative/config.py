@@ -129,14 +129,7 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
                                                                             adaptive is not None)
     if not 1 <= args.speculative_ngram_min_match_window_size <= args.speculative_ngram_max_match_window_size:
         raise ValueError("speculative_ngram_min_match_window_size must be >= 1 and <= speculative_ngram_max_match_window_size")
-    token_map = args.speculative_token_map
-    if token_map is not None and algo == "EAGLE3":  # as SGLang: a warning, and the head's own vocabulary
-        logger.warning("speculative_token_map=%s is ignored: an EAGLE3 head carries its own draft vocabulary "
-                       "(draft_vocab_size, d2t)", token_map)
-        token_map = None
-    if token_map is not None and algo != "EAGLE":
-        raise ValueError(f"speculative_token_map is for EAGLE, NEXTN and MTP heads (they score the whole vocabulary), "
-                         f"not speculative_algorithm {algo}")
+    token_map = _token_map(args, algo)
     alpha = args.speculative_simulate_accept_rate
     if alpha is None:
         alpha = (options or RuntimeOptions.from_env()).simulate_accept_rate
@@ -150,6 +143,18 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
                       adaptive, simulate_accept_rate=alpha,
                       simulate_sibling_rate=args.speculative_simulate_sibling_rate if alpha is not None else None,
                       token_map=token_map, ngram_trie=trie)
+
+
+def _token_map(args: EngineArgs, algo: str) -> str | None:
+    token_map = args.speculative_token_map
+    if token_map is not None and algo == "EAGLE3":  # as SGLang: a warning, and the head's own vocabulary
+        logger.warning("speculative_token_map=%s is ignored: an EAGLE3 head carries its own draft vocabulary "
+                       "(draft_vocab_size, d2t)", token_map)
+        return None
+    if token_map is not None and algo != "EAGLE":
+        raise ValueError(f"speculative_token_map is for EAGLE, NEXTN and MTP heads (they score the whole vocabulary), "
+                         f"not speculative_algorithm {algo}")
+    return token_map
 
 
 def _sampling_mode(args: EngineArgs) -> str:
