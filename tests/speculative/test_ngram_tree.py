@@ -239,3 +239,16 @@ def test_adaptive_falls_back_to_the_static_tree_with_a_warning(caplog):
                                           speculative_adaptive=True))
     assert spec.adaptive is None and spec.tier == Tier(11, 10, 12)
     assert "speculative_adaptive disabled: the NGRAM trie tree has one shape" in caplog.text
+
+
+@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+def test_a_looping_answer_equals_a_literal_trie(match_type):
+    """Every suffix of a repeated phrase occurs where the phrase does: anchors of many lengths share one set of rows
+    (ngram_tree._Rows groups their nodes once). A phrase of 7 with one variant, repeated, then cut mid-phrase."""
+    phrase = [4, 9, 2, 7, 7, 1, 3]
+    seq = (phrase * 6 + [4, 9, 5] + phrase * 3)[:-2]
+    for depth in (4, 9, 18):
+        for num_nodes in (6, 12, 20):
+            shape = TrieTreeShape(num_nodes, 4, 1, depth, match_type)
+            assert trie_tree(np.asarray(seq), np.asarray(seq), shape) == reference_tree([], seq, shape), (depth,
+                                                                                                           num_nodes)
