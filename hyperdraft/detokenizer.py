@@ -25,9 +25,11 @@ from transformers import PreTrainedTokenizerFast
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True, keep_stop: bool = False):
+        """keep_stop: the text ends after the stop string instead of before it (SGLang's no_stop_trim)."""
         self.tokenizer = tokenizer
         self.stop = list(stop)
+        self.keep_stop = keep_stop
         # stop string -> {character: the n where s[n - 1] is that character, longest first}, for n < len(s): a suffix
         # of the text that is a proper prefix s[:n] ends with s[n - 1], so only those n are worth testing
         self._prefix_ends = [(s, _ends_by_char(s)) for s in dict.fromkeys(self.stop)]
@@ -77,7 +79,8 @@ class IncrementalDetokenizer:
         found = [(at, k) for k, at in enumerate(text.find(s, start) for s in self.stop) if at >= 0]
         cut = min(found, default=(-1, -1))[0]  # at one place, the first string of the list is the one hit
         if cut >= 0:
-            safe, self.stopped, self.stop_hit = text[:cut], True, self.stop[min(found)[1]]
+            self.stopped, self.stop_hit = True, self.stop[min(found)[1]]
+            safe = text[:cut + len(self.stop_hit)] if self.keep_stop else text[:cut]
         elif final:
             safe = text
         else:

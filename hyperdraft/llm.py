@@ -96,14 +96,15 @@ class LLM:
                 while live:
                     self.engine.step()
                     moved = [i for i in live if reqs[i].finished or len(reqs[i].output_ids) > yielded[i]]
-                    pushes = [(detoks[i], reqs[i].output_ids[yielded[i]:], reqs[i].finished) for i in moved]
+                    news = [reqs[i].output_ids[yielded[i]:] for i in moved]
+                    pushes = [(detoks[i], reqs[i].text_ids(new), reqs[i].finished) for i, new in zip(moved, news)]
                     texts = push_all(pushes)
-                    for i, (_, new_ids, _) in zip(moved, pushes):
-                        yielded[i] += len(new_ids)
+                    for i, new in zip(moved, news):
+                        yielded[i] += len(new)
                     done = {i for i, (_, _, final) in zip(moved, pushes) if final}
                     live = [i for i in live if i not in done]
-                    for i, (_, new_ids, final), text in zip(moved, pushes, texts):
-                        yield self._delta(i, reqs[i], new_ids, text, final, detoks[i])
+                    for i, new, (_, _, final), text in zip(moved, news, pushes, texts):
+                        yield self._delta(i, reqs[i], new, text, final, detoks[i])
         finally:
             for i in live:  # the consumer stopped early: do not leave orphans holding KV
                 self.engine.abort(reqs[i].rid)
@@ -186,7 +187,8 @@ class LLM:
         return tqdm(total=n, desc="generate", unit="req")
 
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, req.params.stop or [], req.params.skip_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer, req.params.stop or [], req.params.skip_special_tokens,
+                                      keep_stop=req.params.no_stop_trim)
 
     def _delta(self, index: int, req: Request, new_ids: list[int], text: str, final: bool,
                detok: IncrementalDetokenizer) -> StreamDelta:

@@ -64,6 +64,14 @@ class Request:
         """Only the newest token lacks K/V: the next step is a decode (or a speculative verify)."""
         return self.num_computed > 0 and self.num_uncomputed == 1
 
+    def text_ids(self, new_ids: list[int]) -> list[int]:
+        """The ids of the newest output tokens whose text the user gets: as SGLang, a request ended by a stop token
+        (EOS or a stop id) shows no text for it, unless no_stop_trim; the token itself stays in the output."""
+        if self.finished and self.finish_reason == "stop" and self.stop_str_hit is None and new_ids \
+                and not self.params.no_stop_trim:
+            return new_ids[:-1]
+        return new_ids
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -33,6 +33,8 @@ class SamplingParams:
     seed: int | None = None
     return_logprob: bool = False
     skip_special_tokens: bool = True
+    # SGLang's: keep the matched stop string, or the stop token's text (EOS, a stop id), at the end of the text
+    no_stop_trim: bool = False
     max_tokens: int | None = field(default=None, repr=False)  # OpenAI/vLLM alias of max_new_tokens
 
     def __post_init__(self):
@@ -88,7 +90,7 @@ class SamplingParams:
             _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in self.stop_token_ids))
         check(ids_ok, "stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids "
               + (f"in [0, {vocab_size})" if vocab_size else ">= 0"))
-        for name in ("ignore_eos", "return_logprob", "skip_special_tokens"):
+        for name in ("ignore_eos", "return_logprob", "skip_special_tokens", "no_stop_trim"):
             check(isinstance(getattr(self, name), bool), name, "true or false")
 
 

@@ -40,6 +40,7 @@ class Event:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     meta: dict | None = None  # hyperdraft.llm.meta_info, on the finishing event
     error: str | None = None  # set when the request failed inside the server
+    text_ids: list[int] | None = None  # of token_ids, those whose text the user gets (Request.text_ids); None: all
 
 
 Sink = Callable[[int, Event], None]  # (choice index, event); called on the engine thread
@@ -221,7 +222,7 @@ class EngineLoop:
             req = t.req
             logprobs = list(req.output_logprobs[-len(new_ids):]) if new_ids and req.params.return_logprob else []
             event = Event(list(new_ids), logprobs, now, req.finished, req.finish_reason,
-                          meta_info(req) if req.finished else None)
+                          meta_info(req) if req.finished else None, text_ids=req.text_ids(list(new_ids)))
             if req.finished:
                 del self._tracked[req.rid]
             t.sink(t.index, event)

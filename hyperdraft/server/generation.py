@@ -60,7 +60,8 @@ class Generation:
         self.chat = isinstance(request, ChatCompletionRequest)
         self.want_logprobs = bool(request.logprobs is not None and request.logprobs is not False)
         n = request.num_choices
-        self.choices = [Choice(IncrementalDetokenizer(ctx.tokenizer, p.stop or [], p.skip_special_tokens))
+        self.choices = [Choice(IncrementalDetokenizer(ctx.tokenizer, p.stop or [], p.skip_special_tokens,
+                                                      keep_stop=p.no_stop_trim))
                         for p in params]
         for i, c in enumerate(self.choices):
             c.prefix = echo[i // n] if echo else ""
@@ -113,7 +114,8 @@ class Generation:
                 self.ctx.metrics.finished("error")
                 self.abort()  # this request's other choices: the answer cannot be completed
                 raise APIError(500, f"internal server error: {event.error}", None, "internal_error")
-            text = c.detok.push(event.token_ids, final=event.finished)
+            shown = event.text_ids if event.text_ids is not None else event.token_ids
+            text = c.detok.push(shown, final=event.finished)
             self._observe(c, event)
             if event.finished:
                 pending -= 1

@@ -66,6 +66,7 @@ class _Sampling(_Model):
     n: JsonInt | None = Field(None, ge=1, le=MAX_N)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # SGLang's: keep the matched stop string or stop token's text
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -92,7 +93,8 @@ class _Sampling(_Model):
         values = {k: v for k, v in values.items() if v is not None}
         seed = None if self.seed is None else self.seed + choice
         return SamplingParams(max_new_tokens=max_new_tokens, stop=stop or None, seed=seed, ignore_eos=self.ignore_eos,
-                              skip_special_tokens=self.skip_special_tokens, return_logprob=logprobs, **values)
+                              skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim,
+                              return_logprob=logprobs, **values)
 
     @property
     def num_choices(self) -> int:

@@ -87,7 +87,9 @@ def test_stop_token_ids_stop_at_first_occurrence(make_llm, llama_path, refs):
         out = llm.generate(prompt, greedy(REF_TOKENS, stop_token_ids=[other, ids[k]]), use_tqdm=False)
         assert out.token_ids == ids[:k + 1]
         assert out.finish_reason == "stop"
-        assert out.text in (tok.decode(ids[:k + 1]), tok.decode(ids[:k]))
+        assert out.text == tok.decode(ids[:k])  # as SGLang: the stop token's text is trimmed
+        kept = llm.generate(prompt, greedy(REF_TOKENS, stop_token_ids=[ids[k]], no_stop_trim=True), use_tqdm=False)
+        assert kept.token_ids == ids[:k + 1] and kept.text == tok.decode(ids[:k + 1])
         checked += 1
     assert checked >= 3
 
@@ -106,6 +108,8 @@ def test_stop_string(make_llm, llama_path, refs, length):
         n = len(out.token_ids)
         assert out.token_ids == ref.token_ids[:n]
         assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])
+        kept = llm.generate(prompt, greedy(REF_TOKENS, stop=stop, no_stop_trim=True), use_tqdm=False)
+        assert kept.token_ids == out.token_ids and kept.text == ref.text[:at] + stop  # SGLang's no_stop_trim
 
 
 def test_earliest_of_several_stop_strings_wins(make_llm, llama_path, refs):
@@ -148,7 +152,12 @@ def test_eos_stops_unless_ignore_eos(make_llm, llama_path, eos_case):
     assert stopped.finish_reason == "stop"
     assert stopped.text == tok.decode(ref[:k + 1], skip_special_tokens=True)
     assert tok.eos_token not in stopped.text
-    shown = generate_ids(llm, [prompt], SamplingParams(temperature=0, max_new_tokens=24, skip_special_tokens=False))[0]
+    # as SGLang: the matched stop token shows no text, even unskipped, unless no_stop_trim
+    unskipped = generate_ids(llm, [prompt], SamplingParams(temperature=0, max_new_tokens=24,
+                                                           skip_special_tokens=False))[0]
+    assert unskipped.token_ids == ref[:k + 1] and not unskipped.text.endswith(tok.eos_token)
+    shown = generate_ids(llm, [prompt], SamplingParams(temperature=0, max_new_tokens=24, skip_special_tokens=False,
+                                                       no_stop_trim=True))[0]
     assert shown.text.endswith(tok.eos_token)
     ignored = generate_ids(llm, [prompt], greedy(24))[0]
     assert ignored.token_ids == ref and ignored.finish_reason == "length"

@@ -106,6 +106,22 @@ def test_completions_stream_equals_nonstream_and_offline(client, offline, chat_m
         assert stream_text(streamed) == (ref.text, ref.finish_reason)
 
 
+def test_a_stop_token_shows_no_text_unless_no_stop_trim(client, offline, chat_model):
+    """As SGLang: the token that ended the request (a stop id, EOS) stays in the output and the usage, and its text is
+    trimmed; no_stop_trim keeps it (found by an audit: ',' as a stop id came back in the text)."""
+    prompt = prompts(1, seed=5)[0]
+    ref = offline.generate(prompt, SamplingParams(temperature=0, max_new_tokens=24), use_tqdm=False)
+    k = next(k for k in range(3, len(ref.token_ids)) if ref.token_ids.index(ref.token_ids[k]) == k)
+    tok, stop_id = offline.tokenizer, ref.token_ids[k]
+    for keep in (False, True):
+        for stream in (False, True):
+            out = client.completions.create(model=served_name(chat_model), prompt=prompt, max_tokens=24,
+                                            temperature=0, stream=stream,
+                                            extra_body={"stop_token_ids": [stop_id], "no_stop_trim": keep})
+            text, reason = stream_text(out) if stream else (out.choices[0].text, out.choices[0].finish_reason)
+            assert reason == "stop" and text == tok.decode(ref.token_ids[:k + 1 if keep else k]), (keep, stream)
+
+
 def test_completions_batch_prompts_token_ids_n_and_echo(client, offline, chat_model):
     texts = prompts(2, seed=2)
     ids = offline.tokenizer.encode(texts[0])
