@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -62,21 +63,28 @@ class LLM:
         self.args = EngineArgs.from_kwargs(**engine_args)
         self.engine = Engine(self.args, runtime_options)
         self.tokenizer = self.engine.tokenizer
+        # The engine is not re-entrant: calls from several threads take turns, a step at a time (two threads'
+        # generate() stepping it at once corrupted the batch and both hung; found by an audit). Each stream reads
+        # its own requests' outputs, so interleaved steps serve everyone's requests.
+        self._engine_lock = threading.RLock()
 
     # ---- generate -----------------------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
                  input_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True) -> list[GenerateOutput] | GenerateOutput:
         single = isinstance(prompts, str)
-        outputs: list[GenerateOutput | None] = [None] * self._count(prompts, input_ids)
+        reqs = self._submit(prompts, sampling_params, input_ids)  # checked and queued before a progress bar is drawn
+        outputs: list[GenerateOutput | None] = [None] * len(reqs)
         bar = self._progress(len(outputs), use_tqdm)
-        for delta in self.stream(prompts, sampling_params, input_ids):
-            if delta.finished:
-                outputs[delta.index] = delta.output
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            for delta in self._deltas(reqs):
+                if delta.finished:
+                    outputs[delta.index] = delta.output
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return outputs[0] if single else outputs
 
     def stream(self, prompts: str | Sequence[str] | None = None,
@@ -87,27 +95,32 @@ class LLM:
         Each request's new tokens are read from its own output (what it holds past what was yielded), not from the
         step's outputs: another stream or a generate() interleaved with this one steps the same engine, and the
         tokens its steps give these requests must reach these detokenizers too."""
-        reqs = self._submit(prompts, sampling_params, input_ids)
+        yield from self._deltas(self._submit(prompts, sampling_params, input_ids))
+
+    def _deltas(self, reqs: list[Request]) -> Iterator[StreamDelta]:
         detoks = [self._detokenizer(req) for req in reqs]
         yielded = [0] * len(reqs)  # tokens of each request's output already in a delta
         live = list(range(len(reqs)))
         try:
             with young_collections_deferred():  # engine/gc_policy.py: the GC's young walks off the step path
                 while live:
-                    self.engine.step()
-                    moved = [i for i in live if reqs[i].finished or len(reqs[i].output_ids) > yielded[i]]
-                    news = [reqs[i].output_ids[yielded[i]:] for i in moved]
-                    pushes = [(detoks[i], reqs[i].text_ids(new), reqs[i].finished) for i, new in zip(moved, news)]
+                    with self._engine_lock:  # the step and what it gave these requests, read before another step
+                        self.engine.step()
+                        moved = [i for i in live if reqs[i].finished or len(reqs[i].output_ids) > yielded[i]]
+                        news = [reqs[i].output_ids[yielded[i]:] for i in moved]
+                        finals = [reqs[i].finished for i in moved]
+                    pushes = [(detoks[i], reqs[i].text_ids(new), final) for i, new, final in zip(moved, news, finals)]
                     texts = push_all(pushes)
                     for i, new in zip(moved, news):
                         yielded[i] += len(new)
-                    done = {i for i, (_, _, final) in zip(moved, pushes) if final}
+                    done = {i for i, final in zip(moved, finals) if final}
                     live = [i for i in live if i not in done]
-                    for i, new, (_, _, final), text in zip(moved, news, pushes, texts):
+                    for i, new, final, text in zip(moved, news, finals, texts):
                         yield self._delta(i, reqs[i], new, text, final, detoks[i])
         finally:
-            for i in live:  # the consumer stopped early: do not leave orphans holding KV
-                self.engine.abort(reqs[i].rid)
+            with self._engine_lock:
+                for i in live:  # the consumer stopped early: do not leave orphans holding KV
+                    self.engine.abort(reqs[i].rid)
 
     # ---- chat ---------------------------------------------------------------------------------------------------
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
@@ -139,8 +152,9 @@ class LLM:
         if (prompts is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompts or input_ids")
         if prompts is not None:
-            items = [prompts] if isinstance(prompts, str) else list(prompts)
-            if not all(isinstance(p, str) for p in items):
+            items = [prompts] if isinstance(prompts, str) else list(prompts) if isinstance(prompts, (list, tuple)) \
+                else None
+            if items is None or not all(isinstance(p, str) for p in items):
                 raise ValueError("prompts must be a string or a list of strings (token ids go in input_ids)")
             kw = [dict(prompt=p) for p in items]
         else:
@@ -153,7 +167,8 @@ class LLM:
             if "input_ids" not in k:
                 k["input_ids"] = self.engine.tokenize(k.pop("prompt"))
             self.engine.check_request(p, k["input_ids"])
-        return [self.engine.add_request(params=p, **k) for k, p in zip(kw, params)]
+        with self._engine_lock:
+            return [self.engine.add_request(params=p, **k) for k, p in zip(kw, params)]
 
     @staticmethod
     def _params(sampling_params, n: int) -> list[SamplingParams]:
@@ -171,12 +186,6 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"sampling_params has {len(params)} entries for {n} requests")
         return params
-
-    @staticmethod
-    def _count(prompts, input_ids) -> int:
-        if prompts is not None:
-            return 1 if isinstance(prompts, str) else len(prompts)
-        return len(input_ids) if input_ids is not None else 0
 
     @staticmethod
     def _progress(n: int, use_tqdm: bool):
@@ -205,12 +214,14 @@ class LLM:
     # ---- server-style introspection -----------------------------------------------------------------------------
     def flush_cache(self) -> bool:
         """Empty the prefix cache (only while nothing runs) -> whether it did."""
-        return self.engine.flush_cache()
+        with self._engine_lock:
+            return self.engine.flush_cache()
 
     def get_server_info(self) -> dict:
         from dataclasses import asdict
 
-        return {**asdict(self.args), "internal_states": [self.engine.internal_state()]}
+        with self._engine_lock:
+            return {**asdict(self.args), "internal_states": [self.engine.internal_state()]}
 
     def shutdown(self) -> None:
         """Abort what is left and release the models and KV pools (GPU memory included). The LLM is unusable after."""
