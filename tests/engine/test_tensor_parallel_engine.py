@@ -79,6 +79,8 @@ def _check_pools_free(states, tp_size):
 @pytest.mark.parametrize("kind,page_size,extra", [
     ("qwen3", 4, {}),
     ("llama", 4, dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)),
+    ("qwen3", 1, dict(speculative_algorithm="NGRAM", speculative_ngram_match_type="PROB",
+                      speculative_ngram_max_bfs_breadth=3, speculative_num_draft_tokens=6)),
     ("qwen3", 4, dict(speculative_algorithm="STANDALONE", speculative_draft_model="llama", speculative_num_steps=3,
                       speculative_eagle_topk=2, speculative_num_draft_tokens=6)),
     ("llama6", 1, dict(speculative_algorithm="EAGLE3", speculative_draft_model="eagle3", speculative_num_steps=3,
@@ -89,7 +91,7 @@ def _check_pools_free(states, tp_size):
     ("qwen3_5", 4, {}),
     ("qwen3_5", 1, dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=2,
                         speculative_num_draft_tokens=5)),
-], ids=["plain-qwen3-page4", "ngram", "standalone-tree", "eagle3-chain",
+], ids=["plain-qwen3-page4", "ngram", "ngram-trie-tree", "standalone-tree", "eagle3-chain",
         "eagle3-tree", "eagle-tree", "hybrid-qwen3.5", "hybrid-mtp-tree"])
 def test_tp2_greedy_equals_tp1(models, kind, page_size, extra):
     """Llama's one K/V head is replicated on both ranks; Qwen3's two are split. Page sizes 1 and 4, chains and trees
