@@ -221,8 +221,10 @@ class EngineLoop:
                 self.output_hook(t.tag)
             req = t.req
             logprobs = list(req.output_logprobs[-len(new_ids):]) if new_ids and req.params.return_logprob else []
-            event = Event(list(new_ids), logprobs, now, req.finished, req.finish_reason,
-                          meta_info(req) if req.finished else None, text_ids=req.text_ids(list(new_ids)))
+            ids = list(new_ids)
+            # only a finishing event can end on a stop token whose text is trimmed (Request.text_ids)
+            event = Event(ids, logprobs, now, req.finished, req.finish_reason, meta_info(req) if req.finished else None,
+                          text_ids=req.text_ids(ids) if req.finished else None)
             if req.finished:
                 del self._tracked[req.rid]
             t.sink(t.index, event)
