@@ -109,7 +109,8 @@ class LLM:
                         moved = [i for i in live if reqs[i].finished or len(reqs[i].output_ids) > yielded[i]]
                         news = [reqs[i].output_ids[yielded[i]:] for i in moved]
                         finals = [reqs[i].finished for i in moved]
-                    pushes = [(detoks[i], reqs[i].text_ids(new), final) for i, new, final in zip(moved, news, finals)]
+                        shown = [reqs[i].text_ids(new) for i, new in zip(moved, news)]  # as of that step, too
+                    pushes = [(detoks[i], ids, final) for i, ids, final in zip(moved, shown, finals)]
                     texts = push_all(pushes)
                     for i, new in zip(moved, news):
                         yielded[i] += len(new)
