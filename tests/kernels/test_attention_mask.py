@@ -45,3 +45,35 @@ def test_tree_mask_matches_plain_decoding_of_each_branch(llama_path, make_llm):
     finally:
         for r in (tree_row, a_row, b_row):
             llm.engine.page_table.release_row(r)
+
+
+def _literal_tail_mask(leading: torch.Tensor, extend_lens: list[int]) -> torch.Tensor:
+    """Request by request, the rows each request reads: a leading request's rows are its tree mask, right-aligned in
+    the key window; every other request's are causal over its own tail; keys before a request's tail are visible."""
+    b, n = leading.shape[0], leading.shape[1]
+    q, w = max(extend_lens), max(max(extend_lens), n)
+    out = torch.zeros(len(extend_lens), q, w, dtype=torch.bool)
+    for r, length in enumerate(extend_lens):
+        own = leading[r] if r < b else torch.ones(length, length, dtype=torch.bool).tril()
+        out[r, : own.shape[0], : w - own.shape[1]] = True
+        out[r, : own.shape[0], w - own.shape[1] :] = own
+    return out
+
+
+def test_leading_tail_mask_equals_a_literal_construction():
+    """The round-alone path (the tree masks themselves, no launches) and the path with prefill chunks riding along
+    (shorter and longer than the tree) give the mask built request by request."""
+    from hyperdraft.core.forward_batch import leading_tail_mask
+
+    gen = torch.Generator().manual_seed(0)
+    n = 5
+    leading = (torch.rand(3, n, n, generator=gen) < 0.5) | torch.eye(n, dtype=torch.bool)
+    leading = leading.tril()
+    alone = leading_tail_mask(leading, [n, n, n], "cpu")
+    assert torch.equal(alone, leading)
+    for extend_lens in ([n, n, n, 2], [n, n, n, 9, 1], [n, n, n, n]):
+        built = leading_tail_mask(leading, extend_lens, "cpu")
+        literal = _literal_tail_mask(leading, extend_lens)
+        for r, length in enumerate(extend_lens):  # compare the rows each request reads
+            rows = n if r < 3 else length
+            assert torch.equal(built[r, :rows], literal[r, :rows]), (extend_lens, r)
