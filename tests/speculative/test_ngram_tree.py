@@ -116,6 +116,27 @@ def test_tree_equals_a_literal_trie_on_random_sequences(match_type, small_node, 
         assert got == want, (history, seq, shape)
 
 
+def test_the_shared_corpus_buffer_and_history_places_give_the_same_trees():
+    """TrieCorpus (one buffer for every request, each token's history places found once per history) against a fresh
+    corpus and scan per call: requests of every length, a history kept for several calls (cached places), replaced,
+    and empty."""
+    rng = np.random.default_rng(2)
+    shared = ngram_tree.TrieCorpus()
+    history_lists, history = [], np.zeros(0, dtype=np.int64)
+    for call in range(500):
+        if call % 7 == 0:  # a request finished (a new array object), or the history was flushed
+            history_lists = [] if call % 35 == 0 else history_lists + [rng.integers(0, 6, 20).tolist()]
+            history = corpus_of(history_lists, [])
+        seq = rng.integers(0, 6, int(rng.integers(1, 60))).tolist()
+        shape = TrieTreeShape(num_nodes=12, max_breadth=4, min_breadth=1, max_trie_depth=6, match_type="BFS")
+        corpus, first = shared.corpus(history, np.asarray(seq, dtype=np.int64))
+        before = np.concatenate([history, [SEPARATOR], seq]) if len(history) else np.asarray(seq)  # the old copy
+        assert np.array_equal(corpus, before)
+        assert np.array_equal(first, np.flatnonzero(corpus[:-1] == seq[-1]) + 1)
+        got = trie_tree(corpus, np.asarray(seq, dtype=np.int64), shape, first)
+        assert got == reference_tree(history_lists, seq, shape), (call, history_lists, seq)
+
+
 def test_a_repeated_phrase_is_drafted_whole_and_a_branch_point_branches():
     seq = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 9, 1, 2]  # "1 2" was followed by "3 4 5" and then by "3 7 8"
     shape = TrieTreeShape(num_nodes=8, max_breadth=4, min_breadth=1, max_trie_depth=6, match_type="BFS")

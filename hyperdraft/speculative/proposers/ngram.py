@@ -33,7 +33,7 @@ from hyperdraft.speculative.config import NgramTrie
 from hyperdraft.speculative.proposal import Proposal, TreeProposal
 from hyperdraft.speculative.proposer import Proposer, ProposerCapabilities, ProposerContext
 from hyperdraft.speculative.proposers.ngram_store import DeviceSequences
-from hyperdraft.speculative.proposers.ngram_tree import TrieTreeShape, trie_tree
+from hyperdraft.speculative.proposers.ngram_tree import TrieCorpus, TrieTreeShape, trie_tree
 
 HISTORY_TOKENS = 1 << 16  # finished requests' tokens kept for matching (512 KiB)
 
@@ -135,6 +135,7 @@ class NgramProposer(Proposer):
         # Each live request's tokens as an int64 array that grows with its outputs, and how many it holds: converting
         # the whole token list every round cost 20-150 us a request at 1k-4k tokens, more than the lookup itself.
         self.sequences: dict[str, tuple[Request, np.ndarray, int]] = {}
+        self.trie_corpus = TrieCorpus()
 
     def propose(self, reqs: list[Request], tier: Tier, sampling) -> Proposal | TreeProposal:
         steps = tier.steps
@@ -164,8 +165,8 @@ class NgramProposer(Proposer):
         counts = []
         for b, req in enumerate(reqs):
             seq = self._sequence(req)
-            corpus = np.concatenate([history, [SEPARATOR], seq]) if len(history) else seq
-            node_tokens, node_parents = trie_tree(corpus, seq, shape)
+            corpus, first = self.trie_corpus.corpus(history, seq)
+            node_tokens, node_parents = trie_tree(corpus, seq, shape, first)
             tokens[b, : len(node_tokens)], parents[b, : len(node_parents)] = node_tokens, node_parents
             counts.append(len(node_tokens))
         if not tier.is_tree:  # breadth 1: node i's parent is node i - 1
