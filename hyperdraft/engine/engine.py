@@ -16,8 +16,8 @@ from hyperdraft.engine.device import device_lost, resolve_device
 from hyperdraft.engine.gc_policy import adopt_serving_policy
 from hyperdraft.engine.lockstep import (Command, Lockstep, check_devices, init_group, local_rank, node_ranks,
                                         rank_device, start_followers)
-from hyperdraft.engine.memory import (fitting_rows, kv_bytes_per_slot, kv_capacity_tokens, memory_budget_bytes,
-                                      state_bytes_per_row)
+from hyperdraft.engine.memory import (checked_rows, fitting_rows, kv_bytes_per_slot, kv_capacity_tokens,
+                                      memory_budget_bytes, state_bytes_per_row)
 from hyperdraft.engine.model_worker import ModelWorker
 from hyperdraft.engine.numerics import check_deterministic, numerics_mode
 from hyperdraft.engine.scheduler import Scheduler
@@ -154,17 +154,14 @@ class Engine:
         models = [m for m in (model, draft) if m is not None]
         bytes_per_slot = sum(kv_bytes_per_slot(m) for m in models) + parked_bytes
         budget = self.lockstep.tp.agree_min(memory_budget_bytes(args, bytes_per_slot, self.device))
-        state_per_row = sum(state_bytes_per_row(m, self._verify_width()) for m in models)
+        # each model's scratch at its own width: a draft model's reaches a tree's farthest node, past the verify
+        state_per_row = state_bytes_per_row(model, self._verify_width())
+        state_per_row += state_bytes_per_row(draft, self.spec.max_verify_tokens) if draft is not None else 0
         if tree is not None:  # the prefix cache's state snapshots, one per row
             state_per_row += sum(state_bytes_per_row(m, 0) for m in models)
         rows = fitting_rows(args, budget, state_per_row)
         capacity = kv_capacity_tokens(args, bytes_per_slot, budget, (rows + 1) * state_per_row, rows, self.device)
-        if capacity < args.page_size:
-            raise ValueError(f"max_total_tokens={capacity} is smaller than one page (page_size={args.page_size})")
-        if rows > capacity // args.page_size:  # each running request holds a page at least: more rows only cost memory
-            logger.warning("max_running_requests=%d is more than the K/V cache's %d pages: capped there", rows,
-                           capacity // args.page_size)
-            rows = capacity // args.page_size
+        rows = checked_rows(args, capacity, rows, state_per_row, self.context_len)
         return rows, PageTable(
             num_pages=capacity // args.page_size + 1,  # + the reserved padding page
             page_size=args.page_size,
@@ -286,7 +283,8 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.context_len}, "
                              "so the prompt must be shorter than context_length")
         if len(ids) + 1 > self.page_table.capacity_slots:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_total_tokens={self.page_table.capacity_slots} can hold")
+            raise ValueError(f"prompt has {len(ids)} tokens, more than the K/V cache's {self.page_table.capacity_slots} "
+                             "(max_total_tokens or mem_fraction_static, less any recurrent state) can hold")
 
     def abort(self, rid: str) -> Request | None:
         self.lockstep.record("abort", rid)

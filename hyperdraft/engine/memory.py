@@ -69,3 +69,17 @@ def fitting_rows(args: EngineArgs, budget: int, state_per_row: int) -> int:
         logger.info("max_running_requests defaults to %d: the recurrent state of more would take over half of the "
                     "memory budget", fit)
     return min(rows, fit)
+
+
+def checked_rows(args: EngineArgs, capacity: int, rows: int, state_per_row: int, context_len: int) -> int:
+    """Rows capped at the K/V cache's pages (each running request holds a page at least: more rows only cost memory),
+    with a warning where the recurrent states leave the cache shorter than the context (the budget is max_total_tokens
+    tokens' worth, states included, so a small one can leave little K/V)."""
+    if state_per_row and capacity < context_len:
+        logger.warning("the recurrent state of %d running requests leaves the K/V cache %d tokens, fewer than "
+                       "context_length=%d: longer requests are refused or stop there (raise max_total_tokens or "
+                       "mem_fraction_static, or lower max_running_requests)", rows, capacity, context_len)
+    pages = capacity // args.page_size
+    if rows > pages:
+        logger.warning("max_running_requests=%d is more than the K/V cache's %d pages: capped there", rows, pages)
+    return min(rows, pages)

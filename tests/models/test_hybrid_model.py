@@ -144,3 +144,32 @@ def test_qwen3_next_logprobs_equal_transformers(hybrid_models, llm_factory):
     ref = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.meta_info["output_token_logprobs"], dtype=torch.float64), ref,
                                atol=2e-4, rtol=0)
+
+
+def test_every_pool_fits_the_budget_with_a_hybrid_draft_drafting_trees(hybrid_models):
+    """A hybrid STANDALONE draft keeps scratch states out to a tree's farthest node (1 + (steps - 1) * topk = 17
+    entries here), more than the target's verify width (8): the budget counts each model's own width, so both models'
+    K/V and states stay within max_total_tokens' bytes (the draft's extra scratch used to go past it, 1.17x)."""
+    total = 20000
+    llm = LLM(hybrid_models["target"], device="cpu", max_total_tokens=total, disable_radix_cache=True,
+              speculative_algorithm="STANDALONE", speculative_draft_model_path=hybrid_models["target"],
+              speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    target, draft = llm.engine.runner, llm.engine.worker.proposer.runner
+    assert draft.state_pool.verify_width > target.state_pool.verify_width
+    kv = sum(r.pool.k.nbytes + r.pool.v.nbytes for r in (target, draft))
+    states = sum(t.nbytes for r in (target, draft) for t in (r.state_pool.conv, r.state_pool.recurrent,
+                                                                 r.state_pool.conv_scratch, r.state_pool.recurrent_scratch))
+    per_token = sum((r.pool.k.nbytes + r.pool.v.nbytes) // r.pool.num_slots for r in (target, draft))
+    assert kv + states <= (total + llm.engine.page_table.page_size) * per_token  # and the padding page
+
+
+def test_a_budget_the_states_nearly_fill_is_named_at_start_up_and_per_prompt(hybrid_models, caplog):
+    """max_total_tokens=464 on this hybrid leaves the K/V cache a few tokens after one row's states: the engine says
+    so when it starts, and a prompt it cannot hold is refused with the cache's own size, not as max_total_tokens."""
+    with caplog.at_level("WARNING", logger="hyperdraft"):
+        llm = LLM(hybrid_models["target"], device="cpu", max_total_tokens=464, speculative_algorithm="NGRAM",
+                  speculative_num_steps=4)
+    capacity = llm.engine.kv_capacity_slots
+    assert capacity < 48 and f"leaves the K/V cache {capacity} tokens, fewer than context_length" in caplog.text
+    with pytest.raises(ValueError, match=f"more than the K/V cache's {capacity} "):
+        llm.generate(input_ids=[list(range(1, 49))], sampling_params=SamplingParams(max_new_tokens=4), use_tqdm=False)
