@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -183,6 +184,17 @@ class EngineArgs:
     @property
     def effective_max_running_requests(self) -> int:
         return self.max_running_requests or 256
+
+    def context_length_for(self, max_position_embeddings: int) -> int:
+        """The context length over a model that was trained to max_position_embeddings: context_length, warned of
+        when longer (positions the model never saw; SGLang and vLLM refuse it unless told to allow it)."""
+        if self.context_length is None:
+            return max_position_embeddings
+        if self.context_length > max_position_embeddings:
+            logging.getLogger("hyperdraft").warning(
+                "context_length=%d is longer than the model's max_position_embeddings=%d: output past that position "
+                "may be wrong", self.context_length, max_position_embeddings)
+        return self.context_length
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

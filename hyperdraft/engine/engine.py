@@ -89,7 +89,7 @@ class Engine:
         dtype = next(model.parameters()).dtype
         self.numerics = numerics_mode(self.device, dtype, self.options)  # docs/numerics.md
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or args.model_path)
-        self.context_len = args.context_length or self.model_config.max_position_embeddings
+        self.context_len = args.context_length_for(self.model_config.max_position_embeddings)
         self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
         proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
         heads = self.spec is not None and SPECULATIVE_ALGORITHMS[self.spec.algorithm].head

@@ -231,6 +231,16 @@ def test_max_running_requests_past_the_pool_is_capped_to_its_pages(llama_path, m
     assert [o.token_ids for o in generate_ids(llm, GOOD, greedy(N))] == hf_greedy(llama_path, GOOD, N)
 
 
+def test_a_context_past_the_models_positions_is_warned_of(llama_path, make_llm, caplog):
+    """The model was trained to max_position_embeddings; a longer context_length runs (as asked) with a warning
+    naming both, where it used to run silently; within it, nothing is said."""
+    positions = make_llm(llama_path).engine.model_config.max_position_embeddings
+    assert "max_position_embeddings" not in caplog.text
+    llm = make_llm(llama_path, context_length=positions + 64)
+    assert llm.engine.context_len == positions + 64
+    assert f"context_length={positions + 64} is longer than the model's max_position_embeddings={positions}" in caplog.text
+
+
 def test_model_dir_without_weights(llama_path, make_llm, tmp_path, good_ref):
     path = str(tmp_path / "noweights")
     shutil.copytree(llama_path, path)
