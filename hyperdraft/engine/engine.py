@@ -349,7 +349,7 @@ class Engine:
         elif command.kind == "flush":
             self._flush()
         elif command.kind == "report":
-            self.lockstep.report(self.pool_state())
+            self.lockstep.report(self._rank_state())
         else:
             self.step()
 
@@ -362,8 +362,12 @@ class Engine:
                 **self.cache_state(), **tiers}
 
     def rank_states(self) -> list[dict]:
-        """pool_state() of every rank of the tensor-parallel group (this engine's alone without one)."""
-        return self.lockstep.gather(self.pool_state())
+        """pool_state() of every rank of the tensor-parallel group (this engine's alone without one), with its thread
+        count (lockstep.rank_threads)."""
+        return self.lockstep.gather(self._rank_state())
+
+    def _rank_state(self) -> dict:
+        return {**self.pool_state(), "intra_op_threads": torch.get_num_threads()}
 
     def close(self) -> None:
         """Destroy the CUDA graphs (their memory goes back; graphs holding NCCL collectives must go before the group),
@@ -393,9 +397,9 @@ class Engine:
         return {**spec, **self.pool_state(), "numerics": self.numerics}
 
 
-def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str) -> None:
+def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str, threads: int) -> None:
     """A follower rank's process (engine/lockstep.py): its engine replays rank 0's calls until told to stop."""
-    torch.set_num_threads(max(1, torch.get_num_threads() // args.tp_size))
+    torch.set_num_threads(threads)
     tp = init_group(args, rank, address, rank_device(resolve_device(args.device), local_rank(args, rank)), options)
     engine = Engine(args, options, tp)
     adopt_serving_policy()

@@ -77,8 +77,16 @@ def check_devices(args: EngineArgs, device: torch.device) -> None:
 FOLLOWER_PRELOAD = ["torch", "torch._dynamo", "transformers.models.auto.tokenization_auto", "hyperdraft.engine.engine"]
 
 
+def rank_threads(tp_size: int) -> int:
+    """Intra-op threads for each rank of a group started from this process: its share of this process's. Every rank
+    runs the same count: a draft head (and a STANDALONE draft) runs whole on every rank, and CPU products round
+    differently at different thread counts, so ranks with different counts drafted different tokens at a near-tie,
+    fell out of step, and the group failed (rank 0 had kept all its threads, the followers half)."""
+    return max(1, torch.get_num_threads() // tp_size)
+
+
 def start_followers(args: EngineArgs, follow: Callable, options, ranks, address: str, device: torch.device) -> list:
-    """Start a process running follow(rank, args, options, address) for each rank.
+    """Start a process running follow(rank, args, options, address, threads) for each rank (threads: rank_threads).
 
     CUDA ranks start as fresh interpreters (spawn): nothing of this process's CUDA state can reach them. CPU ranks fork
     from a server process that imported torch and the engine once (forkserver, FOLLOWER_PRELOAD): spawn re-imports
@@ -90,7 +98,9 @@ def start_followers(args: EngineArgs, follow: Callable, options, ranks, address:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(FOLLOWER_PRELOAD)  # takes effect when the server first starts
         target, head = _follow_in_environment, (dict(os.environ), follow)
-    followers = [ctx.Process(target=target, args=(*head, rank, args, options, address), daemon=True) for rank in ranks]
+    threads = rank_threads(args.tp_size)
+    followers = [ctx.Process(target=target, args=(*head, rank, args, options, address, threads), daemon=True)
+                 for rank in ranks]
     for p in followers:
         p.start()
     return followers
@@ -149,14 +159,16 @@ class Lockstep:
 
     @classmethod
     def lead(cls, args: EngineArgs, follow: Callable, options, device: torch.device) -> "Lockstep":
-        """Rank 0: start this node's other ranks as processes running follow(rank, args, options, address), then join
-        the group."""
+        """Rank 0: start this node's other ranks as processes running follow(rank, args, options, address, threads),
+        then join the group."""
         check_devices(args, device)
         if dist.is_initialized():
             raise ValueError(f"tp_size={args.tp_size}: this process already belongs to a tensor-parallel group (another "
                              "engine with tp_size > 1 runs here); shut it down first (LLM.shutdown())")
         address = args.dist_init_addr or free_address()
         followers = start_followers(args, follow, options, node_ranks(args)[1:], address, device)
+        if device.type != "cuda":  # the followers' count (rank_threads); on CUDA the heads run on the GPUs
+            torch.set_num_threads(rank_threads(args.tp_size))
         return cls(init_group(args, 0, address, device, options), followers)
 
     @property

@@ -105,6 +105,41 @@ def test_tp2_greedy_equals_tp1(models, kind, page_size, extra):
     _check_pools_free(states, 2)
 
 
+def _near_tie_eagle3(root):
+    """A target whose logits are all zero (greedy: always token 0) and an EAGLE-3 head whose lm_head rows 0 and 7 differ
+    by 3e-7 relative: which one it drafts rests on the last bits of its products."""
+    from safetensors.torch import load_file, save_file
+
+    target = make_tiny_model(str(root / "t"), "llama", seed=7, with_tokenizer=False, vocab_size=4000, hidden_size=512,
+                             intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                             head_dim=64)
+    weights = load_file(f"{target}/model.safetensors")
+    weights["model.norm.weight"].zero_()
+    save_file(weights, f"{target}/model.safetensors", metadata={"format": "pt"})
+    head = write_random_eagle_checkpoint(str(root / "e3"), target, kind="eagle3", draft_vocab_size=None, seed=1)
+    weights = load_file(f"{head}/model.safetensors")
+    lm = weights["lm_head.weight"]
+    lm[0] *= 10
+    lm[7] = lm[0] * (1 + 3e-7 * torch.randn(lm.shape[1], generator=torch.Generator().manual_seed(0)))
+    save_file(weights, f"{head}/model.safetensors", metadata={"format": "pt"})
+    return target, head
+
+
+def test_every_rank_runs_as_many_threads_so_near_tied_drafts_agree(tmp_path):
+    """The head runs whole on every rank, and CPU products round by thread count: rank 0 kept all of a 2-thread
+    process's threads where the follower took half, the two drafted different tokens at a near-tie, and the group
+    failed (a gloo size mismatch). Every rank now runs the same share (lockstep.rank_threads)."""
+    target, head = _near_tie_eagle3(tmp_path)
+    prompts = mixed_prompts(6, seed=0, max_len=40)
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_num_steps=3,
+                speculative_eagle_topk=1, skip_tokenizer_init=True)
+    torch.set_num_threads(2)  # as a 2-core process starts (the autouse fixture gives the rest of this file one)
+    got, states = _outputs(target, prompts, [greedy(24)] * 6, tp_size=2, **spec)
+    assert got == [[0] * 24] * 6
+    assert states[0]["intra_op_threads"] == states[1]["intra_op_threads"] == 1
+    _check_pools_free(states, 2)
+
+
 def test_adaptive_goodput_tiers_agree_on_every_rank(models, tmp_path):
     """The goodput strategy picks tiers from measured step times, and each rank's clock differs: every rank feeds
     rank 0's times, so their tier states (cost fits included) stay equal, and so do their verify shapes."""
