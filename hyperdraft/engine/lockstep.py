@@ -243,8 +243,13 @@ class Lockstep:
             p.join(timeout=wait)
         return [(rank, p.exitcode) for rank, p in enumerate(self.followers, 1) if p.exitcode is not None]
 
-    def _check_followers(self) -> None:
-        """This node's followers; a rank on another node that dies fails rank 0's next collective instead."""
+    def failure(self) -> str | None:
+        """Why the group cannot step any more (one of this node's followers exited), or None. A rank on another node
+        that dies fails rank 0's next collective instead."""
         dead = self.exited()
-        if dead:
-            raise RuntimeError(f"tensor-parallel rank {dead[0][0]} exited (code {dead[0][1]}): the engine cannot go on")
+        return f"tensor-parallel rank {dead[0][0]} exited (code {dead[0][1]}): the engine cannot go on" if dead else None
+
+    def _check_followers(self) -> None:
+        failure = self.failure()
+        if failure:
+            raise RuntimeError(failure)

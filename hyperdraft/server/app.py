@@ -140,7 +140,7 @@ class _Routes:
 
     async def engine_call(self, fn: Callable[[Engine], _T]) -> _T:
         if not self.ctx.engine_loop.alive:
-            raise APIError(503, "the engine thread is not running", None, "engine_dead")
+            raise APIError(503, self.ctx.engine_loop.failure or "the engine thread is not running", None, "engine_dead")
         return await asyncio.wait_for(asyncio.wrap_future(self.ctx.engine_loop.call(fn)), ENGINE_CALL_TIMEOUT_S)
 
 
@@ -233,7 +233,8 @@ class _InfoRoutes(_Routes):
 
     async def health(self):
         if not self.ctx.engine_loop.alive:
-            return self.error(APIError(503, "the engine thread is not running", None, "engine_dead"))
+            return self.error(APIError(503, self.ctx.engine_loop.failure or "the engine thread is not running", None,
+                                       "engine_dead"))
         return {"status": "ok"}
 
     async def server_info(self, request: Request):

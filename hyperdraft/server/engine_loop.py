@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from hyperdraft.engine.device import device_lost
 from hyperdraft.engine.engine import Engine
 from hyperdraft.llm import meta_info
 from hyperdraft.request import Request
@@ -87,6 +88,7 @@ class EngineLoop:
         self._tracked: dict[str, _Tracked] = {}
         self._rids = itertools.count()
         self._stopping = False
+        self.failure: str | None = None  # why the engine cannot step any more, once the loop found it (then it ends)
         self.client_aborts = 0  # requests the engine aborted because their client went away
         self._thread = threading.Thread(target=self._run, name="hyperdraft-engine", daemon=True)
 
@@ -117,7 +119,7 @@ class EngineLoop:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Command(lambda: fn(self.engine), future))
         if not self._thread.is_alive():
-            _fail_future(future, RuntimeError("the engine thread is not running"))
+            _fail_future(future, RuntimeError(self.failure or "the engine thread is not running"))
         return future
 
     # ---- the engine thread --------------------------------------------------------------------------------------
@@ -127,11 +129,12 @@ class EngineLoop:
                 self._execute(cmd)
             if self.engine.has_unfinished() and not self._stopping:
                 self._step()
+        ending = self.failure or "the server is shutting down"
         for t in list(self._tracked.values()):
-            self._fail(t, "the server is shutting down")
+            self._fail(t, ending)
         for cmd in self._next_commands(block=False):  # nobody will run these: answer their callers now
             if cmd.future is not None:
-                _fail_future(cmd.future, RuntimeError("the server is shutting down"))
+                _fail_future(cmd.future, RuntimeError(ending))
         self.engine.close()  # a tensor-parallel group's other ranks stop with the thread that drove them
 
     def _next_commands(self, block: bool) -> list[_Command]:
@@ -203,9 +206,7 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001
             logger.exception("engine step failed; failing the requests it ran")
-            running |= set(r.rid for r in self.engine.scheduler.running)
-            for t in [t for rid, t in self._tracked.items() if rid in running]:
-                self._fail(t, f"internal error in an engine step: {type(e).__name__}: {e}")
+            self._fail_step(running | set(r.rid for r in self.engine.scheduler.running), e)
             return
         now = time.perf_counter()
         for out in outputs:
@@ -231,6 +232,20 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - this request fails; the others go on
             logger.exception("handling the output of %s failed", t.req.rid)
             self._fail(t, f"internal error: {type(e).__name__}: {e}")
+
+    def _fail_step(self, running: set[str], error: Exception) -> None:
+        """A step raised: fail the requests it ran, or, when none ran, those it was admitting (so a step that fails
+        before it schedules cannot spin the loop over the same queue). An engine that cannot step any more (a
+        tensor-parallel rank exited, the device's context was lost) fails every request and ends the loop, so new
+        requests and /health see it at once."""
+        engine = self.engine
+        self.failure = engine.lockstep.failure() or (
+            "the device's context was lost: the engine cannot go on" if device_lost(engine.device) else None)
+        message = self.failure or f"internal error in an engine step: {type(error).__name__}: {error}"
+        for t in [t for rid, t in self._tracked.items() if self.failure or not running or rid in running]:
+            self._fail(t, message)
+        if self.failure:
+            self._stopping = True
 
     def _fail(self, t: _Tracked, message: str) -> None:
         self._tracked.pop(t.req.rid, None)

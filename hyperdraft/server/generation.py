@@ -86,6 +86,11 @@ class Generation:
             raise engine_error(e, "messages" if self.chat else "prompt") from None
         except QueueFull as e:
             raise APIError(503, str(e), None, "queue_full", "server_overloaded") from None
+        except RuntimeError as e:
+            loop = self.ctx.engine_loop
+            if loop.alive and loop.failure is None:
+                raise
+            raise APIError(503, str(e), None, "engine_dead") from None  # the engine thread ended, or is ending
         self.ctx.metrics.requests_received.inc()
 
     def inputs_per_choice(self) -> list[list[int]]:

@@ -75,3 +75,43 @@ def test_failing_step_fails_its_requests_and_the_loop_goes_on(loop_llm):
     assert loop.call(lambda engine: engine.flush_cache() and engine.kv_free_slots == engine.kv_capacity_slots).result(timeout=30)
     after = drain(submit(loop, [5, 6, 7], 8))  # served normally after the failure
     assert [t for e in after for t in e.token_ids] == ref and len(ref) == 8
+
+
+def test_a_step_that_fails_before_scheduling_fails_what_it_was_admitting(loop_llm):
+    """With nothing running, a failing step was about the waiting requests: they fail, where the loop used to retry
+    the same step forever with them unanswered; the loop then serves on."""
+    loop, llm = loop_llm
+    scheduler = llm.engine.scheduler
+    real_schedule = scheduler.schedule
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected scheduling failure")
+
+    scheduler.schedule = broken
+    waiting = submit(loop, [5, 6, 7], 8)
+    last = waiting.get(timeout=30)
+    assert last.finished and last.finish_reason == "error" and "injected scheduling failure" in last.error
+    scheduler.schedule = real_schedule
+    assert sum(len(e.token_ids) for e in drain(submit(loop, [5, 6, 7], 8))) == 8 and loop.alive
+
+
+def test_a_dead_tensor_parallel_rank_fails_every_request_and_ends_the_loop(llama_path):
+    """A follower killed (as by the OOM killer): the next step fails every request with the reason, the loop ends,
+    and later submissions fail with it at once, where the loop used to spin on the failing step (unanswered requests,
+    /health still ok)."""
+    llm = LLM(llama_path, device="cpu", dtype="float32", tp_size=2, dist_timeout=30)
+    loop = EngineLoop(llm.engine)
+    loop.start()
+    try:
+        assert drain(submit(loop, [5, 6, 7], 4))[-1].finish_reason == "length"
+        follower = llm.engine.lockstep.followers[0]
+        follower.kill()
+        follower.join(timeout=30)
+        last = submit(loop, [5, 6, 7], 4).get(timeout=30)
+        assert last.finish_reason == "error" and "tensor-parallel rank 1 exited" in last.error
+        loop._thread.join(timeout=60)
+        assert not loop.alive and "rank 1 exited" in loop.failure
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            loop.submit(Submission([[1, 2]], [SamplingParams(max_new_tokens=2)], lambda i, e: None)).result(timeout=5)
+    finally:
+        loop.stop()
