@@ -17,6 +17,12 @@ def plot_log(out_dir: str) -> str | None:
     """training.png (loss, and accuracy per unrolled step, against samples seen; the held-out points, when there are
     any, as circles) from train_log.jsonl; None without matplotlib (the log stays; `hyperdraft train-draft --plot
     DIR` draws it on a machine that has it)."""
+    with open(os.path.join(out_dir, LOG)) as f:
+        rows = list(map(json.loads, filter(str.strip, f)))
+    held = [r for r in rows if r.get("kind") == "validation" and "step" in r]
+    rows = [r for r in rows if r.get("kind") == "window"]
+    if not rows:
+        raise ValueError(f"{os.path.join(out_dir, LOG)} holds no training windows to draw")
     try:
         import matplotlib
 
@@ -26,10 +32,6 @@ def plot_log(out_dir: str) -> str | None:
     except ImportError:
         print("train-draft: matplotlib is not installed; train_log.jsonl holds the curves")
         return None
-    with open(os.path.join(out_dir, LOG)) as f:
-        rows = list(map(json.loads, filter(str.strip, f)))
-    held = [r for r in rows if r.get("kind") == "validation" and "step" in r]
-    rows = [r for r in rows if r.get("kind") == "window"]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [r["step"] for r in rows]
     width = max(1, len(rows) // 100)

@@ -137,8 +137,7 @@ def self_written_prompts(llm, count: int, seed: int, path: str | None = None) ->
     answers the same requests)."""
     asked = {"count": count, "seed": seed}
     if path is not None and os.path.isfile(path):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows, _ = _read_rows(path)
         written_for = rows.pop(0)["asked"] if rows and "asked" in rows[0] else asked  # older files: as they are
         if written_for != asked:  # a larger count took the file's fewer prompts without a word
             raise ValueError(f"{path} holds prompts written for {written_for}, this run asks {asked}: remove it, or "
@@ -173,6 +172,24 @@ def _write_prompts(llm, count: int, seed: int) -> list[str]:
     return prompts[:count]
 
 
+def _read_rows(path: str, torn_tail_ok: bool = False) -> tuple[list[dict], bool]:
+    """The JSON lines of a file -> (rows, whether a last line cut short was dropped). A bad line is an error naming
+    the file and line, except, with torn_tail_ok, an unterminated last one (a run killed while appending it)."""
+    with open(path) as f:
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for position, (number, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if torn_tail_ok and position == len(lines) - 1 and not line.endswith("\n"):
+                logger.warning("%s:%d was cut short (a run stopped while writing it): that prompt is answered again",
+                               path, number)
+                return rows, True
+            raise ValueError(f"{path}:{number}: not a JSON line ({e.msg}): remove the file, or that line") from None
+    return rows, False
+
+
 class SampleStore:
     """OUT/samples.jsonl: each prompt's answer, appended as chunks of prompts are answered, so a run stopped midway
     (a GPU call's time limit) resumes where it stopped and no prompt is answered twice. One line per prompt: its
@@ -191,8 +208,10 @@ class SampleStore:
             with open(path, "w") as f:
                 f.write(json.dumps({"made_by": made_by}) + "\n")
             return
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows, torn = _read_rows(path, torn_tail_ok=True)
+        if torn:  # appended lines must not run on from the cut one
+            with open(path, "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
         if rows and "made_by" in rows[0]:
             _refuse_other_maker(path, rows.pop(0)["made_by"], made_by)
         else:
@@ -202,8 +221,8 @@ class SampleStore:
             self.done[row["index"]] = (row["prompt"], None if row["sample"] is None else Sample(*row["sample"]))
 
     def check(self, prompts: list[str]) -> None:
-        for index, (text, _) in self.done.items():
-            if index >= len(prompts) or prompts[index] != text:
+        for index, (text, _) in self.done.items():  # answers past these prompts (a smaller --num-samples) stay unused
+            if index < len(prompts) and prompts[index] != text:
                 raise ValueError(f"{self.path} holds answers to other prompts (prompt {index} differs): remove it, "
                                  "or train from the prompts it was made from")
 

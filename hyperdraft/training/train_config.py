@@ -46,8 +46,9 @@ class TrainConfig:
                              "writes --num-samples prompts itself")
         if not (self.lr > 0 and math.isfinite(self.lr)):  # inf trained a head of NaNs, and published it
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:  # 0 meant the whole vocabulary
-            raise ValueError(f"draft_vocab_size must be >= 1 (or unset: the target's whole vocabulary), got "
+        # 0 meant the whole vocabulary; 1 trains nothing (a one-token distribution: the loss is 0 whatever the head)
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise ValueError(f"draft_vocab_size must be >= 2 (or unset: the target's whole vocabulary), got "
                              f"{self.draft_vocab_size}")
         if self.max_len < 16:
             raise ValueError(f"max_len must be >= 16, got {self.max_len}")

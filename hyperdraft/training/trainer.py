@@ -110,6 +110,7 @@ def train_draft(cfg: TrainConfig) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         first_epoch, best = state["epoch"] + 1, state["best"]
+    _start_log(cfg.out, first_epoch, len(train))
     metrics: dict = {}
     with options.activated(reference_paths()):
         for epoch in range(first_epoch, cfg.epochs):
@@ -290,6 +291,21 @@ class _Totals:
     def means(self) -> dict:
         return {"loss": self.loss / max(1, self.samples),
                 "accuracy_by_step": [c / max(1.0, n) for c, n in zip(self.correct, self.counted)]}
+
+
+def _start_log(out_dir: str, first_epoch: int, per_epoch: int) -> None:
+    """The log as the run starts: empty for a new run (an earlier run's rows into the same --out joined its curves);
+    for a resumed one, the rows of the epochs its checkpoint holds (a run stopped mid-epoch, or between publishing
+    an epoch and checkpointing it, had logged rows that the resumed run logs again)."""
+    path = os.path.join(out_dir, LOG)
+    rows = []
+    if first_epoch > 0 and os.path.exists(path):
+        with open(path) as f:
+            rows = [r for r in map(json.loads, filter(str.strip, f))
+                    if (r["step"] <= first_epoch * per_epoch if r.get("kind") == "window"
+                        else r.get("epoch", 0) <= first_epoch)]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 def _log(out_dir: str, row: dict) -> None:

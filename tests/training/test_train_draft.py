@@ -27,6 +27,7 @@ from hyperdraft.testing.tiny import CORPUS, make_tiny_model
 import hyperdraft.training.trainer as trainer
 from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
 from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_samples
+from hyperdraft.training.plot import plot_log
 from hyperdraft.training.samples import Sample, SampleStore, answer, refuse_evaluation_prompts
 from hyperdraft.training.trainer import TrainConfig, _batch_loss, causal_within, train_draft
 from hyperdraft.training.unroll_attention import UnrollAttention
@@ -159,6 +160,33 @@ def test_resume_continues_exactly_where_it_stopped(target, prompts_file, tmp_pat
     if fraction:
         assert all(row["accept_length_estimate"] == accept_length_estimate(row["accuracy_by_step"])
                    for row in _rows(tmp_path / "resumed", "validation"))
+
+
+def test_the_log_holds_one_run_and_a_resumed_run_logs_each_window_once(target, prompts_file, tmp_path, monkeypatch):
+    """A run stopped in the middle of its second epoch (after some of its windows were logged) and resumed from the
+    first epoch's checkpoint logs what an uninterrupted run logs, each window once; a new run (no --resume) into the
+    same directory starts a new log, where it used to append to the old run's (the plot joined the two)."""
+    straight = tmp_path / "straight"
+    train_draft(_config(target, straight, prompts_file, validation_fraction=HELD_OUT))
+    cfg = _config(target, tmp_path / "resumed", prompts_file, validation_fraction=HELD_OUT)
+    real_log, per_epoch = trainer._log, []
+
+    def stop_mid_epoch_two(out_dir, row):
+        real_log(out_dir, row)
+        if row["kind"] == "epoch":
+            per_epoch.append(row["step"])
+        elif row["kind"] == "window" and per_epoch and row["step"] > per_epoch[0]:
+            raise _Stop
+
+    with monkeypatch.context() as mp:
+        mp.setattr(trainer, "_log", stop_mid_epoch_two)
+        with pytest.raises(_Stop):
+            train_draft(cfg)
+    train_draft(dataclasses.replace(cfg, resume=True))
+    for kind in ("window", "validation", "epoch"):
+        assert [r["step"] for r in _rows(tmp_path / "resumed", kind)] == [r["step"] for r in _rows(straight, kind)]
+    train_draft(_config(target, straight, prompts_file, epochs=1))  # a new run into the same directory
+    assert [r["epoch"] for r in _rows(straight, "epoch")] == [1]
 
 
 def test_resume_refuses_another_split_or_an_older_checkpoint(target, prompts_file, tmp_path):
@@ -353,7 +381,9 @@ def test_fp32_target_trains_without_autocast(trained, target):
                                                  # inf trained and published a head of NaNs
                                                  ("lr", float("inf"), "lr must be a finite number > 0"),
                                                  # 0 meant the whole vocabulary; 10**6 failed after every answer
-                                                 ("draft_vocab_size", 0, "draft_vocab_size must be >= 1"),
+                                                 ("draft_vocab_size", 0, "draft_vocab_size must be >= 2"),
+                                                 # 1: a one-token distribution, loss 0, an untrained head published
+                                                 ("draft_vocab_size", 1, "draft_vocab_size must be >= 2"),
                                                  ("draft_vocab_size", 10**6,
                                                   r"draft_vocab_size must be at most the target's vocab_size=")])
 def test_bad_values_are_refused(target, prompts_file, tmp_path, field, value, match):
@@ -477,6 +507,13 @@ class _KVCache:
         return out.transpose(0, 1)
 
 
+def test_plot_of_a_log_without_windows_is_a_named_error(tmp_path):
+    (tmp_path / "train_log.jsonl").write_text("")
+    assert cli_main(["train-draft", "--plot", str(tmp_path)]) == 2  # "holds no training windows", not a traceback
+    with pytest.raises(ValueError, match="holds no training windows to draw"):
+        plot_log(str(tmp_path))
+
+
 def test_draft_vocabulary_is_the_most_frequent_ids():
     vocab = frequent_tokens([[5, 5, 5, 2, 2, 9], [9, 9, 9, 9, 1]], vocab_size=12, size=3)
     assert vocab.target_ids.tolist() == [2, 5, 9]
@@ -564,6 +601,18 @@ def test_answers_are_stored_and_a_stopped_run_answers_only_the_rest(target, tmp_
     assert len(open(path).read().splitlines()) == 1 + len(prompts)  # what made them, then one line a prompt
     with pytest.raises(ValueError, match="holds answers to other prompts"):
         answer(llm, ["another"] + prompts[1:], 96, 0.0, seed=0, store=SampleStore(path))
+    seen.clear()  # fewer prompts than the store answered (a smaller --num-samples): its first answers, none asked
+    assert answer(llm, prompts[:5], 96, 0.0, seed=0, store=SampleStore(path)) == want[:5] and not seen
+    whole = open(path).read()
+    with open(path, "w") as f:  # a run killed while appending its last line
+        f.write(whole[:-25])
+    assert answer(llm, prompts, 96, 0.0, seed=0, store=SampleStore(path)) == want
+    assert open(path).read() == whole  # the cut line replaced by the prompt's answer again
+    lines = whole.splitlines(keepends=True)
+    with open(path, "w") as f:  # a bad line inside the file is named, not guessed at
+        f.writelines(lines[:3] + ["{not json\n"] + lines[3:])
+    with pytest.raises(ValueError, match=r"samples.jsonl:4: not a JSON line"):
+        SampleStore(path)
     llm.shutdown()
 
 
