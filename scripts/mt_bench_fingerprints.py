@@ -1,5 +1,5 @@
-"""Write hyperdraft/training/evaluation_set.py's fingerprints of MT-bench's questions (every turn), so train-draft
-refuses them as training prompts wherever it runs, with or without the questions file beside it.
+"""Write hyperdraft/training/mt_bench_hashes.py: the hashes of MT-bench's questions (every turn) that train-draft
+refuses as training prompts wherever it runs (training/evaluation_set.py says what they are).
 
   python scripts/mt_bench_fingerprints.py [QUESTIONS.jsonl]    (default: ../shared/data/mt_bench_questions.jsonl)
 """
@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hyperdraft.training.evaluation_set import fingerprint  # noqa: E402
+from hyperdraft.training.evaluation_set import fingerprint, shingles  # noqa: E402
 
-MODULE = os.path.join(os.path.dirname(__file__), "..", "hyperdraft", "training", "evaluation_set.py")
-BEGIN, END = "MT_BENCH_FINGERPRINTS = frozenset({\n", "})\n"
+MODULE = os.path.join(os.path.dirname(__file__), "..", "hyperdraft", "training", "mt_bench_hashes.py")
 
 
 def main() -> None:
@@ -22,14 +22,19 @@ def main() -> None:
                                                               "mt_bench_questions.jsonl")
     with open(path) as f:
         turns = [turn for line in f if line.strip() for turn in json.loads(line)["turns"]]
-    prints = sorted({fingerprint(t) for t in turns})
-    with open(MODULE) as f:
-        text = f.read()
-    head, rest = text.split(BEGIN)
-    body = "".join(f'    "{p}",\n' for p in prints)
+    prints = " ".join(sorted({fingerprint(t) for t in turns}))
+    runs = [" ".join(sorted(shingles(t))) for t in turns]
+    lines = ['"""MT-bench\'s questions, every turn, as hashes (training/evaluation_set.py); written by',
+             'scripts/mt_bench_fingerprints.py, not by hand."""', "", "FINGERPRINTS = ("]
+    lines += [f'    "{chunk} "' for chunk in textwrap.wrap(prints, 108)] + [")", "", "SHINGLES = ("]
+    for question in runs:  # one string a question, in chunks a line
+        chunks = textwrap.wrap(question, 108) or [""]
+        lines += [f'    "{chunk} "' for chunk in chunks[:-1]] + [f'    "{chunks[-1]}",']
+    lines += [")", ""]
     with open(MODULE, "w") as f:
-        f.write(head + BEGIN + body + END + rest.split(END, 1)[1])
-    print(f"{len(turns)} turns, {len(prints)} fingerprints -> {MODULE}")
+        f.write("\n".join(lines))
+    print(f"{len(turns)} turns, {len(set(prints.split()))} fingerprints, {sum(len(r.split()) for r in runs)} "
+          f"shingles -> {MODULE}")
 
 
 if __name__ == "__main__":

@@ -1,184 +1,69 @@
-"""The evaluation set train-draft must never train on: MT-bench's questions, every turn, as fingerprints.
+"""The evaluation set train-draft must never train on: MT-bench's questions, every turn, kept inside the package as
+hashes (not their text), so the refusal holds wherever the command runs, with or without the questions file.
 
-A fingerprint is the first 16 hex digits of the SHA-256 of the text case-folded with its whitespace collapsed, so a
-question is recognised however it is spaced or capitalised. Kept as fingerprints, not as the questions' text, and
-inside the package: the refusal used to read the questions file by a path relative to the working directory, and a
-run started anywhere else trained on MT-bench silently. scripts/mt_bench_fingerprints.py writes the set.
+A text's words: NFKC-normalised, case-folded, zero-width characters and quote marks dropped (a curly and a straight
+apostrophe alike), every other non-word character a separator. Two kinds of hash (scripts/mt_bench_fingerprints.py
+writes both into mt_bench_hashes.py):
+  fingerprint   the first 16 hex digits of the SHA-256 of the words joined by spaces: a prompt that is a question,
+                however spaced, capitalised or punctuated
+  shingles      the first 8 hex digits of the SHA-256 of each run of SHINGLE_WORDS words: a prompt holding
+                LEAK_SHARE of a question's runs holds the question, with text before or after it, a word changed or
+                a sentence dropped (exact fingerprints let through a question without its final period, with a curly
+                apostrophe, or after "Please help:"). A question shorter than one run is matched by its fingerprint.
+Paraphrases are not caught; nothing short of the questions themselves would.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
+import unicodedata
+from dataclasses import dataclass
+
+SHINGLE_WORDS = 5
+LEAK_SHARE = 0.6
+_DROPPED = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff'\"`\u00b4\u2018\u2019\u201c\u201d\u00ab\u00bb"))
+_SEPARATORS = re.compile(r"[\W_]+")
 
 
 def folded(text: str) -> str:
-    """text case-folded, its whitespace runs one space each: what a fingerprint (and a containment check) compares."""
+    """text case-folded, its whitespace runs one space each: what the questions file's containment check compares."""
     return " ".join(text.casefold().split())
 
 
+def words(text: str) -> list[str]:
+    return _SEPARATORS.sub(" ", unicodedata.normalize("NFKC", text).casefold().translate(_DROPPED)).split()
+
+
 def fingerprint(text: str) -> str:
-    return hashlib.sha256(folded(text).encode()).hexdigest()[:16]
+    return hashlib.sha256(" ".join(words(text)).encode()).hexdigest()[:16]
 
 
-MT_BENCH_FINGERPRINTS = frozenset({
-    "002fd3e97baaf2fa",
-    "05b61cfe6000cbd5",
-    "07e5b8f769e29e70",
-    "09b9265f7e283e8b",
-    "0afca1ce9f063afd",
-    "0c2ad6adb0d1e681",
-    "0c7e51a65d81207a",
-    "0e57bb7c062edbae",
-    "0f6113e3dd8ce997",
-    "0ff993e8a44121cb",
-    "12697ead25922883",
-    "1535e04cd6948d3a",
-    "15b02d95b87470ae",
-    "1697c3123eaf9c8b",
-    "1b43e17b600b4d50",
-    "1b601e7284de58b0",
-    "1b88527478f3f649",
-    "1c91b8f20d1ef30b",
-    "1d59fdcce88ac040",
-    "1dbc276be8484dcb",
-    "1efbcfcd7d689c13",
-    "1f74231025700f05",
-    "2118b40c7528fe39",
-    "24b308efd54eb5d2",
-    "24d22ec5984f756f",
-    "2587bf465402ade7",
-    "262e1e6b972c73c1",
-    "284c5c35b6e0c2d1",
-    "284e96c1b9c5b1a0",
-    "2b68785e8fb02057",
-    "2baaed1a1c38d93d",
-    "2c6383dc04895a6e",
-    "2e0c7bc23b069cb5",
-    "2e20f9fec0a1d06e",
-    "3313f22ffe82c24e",
-    "346ac0c34bc65162",
-    "34838e7ad47fa615",
-    "353e4c1bf0bb7349",
-    "3595926e049ed4ea",
-    "3a219214739ca8dd",
-    "3b78eb2b318d55a5",
-    "3def50bbb551b2b7",
-    "3e629a789c330b3c",
-    "3f2c1564e7cc5e97",
-    "3f667047f8ac12cf",
-    "4009a9d57b1764dd",
-    "404124691f7c29e1",
-    "438d33d80e84aab3",
-    "480f5638a6a17f54",
-    "48ddde958aefed1d",
-    "4a6fd69d10b1bb40",
-    "4bcef9657f68302d",
-    "4f90df962271604c",
-    "51b4fd39c0073e8f",
-    "51e048acb18d382a",
-    "52c1508801d668db",
-    "545a0cb55873318e",
-    "553eadeb7c63ac16",
-    "56a47cfcec683270",
-    "56e56857a47884d9",
-    "59a1a5f4475861b4",
-    "5a187983b2eebee7",
-    "5c6b3d7b92d16f28",
-    "5d257e3aed80f0d6",
-    "5feb6fe1fb289223",
-    "6026ba14782cff95",
-    "61c9b067b65b61c6",
-    "621e6edf1b0be492",
-    "63a38279a3cedccd",
-    "64722330cbd3a79a",
-    "64a4ff936e35ceb9",
-    "67257eea5ccfb19a",
-    "6761a1b3ba47533c",
-    "70350fc2b1458295",
-    "70f73e4c295a535f",
-    "71d0bf9250cf179d",
-    "7443f7718f4d8a30",
-    "76d91637a255a8bb",
-    "77281157b82ab20c",
-    "7fbcfb60bcbc735f",
-    "8290aa6ecdf21e3a",
-    "870ae1ca669dbe55",
-    "89f3deb038ac613b",
-    "8bf85ecfd2fa306a",
-    "8c9fd4dd9b80d5f3",
-    "8fc5a990c5a25338",
-    "90a0bd8348629724",
-    "90a7a3a9dfc162f0",
-    "9111649404291f72",
-    "91c6c29a73b30c60",
-    "925ea0f289f5cb4f",
-    "9607c8ee367f29da",
-    "967d5828b104589f",
-    "96baa3f3911a639a",
-    "972bd86183169f8f",
-    "979a853ee6031303",
-    "9a126dbad4ddaeb7",
-    "9cc3eed4eb23cbb7",
-    "9e84debadfd8f8ad",
-    "9fe1db3472921eca",
-    "a01efef0b8d2ba46",
-    "a05188e51e05e153",
-    "a2bdc316cc95ad9a",
-    "a2d1f9b89683ada1",
-    "a3663f192ab9b35d",
-    "a3db199e755e9a1f",
-    "a58658af032e9bbc",
-    "a6f713c8d2a1c1d2",
-    "a86a38f520f88116",
-    "a8f43fa0c0c55f1f",
-    "a97db6500f9439e9",
-    "ab0b862ab333ccdd",
-    "abaed39aa751edff",
-    "b05fa059af889223",
-    "b109c6a9d0cc0ca6",
-    "b1938065094bc5ae",
-    "b361386353f60030",
-    "b3985836d47741f9",
-    "b41f5e8d76e8f652",
-    "b45216c1115b6f44",
-    "b91b2b0e4c173f97",
-    "ba1e792092ad8920",
-    "bbb1f1039d2bd42d",
-    "bcc959ce43ced9a0",
-    "bf64bba3a7d0c12c",
-    "c06289d81c3674db",
-    "c0e5fd7c22377d1e",
-    "c117ecfd6a51ab1c",
-    "c23e47e226a2aedb",
-    "c28a5af5bfcb7624",
-    "c62eb880f1a4dad9",
-    "c6d4e4e017de4ec1",
-    "c982ae2d1ed0c175",
-    "c99b5f87c1b99e16",
-    "cb1bc891b359dafc",
-    "ce163144d8c48c49",
-    "d0c44b59999d88ea",
-    "d3898d626b35a2ba",
-    "d8d6c091ee525dff",
-    "da246091bcf35a0f",
-    "daca5ca84237c920",
-    "db03f75d917ff708",
-    "db2990312f2e8ebd",
-    "dccf4f9b09d8c18b",
-    "df5775c08b0374f1",
-    "e0326425825cbfbd",
-    "e23c4f8edcd3f4fb",
-    "e4585ebbdff247e3",
-    "e8d7fa9220178938",
-    "eb2cf09a8430943d",
-    "eb5048dc1c3ff7b1",
-    "ed6d9ca1c7ba4209",
-    "f067dbcb10b9e357",
-    "f1913f1a7f9b191b",
-    "f4de5505c9818a3f",
-    "f728ac18db91c755",
-    "f916e1e1b047ebca",
-    "fa74870147e655b9",
-    "fb4323fab5714fed",
-    "fe4c8e4ec06371c8",
-})
+def shingles(text: str) -> set[str]:
+    """The hashes of text's runs of SHINGLE_WORDS words (none when it has fewer)."""
+    w = words(text)
+    return {hashlib.sha256(" ".join(w[i:i + SHINGLE_WORDS]).encode()).hexdigest()[:8]
+            for i in range(len(w) - SHINGLE_WORDS + 1)}
+
+
+@dataclass(frozen=True)
+class EvaluationSet:
+    fingerprints: frozenset[str]  # every question's
+    questions: tuple[frozenset[str], ...]  # each question's shingles (the ones with at least one run)
+
+    @classmethod
+    def of(cls, texts: list[str]) -> "EvaluationSet":
+        return cls(frozenset(map(fingerprint, texts)), tuple(frozenset(s) for s in map(shingles, texts) if s))
+
+    def holds(self, prompt: str) -> bool:
+        """Whether the prompt is a question, or holds LEAK_SHARE of one's runs of words."""
+        if fingerprint(prompt) in self.fingerprints:
+            return True
+        own = shingles(prompt)
+        return bool(own) and any(q and len(q & own) >= LEAK_SHARE * len(q) for q in self.questions)
+
+
+def mt_bench() -> EvaluationSet:
+    from hyperdraft.training.mt_bench_hashes import FINGERPRINTS, SHINGLES
+
+    return EvaluationSet(frozenset(FINGERPRINTS.split()), tuple(frozenset(q.split()) for q in SHINGLES if q))

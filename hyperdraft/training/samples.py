@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from hyperdraft.sampling_params import SamplingParams
-from hyperdraft.training.evaluation_set import MT_BENCH_FINGERPRINTS, fingerprint, folded
+from hyperdraft.training.evaluation_set import EvaluationSet, folded, mt_bench
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +117,11 @@ def _prompt_of(row):
 
 
 def refuse_evaluation_prompts(prompts: list[str], candidates: tuple[str, ...] = MT_BENCH_CANDIDATES,
-                              fingerprints: frozenset[str] = MT_BENCH_FINGERPRINTS) -> None:
-    """Raise if any prompt is an MT-bench question (any turn; evaluation_set.py), or, where the questions file is
-    found, contains one."""
-    leaked = [p for p in prompts if fingerprint(p) in fingerprints]
+                              evaluation: EvaluationSet | None = None) -> None:
+    """Raise if any prompt is or holds an MT-bench question (any turn; evaluation_set.py: the packaged hashes), or,
+    where the questions file is found, contains one's text."""
+    evaluation = evaluation if evaluation is not None else mt_bench()
+    leaked = [p for p in prompts if evaluation.holds(p)]
     path = next((p for p in candidates if os.path.isfile(p)), None)
     if path is not None and not leaked:
         with open(path) as f:

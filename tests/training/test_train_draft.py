@@ -536,22 +536,32 @@ def test_validation_reports_the_draft_vocabulary_coverage(validated):
 
 def test_mt_bench_prompts_are_refused(tmp_path):
     """With the questions file: a prompt that is a question (any turn) or contains one. Without it (a run started
-    outside the checkout, or an installed copy: the file was looked for relative to the working directory and the
-    check skipped), the packaged fingerprints still refuse a question, however spaced or capitalised."""
-    from hyperdraft.training.evaluation_set import MT_BENCH_FINGERPRINTS, fingerprint
+    outside the checkout, or an installed copy), the packaged hashes still refuse a question however spaced,
+    capitalised or punctuated, and a prompt holding most of one's runs of words: text around it, its final period
+    dropped, a curly apostrophe, a zero-width space (the exact fingerprints let those through)."""
+    from hyperdraft.training.evaluation_set import EvaluationSet, mt_bench
 
+    question = "Explain the difference between a llama's diet and an alpaca's diet in two short paragraphs."
     evaluation = tmp_path / "mt_bench_questions.jsonl"
-    evaluation.write_text(json.dumps({"turns": ["What is the capital of France?", "And Spain?"]}) + "\n")
+    evaluation.write_text(json.dumps({"turns": [question, "And Spain?"]}) + "\n")
     refuse_evaluation_prompts(["Tell me a joke."], (str(evaluation),))
-    for leak in ("What is the capital of France?", "and  SPAIN?", "Please answer: what is the capital of France? Now."):
+    for leak in (question, "and  SPAIN?", f"Please answer: {question} Now."):
         with pytest.raises(ValueError, match="MT-bench questions"):
             refuse_evaluation_prompts(["Tell me a joke.", leak], (str(evaluation),))
-    prints = frozenset({fingerprint("What is the capital of France?")})
-    refuse_evaluation_prompts(["Tell me a joke."], (), prints)
-    for leak in ("What is the capital of France?", "  what is the CAPITAL of\nFrance? "):
+    packaged = EvaluationSet.of([question, "And Spain?"])
+    near = ["Explain the difference between a llama\u2019s diet and an alpaca\u2019s diet in two short paragraphs",
+            f"Please help: {question} Thanks!", question.replace("short ", "short\u200b "),
+            "  explain the DIFFERENCE between a llama's diet\nand an alpaca's diet in two short paragraphs.",
+            "Explain the difference between a llama's diet and an alpaca's diet.", "AND spain"]
+    for leak in near:
         with pytest.raises(ValueError, match="MT-bench questions"):
-            refuse_evaluation_prompts([leak], (), prints)
-    assert len(MT_BENCH_FINGERPRINTS) == 160  # both turns of 80 questions, all distinct
+            refuse_evaluation_prompts(["Tell me a joke.", leak], (), packaged)
+    for fine in ("Tell me a joke.", "What does a llama eat?", "And Spain? And Portugal, and Italy too?",
+                 "Explain the difference between a horse's diet and a cow's diet in detail."):
+        refuse_evaluation_prompts([fine], (), packaged)
+    mt = mt_bench()
+    assert len(mt.fingerprints) == 160 and 150 < len(mt.questions) <= 160  # both turns of 80 questions; the few
+    assert all(mt.questions)  # shorter than a run are matched by their fingerprints alone
 
 
 def test_a_batch_trains_as_its_samples_one_by_one(trained, target):
