@@ -69,8 +69,8 @@ def save_head(out_dir: str, config: dict, head: torch.nn.Module, dtype: torch.dt
                          "(lower --lr)")
     weights, config_path = os.path.join(out_dir, "model.safetensors"), os.path.join(out_dir, "config.json")
     save_file(tensors, weights + ".partial")
-    with open(config_path + ".partial", "w") as f:
-        json.dump(config, f, indent=2)
+    with open(config_path + ".partial", "w") as f:  # torch_dtype: what the weights are stored in (loaders that read
+        json.dump({**config, "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)  # it run the head so)
     os.replace(weights + ".partial", weights)  # a run's config is the same every epoch: the weights decide
     os.replace(config_path + ".partial", config_path)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -58,6 +59,8 @@ from hyperdraft.training.samples import (EngineOnDemand, Sample, SampleStore, an
 from hyperdraft.training.train_config import TrainConfig
 from hyperdraft.training.unroll_attention import UnrollAttention
 
+logger = logging.getLogger(__name__)
+
 STEP_DECAY = 0.8  # EAGLE-3's weighting of later unrolled steps
 GRAD_CLIP = 0.5
 SAMPLES = "samples.jsonl"  # the target's answers, appended as they are made (a stopped run resumes them)
@@ -77,6 +80,10 @@ def train_draft(cfg: TrainConfig) -> dict:
     init = read_head(cfg.init, target_config) if cfg.init else None
     if init:  # refused before anything is answered
         init.refuse_other(cfg.aux_layer_ids, cfg.head_intermediate_size, cfg.draft_vocab_size)
+        if cfg.validation_fraction > 0:
+            logger.warning("--init: the prompts held out are this run's split; unless it answers the same prompts "
+                           "with the same --num-samples, --seed and --validation-fraction as the head's own run, some "
+                           "may be prompts the head trained on, and its held-out scores read high")
     aux_ids = init.aux_layer_ids if init else _aux_layer_ids(cfg, target_config.num_layers)
     os.makedirs(cfg.out, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -173,14 +180,19 @@ def _resume_state(cfg: TrainConfig) -> dict:
     # A resumed run continues the checkpoint's samples, vocabulary and optimizer: another value of these would be
     # ignored without a word. (Checkpoints before session 37 recorded none of them.)
     for name, value in state.get("made_with", {}).items():
-        if getattr(cfg, name) != value:
+        if _as_recorded(getattr(cfg, name)) != _as_recorded(value):
             raise ValueError(f"--resume: {name} {getattr(cfg, name)!r} differs from the checkpoint's {value!r}: the "
                              "run continues with the checkpoint's; give its value, or start a new run")
     return state
 
 
 def _made_with(cfg: TrainConfig) -> dict:
-    return {name: getattr(cfg, name) for name in RESUME_FIXED}
+    return {name: _as_recorded(getattr(cfg, name)) for name in RESUME_FIXED}
+
+
+def _as_recorded(value):
+    """A path that exists as its absolute path (a resume given the same file by a relative path is the same run)."""
+    return os.path.abspath(value) if isinstance(value, str) and os.path.exists(value) else value
 
 
 def _make_samples(cfg: TrainConfig) -> list[Sample]:

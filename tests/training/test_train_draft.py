@@ -86,6 +86,7 @@ def test_writes_the_published_eagle3_layout(trained, target):
     with open(os.path.join(trained, "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 200
+    assert config["torch_dtype"] == "float32"  # what the weights are stored in (the target's dtype)
     assert len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == 3
     names = set(load_file(os.path.join(trained, "model.safetensors")))
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
@@ -187,6 +188,24 @@ def test_the_log_holds_one_run_and_a_resumed_run_logs_each_window_once(target, p
         assert [r["step"] for r in _rows(tmp_path / "resumed", kind)] == [r["step"] for r in _rows(straight, kind)]
     train_draft(_config(target, straight, prompts_file, epochs=1))  # a new run into the same directory
     assert [r["epoch"] for r in _rows(straight, "epoch")] == [1]
+
+
+def test_resume_takes_the_same_files_by_a_relative_path(target, prompts_file, tmp_path, monkeypatch):
+    """The checkpoint records the model and prompts as absolute paths: a resume naming the same files relative to the
+    working directory continues the run (it was refused as another prompts file)."""
+    cfg = _config(target, tmp_path / "run", prompts_file, epochs=2)
+    with monkeypatch.context() as mp:
+        _after_checkpoint(mp, _stop_after(1))
+        with pytest.raises(_Stop):
+            train_draft(cfg)
+    monkeypatch.chdir(os.path.dirname(prompts_file))
+    relative = dataclasses.replace(cfg, prompts=os.path.basename(prompts_file), resume=True)
+    assert train_draft(relative)["epoch"] == 2
+
+
+def test_init_warns_that_its_held_out_prompts_may_be_trained_on(trained, target, prompts_file, tmp_path, caplog):
+    train_draft(_config(target, tmp_path, prompts_file, epochs=1, init=trained, validation_fraction=HELD_OUT))
+    assert "--init: the prompts held out are this run's split" in caplog.text
 
 
 def test_resume_refuses_another_split_or_an_older_checkpoint(target, prompts_file, tmp_path):
