@@ -21,6 +21,7 @@ from hyperdraft.models.loader import read_safetensors
 from hyperdraft.training.draft_vocab import DraftVocab
 
 CHECKPOINT = "checkpoint.pt"
+HELD_OUT = "held_out_prompts.json"
 
 
 def head_config(target: ModelConfig, draft_vocab_size: int, aux_layer_ids: tuple[int, ...],
@@ -101,6 +102,7 @@ class PublishedHead:
     intermediate_size: int
     vocab: DraftVocab  # the target ids its lm_head rows score
     tensors: dict[str, torch.Tensor]  # model.safetensors, as written
+    held_out: frozenset[str] | None = None  # its run's held-out prompts (plan.prompt_key); None: not recorded
 
     def refuse_other(self, aux_layer_ids: tuple[int, ...] | None, intermediate_size: int | None,
                      draft_vocab_size: int | None) -> None:
@@ -142,4 +144,16 @@ def read_head(head_dir: str, target: ModelConfig) -> PublishedHead:
     if not all(0 <= i < target.num_layers for i in aux_layer_ids):  # it failed at the first batch, naming a shape
         raise ValueError(f"init: {head_dir} reads target layers {list(aux_layer_ids)}; the target has "
                          f"num_layers={target.num_layers}")
-    return PublishedHead(tuple(aux_layer_ids), cfg.intermediate_size, vocab, tensors)
+    held_path = os.path.join(head_dir, HELD_OUT)
+    held_out = None
+    if os.path.isfile(held_path):
+        with open(held_path) as f:
+            held_out = frozenset(json.load(f))
+    return PublishedHead(tuple(aux_layer_ids), cfg.intermediate_size, vocab, tensors, held_out)
+
+
+def write_held_out(out_dir: str, keys: frozenset[str]) -> None:
+    """The run's held-out prompts (plan.prompt_key), beside the head: a run started from it (--init) holds out the
+    same ones, never prompts the head trained on."""
+    with open(os.path.join(out_dir, HELD_OUT), "w") as f:
+        json.dump(sorted(keys), f)

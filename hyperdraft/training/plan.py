@@ -3,6 +3,7 @@ score that decides which epoch's head is published."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 
@@ -27,6 +28,17 @@ def split_samples(samples: list[Sample], fraction: float, seed: int) -> tuple[li
     random.Random(seed).shuffle(order)
     held = {i for group in order[:int(len(order) * fraction)] for i in group}
     return [s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held]
+
+
+def prompt_key(sample: Sample) -> str:
+    """A sample's prompt (its tokens before the answer), hashed: how a held-out set is recorded and matched."""
+    return hashlib.sha256(",".join(map(str, sample.token_ids[:sample.answer_start])).encode()).hexdigest()[:16]
+
+
+def split_by_prompts(samples: list[Sample], held: frozenset[str]) -> tuple[list[Sample], list[Sample]]:
+    """-> (training, validation): the samples whose prompt is in `held` (prompt_key) held out, in the samples' order."""
+    keys = [prompt_key(s) for s in samples]
+    return ([s for s, k in zip(samples, keys) if k not in held], [s for s, k in zip(samples, keys) if k in held])
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -15,8 +15,9 @@ Accuracy at step s: the head's argmax (as a target id) equals the target's argma
 draft given the earlier ones.
 
 Each prompt is answered once per temperature (cfg.temperatures). validation_fraction of the prompts, with all their
-answers, are held out (plan.split_samples: a seeded shuffle, the same after --resume): never trained on, not counted
-in the draft vocabulary. After each epoch the head is scored on them, and the published head (config.json,
+answers, are held out (plan.split_samples: a seeded shuffle; recorded in the checkpoint and beside the head, so a
+resumed run keeps it and an --init run holds out its head's): never trained on, not counted in the draft
+vocabulary. After each epoch the head is scored on them, and the published head (config.json,
 model.safetensors) is rewritten only when its estimated accept length beats every earlier epoch's, so a head that
 has begun to memorise its training answers does not replace a better one; the checkpoint (for --resume) always holds
 the last epoch's head. With nothing held out every epoch's head is published.
@@ -50,9 +51,10 @@ from hyperdraft.models.eagle import Eagle3Head, default_aux_layer_ids, eagle_con
 from hyperdraft.models.loader import load_model
 from hyperdraft.training.draft_vocab import DraftVocab, frequent_tokens
 from hyperdraft.training.head_io import (PublishedHead, head_config, load_checkpoint, read_head, save_checkpoint,
-                                        save_head)
+                                        save_head, write_held_out)
 from hyperdraft.training.loss import draft_index, step_loss
-from hyperdraft.training.plan import accept_length_estimate, lr_schedule, split_samples
+from hyperdraft.training.plan import (accept_length_estimate, lr_schedule, prompt_key, split_by_prompts,
+                                      split_samples)
 from hyperdraft.training.plot import LOG, plot_log
 from hyperdraft.training.samples import (EngineOnDemand, Sample, SampleStore, answer, load_prompts,
                                          refuse_evaluation_prompts, self_written_prompts)
@@ -80,16 +82,15 @@ def train_draft(cfg: TrainConfig) -> dict:
     init = read_head(cfg.init, target_config) if cfg.init else None
     if init:  # refused before anything is answered
         init.refuse_other(cfg.aux_layer_ids, cfg.head_intermediate_size, cfg.draft_vocab_size)
-        if cfg.validation_fraction > 0:
-            logger.warning("--init: the prompts held out are this run's split; unless it answers the same prompts "
-                           "with the same --num-samples, --seed and --validation-fraction as the head's own run, some "
-                           "may be prompts the head trained on, and its held-out scores read high")
+        if cfg.validation_fraction > 0 and init.held_out is None:
+            logger.warning("--init: the head records no held-out prompts (trained before they were recorded), so this "
+                           "run's split may hold out prompts it trained on, and their scores read high")
     aux_ids = init.aux_layer_ids if init else _aux_layer_ids(cfg, target_config.num_layers)
     os.makedirs(cfg.out, exist_ok=True)
     torch.manual_seed(cfg.seed)
     state = _resume_state(cfg) if cfg.resume else None
     samples = [Sample(*s) for s in state["samples"]] if state else _make_samples(cfg)
-    train, held_out = split_samples(samples, cfg.validation_fraction, cfg.seed)
+    train, held_out = _split(cfg, samples, state, init)
     device = torch.device(cfg.device)
     target = load_model(cfg.model, cfg.dtype, device)
     vocab = _draft_vocab(cfg, state, init, train, target.config.vocab_size)
@@ -128,6 +129,7 @@ def train_draft(cfg: TrainConfig) -> dict:
                                       "scheduler": scheduler.state_dict(), "epoch": epoch, "best": best,
                                       "validation_fraction": cfg.validation_fraction, "seed": cfg.seed,
                                       "aux_layer_ids": aux_ids, "made_with": _made_with(cfg),
+                                      "held_out_prompts": sorted(map(prompt_key, held_out)),
                                       "samples": [dataclasses.astuple(s) for s in samples],
                                       "vocab": vocab.target_ids, "metrics": metrics})
             plot_log(cfg.out)
@@ -136,6 +138,23 @@ def train_draft(cfg: TrainConfig) -> dict:
     if first_epoch >= cfg.epochs and not held_out:
         save_head(cfg.out, config, head, next(target.parameters()).dtype)
     return metrics
+
+
+def _split(cfg: TrainConfig, samples: list[Sample], state: dict | None,
+           init: PublishedHead | None) -> tuple[list[Sample], list[Sample]]:
+    """(training, held out): a resumed run's recorded split; an --init run's, the prompts its head held out (so none
+    it trained on is scored as unseen); else the seeded split. Recorded beside the head for later --init runs."""
+    recorded = state.get("held_out_prompts") if state else None  # None: a checkpoint from before the record
+    if recorded is None and init is not None and init.held_out is not None and cfg.validation_fraction > 0:
+        recorded = init.held_out
+    if recorded is not None:
+        train, held_out = split_by_prompts(samples, frozenset(recorded))
+        if not held_out and cfg.validation_fraction > 0:
+            logger.warning("none of this run's prompts is among the --init head's held-out ones: nothing is held out")
+    else:
+        train, held_out = split_samples(samples, cfg.validation_fraction, cfg.seed)
+    write_held_out(cfg.out, frozenset(map(prompt_key, held_out)))
+    return train, held_out
 
 
 def _draft_vocab(cfg: TrainConfig, state: dict | None, init: PublishedHead | None, train: list[Sample],

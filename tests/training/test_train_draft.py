@@ -203,9 +203,28 @@ def test_resume_takes_the_same_files_by_a_relative_path(target, prompts_file, tm
     assert train_draft(relative)["epoch"] == 2
 
 
-def test_init_warns_that_its_held_out_prompts_may_be_trained_on(trained, target, prompts_file, tmp_path, caplog):
-    train_draft(_config(target, tmp_path, prompts_file, epochs=1, init=trained, validation_fraction=HELD_OUT))
-    assert "--init: the prompts held out are this run's split" in caplog.text
+def test_an_init_run_holds_out_its_heads_held_out_prompts(target, prompts_file, tmp_path, caplog):
+    """A head records its held-out prompts; a run started from it (--init) holds out those, whatever its --seed, so
+    no prompt the head trained on is scored as unseen (another seed held out 1-2 of them here, and the held-out score
+    read high). A resumed run keeps its split. A head without the record is warned of."""
+    first = tmp_path / "first"
+    train_draft(_config(target, first, prompts_file, epochs=1, validation_fraction=HELD_OUT))
+    held = json.load(open(first / "held_out_prompts.json"))
+    assert len(held) == 2
+    for seed in (0, 1, 2):
+        out = tmp_path / f"init{seed}"
+        train_draft(_config(target, out, prompts_file, epochs=1, init=str(first), seed=seed,
+                            validation_fraction=HELD_OUT))
+        assert json.load(open(out / "held_out_prompts.json")) == held, seed
+    assert "records no held-out prompts" not in caplog.text
+    cfg = _config(target, tmp_path / "again", prompts_file, epochs=2, init=str(first), seed=1,
+                  validation_fraction=HELD_OUT)
+    train_draft(dataclasses.replace(cfg, epochs=1))
+    train_draft(dataclasses.replace(cfg, epochs=2, init=None, resume=True))  # resumes the init run's split
+    assert json.load(open(tmp_path / "again" / "held_out_prompts.json")) == held
+    os.remove(first / "held_out_prompts.json")
+    train_draft(_config(target, tmp_path / "old", prompts_file, epochs=1, init=str(first), validation_fraction=HELD_OUT))
+    assert "--init: the head records no held-out prompts" in caplog.text
 
 
 def test_resume_refuses_another_split_or_an_older_checkpoint(target, prompts_file, tmp_path):
