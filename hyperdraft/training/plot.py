@@ -1,5 +1,5 @@
-"""train-draft's log, drawn: training.png from train_log.jsonl (loss and per-position agreement, training windows
-and held-out points).
+"""train-draft's log (train_log.jsonl: a JSON row a training window, held-out score and epoch), and the log drawn:
+training.png (loss and per-position agreement, training windows and held-out points).
 
 Each window is one or a few batches, so a long run's raw curve is noise as wide as the trend (a 141k-sample run:
 loss 4.5-8 from batch to batch); the curves are drawn as running means over 1% of the windows, the raw windows
@@ -11,6 +11,26 @@ import json
 import os
 
 LOG = "train_log.jsonl"
+
+
+def start_log(out_dir: str, first_epoch: int, per_epoch: int) -> None:
+    """The log as the run starts: empty for a new run (an earlier run's rows into the same --out joined its curves);
+    for a resumed one, the rows of the epochs its checkpoint holds (a run stopped mid-epoch, or between publishing
+    an epoch and checkpointing it, had logged rows that the resumed run logs again)."""
+    path = os.path.join(out_dir, LOG)
+    rows = []
+    if first_epoch > 0 and os.path.exists(path):
+        with open(path) as f:
+            rows = [r for r in map(json.loads, filter(str.strip, f))
+                    if (r["step"] <= first_epoch * per_epoch if r.get("kind") == "window"
+                        else r.get("epoch", 0) <= first_epoch)]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def append_log(out_dir: str, row: dict) -> None:
+    with open(os.path.join(out_dir, LOG), "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def plot_log(out_dir: str) -> str | None:

@@ -35,7 +35,6 @@ parameters and AdamW stay fp32; with a bf16 target its forward and logits run un
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -55,7 +54,7 @@ from hyperdraft.training.head_io import (PublishedHead, head_config, load_checkp
 from hyperdraft.training.loss import draft_index, step_loss
 from hyperdraft.training.plan import (accept_length_estimate, lr_schedule, prompt_key, split_by_prompts,
                                       split_samples)
-from hyperdraft.training.plot import LOG, plot_log
+from hyperdraft.training.plot import append_log, plot_log, start_log
 from hyperdraft.training.samples import (EngineOnDemand, Sample, SampleStore, answer, load_prompts,
                                          refuse_evaluation_prompts, self_written_prompts)
 from hyperdraft.training.train_config import TrainConfig
@@ -82,9 +81,6 @@ def train_draft(cfg: TrainConfig) -> dict:
     init = read_head(cfg.init, target_config) if cfg.init else None
     if init:  # refused before anything is answered
         init.refuse_other(cfg.aux_layer_ids, cfg.head_intermediate_size, cfg.draft_vocab_size)
-        if cfg.validation_fraction > 0 and init.held_out is None:
-            logger.warning("--init: the head records no held-out prompts (trained before they were recorded), so this "
-                           "run's split may hold out prompts it trained on, and their scores read high")
     aux_ids = init.aux_layer_ids if init else _aux_layer_ids(cfg, target_config.num_layers)
     os.makedirs(cfg.out, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -104,21 +100,8 @@ def train_draft(cfg: TrainConfig) -> dict:
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr)
     # The batch count of an epoch depends only on the training samples and batch_size, not on the shuffle.
     scheduler = lr_schedule(optimizer, cfg.epochs * len(_batches(train, cfg.batch_size, random.Random(0))))
-    first_epoch, best = 0, -math.inf
-    if state:
-        trained_ids = tuple(state.get("aux_layer_ids", default_aux_layer_ids(target.config.num_layers)))  # older ones
-        if trained_ids != aux_ids:
-            raise ValueError(f"--resume: aux_layer_ids {list(aux_ids)} differ from the checkpoint's "
-                             f"{list(trained_ids)}")
-        trained_width = state["head"]["midlayer.mlp.down_proj.weight"].shape[1]
-        if trained_width != config["intermediate_size"]:
-            raise ValueError(f"--resume: head_intermediate_size {config['intermediate_size']} differs from the "
-                             f"checkpoint's {trained_width}")
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        first_epoch, best = state["epoch"] + 1, state["best"]
-    _start_log(cfg.out, first_epoch, len(train))
+    first_epoch, best = _resumed(state, aux_ids, config, target, head, optimizer, scheduler) if state else (0, -math.inf)
+    start_log(cfg.out, first_epoch, len(train))
     metrics: dict = {}
     with options.activated(reference_paths()):
         for epoch in range(first_epoch, cfg.epochs):
@@ -140,13 +123,32 @@ def train_draft(cfg: TrainConfig) -> dict:
     return metrics
 
 
+def _resumed(state: dict, aux_ids: tuple[int, ...], config: dict, target, head: Eagle3Head, optimizer,
+             scheduler) -> tuple[int, float]:
+    """The checkpoint's head, optimizer and schedule into this run's -> (the first epoch left, the best score)."""
+    trained_ids = tuple(state.get("aux_layer_ids", default_aux_layer_ids(target.config.num_layers)))  # older ones
+    if trained_ids != aux_ids:
+        raise ValueError(f"--resume: aux_layer_ids {list(aux_ids)} differ from the checkpoint's {list(trained_ids)}")
+    trained_width = state["head"]["midlayer.mlp.down_proj.weight"].shape[1]
+    if trained_width != config["intermediate_size"]:
+        raise ValueError(f"--resume: head_intermediate_size {config['intermediate_size']} differs from the "
+                         f"checkpoint's {trained_width}")
+    head.load_state_dict(state["head"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["epoch"] + 1, state["best"]
+
+
 def _split(cfg: TrainConfig, samples: list[Sample], state: dict | None,
            init: PublishedHead | None) -> tuple[list[Sample], list[Sample]]:
     """(training, held out): a resumed run's recorded split; an --init run's, the prompts its head held out (so none
     it trained on is scored as unseen); else the seeded split. Recorded beside the head for later --init runs."""
     recorded = state.get("held_out_prompts") if state else None  # None: a checkpoint from before the record
-    if recorded is None and init is not None and init.held_out is not None and cfg.validation_fraction > 0:
+    if recorded is None and init is not None and cfg.validation_fraction > 0:
         recorded = init.held_out
+        if recorded is None:
+            logger.warning("--init: the head records no held-out prompts (trained before they were recorded), so this "
+                           "run's split may hold out prompts it trained on, and their scores read high")
     if recorded is not None:
         train, held_out = split_by_prompts(samples, frozenset(recorded))
         if not held_out and cfg.validation_fraction > 0:
@@ -269,7 +271,7 @@ def _epoch(cfg: TrainConfig, epoch: int, samples: list[Sample], target, head: Ea
         bar.update(len(batch))
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         if window.samples * cfg.batch_size >= LOG_EVERY or done == len(samples):  # the curves' points: window means
-            _log(cfg.out, {"kind": "window", "step": epoch * len(samples) + done, **window.means(), "lr": lr})
+            append_log(cfg.out, {"kind": "window", "step": epoch * len(samples) + done, **window.means(), "lr": lr})
             window = _Totals(cfg.ttt_steps)
     return {"epoch": epoch + 1, "step": (epoch + 1) * len(samples), **whole.means()}
 
@@ -284,7 +286,7 @@ def _validate_and_publish(cfg: TrainConfig, epoch: int, metrics: dict, held_out:
     published = True
     if held_out:
         validation = {**_validate(cfg, held_out, target, head, draft_ids), "vocab_coverage": vocab_coverage}
-        _log(cfg.out, {"kind": "validation", "epoch": epoch + 1, "step": metrics["step"],
+        append_log(cfg.out, {"kind": "validation", "epoch": epoch + 1, "step": metrics["step"],
                        **validation})
         published = validation["accept_length_estimate"] > best
         best = max(best, validation["accept_length_estimate"])
@@ -292,7 +294,7 @@ def _validate_and_publish(cfg: TrainConfig, epoch: int, metrics: dict, held_out:
     metrics = {**metrics, "published": published}
     if published:
         save_head(cfg.out, config, head, next(target.parameters()).dtype)
-    _log(cfg.out, {"kind": "epoch", **metrics})
+    append_log(cfg.out, {"kind": "epoch", **metrics})
     return metrics, best
 
 
@@ -322,26 +324,6 @@ class _Totals:
     def means(self) -> dict:
         return {"loss": self.loss / max(1, self.samples),
                 "accuracy_by_step": [c / max(1.0, n) for c, n in zip(self.correct, self.counted)]}
-
-
-def _start_log(out_dir: str, first_epoch: int, per_epoch: int) -> None:
-    """The log as the run starts: empty for a new run (an earlier run's rows into the same --out joined its curves);
-    for a resumed one, the rows of the epochs its checkpoint holds (a run stopped mid-epoch, or between publishing
-    an epoch and checkpointing it, had logged rows that the resumed run logs again)."""
-    path = os.path.join(out_dir, LOG)
-    rows = []
-    if first_epoch > 0 and os.path.exists(path):
-        with open(path) as f:
-            rows = [r for r in map(json.loads, filter(str.strip, f))
-                    if (r["step"] <= first_epoch * per_epoch if r.get("kind") == "window"
-                        else r.get("epoch", 0) <= first_epoch)]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-
-
-def _log(out_dir: str, row: dict) -> None:
-    with open(os.path.join(out_dir, LOG), "a") as f:
-        f.write(json.dumps(row) + "\n")
 
 
 def _batches(samples: list[Sample], size: int, rng: random.Random) -> list[list[Sample]]:

@@ -170,7 +170,7 @@ def test_the_log_holds_one_run_and_a_resumed_run_logs_each_window_once(target, p
     straight = tmp_path / "straight"
     train_draft(_config(target, straight, prompts_file, validation_fraction=HELD_OUT))
     cfg = _config(target, tmp_path / "resumed", prompts_file, validation_fraction=HELD_OUT)
-    real_log, per_epoch = trainer._log, []
+    real_log, per_epoch = trainer.append_log, []
 
     def stop_mid_epoch_two(out_dir, row):
         real_log(out_dir, row)
@@ -180,7 +180,7 @@ def test_the_log_holds_one_run_and_a_resumed_run_logs_each_window_once(target, p
             raise _Stop
 
     with monkeypatch.context() as mp:
-        mp.setattr(trainer, "_log", stop_mid_epoch_two)
+        mp.setattr(trainer, "append_log", stop_mid_epoch_two)
         with pytest.raises(_Stop):
             train_draft(cfg)
     train_draft(dataclasses.replace(cfg, resume=True))
