@@ -21,6 +21,8 @@ tokenizer that cleans up no spaces), a step's many as one decode_batch (benchmar
 
 from __future__ import annotations
 
+import re
+
 from transformers import PreTrainedTokenizerFast
 
 
@@ -154,3 +156,29 @@ def decode_many(tokenizer, sequences: list[list[int]], skip_special_tokens: bool
     if len(sequences) >= BATCH_DECODE_MIN:
         return backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
     return [backend.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) stand-in character for each byte -> the byte: printable Latin-1 bytes stand for
+    themselves, the others (controls, space, 127-160, the soft hyphen) for 256, 257, ... in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def token_bytes(tokenizer, token_id: int) -> list[int] | None:
+    """A token's UTF-8 bytes, as OpenAI's logprobs give them, also for a token holding part of a character (its text
+    alone decodes to U+FFFD): its raw bytes from a byte-level BPE piece or a SentencePiece byte-fallback piece; None
+    where neither says."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return list(text.encode())
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    fallback = _BYTE_TOKEN.fullmatch(piece)
+    if fallback:
+        return [int(fallback.group(1), 16)]
+    return [_BYTE_LEVEL[c] for c in piece] if all(c in _BYTE_LEVEL for c in piece) else None

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from hyperdraft.detokenizer import IncrementalDetokenizer
+from hyperdraft.detokenizer import IncrementalDetokenizer, token_bytes
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.server.engine_loop import EngineLoop, Event, QueueFull, Submission
 from hyperdraft.server.metrics import ServerMetrics
@@ -214,8 +214,8 @@ class Generation:
         tok = self.ctx.tokenizer
         pieces = [tok.decode([t], skip_special_tokens=False) if tok is not None else "" for t in ids]
         if self.chat:
-            content = [{"token": p, "logprob": lp, "bytes": None if "\ufffd" in p else list(p.encode()),
-                        "top_logprobs": []} for p, lp in zip(pieces, _finite(values))]
+            content = [{"token": p, "logprob": lp, "bytes": token_bytes(tok, t) if tok is not None else None,
+                        "top_logprobs": []} for p, t, lp in zip(pieces, ids, _finite(values))]
             return {"content": content, "refusal": None}
         offsets = []
         for p in pieces:

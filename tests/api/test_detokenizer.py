@@ -223,3 +223,29 @@ def test_exactly_the_longest_partial_stop_is_held_back(tok, seed):
                 break
             assert so_far.startswith(emitted)
             assert len(so_far) - len(emitted) == _longest_partial_stop(so_far, stop), (stop, so_far, emitted)
+
+
+def test_token_bytes_of_characters_split_across_tokens(tok):
+    """OpenAI's logprobs give each token's UTF-8 bytes; a token holding part of a character decodes to U+FFFD alone,
+    and its bytes used to be null: its raw bytes come from the byte-level piece, and a text's tokens' bytes join to
+    the text's UTF-8."""
+    from hyperdraft.detokenizer import token_bytes
+
+    ids = tok.encode(MULTIBYTE)
+    parts = [token_bytes(tok, i) for i in ids]
+    assert all(p is not None for p in parts) and sum("\ufffd" in tok.decode([i]) for i in ids) >= 10
+    assert bytes(b for p in parts for b in p) == MULTIBYTE.encode()
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback_tokens():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from hyperdraft.detokenizer import token_bytes
+
+    vocab = {"<unk>": 0, **{f"<0x{i:02X}>": 1 + i for i in range(256)}, "x": 257}
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    raw.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    ids = fast.encode("x日", add_special_tokens=False)
+    assert [token_bytes(fast, i) for i in ids] == [[ord("x")], *[[b] for b in "日".encode()]]
