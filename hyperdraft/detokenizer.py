@@ -170,11 +170,10 @@ _BYTE_LEVEL = _byte_level_alphabet()
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
-def token_bytes(tokenizer, token_id: int) -> list[int] | None:
-    """A token's UTF-8 bytes, as OpenAI's logprobs give them, also for a token holding part of a character (its text
-    alone decodes to U+FFFD): its raw bytes from a byte-level BPE piece or a SentencePiece byte-fallback piece; None
-    where neither says."""
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
+def token_bytes(tokenizer, token_id: int, text: str) -> list[int] | None:
+    """A token's UTF-8 bytes, as OpenAI's logprobs give them (text: the token decoded alone), also for a token holding
+    part of a character (its text is U+FFFD): its raw bytes from a byte-level BPE piece or a SentencePiece
+    byte-fallback piece; None where neither says."""
     if "\ufffd" not in text:
         return list(text.encode())
     piece = tokenizer.convert_ids_to_tokens(token_id)

@@ -214,7 +214,7 @@ class Generation:
         tok = self.ctx.tokenizer
         pieces = [tok.decode([t], skip_special_tokens=False) if tok is not None else "" for t in ids]
         if self.chat:
-            content = [{"token": p, "logprob": lp, "bytes": token_bytes(tok, t) if tok is not None else None,
+            content = [{"token": p, "logprob": lp, "bytes": token_bytes(tok, t, p) if tok is not None else None,
                         "top_logprobs": []} for p, t, lp in zip(pieces, ids, _finite(values))]
             return {"content": content, "refusal": None}
         offsets = []
