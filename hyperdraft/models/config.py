@@ -161,9 +161,31 @@ def _sliding_window(raw: dict, arch: str) -> int | None:
         return window if "sliding_attention" in raw["layer_types"] else None
     if arch == "MistralForCausalLM":
         return window
-    # Qwen2/Qwen3 ship a sliding_window value but use it only with use_sliding_window, from layer max_window_layers.
-    uses = raw.get("use_sliding_window") and raw.get("max_window_layers", 0) < raw.get("num_hidden_layers", 0)
+    # Qwen2/Qwen3 ship a sliding_window value but use it only with use_sliding_window, from layer max_window_layers
+    # (28 when the config leaves it out, as transformers' Qwen2Config and Qwen3Config default it).
+    uses = raw.get("use_sliding_window") and raw.get("max_window_layers", 28) < raw.get("num_hidden_layers", 0)
     return window if uses else None
+
+
+SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN names for x * sigmoid(x), the only MLP activation built here
+
+
+def _refuse_unsupported(raw: dict, arch: str) -> None:
+    """Config fields that change the model's arithmetic and are not implemented: refused by name, since running them
+    as the plain model would silently give another model's outputs."""
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantization_config (quant_method={method!r}) is not supported: hyperdraft loads "
+                         "unquantized float32/float16/bfloat16 checkpoints and GGUF files")
+    act = raw.get("hidden_act", "silu")
+    if act not in SILU_NAMES:
+        raise ValueError(f"hidden_act={act!r} is not supported; allowed: {', '.join(SILU_NAMES)} (a SwiGLU MLP)")
+    window = _sliding_window(raw, arch)
+    if window is not None and window < int(raw.get("max_position_embeddings", 4096)):
+        # Every layer here attends to the whole sequence; past the window that silently differs from the model.
+        raise ValueError(f"sliding_window={window} (sliding-window attention) is not supported; "
+                         "only models whose layers all use full attention are")
 
 
 def model_config_from_dict(raw: dict) -> ModelConfig:
@@ -176,12 +198,9 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
     if arch == "Qwen3_5ForConditionalGeneration":  # the language model of a multimodal checkpoint
         raw = {**raw.get("text_config", {}), "architectures": [arch], "eos_token_id": raw.get("eos_token_id")
                or raw.get("text_config", {}).get("eos_token_id"), "tie_word_embeddings": raw.get("tie_word_embeddings",
-               raw.get("text_config", {}).get("tie_word_embeddings", False))}
-    window = _sliding_window(raw, arch)
-    if window is not None and window < int(raw.get("max_position_embeddings", 4096)):
-        # Every layer here attends to the whole sequence; past the window that silently differs from the model.
-        raise ValueError(f"sliding_window={window} (sliding-window attention) is not supported; "
-                         "only models whose layers all use full attention are")
+               raw.get("text_config", {}).get("tie_word_embeddings", False)),
+               "quantization_config": raw.get("quantization_config")}
+    _refuse_unsupported(raw, arch)
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     theta, scaling = _rope(raw)

@@ -156,3 +156,62 @@ def test_sliding_window_attention_is_rejected_not_silently_wrong(tmp_path_factor
     path = make_tiny_model(str(tmp_path_factory.mktemp(f"{kind}-window")), kind, **overrides)
     with pytest.raises(ValueError, match="sliding_window"):
         LLM(path, device="cpu", dtype="float32")
+
+
+def _edit_config(path: str, **fields) -> None:
+    """Rewrite config.json's fields (None removes one), as a checkpoint from elsewhere would ship them."""
+    import json
+    import os
+
+    name = os.path.join(path, "config.json")
+    with open(name) as f:
+        cfg = json.load(f)
+    for key, value in fields.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    with open(name, "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.mark.parametrize("kind,act", [("llama", "gelu"), ("llama", "relu"), ("qwen2", "gelu_pytorch_tanh"),
+                                      ("qwen3_5", "gelu")])
+def test_mlp_activation_other_than_silu_is_refused_by_name(tmp_path_factory, kind, act):
+    """Every MLP here is SwiGLU; a GELU or ReLU model ran as SiLU (logits off by 1-10 against transformers)."""
+    from hyperdraft import LLM
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path_factory.mktemp(f"{kind}-{act}")), kind, hidden_act=act)
+    with pytest.raises(ValueError, match=f"hidden_act='{act}'.*silu, swish"):
+        LLM(path, device="cpu", dtype="float32")
+
+
+def test_swish_is_silu(tmp_path_factory, make_llm):
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path_factory.mktemp("swish")), "llama", seed=4, hidden_act="swish")
+    _check_against_hf(make_llm(path), path, seed=2, lengths=[5, 40], n=8)
+
+
+def test_quantized_checkpoint_is_refused_by_name(tmp_path_factory):
+    """A block-FP8 checkpoint (Qwen3-8B-FP8's layout) loaded its float8 codes unscaled and its weight_scale_inv
+    tensors were skipped: a different model, with no error."""
+    from hyperdraft import LLM
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path_factory.mktemp("fp8")), "qwen3")
+    _edit_config(path, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match="quantization_config \\(quant_method='fp8'\\) is not supported"):
+        LLM(path, device="cpu", dtype="float32")
+
+
+def test_old_qwen2_config_without_max_window_layers_uses_full_attention(tmp_path_factory, make_llm):
+    """A config from before layer_types, with use_sliding_window on and no max_window_layers: transformers' default
+    (28) leaves a 2-layer model's layers all full attention, so it runs (it was refused as sliding-window)."""
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path_factory.mktemp("qwen2-old")), "qwen2", seed=6, use_sliding_window=True,
+                           sliding_window=16)
+    _edit_config(path, layer_types=None, max_window_layers=None)
+    _check_against_hf(make_llm(path), path, seed=3, lengths=[5, 40], n=8)
