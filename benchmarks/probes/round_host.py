@@ -6,7 +6,8 @@ round against ~1.5 ms of GPU work. This probe wraps the round's host stages with
 GPU runs as in a real run) and counts the Triton launches made inside each, so the stages worth cutting stand out.
 Times are inclusive (a stage's time contains the stages it calls) and are means per engine step in us.
 
-  python -m benchmarks.probes.round_host [--steps 5] [--topk 1] [--rounds 300] [--plain] [--count-ops] [--out $OUT]
+  python -m benchmarks.probes.round_host [--steps 5] [--topk 1] [--rounds 300] [--plain] [--count-ops]
+      [--deterministic] [--out $OUT]
 
 --count-ops also counts the torch operators each stage dispatches itself (exclusive of the stages it calls; a
 TorchDispatchMode, which slows every op, so its times are not the real ones). On a GPU each is a launch or a host
@@ -144,6 +145,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (emulated graphs, fp32)")
     ap.add_argument("--plain", action="store_true", help="plain decoding instead of a speculative round")
     ap.add_argument("--count-ops", action="store_true", help="count torch operators per stage (slows the run)")
+    ap.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (as real_accept runs on a GPU)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     if a.device == "cuda":
@@ -151,7 +153,7 @@ def main() -> None:
     target, head = write_configs(tempfile.mkdtemp(), SMOLLM2, 8192)
     width = a.draft_tokens or a.steps + 1
     spec = None if a.plain else eagle3_spec(head, steps=a.steps, topk=a.topk, num_draft_tokens=width, alpha=a.alpha)
-    engine, _ = make_engine(target, a.device, 8, spec, 8 * 4096)
+    engine, _ = make_engine(target, a.device, 8, spec, 8 * 4096, deterministic=a.deterministic)
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     params = SamplingParams(temperature=0.0, max_new_tokens=(a.rounds + 40) * (a.steps + 1), ignore_eos=True)
     engine.add_request(input_ids=torch.randint(10, SMOLLM2["vocab_size"] - 10, (512,)).tolist(), params=params)
@@ -170,11 +172,12 @@ def main() -> None:
     sync()
     wall = (time.perf_counter() - start) / a.rounds
     label = "plain" if a.plain else (f"chain {a.steps}" if a.topk == 1 else f"tree {a.steps}x{a.topk}/{width}")
+    label += ", deterministic" if a.deterministic else ""
     text = f"smollm2, {label}, batch 1, {a.rounds} steps: wall {wall * 1e6:.1f} us/step\n" + sections.report(a.rounds)
     if a.count_ops:
         text += "\n" + sections.op_report(a.rounds)
     print(text)
-    with open(os.path.join(a.out, f"round_host_{label.replace(' ', '_').replace('/', '-')}.txt"), "w") as f:
+    with open(os.path.join(a.out, f"round_host_{label.replace(' ', '_').replace('/', '-').replace(',', '')}.txt"), "w") as f:
         f.write(text + "\n")
 
 
