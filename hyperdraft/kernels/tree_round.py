@@ -1,5 +1,7 @@
 """A tree round's index work in two launches: the tree's depths and ancestor mask from its parent pointers
-(tree_plan), and the accept walk with everything the round's commit needs from it (accept_tree).
+(tree_plan), and the accept walk with everything the round's commit needs from it (accept_tree). Round-ahead's next
+verify batch (speculative/verify_ahead.next_round_batch) is one more: the next tree's plan with its rows moved on
+by each request's accept count (move_tree_batch).
 
 Measured on an H100 (EAGLE-3 tree 5x4/8, 8B-shaped target, batch 1, benchmarks/e2e/round_timeline.py): the torch
 code these stand in for ran as ~25 kernels before the verify and ~110 after it (build_tree's repeated squaring; the
@@ -40,17 +42,10 @@ class TreeAccept(NamedTuple):
 
 
 @jit
-def _tree_plan(Parents, NumNodes, ParentsOut, Depth, Mask, stride_parents, N: tl.constexpr, BLOCK_N: tl.constexpr,
-               PDL: tl.constexpr):
-    """Program b. A real node's ancestors are found by following parent pointers, all nodes at once: after s hops
-    every node has met its ancestors up to s levels up, so N - 1 hops reach every root."""
-    pdl_wait(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK_N)
-    ok = i < N
-    real = ok & (i < tl.load(NumNodes + b))
-    parents = tl.load(Parents + b * stride_parents + i, mask=real, other=-1)
-    tl.store(ParentsOut + b * N + i, parents, mask=ok)
+def _ancestors(Parents, parents, i, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One request's (mask [BLOCK_N, BLOCK_N] bool: node j is node i or an ancestor of it, depth [BLOCK_N] int64),
+    its real nodes' parents loaded (-1 elsewhere; Parents points at its row). Every node follows its parent pointer
+    at once: after s hops each has met its ancestors up to s levels up, so N - 1 hops reach every root."""
     mask = i[:, None] == i[None, :]
     depth = tl.zeros([BLOCK_N], dtype=tl.int64)
     up = parents
@@ -58,7 +53,22 @@ def _tree_plan(Parents, NumNodes, ParentsOut, Depth, Mask, stride_parents, N: tl
         has = up >= 0
         mask = mask | ((i[None, :] == up[:, None]) & has[:, None])
         depth += has.to(tl.int64)
-        up = tl.load(Parents + b * stride_parents + tl.maximum(up, 0), mask=has, other=-1)
+        up = tl.load(Parents + tl.maximum(up, 0), mask=has, other=-1)
+    return mask, depth
+
+
+@jit
+def _tree_plan(Parents, NumNodes, ParentsOut, Depth, Mask, stride_parents, N: tl.constexpr, BLOCK_N: tl.constexpr,
+               PDL: tl.constexpr):
+    """Program b: request b's tree (_ancestors), its padding nodes (index >= NumNodes[b]) parentless."""
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_N)
+    ok = i < N
+    real = ok & (i < tl.load(NumNodes + b))
+    parents = tl.load(Parents + b * stride_parents + i, mask=real, other=-1)
+    tl.store(ParentsOut + b * N + i, parents, mask=ok)
+    mask, depth = _ancestors(Parents + b * stride_parents, parents, i, N, BLOCK_N)
     tl.store(Depth + b * N + i, depth, mask=ok)
     tl.store(Mask + b * N * N + i[:, None] * N + i[None, :], mask.to(tl.int8), mask=ok[:, None] & ok[None, :])
 
@@ -75,6 +85,62 @@ def tree_plan(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[torch.Ten
         _tree_plan[(bsz,)](parents, num_nodes, out, depth, mask.view(torch.int8), parents.stride(0), N=n,
                            BLOCK_N=_pow2(n), num_warps=1, **pdl_args(parents.device))
     return out, depth, mask
+
+
+class MovedTree(NamedTuple):
+    """A tree round's verify batch moved on by each request's a + 1, for the next tree (next_round_batch)."""
+
+    ids: torch.Tensor  # [B*N] int64: the next tree's node tokens (its root the bonus token)
+    positions: torch.Tensor  # [B*N] int64: root index + depth
+    slots: torch.Tensor  # [B*N] int64: node i at index n + a + 1 + i
+    seq_lens: torch.Tensor  # [B] int32
+    depth: torch.Tensor  # [B, N] int64
+    mask: torch.Tensor  # [B, N, N] bool: the ancestor mask
+
+
+@jit
+def _move_tree_batch(SeqLens, NumAccepted, Tokens, Parents, Rows, Table, Ids, Positions, Slots, NewLens, Depth, Mask,
+                     stride_tokens, stride_parents, stride_table, last_page, N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """Program b: request b's N nodes start at index n + a + 1 (SeqLens holds n + N, the verify it moves on), each at
+    RoPE position start + depth."""
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_N)
+    ok = i < N
+    parents = tl.load(Parents + b * stride_parents + i, mask=ok, other=-1)
+    mask, depth = _ancestors(Parents + b * stride_parents, parents, i, N, BLOCK_N)
+    start = tl.load(SeqLens + b).to(tl.int64) + tl.load(NumAccepted + b) + 1 - N
+    index = start + i
+    page = tl.load(Table + tl.load(Rows + b) * stride_table + tl.minimum(index // PAGE_SIZE, last_page), mask=ok,
+                   other=0)
+    out = b * N + i
+    tl.store(Ids + out, tl.load(Tokens + b * stride_tokens + i, mask=ok), mask=ok)
+    tl.store(Positions + out, start + depth, mask=ok)
+    tl.store(Slots + out, page * PAGE_SIZE + index % PAGE_SIZE, mask=ok)
+    tl.store(NewLens + b, (start + N).to(tl.int32))
+    tl.store(Depth + out, depth, mask=ok)
+    tl.store(Mask + b * N * N + i[:, None] * N + i[None, :], mask.to(tl.int8), mask=ok[:, None] & ok[None, :])
+
+
+def move_tree_batch(seq_lens: torch.Tensor, num_accepted: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                    rows: torch.Tensor, table: torch.Tensor, page_size: int) -> MovedTree:
+    """seq_lens [B] int32 (n + N: the verify being moved), num_accepted [B] int64, tokens and parents [B, N] int64 (the
+    next tree, every node real; parents[b, i] < i), rows [B] int64, table [rows, pages] int64 (the device page
+    table, flushed) -> the next verify's rows. The torch reference: verify_ahead.moved_tree_reference (~17 eager ops
+    and tree_plan's launch, ~10 us of host an op on the H200's host)."""
+    bsz, n = tokens.shape
+    assert tokens.stride(1) == 1 and parents.stride(1) == 1 and table.stride(1) == 1
+    device = tokens.device
+    flat = torch.empty(4, bsz * n, dtype=torch.int64, device=device)  # ids, positions, slots, depth
+    moved = MovedTree(flat[0], flat[1], flat[2], torch.empty(bsz, dtype=torch.int32, device=device),
+                      flat[3].view(bsz, n), torch.empty(bsz, n, n, dtype=torch.bool, device=device))
+    if bsz:
+        _move_tree_batch[(bsz,)](seq_lens, num_accepted, tokens, parents, rows, table, moved.ids, moved.positions,
+                                 moved.slots, moved.seq_lens, moved.depth, moved.mask.view(torch.int8),
+                                 tokens.stride(0), parents.stride(0), table.stride(0), table.shape[1] - 1, N=n,
+                                 PAGE_SIZE=page_size, BLOCK_N=_pow2(n), num_warps=1, **pdl_args(device))
+    return moved
 
 
 @jit

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode
+from hyperdraft.kernels import use_fused_kernels
 from hyperdraft.kernels.draft_plan import move_chain_batch
+from hyperdraft.kernels.tree_round import MovedTree, move_tree_batch
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.request import Request, same_requests
 from hyperdraft.runner.model_runner import ForwardOutput, ModelRunner
@@ -163,11 +165,23 @@ def next_round_batch(verified: ForwardBatch, reqs: list[Request], num_accepted: 
         return dataclasses.replace(verified, input_ids=moved.ids, positions=moved.positions, out_slots=moved.slots,
                                    tail_mask=None, prefix_lens=prefix, seq_lens_t=moved.seq_lens,
                                    max_seq_len=max(prefix) + width)
-    # start [B] int64 (int32 lengths promote): the index of each request's first next-round row, n + a + 1
-    start = verified.seq_lens_t + (num_accepted + (1 - width))
-    index = start[:, None] + torch.arange(width, device=start.device)  # [B, W]
-    nodes = build_tree(drafted.tokens, drafted.parents, drafted.q, torch.full_like(num_accepted, width))
-    return dataclasses.replace(
-        verified, input_ids=nodes.tokens.flatten(), positions=(start[:, None] + nodes.depth).flatten(),
-        out_slots=page_table.slots(verified.req_rows, index).flatten(), tail_mask=nodes.mask, prefix_lens=prefix,
-        seq_lens_t=(start + width).to(torch.int32), max_seq_len=max(prefix) + width)
+    move = move_tree_batch if use_fused_kernels(drafted.tokens) else moved_tree_reference
+    moved = move(verified.seq_lens_t, num_accepted, drafted.tokens, drafted.parents, verified.req_rows,
+                 page_table.table, page_table.page_size)
+    return dataclasses.replace(verified, input_ids=moved.ids, positions=moved.positions, out_slots=moved.slots,
+                               tail_mask=moved.mask, prefix_lens=prefix, seq_lens_t=moved.seq_lens,
+                               max_seq_len=max(prefix) + width)
+
+
+def moved_tree_reference(seq_lens: torch.Tensor, num_accepted: torch.Tensor, tokens: torch.Tensor,
+                         parents: torch.Tensor, rows: torch.Tensor, table: torch.Tensor, page_size: int) -> MovedTree:
+    """kernels/tree_round.move_tree_batch in torch (its arguments): node i of request b at index n + a + 1 + i,
+    RoPE position n + a + 1 + depth."""
+    n = tokens.shape[1]
+    start = seq_lens + (num_accepted + (1 - n))  # [B] int64 (int32 lengths promote): n + a + 1
+    index = start[:, None] + torch.arange(n, device=start.device)  # [B, N]
+    tree = build_tree(tokens, parents, num_nodes=torch.full_like(num_accepted, n))
+    pages = table[rows[:, None], (index // page_size).clamp_max(table.shape[1] - 1)]
+    return MovedTree(tree.tokens.flatten(), (start[:, None] + tree.depth).flatten(),
+                     (pages * page_size + index % page_size).flatten(), (start + n).to(torch.int32), tree.depth,
+                     tree.mask)

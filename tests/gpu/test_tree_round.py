@@ -114,3 +114,27 @@ def test_accept_tree_simulated(page_size, bsz, n, depth_max, beam, alpha, siblin
     _assert_equal(ref, fused)
     if bsz > 4:
         assert len(set(ref.num_accepted.tolist())) > 1
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("bsz,n,beam", [(1, 8, 4), (5, 8, 0), (16, 21, 4), (3, 64, 0), (2, 9, 1), (4, 1, 0)])
+def test_move_tree_batch(page_size, bsz, n, beam):
+    """Round-ahead's tree batch move (verify_ahead.next_round_batch): the kernel == the torch code, element for
+    element, with accept counts 0..N-1, rows in any order, and moved rows running past a row's pages (they map to its
+    last page entry, as token_slots clamps)."""
+    from hyperdraft.kernels.tree_round import move_tree_batch
+    from hyperdraft.speculative.verify_ahead import moved_tree_reference
+
+    parents, tokens = _tree_case(bsz, n, seed=n * 7 + bsz + page_size, beam=beam)[:2]
+    table = _page_table(page_size, 6, seed=page_size * 10 + n)
+    g = torch.Generator().manual_seed(bsz * 100 + n)
+    rows = torch.randint(0, 6, (bsz,), generator=g).to(DEVICE)
+    seq_lens = torch.randint(n, n + 8 * page_size, (bsz,), generator=g).to(torch.int32).to(DEVICE)
+    num_accepted = torch.randint(0, n, (bsz,), generator=g).to(DEVICE)
+    args = (seq_lens, num_accepted, tokens, parents, rows, table.table, page_size)
+    _poison_int(4096)
+    got = move_tree_batch(*args)
+    with activated(TORCH):
+        want = moved_tree_reference(*args)
+    for name, a, b in zip(got._fields, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name

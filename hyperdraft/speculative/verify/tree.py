@@ -4,6 +4,7 @@ indices (compaction.py)."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,7 @@ from hyperdraft.speculative.verify.compaction import accept_plan, compact_accept
 from hyperdraft.speculative.verify.coupled import keyed_targets
 from hyperdraft.speculative.verify.round import RoundContext, RoundOutcome, logprob_rows, reserved_room
 from hyperdraft.speculative.verify.simulated import simulate_tree
-from hyperdraft.speculative.verify.tree_buffers import build_tree
+from hyperdraft.speculative.verify.tree_buffers import DraftTree, build_tree
 from hyperdraft.speculative.verify.tree_rejection import verify_greedy_tree, verify_tree
 
 
@@ -47,11 +48,23 @@ class TreeRound:
         self.num_nodes = [min(self.n, m + 1, d) for m, d in zip(room, drafted)]
         # The beam writes offsets up to (steps-1)*topk whatever the room; past the room they land in the padding
         # page, so such nodes have no draft K/V to keep.
-        self.room, num_nodes, self.base, self.rows = to_device_many(
+        self.room, self.num_nodes_t, self.base, self.rows = to_device_many(
             [room, self.num_nodes, [r.num_computed for r in reqs], [r.row for r in reqs]], torch.int64,
             ctx.target.device)
-        self.tree = build_tree(proposal.tokens, proposal.parents, q=proposal.q, num_nodes=num_nodes)
         self.num_rows = len(reqs) * self.n
+
+    @cached_property
+    def tree(self) -> DraftTree:
+        """Depths and ancestor mask: built only when asked for. A round whose verify round-ahead queued, greedy, reads
+        only its tokens and parents (the queued verify built the rest: verify_ahead.next_round_batch); the plan's
+        launch and buffers were ~100 us of its host time on the H200's host."""
+        return build_tree(self.proposal.tokens, self.proposal.parents, q=self.proposal.q, num_nodes=self.num_nodes_t)
+
+    def _tokens_and_parents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, N] int64 each, padding nodes parentless: the proposal's own when every node is real."""
+        if min(self.num_nodes) == self.n:
+            return self.proposal.tokens.to(torch.int64), self.proposal.parents.to(torch.int64)
+        return self.tree.tokens, self.tree.parents
 
     # ---- the verify forward's rows -------------------------------------------------------------------------------
     def inputs(self) -> list[ForwardInput]:
@@ -99,7 +112,7 @@ class TreeRound:
         alpha, sb, table = self.ctx.simulate_accept_rate, self.sampling, self.ctx.target.page_table
         simulate = None if alpha is None else (alpha, self.ctx.simulate_sibling_rate, self.tier.topk, sb.seeds,
                                                sb.positions, DOMAIN_ACCEPT)
-        return accept_tree(target, self.tree.tokens, self.tree.parents, self.proposal.fed, self.room, self.base,
+        return accept_tree(target, *self._tokens_and_parents(), self.proposal.fed, self.room, self.base,
                            self.rows, table.table, table.page_size, self.tier.steps, simulate)
 
     def _walk(self, target: torch.Tensor | None, p: torch.Tensor | None, sampled: bool):
