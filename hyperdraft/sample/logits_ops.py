@@ -45,8 +45,10 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int, device,
               prompts: list[list[int]] | None = None, outputs: list[list[int]] | None = None) -> "SamplingBatch":
-        """One entry per row. prompts/outputs (per row) are needed only when some row has penalties.
-        Every value travels in two host-to-device copies (one float32, one int64)."""
+        """One entry per row. prompts/outputs (per row) are needed only when some row has penalties, and are read
+        only for those rows: a row without penalties (repetition 1, frequency and presence 0) gives the same logits
+        whatever its counts, so they stay zero. Every value travels in two host-to-device copies (one float32, one
+        int64)."""
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         greedy = [p.is_greedy for p in params]
         floats = [[0.0 if g else p.temperature for p, g in zip(params, greedy)], [p.top_p for p in params],
@@ -56,8 +58,9 @@ class SamplingBatch:
         if penalised:
             floats += [[p.frequency_penalty for p in params], [p.presence_penalty for p in params],
                        [p.repetition_penalty for p in params]]
-            ints += [flat_token_index(outputs, vocab_size),
-                     flat_token_index([p + o for p, o in zip(prompts, outputs)], vocab_size)]
+            counted = [p.has_penalties for p in params]
+            ints += [flat_token_index([o if c else [] for o, c in zip(outputs, counted)], vocab_size),
+                     flat_token_index([p + o if c else [] for p, o, c in zip(prompts, outputs, counted)], vocab_size)]
         f = to_device_many(floats, torch.float32, device)
         i = to_device_many(ints, torch.int64, device)
         penalties = None

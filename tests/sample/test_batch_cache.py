@@ -50,3 +50,72 @@ def test_cached_batches_equal_fresh_builds():
     plain[0].output_ids.append(4)
     _assert_same(cache.get(plain), _fresh(plain))
     assert cache.builds == 4
+
+
+def test_changed_batches_carry_penalty_rows_and_read_only_new_requests_tokens(monkeypatch):
+    """Joins, finishes and reorders: every batch equals a fresh build, while only the tokens of penalised requests
+    the previous batch did not hold are read on the host (each was read again on every change: the whole batch's
+    prompts and outputs, per token in Python)."""
+    import hyperdraft.sample.batch_cache as batch_cache
+    import hyperdraft.sample.logits_ops as logits_ops
+
+    read = []
+    real = logits_ops.flat_token_index
+
+    def counting(lists, vocab_size, first_row=0):
+        read.append(sum(len(x) for x in lists))
+        return real(lists, vocab_size, first_row)
+
+    rng = random.Random(1)
+    pen = dict(temperature=0.8, repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.1)
+    reqs = [Request(f"r{i}", [rng.randrange(V) for _ in range(20 + i)],
+                    SamplingParams(**pen) if i % 3 else SamplingParams(temperature=0.5), seed=i) for i in range(7)]
+    cache = SamplingBatchCache(V, "cpu")
+    running = reqs[:4]
+    _assert_same(cache.get(running), _fresh(running))
+    monkeypatch.setattr(logits_ops, "flat_token_index", counting)
+    monkeypatch.setattr(batch_cache, "flat_token_index", counting)
+    for step, change in enumerate(["join", "leave", "reverse", "join", "leave", "join"]):
+        for r in running:
+            r.output_ids += [rng.randrange(V) for _ in range(rng.randint(0, 3))]
+        held = set(map(id, running))
+        if change == "join":
+            running = running + [r for r in reqs if id(r) not in held][:1]
+        elif change == "leave":
+            running = running[1:]
+        else:
+            running = running[::-1]
+        read.clear()
+        got = cache.get(running)
+        fresh_tokens = sum(len(r.prompt_ids) + 2 * len(r.output_ids) for r in running
+                           if r.params.has_penalties and id(r) not in held)
+        monkeypatch.setattr(logits_ops, "flat_token_index", real)
+        _assert_same(got, _fresh(running))
+        monkeypatch.setattr(logits_ops, "flat_token_index", counting)
+        carried_new = sum(len(r.output_ids) for r in running if r.params.has_penalties and id(r) in held)
+        assert sum(read) <= fresh_tokens + carried_new, (step, change, read)
+        # what a rebuild of every row read: the prompt and twice the outputs of every request
+        assert sum(read) < sum(len(r.prompt_ids) + 2 * len(r.output_ids) for r in running), (step, change)
+    assert cache.builds == 7
+
+
+def test_rows_without_penalties_give_the_same_logits_without_counts():
+    """SamplingBatch.build counts only penalised rows' tokens; the other rows' weights (repetition 1, frequency and
+    presence 0) leave their logits bit for bit unchanged whatever their counts."""
+    from hyperdraft.sample.logits_ops import Penalties, flat_token_index, penalised_logits
+
+    rng = random.Random(2)
+    params = [SamplingParams(temperature=0.7, repetition_penalty=1.4, frequency_penalty=0.4, presence_penalty=0.2),
+              SamplingParams(temperature=0.9), SamplingParams(temperature=0.0), SamplingParams(presence_penalty=0.6)]
+    prompts = [[rng.randrange(V) for _ in range(9)] for _ in params]
+    outputs = [[rng.randrange(V) for _ in range(6)] for _ in params]
+    sb = SamplingBatch.build(params, [1, 2, 3, 4], [15] * 4, V, "cpu", prompts=prompts, outputs=outputs)
+    assert sb.penalties.output_counts[1:3].sum() == 0 and not sb.penalties.seen[1:3].any()
+    every = Penalties.from_flat(4, V, torch.tensor(flat_token_index(outputs, V)),
+                                torch.tensor(flat_token_index([p + o for p, o in zip(prompts, outputs)], V)),
+                                sb.penalties.frequency, sb.penalties.presence, sb.penalties.repetition)
+    logits = torch.randn(4, V) * 3
+    counted_everywhere = SamplingBatch.build(params, [1, 2, 3, 4], [15] * 4, V, "cpu", prompts=prompts,
+                                             outputs=outputs)
+    counted_everywhere.penalties = every
+    assert torch.equal(penalised_logits(logits, sb), penalised_logits(logits, counted_everywhere))
