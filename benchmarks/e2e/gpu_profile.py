@@ -1,6 +1,7 @@
-"""Where a batch-1 decode step's time goes: GPU kernel time vs wall time, top kernels (8B-shaped dummy target).
+"""Where a batch-1 decode step's time goes: GPU kernel time vs wall time, top kernels (8B- or SmolLM2-shaped dummy
+target).
 
-Run on a GPU machine: python -m benchmarks.e2e.gpu_profile [--spec] [--out $OUT] ; prints a table and writes
+Run on a GPU machine: python -m benchmarks.e2e.gpu_profile [--spec [--tree]] [--shape smollm2] [--out $OUT] ; prints a table and writes
 OUT/gpu_profile_{plain,spec}<PROFILE_TAG>.txt. Environment: PROFILE_TOP=N (kernels listed, default 25),
 PROFILE_SEQUENCE=1 (also OUT/gpu_sequence_{plain,spec}.txt: the last step's kernels in launch order), PROFILE_TAG
 (a file name suffix).
@@ -17,9 +18,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import require_cuda
-from benchmarks.e2e.engines import LLAMA_8B, eagle3_spec, make_engine, write_configs
+from benchmarks.e2e.engines import LLAMA_8B, SMOLLM2, eagle3_spec, make_engine, write_configs
 from benchmarks.e2e.hybrid_bench import mtp_spec, write_config, write_token_map
 from hyperdraft.sampling_params import SamplingParams
+
+
+# dense target shapes and their heads' draft vocabularies (SmolLM2's as train-draft writes it)
+SHAPES = {"llama8b": (LLAMA_8B, 32000), "smollm2": (SMOLLM2, 8192)}
 
 
 def trace_events(prof) -> list[dict]:
@@ -90,6 +95,7 @@ def main() -> None:
     ap.add_argument("--hybrid", action="store_true", help="the Qwen3.5-9B-shaped hybrid (MTP chain 5 with --spec)")
     ap.add_argument("--token-map", action="store_true", help="with --hybrid --spec: the MTP head drafts from a 32k-token map")
     ap.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference's kernels")
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama8b", help="the dense target's shape")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default: $OUT or .)")
     a = ap.parse_args()
@@ -99,13 +105,15 @@ def main() -> None:
         target = write_config(root)
         spec = mtp_spec(5, 0.8, write_token_map(root) if a.token_map else None) if a.spec else None
     else:
-        target, head = write_configs(tempfile.mkdtemp(), LLAMA_8B, 32000)
+        shape, draft_vocab = SHAPES[a.shape]
+        target, head = write_configs(tempfile.mkdtemp(), shape, draft_vocab)
         topk, width = (4, 8) if a.tree else (1, 6)
         spec = eagle3_spec(head, steps=5, topk=topk, num_draft_tokens=width, alpha=0.8) if a.spec else None
     engine, _ = make_engine(target, "cuda", 8, spec, None if a.hybrid else 8 * 2048,  # hybrid: states by memory fraction
                             deterministic=a.deterministic)
     params = SamplingParams(temperature=0.0, max_new_tokens=(2 * a.steps + 20) * 8 + 16, ignore_eos=True)
-    req = engine.add_request(input_ids=torch.randint(10, 120000, (512,)).tolist(), params=params)
+    vocab = 120000 if a.hybrid else SHAPES[a.shape][0]["vocab_size"] - 10
+    req = engine.add_request(input_ids=torch.randint(10, vocab, (512,)).tolist(), params=params)
     for _ in range(20):  # warm-up: Triton specialisations compile on first use of each shape class
         engine.step()
     torch.cuda.synchronize()
