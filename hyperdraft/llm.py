@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -54,6 +55,11 @@ def meta_info(req: Request) -> dict:
     return info
 
 
+def _left_queue(req: Request) -> bool:
+    """Admitted at least once (a retracted request waits again, but keeps its outputs), or finished while waiting."""
+    return req.finished or req.num_computed > 0 or bool(req.output_ids)
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, runtime_options: RuntimeOptions | None = None, **engine_args):
         """engine_args: EngineArgs fields (the CLI's engine flags); runtime_options: the engine's runtime switches
@@ -98,14 +104,19 @@ class LLM:
         yield from self._deltas(self._submit(prompts, sampling_params, input_ids))
 
     def _deltas(self, reqs: list[Request]) -> Iterator[StreamDelta]:
+        """Each step reads the requests that have left the engine's queue (`live`); the rest wait in `queued`, in
+        submission order, which is the order the scheduler admits them in (FCFS). Reading every unfinished request
+        each step cost ~0.2 us a queued request: ~18 ms a step for a 10^5-prompt generate (an audit's measurement)."""
         detoks = [self._detokenizer(req) for req in reqs]
         yielded = [0] * len(reqs)  # tokens of each request's output already in a delta
-        live = list(range(len(reqs)))
+        queued, live = deque(range(len(reqs))), []
         try:
             with young_collections_deferred():  # engine/gc_policy.py: the GC's young walks off the step path
-                while live:
+                while live or queued:
                     with self._engine_lock:  # the step and what it gave these requests, read before another step
                         self.engine.step()
+                        while queued and _left_queue(reqs[queued[0]]):
+                            live.append(queued.popleft())
                         moved = [i for i in live if reqs[i].finished or len(reqs[i].output_ids) > yielded[i]]
                         news = [reqs[i].output_ids[yielded[i]:] for i in moved]
                         finals = [reqs[i].finished for i in moved]
@@ -119,9 +130,9 @@ class LLM:
                     for i, new, final, text in zip(moved, news, finals, texts):
                         yield self._delta(i, reqs[i], new, text, final, detoks[i])
         finally:
-            with self._engine_lock:
-                for i in live:  # the consumer stopped early: do not leave orphans holding KV
-                    self.engine.abort(reqs[i].rid)
+            if live or queued:  # the consumer stopped early: do not leave orphans holding KV or queued
+                with self._engine_lock:
+                    self.engine.abort_many([reqs[i].rid for i in (*live, *queued)])
 
     # ---- chat ---------------------------------------------------------------------------------------------------
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
@@ -228,8 +239,7 @@ class LLM:
         """Abort what is left and release the models and KV pools (GPU memory included). The LLM is unusable after."""
         if self.engine is None:
             return
-        for req in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
-            self.engine.abort(req.rid)
+        self.engine.abort_many([req.rid for req in (*self.engine.scheduler.waiting, *self.engine.scheduler.running)])
         self.engine.close()  # a tensor-parallel group's other ranks stop with it
         self.engine = None
         import gc

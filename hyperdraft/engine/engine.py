@@ -287,8 +287,13 @@ class Engine:
                              "(max_total_tokens or mem_fraction_static, less any recurrent state) can hold")
 
     def abort(self, rid: str) -> Request | None:
-        self.lockstep.record("abort", rid)
-        return self.scheduler.abort(rid)
+        aborted = self.abort_many([rid])
+        return aborted[0] if aborted else None
+
+    def abort_many(self, rids: list[str]) -> list[Request]:
+        """The requests among rids still waiting or running, aborted (their K/V freed) in one pass."""
+        self.lockstep.record("abort", list(rids))
+        return self.scheduler.abort(set(rids))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -345,7 +350,7 @@ class Engine:
         if command.kind == "add":
             self.scheduler.add(Request(*command.payload))
         elif command.kind == "abort":
-            self.scheduler.abort(command.payload)
+            self.scheduler.abort(set(command.payload))
         elif command.kind == "flush":
             self._flush()
         elif command.kind == "report":

@@ -52,12 +52,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, rid: str) -> Request | None:
-        for req in list(self.waiting) + self.running:
-            if req.rid == rid:
-                self._finish(req, "abort")
-                return req
-        return None
+    def abort(self, rids: set[str]) -> list[Request]:
+        """Finish the requests with these ids, waiting or running, in one pass over the queue (aborting a stream's
+        thousands of queued requests one by one was quadratic: 3.5 s for 32k of them)."""
+        waiting = [r for r in self.waiting if r.rid in rids]
+        if waiting:
+            self.waiting = deque(r for r in self.waiting if r.rid not in rids)
+        for req in waiting:
+            self._end(req, "abort")
+        running = [r for r in self.running if r.rid in rids]
+        for req in running:
+            self._finish(req, "abort")
+        return waiting + running
 
     # ---- schedule -----------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -196,12 +202,15 @@ class Scheduler:
         return outputs
 
     def _finish(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
-        req.finish_time = time.perf_counter()
+        """A running request ends."""
         if req in self.running:
             self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        self._end(req, reason)
+
+    def _end(self, req: Request, reason: str) -> None:
+        """A request out of both queues ends: its row goes (its whole pages to the prefix cache, unless aborted)."""
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
         if req.row is not None:
             self._release(req, keep_cached=reason != "abort")
 

@@ -172,8 +172,7 @@ class EngineLoop:
             for ids, params in zip(sub.input_ids, sub.params):
                 added.append(engine.add_request(params=params, input_ids=ids, rid=f"srv-{next(self._rids)}"))
         except Exception:
-            for req in added:
-                engine.abort(req.rid)
+            engine.abort_many([req.rid for req in added])
             raise
         for index, req in enumerate(added):
             self._tracked[req.rid] = _Tracked(req, index, sub.sink, sub.tag)
@@ -192,9 +191,8 @@ class EngineLoop:
                             f"{self.max_queued_requests}. Retry later.")
 
     def _abort(self, rids: list[str]) -> None:
-        for rid in rids:
-            if self._tracked.pop(rid, None) is not None and self.engine.abort(rid) is not None:
-                self.client_aborts += 1
+        tracked = [rid for rid in rids if self._tracked.pop(rid, None) is not None]
+        self.client_aborts += len(self.engine.abort_many(tracked)) if tracked else 0
 
     def state(self) -> dict:
         """The loop's own counters (engine thread; through call())."""
@@ -213,7 +211,10 @@ class EngineLoop:
             t = self._tracked.get(out.req.rid)
             if t is not None:
                 self._deliver(t, out.new_token_ids, now)
-        for t in [t for t in self._tracked.values() if t.req.finished]:  # finished outside a step's outputs
+        # Finished outside the step's outputs: a decode the pool could never hold, ended while it was scheduled. Only
+        # a running request can be (this loop's own aborts untrack theirs first); scanning every tracked request, the
+        # queued ones too, cost ~2.5 ms a step with 20k queued (an audit's measurement).
+        for t in [t for t in map(self._tracked.get, running) if t is not None and t.req.finished]:
             self._deliver(t, [], now)
 
     def _deliver(self, t: _Tracked, new_ids: list[int], now: float) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import generate_ids, greedy, hf_greedy, random_prompts, run_until_done
+from conftest import assert_engine_clean, generate_ids, greedy, hf_greedy, random_prompts, run_until_done
 from hyperdraft import SamplingParams
 
 LENGTHS = [20, 35, 12, 40, 28, 17, 33, 25]
@@ -172,3 +172,65 @@ def test_stream_consumer_stopping_early_aborts(llama_path, make_llm, prompts):
     assert not llm.engine.has_unfinished()
     # The engine still works afterwards.
     assert generate_ids(llm, prompts[:2], greedy(5))[1].token_ids == hf_greedy(llama_path, prompts[1:2], NEW)[0][:5]
+
+
+def test_stream_reads_queued_requests_only_as_they_leave_the_queue(llama_path, make_llm, prompts, reference,
+                                                                  monkeypatch):
+    """Eight requests, one running at a time: every output is whole and right, while the stream asks whether a
+    queued request has left the queue at most once per step plus once per request (it read every unfinished request
+    every step: quadratic in a large generate)."""
+    import hyperdraft.llm as llm_module
+
+    asked = []
+    real = llm_module._left_queue
+    monkeypatch.setattr(llm_module, "_left_queue", lambda req: asked.append(req.rid) or real(req))
+    llm = make_llm(llama_path, page_size=4, max_running_requests=1)
+    outs = {d.index: d.output for d in llm.stream(input_ids=prompts, sampling_params=greedy(NEW)) if d.finished}
+    assert [outs[i].token_ids for i in range(len(prompts))] == reference
+    steps = sum(len(p) + NEW for p in prompts)  # more than the steps taken (prefills take one step each)
+    assert 0 < len(asked) <= steps + len(prompts)
+    assert_engine_clean(llm)
+
+
+def test_queued_request_aborted_mid_stream_ends_with_abort(llama_path, make_llm, prompts, reference):
+    """A request aborted while it waits behind others (not at the queue's front) still gets its final delta."""
+    llm = make_llm(llama_path, page_size=4, max_running_requests=1)
+    stream = llm.stream(input_ids=prompts[:4], sampling_params=greedy(NEW))
+    first = next(stream)
+    waiting = [r for r in llm.engine.scheduler.waiting]
+    assert len(waiting) == 3 and first.index == 0
+    llm.engine.abort(waiting[1].rid)  # the third request, behind the second
+    ends = {d.index: d for d in stream if d.finished}
+    assert ends[2].finish_reason == "abort" and ends[2].token_ids == []
+    assert [ends[i].output.token_ids for i in (1, 3)] == [reference[1], reference[3]]
+    assert_engine_clean(llm)
+
+
+def test_stream_stopped_early_aborts_running_and_queued(llama_path, make_llm, prompts, reference):
+    llm = make_llm(llama_path, page_size=4, max_running_requests=2)
+    stream = llm.stream(input_ids=prompts, sampling_params=greedy(NEW))
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert len(llm.engine.scheduler.waiting) == len(prompts) - 2
+    stream.close()
+    assert not llm.engine.has_unfinished()
+    assert generate_ids(llm, prompts[:1], greedy(NEW))[0].token_ids == reference[0]
+    assert_engine_clean(llm)
+
+
+def test_abort_many_ends_exactly_those_waiting_or_running(llama_path, make_llm, prompts, reference):
+    llm = make_llm(llama_path, page_size=4, max_running_requests=3)
+    reqs = [llm.engine.add_request(input_ids=p, params=greedy(NEW)) for p in prompts]
+    for _ in range(3):
+        llm.engine.step()
+    running = [r.rid for r in llm.engine.scheduler.running]
+    assert len(running) == 3
+    gone = {running[0], reqs[4].rid, reqs[6].rid, "no-such-request"}
+    aborted = llm.engine.abort_many(sorted(gone))
+    assert {r.rid for r in aborted} == gone - {"no-such-request"}
+    assert all(r.finish_reason == "abort" for r in aborted)
+    run_until_done(llm, reqs)
+    kept = [i for i, r in enumerate(reqs) if r.rid not in gone]
+    assert [reqs[i].output_ids for i in kept] == [reference[i] for i in kept]
+    assert_engine_clean(llm)
