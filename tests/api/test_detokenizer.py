@@ -249,3 +249,35 @@ def test_token_bytes_of_sentencepiece_byte_fallback_tokens():
     fast = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
     ids = fast.encode("x日", add_special_tokens=False)
     assert [token_bytes(fast, i, fast.decode([i])) for i in ids] == [[ord("x")], *[[b] for b in "日".encode()]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_chunks_and_stops_over_split_characters(tok, seed):
+    """Mixed multi-byte text in random chunks, with stop strings cut from the text itself (so they start in the
+    middle of characters' byte runs, after text emitted ahead of the settled window): the deltas join to the text
+    before the first stop, every one a continuation of the last; a mark/rewind in the middle replays the same."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice([MULTIBYTE, ASCII, "🙂🚀Ω", " ab"]) for _ in range(6))
+    ids = tok.encode(text)
+    at = rng.randrange(len(text) // 2, len(text) - 3)
+    stop = [text[at:at + rng.randint(1, 3)], "never here"]
+    cut = min(i for i in (text.find(s) for s in stop) if i >= 0)
+    detok, emitted, i, marked = IncrementalDetokenizer(tok, stop), "", 0, None
+    mark_at = rng.randrange(len(ids) // 4)  # before the stop: it starts in the text's second half
+    while i < len(ids) and not detok.stopped:
+        n = rng.randint(1, 4)
+        if marked is None and i >= mark_at:
+            marked = (detok.mark(), i, emitted)
+        emitted += detok.push(ids[i:i + n], final=i + n >= len(ids))
+        assert text[:cut].startswith(emitted), (emitted, text[:cut])
+        i += n
+    emitted += detok.push([], final=True)
+    assert emitted == text[:cut] == detok.text
+    state, i, again = marked
+    detok.rewind(state)
+    detok.stopped = False
+    while i < len(ids) and not detok.stopped:
+        again += detok.push(ids[i:i + 2], final=i + 2 >= len(ids))
+        i += 2
+    again += detok.push([], final=True)
+    assert again == text[:cut] == detok.text
