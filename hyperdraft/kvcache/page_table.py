@@ -109,8 +109,8 @@ class PageTable:
         del self._row_pages[row], self._row_shared[row]
         self._free_rows.append(row)
 
-    def row_pages(self, row: int) -> list[int]:
-        return list(self._row_pages[row])
+    def row_pages(self, row: int, start: int = 0, end: int | None = None) -> list[int]:
+        return self._row_pages[row][start:end]
 
     def slot(self, row: int, position: int) -> int:
         """The K/V slot of the row's token at `position` (host side; token_slots is the batched device form)."""
@@ -125,13 +125,14 @@ class PageTable:
         self._set_pages(row, 0, pages)
         self._row_shared[row] = len(pages)
 
-    def share(self, row: int, tree_pages: list[int]) -> None:
-        """The tree now holds the row's first len(tree_pages) pages: where it kept its own copy of a page (the same
-        tokens cached earlier), the row switches to it and frees its duplicate."""
-        own = self._row_pages[row][: len(tree_pages)]
+    def share(self, row: int, tree_pages: list[int], start: int = 0) -> None:
+        """The tree now holds the row's pages start .. start + len(tree_pages) - 1 (and those before start already):
+        where it kept its own copy of a page (the same tokens cached earlier), the row switches to it and frees its
+        duplicate."""
+        own = self._row_pages[row][start : start + len(tree_pages)]
         self._free_pages.extend(p for p, t in zip(own, tree_pages) if p != t)
-        self._set_pages(row, 0, tree_pages)
-        self._row_shared[row] = max(self._row_shared[row], len(tree_pages))
+        self._set_pages(row, start, tree_pages)
+        self._row_shared[row] = max(self._row_shared[row], start + len(tree_pages))
 
     def _set_pages(self, row: int, start: int, pages: list[int]) -> None:
         row_pages = self._row_pages[row]

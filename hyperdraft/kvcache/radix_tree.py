@@ -66,12 +66,13 @@ class RadixTree:
         node, pages, _ = self._walk(list(keys))
         return node, pages
 
-    def insert(self, keys: Sequence[Hashable], pages: Sequence[int]) -> tuple[Node, list[int]]:
+    def insert(self, keys: Sequence[Hashable], pages: Sequence[int], below: Node | None = None) -> tuple[Node, list[int]]:
         """keys: a multiple of page_size; pages: one per page of keys. New pages become the tree's; over a prefix the
-        tree already holds, the tree keeps its own and returns them in their place."""
+        tree already holds, the tree keeps its own and returns them in their place. below: a node (locked, so still
+        in the tree) whose path the keys continue: the walk starts there, the path above it marked used."""
         assert len(keys) % self.page_size == 0 and len(pages) * self.page_size == len(keys)
         keys = list(keys)
-        node, tree_pages, pos = self._walk(keys)
+        node, tree_pages, pos = self._walk(keys, below)
         if pos < len(keys):
             leaf = Node(keys[pos:], list(pages[pos // self.page_size:]), node, last_use=self._now)
             node.children[self._first(keys, pos)] = leaf
@@ -81,12 +82,16 @@ class RadixTree:
             node, tree_pages = leaf, tree_pages + leaf.pages
         return node, tree_pages
 
-    def _walk(self, keys: list[Hashable]) -> tuple[Node, list[int], int]:
-        """Follow keys down from the root over whole matching pages -> (deepest node, its path's pages, keys
-        matched). Splits an edge the match ends inside, and marks the path as used now."""
+    def _walk(self, keys: list[Hashable], start: Node | None = None) -> tuple[Node, list[int], int]:
+        """Follow keys down from start (default: the root) over whole matching pages -> (deepest node, the pages
+        below start on its path, keys matched). Splits an edge the match ends inside, and marks the path from the
+        root as used now."""
         now = self._now = next(self._clock)
         ps = self.page_size
-        node, pages, pos = self.root, [], 0
+        node, pages, pos = start or self.root, [], 0
+        above = node
+        while above is not self.root:
+            above.last_use, above = now, above.parent
         while len(keys) - pos >= ps:
             child = node.children.get(self._first(keys, pos))
             if child is None:
@@ -95,8 +100,17 @@ class RadixTree:
             if k < len(child.key):
                 child = self._split(child, k)
             child.last_use = now
-            node, pages, pos = child, pages + child.pages, pos + k
+            node, pos = child, pos + k
+            pages += child.pages
         return node, pages, pos
+
+    @staticmethod
+    def path_pages(node: Node) -> int:
+        """Pages on the path from the root to node."""
+        count = 0
+        while node is not None:
+            count, node = count + len(node.pages), node.parent
+        return count
 
     def _matching_keys(self, edge: list[Hashable], keys: list[Hashable], pos: int) -> int:
         """How many keys of edge equal keys[pos:], in whole pages (the first page is known to). List slices compare

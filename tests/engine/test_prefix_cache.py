@@ -206,3 +206,29 @@ def test_cli_flag(models, capsys):
         assert main(base + ["--input-ids", ids, "--input-ids", ids, flag]) == 0
         rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert [r["meta_info"]["cached_tokens"] for r in rows] == cached
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("drafter", ["plain", "EAGLE3"])
+def test_chunked_prefill_saves_only_each_chunks_pages(models, monkeypatch, drafter, page_size):
+    """A long prompt prefilled in 16-token chunks: each save after a chunk inserts that chunk's pages below the node
+    the previous one locked (it inserted the whole sequence so far from the root: O(prompt) a chunk), and the tree
+    ends up as a whole-prompt insert leaves it: a repeat of the prompt hits all of it, outputs as with the cache off."""
+    from hyperdraft.kvcache.radix_tree import RadixTree
+
+    inserted = []
+    real = RadixTree.insert
+    monkeypatch.setattr(RadixTree, "insert", lambda self, keys, pages, below=None: inserted.append(len(keys))
+                        or real(self, keys, pages, below))
+    rng = random.Random(11)
+    prompt = [rng.randrange(VOCAB) for _ in range(203)]
+    args = dict(page_size=page_size, chunked_prefill_size=16, **drafter_args(models, drafter))
+    llm = make(models["target"], **args)
+    first = run_checked(llm, [prompt], 8)
+    saves = list(inserted)
+    assert len(saves) >= 203 // 16 and max(saves) <= 16 + page_size, saves
+    again = run_checked(llm, [prompt], 8)
+    assert again[0]["cached"] >= 203 - 16 - page_size and again[0]["ids"] == first[0]["ids"]
+    off = run_checked(make(models["target"], disable_radix_cache=True, **args), [prompt], 8)
+    assert first[0]["ids"] == off[0]["ids"]
+    assert_engine_clean(llm)
