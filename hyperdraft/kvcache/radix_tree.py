@@ -9,7 +9,8 @@ next one for drafters whose K/V at a position depends on it); the tree only comp
   match(keys)          the longest cached page-aligned prefix of keys -> (node, its pages); an edge the match ends
                        inside is split there, so the node covers exactly the match
   insert(keys, pages)  cache pages for keys; where the tree already holds a prefix, its pages win (the caller drops
-                       its duplicates) -> (node, the tree's pages for all of keys)
+                       its duplicates) -> (node, the tree's pages for all of keys); below=node: keys continue that
+                       node's path (a request's next prefill chunk below the node its last save locked)
   lock / unlock(node)  a running request's reference to a node and all its ancestors; referenced nodes never go
   evict(num_pages)     frees least-recently-used unreferenced leaves (a parent left childless and unreferenced becomes
                        one) until num_pages pages are freed or nothing unreferenced is left -> the freed pages
