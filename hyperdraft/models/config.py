@@ -199,7 +199,8 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
         raw = {**raw.get("text_config", {}), "architectures": [arch], "eos_token_id": raw.get("eos_token_id")
                or raw.get("text_config", {}).get("eos_token_id"), "tie_word_embeddings": raw.get("tie_word_embeddings",
                raw.get("text_config", {}).get("tie_word_embeddings", False)),
-               "quantization_config": raw.get("quantization_config")}
+               "quantization_config": raw.get("quantization_config")
+               or raw.get("text_config", {}).get("quantization_config")}
     _refuse_unsupported(raw, arch)
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])

@@ -215,3 +215,19 @@ def test_old_qwen2_config_without_max_window_layers_uses_full_attention(tmp_path
                            sliding_window=16)
     _edit_config(path, layer_types=None, max_window_layers=None)
     _check_against_hf(make_llm(path), path, seed=3, lengths=[5, 40], n=8)
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_multimodal_checkpoint_quantization_is_refused_wherever_it_sits(where):
+    """Qwen3.5's multimodal layout: the language model's config is text_config; a quantization_config at either
+    level is refused (the text_config one was dropped when the top level had none)."""
+    from hyperdraft.models.config import model_config_from_dict
+
+    quant = {"quant_method": "fp8"}
+    raw = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {"hidden_size": 64}}
+    if where == "top":
+        raw["quantization_config"] = quant
+    else:
+        raw["text_config"]["quantization_config"] = quant
+    with pytest.raises(ValueError, match="quantization_config"):
+        model_config_from_dict(raw)
