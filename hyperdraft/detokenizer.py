@@ -38,12 +38,13 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         # Text positions count characters from the output's start. The settled text (that of ids[:read]) is kept
-        # from held_from = min(emitted, settled) on only, as `held`: the whole text, rebuilt at every push, was a
-        # copy of the output a push (an audit: 9 us a push at 32k tokens, 18 us at 128k, per request and
-        # detokenizer). Emitted text can run past the settled text (whole characters before a half one).
+        # from held_from = min(emitted, settled) on only, as `held` (so it ends at held_from + len(held)): the whole
+        # text, rebuilt at every push, was a copy of the output a push (an audit: 9 us a push at 32k tokens, 18 us
+        # at 128k, per request and detokenizer). Emitted text can run past the settled text (whole characters
+        # before a half one).
         self.emitted: list[str] = []  # the emitted text, in the pieces emitted
         self.held = ""
-        self._held_from = self._emitted_len = self._settled_len = 0
+        self._held_from = self._emitted_len = 0
         self.stopped = False
         self.stop_hit: str | None = None  # the stop string that ended the text
         self._prefix = self._read = 0  # the decode window: ids[prefix:read] gave the end of the held text
@@ -67,12 +68,12 @@ class IncrementalDetokenizer:
     def mark(self) -> tuple:
         """The state as it stands, for rewind: a push of several tokens that stopped can be replayed a token at a
         time to find the token it stopped at."""
-        return (len(self.ids), len(self.emitted), self.held, self._held_from, self._emitted_len, self._settled_len,
-                self.stopped, self.stop_hit, self._prefix, self._read)
+        return (len(self.ids), len(self.emitted), self.held, self._held_from, self._emitted_len, self.stopped,
+                self.stop_hit, self._prefix, self._read)
 
     def rewind(self, mark: tuple) -> None:
-        (n, pieces, self.held, self._held_from, self._emitted_len, self._settled_len, self.stopped, self.stop_hit,
-         self._prefix, self._read) = mark
+        n, pieces, self.held, self._held_from, self._emitted_len, self.stopped, self.stop_hit, self._prefix, \
+            self._read = mark
         del self.ids[n:]
         del self.emitted[pieces:]
 
@@ -101,7 +102,7 @@ class IncrementalDetokenizer:
             return ""
         self.emitted.append(safe)
         self._emitted_len += len(safe)
-        start = min(self._emitted_len, self._settled_len)
+        start = min(self._emitted_len, self._held_from + len(self.held))
         self.held, self._held_from = self.held[start - self._held_from:], start
         return safe
 
@@ -111,7 +112,6 @@ class IncrementalDetokenizer:
         character."""
         if new and not new.endswith("\ufffd"):
             self.held += new
-            self._settled_len += len(new)
             self._prefix, self._read = self._read, len(self.ids)
             return self.held
         return self.held + (new if final else new.rstrip("\ufffd"))

@@ -292,6 +292,8 @@ class Engine:
 
     def abort_many(self, rids: list[str]) -> list[Request]:
         """The requests among rids still waiting or running, aborted (their K/V freed) in one pass."""
+        if not rids:
+            return []
         self.lockstep.record("abort", list(rids))
         return self.scheduler.abort(set(rids))
 

@@ -299,9 +299,17 @@ def move_chain_batch_kernel(seq_lens, num_accepted, tokens, drafted, rows, table
 
 def move_chain_batch_reference(seq_lens, num_accepted, tokens, drafted, rows, table, page_size) -> MovedChain:
     width = drafted.shape[1] + 1
+    start, index, slots = moved_rows_reference(seq_lens, num_accepted, width, rows, table, page_size)
+    ids = torch.cat([tokens.gather(1, num_accepted[:, None]), drafted], 1).flatten()
+    return MovedChain(ids, index.flatten(), slots.flatten(), (start + width).to(torch.int32))
+
+
+def moved_rows_reference(seq_lens: torch.Tensor, num_accepted: torch.Tensor, width: int, rows: torch.Tensor,
+                         table: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verify of `width` rows a request (seq_lens [B] = n + width) moved on by each request's a + 1, in torch ->
+    (start [B] int64 = n + a + 1, index [B, W] = start + j, slots [B, W]: indices past a row's pages read its last
+    page entry, as the kernels' _token_slots)."""
     start = seq_lens + (num_accepted + (1 - width))  # [B] int64 (int32 lengths promote)
     index = start[:, None] + torch.arange(width, device=start.device)  # [B, W]
     pages = table[rows[:, None], (index // page_size).clamp_max(table.shape[1] - 1)]
-    ids = torch.cat([tokens.gather(1, num_accepted[:, None]), drafted], 1).flatten()
-    return MovedChain(ids, index.flatten(), (pages * page_size + index % page_size).flatten(),
-                      (start + width).to(torch.int32))
+    return start, index, pages * page_size + index % page_size

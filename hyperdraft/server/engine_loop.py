@@ -192,7 +192,7 @@ class EngineLoop:
 
     def _abort(self, rids: list[str]) -> None:
         tracked = [rid for rid in rids if self._tracked.pop(rid, None) is not None]
-        self.client_aborts += len(self.engine.abort_many(tracked)) if tracked else 0
+        self.client_aborts += len(self.engine.abort_many(tracked))
 
     def state(self) -> dict:
         """The loop's own counters (engine thread; through call())."""

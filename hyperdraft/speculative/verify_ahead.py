@@ -38,7 +38,7 @@ import torch
 
 from hyperdraft.core.forward_batch import ForwardBatch, ForwardMode
 from hyperdraft.kernels import use_fused_kernels
-from hyperdraft.kernels.draft_plan import move_chain_batch
+from hyperdraft.kernels.draft_plan import move_chain_batch, moved_rows_reference
 from hyperdraft.kernels.tree_round import MovedTree, move_tree_batch
 from hyperdraft.kvcache.page_table import PageTable
 from hyperdraft.request import Request, same_requests
@@ -178,10 +178,7 @@ def moved_tree_reference(seq_lens: torch.Tensor, num_accepted: torch.Tensor, tok
     """kernels/tree_round.move_tree_batch in torch (its arguments): node i of request b at index n + a + 1 + i,
     RoPE position n + a + 1 + depth."""
     n = tokens.shape[1]
-    start = seq_lens + (num_accepted + (1 - n))  # [B] int64 (int32 lengths promote): n + a + 1
-    index = start[:, None] + torch.arange(n, device=start.device)  # [B, N]
+    start, _, slots = moved_rows_reference(seq_lens, num_accepted, n, rows, table, page_size)
     tree = build_tree(tokens, parents, num_nodes=torch.full_like(num_accepted, n))
-    pages = table[rows[:, None], (index // page_size).clamp_max(table.shape[1] - 1)]
-    return MovedTree(tree.tokens.flatten(), (start[:, None] + tree.depth).flatten(),
-                     (pages * page_size + index % page_size).flatten(), (start + n).to(torch.int32), tree.depth,
-                     tree.mask)
+    return MovedTree(tree.tokens.flatten(), (start[:, None] + tree.depth).flatten(), slots.flatten(),
+                     (start + n).to(torch.int32), tree.depth, tree.mask)
