@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference's kernels")
     ap.add_argument("--shape", choices=list(SHAPES), default="llama8b", help="the dense target's shape")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prompt-len", type=int, default=512, help="the request's prompt tokens (the context each "
+                    "profiled round attends to, plus what earlier steps decoded)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default: $OUT or .)")
     a = ap.parse_args()
     require_cuda()
@@ -113,7 +115,7 @@ def main() -> None:
                             deterministic=a.deterministic)
     params = SamplingParams(temperature=0.0, max_new_tokens=(2 * a.steps + 20) * 8 + 16, ignore_eos=True)
     vocab = 120000 if a.hybrid else SHAPES[a.shape][0]["vocab_size"] - 10
-    req = engine.add_request(input_ids=torch.randint(10, vocab, (512,)).tolist(), params=params)
+    req = engine.add_request(input_ids=torch.randint(10, vocab, (a.prompt_len,)).tolist(), params=params)
     for _ in range(20):  # warm-up: Triton specialisations compile on first use of each shape class
         engine.step()
     torch.cuda.synchronize()
