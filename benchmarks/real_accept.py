@@ -65,6 +65,14 @@ def rows(head: str | None) -> dict[str, dict]:
         out["trained head, tree (4 steps, topk 2, 6 tokens)"] = dict(eagle, speculative_num_steps=4,
                                                                     speculative_eagle_topk=2,
                                                                     speculative_num_draft_tokens=6)
+        # Wider trees: on a 135M target at batch 1 a verify of 16 rows costs the GPU about what 8 do (the step is
+        # launch-bound), so the question is only whether the extra candidates are accepted (session 41: topk 4 / 8
+        # tokens accepts 10-18% more than chain 5, too little for its 1.2-1.35x round).
+        out["trained head, tree (topk 8, 16 tokens)"] = dict(eagle, speculative_num_steps=5, speculative_eagle_topk=8,
+                                                            speculative_num_draft_tokens=16)
+        out["trained head, tree (6 steps, topk 4, 16 tokens)"] = dict(eagle, speculative_num_steps=6,
+                                                                     speculative_eagle_topk=4,
+                                                                     speculative_num_draft_tokens=16)
         out["trained head, adaptive"] = dict(eagle, speculative_adaptive=True)
         out["trained head, adaptive (goodput)"] = dict(eagle, speculative_adaptive=True,
                                                        speculative_adaptive_config=GOODPUT_LADDER)
