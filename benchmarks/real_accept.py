@@ -65,9 +65,9 @@ def rows(head: str | None) -> dict[str, dict]:
         out["trained head, tree (4 steps, topk 2, 6 tokens)"] = dict(eagle, speculative_num_steps=4,
                                                                     speculative_eagle_topk=2,
                                                                     speculative_num_draft_tokens=6)
-        # Wider trees: on a 135M target at batch 1 a verify of 16 rows costs the GPU about what 8 do (the step is
-        # launch-bound), so the question is only whether the extra candidates are accepted (session 41: topk 4 / 8
-        # tokens accepts 10-18% more than chain 5, too little for its 1.2-1.35x round).
+        # Wider trees: a 135M target's batch-1 step is launch-bound, so a verify of 16 rows may cost little more than
+        # one of 8 (not yet measured); these rows ask whether the extra candidates are accepted (session 41: topk 4 /
+        # 8 tokens accepts 10-18% more than chain 5, too little for its 1.2-1.35x round).
         out["trained head, tree (topk 8, 16 tokens)"] = dict(eagle, speculative_num_steps=5, speculative_eagle_topk=8,
                                                             speculative_num_draft_tokens=16)
         out["trained head, tree (6 steps, topk 4, 16 tokens)"] = dict(eagle, speculative_num_steps=6,
