@@ -388,21 +388,8 @@ class Engine:
         return self.prefix_cache.report() if self.prefix_cache is not None else {"radix_cache": False}
 
     def internal_state(self) -> dict:
-        spec = {}
-        if self.spec is not None:
-            tier = self.worker.last_tier  # under adaptive speculation: the tier used most recently
-            spec = {"speculative_algorithm": self.spec.algorithm, "speculative_num_steps": tier.steps,
-                    "speculative_eagle_topk": tier.topk, "speculative_num_draft_tokens": tier.num_draft_tokens,
-                    **self.worker.metrics.summary()}
-            if self.spec.adaptive is not None:
-                spec["speculative_adaptive_strategy"] = self.spec.adaptive.strategy
-            if self.spec.simulate_accept_rate is not None:
-                spec["speculative_simulate_accept_rate"] = self.spec.simulate_accept_rate  # outputs are NOT lossless
-                spec["speculative_simulate_sibling_rate"] = self.spec.simulate_sibling_rate
-            if self.worker.timer.enabled:
-                spec["spec_phase_seconds"] = dict(self.worker.timer.seconds)
+        spec = self.worker.state() if self.spec is not None else {}
         return {**spec, **self.pool_state(), "numerics": self.numerics}
-
 
 def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str, threads: int) -> None:
     """A follower rank's process (engine/lockstep.py): its engine replays rank 0's calls until told to stop."""

@@ -243,6 +243,22 @@ class SpecWorker:
         self.proposer.release_graphs()
         self.runner.release_graphs()
 
+    def state(self) -> dict:
+        """The engine's internal_state, speculative part: the tier used most recently (it moves under adaptive
+        tiers), the acceptance metrics, and each phase's seconds where the timer records."""
+        tier, spec = self.last_tier, self.spec
+        state = {"speculative_algorithm": spec.algorithm, "speculative_num_steps": tier.steps,
+                 "speculative_eagle_topk": tier.topk, "speculative_num_draft_tokens": tier.num_draft_tokens,
+                 **self.metrics.summary()}
+        if spec.adaptive is not None:
+            state["speculative_adaptive_strategy"] = spec.adaptive.strategy
+        if spec.simulate_accept_rate is not None:  # outputs are NOT lossless
+            state["speculative_simulate_accept_rate"] = spec.simulate_accept_rate
+            state["speculative_simulate_sibling_rate"] = spec.simulate_sibling_rate
+        if self.timer.enabled:
+            state["spec_phase_seconds"] = dict(self.timer.seconds)
+        return state
+
     def set_simulated_accept_rate(self, alpha: float) -> None:
         """Benchmarks only: sweep the simulated acceptance of an engine that started in that (lossy) mode, without
         rebuilding it."""
