@@ -17,6 +17,8 @@ ALIASES = {"model": "model_path", "tokenizer": "tokenizer_path", "speculative_dr
            "tensor_parallel_size": "tp_size"}
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# SGLang's other spellings of the same values (its --dtype choices and its name for the reference attention)
+VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "attention_backend": {"torch_native": "torch"}}
 LOAD_FORMATS = ("auto", "dummy")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 SPECULATIVE_SAMPLING_MODES = ("coupled", "rejection")
@@ -66,6 +68,7 @@ class EngineArgs:
     model_path: str | None = _opt(None, "Hugging Face model directory or a Llama .gguf file (alias: --model); the CLI defaults to the embedded SmolLM2-135M-Instruct")
     tokenizer_path: str | None = _opt(None, "tokenizer directory; defaults to the model directory")
     skip_tokenizer_init: bool = _opt(False, "run from token ids only; no tokenizer is loaded")
+    trust_remote_code: bool = _opt(False, "let transformers run tokenizer code that the model directory ships (SGLang's flag); the model itself always runs hyperdraft's own code, and architectures it lacks are refused by name")
     dtype: str = _opt("auto", "weight and activation dtype", choices=DTYPE_CHOICES)
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     context_length: int | None = _opt(None, "maximum sequence length; defaults to the model's max_position_embeddings")
@@ -115,6 +118,8 @@ class EngineArgs:
         def bad(name: str, allowed: str):
             raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
+        for name, aliases in VALUE_ALIASES.items():  # canonical before validation; never changed afterwards
+            object.__setattr__(self, name, aliases.get(getattr(self, name), getattr(self, name)))
         if self.page_size < 1:
             bad("page_size", "an integer >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
@@ -207,8 +212,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
         else:
-            group.add_argument(*names, dest=f.name, type=kind, default=None, help=f"{f.metadata['help']} (default: {f.default})",
-                               choices=f.metadata.get("choices"))
+            aliases = VALUE_ALIASES.get(f.name, {})
+            spelled = (lambda text, aliases=aliases: aliases.get(text, text)) if aliases else kind  # before choices
+            also = f"; also {', '.join(f'{a} = {c}' for a, c in aliases.items())}" if aliases else ""
+            group.add_argument(*names, dest=f.name, type=spelled, default=None,
+                               help=f"{f.metadata['help']} (default: {f.default}{also})", choices=f.metadata.get("choices"))
 
 
 def engine_args_from_namespace(ns: argparse.Namespace, **overrides) -> EngineArgs:

@@ -230,10 +230,8 @@ class LLM:
             return self.engine.flush_cache()
 
     def get_server_info(self) -> dict:
-        from dataclasses import asdict
-
         with self._engine_lock:
-            return {**asdict(self.args), "internal_states": [self.engine.internal_state()]}
+            return {**self.engine.server_args(), "internal_states": [self.engine.internal_state()]}
 
     def shutdown(self) -> None:
         """Abort what is left and release the models and KV pools (GPU memory included). The LLM is unusable after."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import logging
@@ -88,7 +89,8 @@ class Engine:
         self.model_config = model.config
         dtype = next(model.parameters()).dtype
         self.numerics = numerics_mode(self.device, dtype, self.options)  # docs/numerics.md
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or args.model_path)
+        self.tokenizer = None if args.skip_tokenizer_init else \
+            load_tokenizer(args.tokenizer_path or args.model_path, args.trust_remote_code)
         self.context_len = args.context_length_for(self.model_config.max_position_embeddings)
         self.spec = resolve_spec_config(args, self.model_config.architecture, self.options)
         proposer_cls = proposer_class(self.spec.algorithm) if self.spec is not None else None
@@ -386,6 +388,17 @@ class Engine:
     def cache_state(self) -> dict:
         """The prefix cache's size and counters (internal_state, /metrics)."""
         return self.prefix_cache.report() if self.prefix_cache is not None else {"radix_cache": False}
+
+    def server_args(self) -> dict:
+        """The arguments as this engine resolved them, as SGLang's server_info reports its arguments after its hooks
+        filled them in: the running-request cap and context length it sized for, and the speculative shape it
+        started with (internal_state has the tier in use now)."""
+        resolved = {"max_running_requests": self.max_rows, "context_length": self.context_len}
+        if self.spec is not None:
+            tier = self.spec.tier
+            resolved.update(speculative_algorithm=self.spec.algorithm, speculative_num_steps=tier.steps,
+                            speculative_eagle_topk=tier.topk, speculative_num_draft_tokens=tier.num_draft_tokens)
+        return {**dataclasses.asdict(self.args), **resolved}
 
     def internal_state(self) -> dict:
         spec = self.worker.state() if self.spec is not None else {}

@@ -148,12 +148,14 @@ def split_model(whole: DecoderLM | HybridLM, tp: TensorParallel) -> DecoderLM | 
     return part.eval().requires_grad_(False)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     """The tokenizer of a Hugging Face directory or a .gguf file; a ValueError naming the path when there is none."""
     from transformers import AutoTokenizer
 
     try:
-        return load_gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
+        if is_gguf(path):
+            return load_gguf_tokenizer(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many types for a missing tokenizer
         raise ValueError(f"cannot load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True to run from "
                          "token ids") from e

@@ -19,7 +19,6 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict
 from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI, Request
@@ -29,7 +28,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyperdraft import __version__
-from hyperdraft.config import EngineArgs
 from hyperdraft.server.generation import Generation, ServerContext
 from hyperdraft.server.metrics import engine_snapshot
 from hyperdraft.server.options import ServeOptions
@@ -65,12 +63,12 @@ class _ClosingStream(StreamingResponse):
             self.gen.abort()
 
 
-def create_app(ctx: ServerContext, args: EngineArgs, opts: ServeOptions) -> FastAPI:
+def create_app(ctx: ServerContext, opts: ServeOptions) -> FastAPI:
     app = _App(title="hyperdraft", version=__version__, docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json", lifespan=_lifespan(ctx))
     _register_error_handlers(app, _Routes(ctx, opts))
     _GenerationRoutes(ctx, opts).register(app)
-    _InfoRoutes(ctx, opts, args).register(app)
+    _InfoRoutes(ctx, opts).register(app)
     return app
 
 
@@ -207,14 +205,15 @@ class _GenerationRoutes(_Routes):
 class _InfoRoutes(_Routes):
     """/v1/models, /health, /server_info and /metrics: what the server is and how it is doing."""
 
-    def __init__(self, ctx: ServerContext, opts: ServeOptions, args: EngineArgs):
+    def __init__(self, ctx: ServerContext, opts: ServeOptions):
         super().__init__(ctx, opts)
-        self.opts, self.args = opts, args
+        self.opts = opts
 
     def register(self, app: FastAPI) -> None:
         app.get("/v1/models", responses=documented(ModelList, 401))(self.models)
         app.get("/health", responses=documented(Health, 503))(self.health)
         app.get("/server_info", responses=documented(None, 401, 503))(self.server_info)
+        app.get("/get_server_info", responses=documented(None, 401, 503))(self.server_info)  # SGLang's older route
         metrics_doc = documented(None, 401, 503)
         metrics_doc[200]["content"] = {"text/plain": {"schema": {"type": "string"}}}  # Prometheus exposition
         app.get("/metrics", responses=metrics_doc)(self.metrics)
@@ -241,11 +240,12 @@ class _InfoRoutes(_Routes):
         ctx = self.ctx
         try:
             self.authorize(request)
-            states, loop_state = await self.engine_call(lambda engine: ([engine.internal_state()], ctx.engine_loop.state()))
+            states, loop_state, resolved = await self.engine_call(
+                lambda engine: ([engine.internal_state()], ctx.engine_loop.state(), engine.server_args()))
         except APIError as e:
             return self.error(e)
         args = {k: (os.path.basename(os.path.normpath(v)) if k in PATH_ARGS and v else v)
-                for k, v in asdict(self.args).items()}  # names only: the server's file system stays private
+                for k, v in resolved.items()}  # names only: the server's file system stays private
         return {**args, "internal_states": states, "server_state": loop_state,
                 "served_model_name": ctx.model_name, "max_queued_requests": self.opts.max_queued_requests,
                 "lossy_benchmark_mode": ctx.lossy, "version": __version__,

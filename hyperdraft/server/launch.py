@@ -38,7 +38,7 @@ def serve(args: EngineArgs, opts: ServeOptions, output_hook: Callable[[str | Non
                                 engine.model_config.vocab_size)
     ctx = ServerContext(loop, copy.deepcopy(engine.tokenizer), preprocessor, ServerMetrics(),
                         served_model_name(args, opts), engine.context_len, lossy or lossy_requested(args))
-    app = create_app(ctx, args, opts)
+    app = create_app(ctx, opts)
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=args.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -151,6 +151,10 @@ def _token_map(args: EngineArgs, algo: str) -> str | None:
         logger.warning("speculative_token_map=%s is ignored: an EAGLE3 head carries its own draft vocabulary "
                        "(draft_vocab_size, d2t)", token_map)
         return None
+    if token_map is not None and algo == "NGRAM":  # SGLang's NGRAM worker never reads it either
+        logger.warning("speculative_token_map=%s is ignored: NGRAM drafts by lookup, with no vocabulary to cut",
+                       token_map)
+        return None
     if token_map is not None and algo != "EAGLE":
         raise ValueError(f"speculative_token_map is for EAGLE, NEXTN and MTP heads (they score the whole vocabulary), "
                          f"not speculative_algorithm {algo}")
@@ -208,8 +212,14 @@ def _ngram_trie(args: EngineArgs, algo: str) -> NgramTrie | None:
     given = [name for name in NGRAM_TRIE_FLAGS if getattr(args, name) is not None]
     if not given:
         return None
-    if algo != "NGRAM":
-        raise ValueError(f"{given[0]} is for speculative_algorithm NGRAM, not {algo}")
+    if algo != "NGRAM":  # as SGLang, where they are plain defaults that only its NGRAM worker reads
+        logger.warning("%s ignored: the NGRAM trie tree's flags do nothing for speculative_algorithm %s",
+                       ", ".join(given), algo)
+        return None
+    windows = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
+    if windows != (1, 12):
+        logger.warning("speculative_ngram_min/max_match_window_size (the prompt-lookup chain's) are unused: %s "
+                       "selects the trie tree, whose anchors are bounded by speculative_ngram_max_trie_depth", given[0])
     min_breadth = 1 if args.speculative_ngram_min_bfs_breadth is None else args.speculative_ngram_min_bfs_breadth
     max_breadth = _trie_max_breadth(args)
     if not isinstance(min_breadth, int) or not 1 <= min_breadth <= max_breadth:

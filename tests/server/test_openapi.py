@@ -45,7 +45,7 @@ def app_and_engine(llama_path, tmp_path_factory):
                                 engine.model_config.vocab_size)
     ctx = ServerContext(EngineLoop(engine), engine.tokenizer, preprocessor, ServerMetrics(),
                         served_model_name(args, opts), engine.context_len, False)
-    app = create_app(ctx, args, opts)
+    app = create_app(ctx, opts)
     # schemathesis starts the app's lifespan (the engine thread) on its first call and keeps it for the process
     yield app, engine
     assert_engine_clean(SimpleNamespace(engine=engine))

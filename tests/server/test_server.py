@@ -452,6 +452,8 @@ def test_metrics_parse_and_count_a_request(server, client, chat_model):
     info = httpx.get(server.url + "/server_info", headers=AUTH).json()
     assert info["model_path"] == served_name(chat_model) and info["lossy_benchmark_mode"] is False
     assert info["max_running_requests"] == MAX_RUNNING
+    old_route = httpx.get(server.url + "/get_server_info", headers=AUTH).json()  # SGLang's older name, kept by it
+    assert old_route["model_path"] == info["model_path"] and old_route["context_length"] == info["context_length"] > 0
     assert info["enable_deterministic_inference"] is False  # the mode: docs/numerics.md
     assert info["internal_states"][0]["numerics"] == "float32"
     # the startup heap is frozen out of the cyclic GC's walks (engine/gc_policy.py): a tiny model's process holds

@@ -4,6 +4,7 @@ a literal trie that follows SGLang's description, and the engine's output with i
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import deque
 
 import numpy as np
@@ -227,11 +228,24 @@ def test_bad_trie_flags_are_named(args, message):
         resolve_spec_config(EngineArgs(speculative_algorithm="NGRAM", **args))
 
 
-def test_trie_flags_are_for_ngram_only():
-    with pytest.raises(ValueError, match="speculative_ngram_max_trie_depth is for speculative_algorithm NGRAM, not "
-                                         "EAGLE3"):
-        resolve_spec_config(EngineArgs(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x",
-                                       speculative_ngram_max_trie_depth=4))
+def test_trie_flags_are_ignored_outside_ngram(caplog):
+    """As SGLang, where they are defaults only its NGRAM worker reads: one launch template serves every algorithm."""
+    eagle = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x")
+    with caplog.at_level(logging.WARNING, logger="hyperdraft"):
+        spec = resolve_spec_config(EngineArgs(**eagle, speculative_ngram_max_trie_depth=4,
+                                              speculative_ngram_max_bfs_breadth=10))
+    assert spec.ngram_trie is None and spec.tier == resolve_spec_config(EngineArgs(**eagle)).tier
+    assert "speculative_ngram_max_bfs_breadth, speculative_ngram_max_trie_depth ignored" in caplog.text
+
+
+def test_chain_windows_beside_a_trie_flag_are_said_to_be_unused(caplog):
+    with caplog.at_level(logging.WARNING, logger="hyperdraft"):
+        spec = resolve_spec_config(EngineArgs(speculative_algorithm="NGRAM", speculative_ngram_match_type="BFS"))
+    assert spec.ngram_trie is not None and "match_window_size" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="hyperdraft"):
+        resolve_spec_config(EngineArgs(speculative_algorithm="NGRAM", speculative_ngram_match_type="BFS",
+                                       speculative_ngram_max_match_window_size=3))
+    assert "speculative_ngram_min/max_match_window_size (the prompt-lookup chain's) are unused" in caplog.text
 
 
 def test_the_tree_reserves_only_its_verify_width():

@@ -7,13 +7,16 @@ target's distribution; bad maps and algorithms that cannot take one are clear st
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
 import torch
 
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.config import EngineArgs
 from hyperdraft.models.mtp import MtpHead
+from hyperdraft.speculative.config import resolve_spec_config
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
 from helpers.hybrid_fixtures import hybrid_models  # noqa: F401
@@ -166,5 +169,14 @@ def test_token_map_errors_name_the_field(hybrid_models, tmp_path):
         LLM(hybrid_models["with_mtp"], device="cpu", speculative_algorithm="NEXTN",
             speculative_token_map=str(tmp_path / "missing.pt"))
     token_map = _write_map(tmp_path / "ok", range(10))
-    with pytest.raises(ValueError, match="speculative_token_map is for EAGLE, NEXTN and MTP.*NGRAM"):
-        LLM(hybrid_models["with_mtp"], device="cpu", speculative_algorithm="NGRAM", speculative_token_map=token_map)
+    with pytest.raises(ValueError, match="speculative_token_map is for EAGLE, NEXTN and MTP.*STANDALONE"):
+        resolve_spec_config(EngineArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="/x",
+                                       speculative_token_map=token_map))
+
+
+def test_ngram_ignores_a_token_map(tmp_path, caplog):
+    """SGLang's NGRAM worker never reads the map: a warning, not a refusal."""
+    token_map = _write_map(tmp_path / "ok", range(10))
+    with caplog.at_level(logging.WARNING, logger="hyperdraft"):
+        spec = resolve_spec_config(EngineArgs(speculative_algorithm="NGRAM", speculative_token_map=token_map))
+    assert spec.token_map is None and "speculative_token_map=" in caplog.text and "is ignored" in caplog.text
