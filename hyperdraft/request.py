@@ -20,6 +20,20 @@ def first_invalid_token(ids: list, vocab_size: int):
     return next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
 
 
+def check_prompt(ids: list, vocab_size: int, context_len: int, capacity_slots: int) -> None:
+    """Raise ValueError, naming the field, for a prompt no engine of these sizes can serve."""
+    if len(ids) == 0:
+        raise ValueError("prompt is empty: input_ids/prompt must contain at least one token")
+    if first_invalid_token(ids, vocab_size) is not None:
+        raise ValueError(f"input_ids must be integers in [0, {vocab_size})")
+    if len(ids) >= context_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; the context length is {context_len}, "
+                         "so the prompt must be shorter than context_length")
+    if len(ids) + 1 > capacity_slots:
+        raise ValueError(f"prompt has {len(ids)} tokens, more than the K/V cache's {capacity_slots} "
+                         "(max_total_tokens or mem_fraction_static, less any recurrent state) can hold")
+
+
 def same_requests(a: list["Request"], b: list["Request"]) -> bool:
     """The same request objects in the same order (a batch that did not change between two steps)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))

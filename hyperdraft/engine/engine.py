@@ -32,7 +32,7 @@ from hyperdraft.models.config import load_model_config
 from hyperdraft.models.loader import load_model, load_tokenizer
 from hyperdraft.models.tensor_parallel import rank_config
 from hyperdraft.options import RuntimeOptions, activated
-from hyperdraft.request import Request, first_invalid_token
+from hyperdraft.request import Request, check_prompt
 from hyperdraft.runner.graph_runner import GraphSettings, default_batch_sizes, default_graph_max_bs
 from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.sampling_params import SamplingParams
@@ -273,20 +273,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer, which skip_tokenizer_init=True leaves unloaded; "
                              "stop must be None here (stop_token_ids work without it)")
-        self._check_prompt(ids)
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if len(ids) == 0:
-            raise ValueError("prompt is empty: input_ids/prompt must contain at least one token")
-        vocab = self.model_config.vocab_size
-        if first_invalid_token(ids, vocab) is not None:
-            raise ValueError(f"input_ids must be integers in [0, {vocab})")
-        if len(ids) >= self.context_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.context_len}, "
-                             "so the prompt must be shorter than context_length")
-        if len(ids) + 1 > self.page_table.capacity_slots:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than the K/V cache's {self.page_table.capacity_slots} "
-                             "(max_total_tokens or mem_fraction_static, less any recurrent state) can hold")
+        check_prompt(ids, self.model_config.vocab_size, self.context_len, self.page_table.capacity_slots)
 
     def abort(self, rid: str) -> Request | None:
         aborted = self.abort_many([rid])
