@@ -26,9 +26,17 @@ import re
 from transformers import PreTrainedTokenizerFast
 
 
+# Prompt tokens decoded before the output's and never emitted, as SGLang and vLLM do (5 there too): a SentencePiece
+# decoder drops the leading space of a window's first piece, so without them an answer's first word lost its space
+# ("▁Paris" after "is" gave "isParis" with echo) and a stop string starting with a space could not match there.
+CONTEXT_TOKENS = 5
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True, keep_stop: bool = False):
-        """keep_stop: the text ends after the stop string instead of before it (SGLang's no_stop_trim)."""
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True, keep_stop: bool = False,
+                 prompt_ids: list[int] | None = None):
+        """keep_stop: the text ends after the stop string instead of before it (SGLang's no_stop_trim).
+        prompt_ids: the request's prompt, whose last CONTEXT_TOKENS give the output's first token its context."""
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.keep_stop = keep_stop
@@ -36,7 +44,9 @@ class IncrementalDetokenizer:
         # of the text that is a proper prefix s[:n] ends with s[n - 1], so only those n are worth testing
         self._prefix_ends = [(s, _ends_by_char(s)) for s in dict.fromkeys(self.stop)]
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        context = _context(tokenizer, prompt_ids, skip_special_tokens)
+        self.ids: list[int] = list(context)  # the context, then the output's ids
+        self._context_len = len(context)
         # Text positions count characters from the output's start. The settled text (that of ids[:read]) is kept
         # from held_from = min(emitted, settled) on only, as `held` (so it ends at held_from + len(held)): the whole
         # text, rebuilt at every push, was a copy of the output a push (an audit: 9 us a push at 32k tokens, 18 us
@@ -47,7 +57,12 @@ class IncrementalDetokenizer:
         self._held_from = self._emitted_len = 0
         self.stopped = False
         self.stop_hit: str | None = None  # the stop string that ended the text
-        self._prefix = self._read = 0  # the decode window: ids[prefix:read] gave the end of the held text
+        self._prefix, self._read = 0, len(context)  # the decode window: ids[prefix:read] gave the end of the held text
+
+    @property
+    def num_output_ids(self) -> int:
+        """The output tokens pushed so far."""
+        return len(self.ids) - self._context_len
 
     @property
     def text(self) -> str:
@@ -131,6 +146,15 @@ class IncrementalDetokenizer:
         return best
 
 
+def _context(tokenizer, prompt_ids: list[int] | None, skip_special_tokens: bool) -> list[int]:
+    """The prompt's last CONTEXT_TOKENS ids, or none where they end inside a character (the output's first token
+    could complete it, and its text would then start inside the context's)."""
+    if tokenizer is None or not prompt_ids:
+        return []
+    context = list(prompt_ids[-CONTEXT_TOKENS:])
+    return [] if decode_many(tokenizer, [context], skip_special_tokens)[0].endswith("\ufffd") else context
+
+
 def _ends_by_char(s: str) -> dict[str, list[int]]:
     ends: dict[str, list[int]] = {}
     for n in range(len(s) - 1, 0, -1):
@@ -169,6 +193,22 @@ def decode_many(tokenizer, sequences: list[list[int]], skip_special_tokens: bool
     if len(sequences) >= BATCH_DECODE_MIN:
         return backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
     return [backend.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+
+def token_texts(tokenizer, ids: list[int], before: int | None) -> list[str]:
+    """Each token's text as it reads in the output (OpenAI's logprob tokens), special tokens included: decoded after
+    the token before it (before: the one ahead of ids[0], the prompt's last for an answer's first), so a
+    SentencePiece piece keeps the leading space its decode alone strips. A token after part of a character, or with
+    no token before it, is decoded alone."""
+    pairs = [[p, t] if p is not None else [t] for p, t in zip([before, *ids[:-1]], ids)]
+    heads = [pair[:-1] for pair in pairs]
+    decoded = decode_many(tokenizer, [seq for pair, head in zip(pairs, heads) for seq in (head, pair)], False)
+    texts = []
+    for k, t in enumerate(ids):
+        head, both = decoded[2 * k], decoded[2 * k + 1]
+        whole = not head.endswith("\ufffd") and both.startswith(head)
+        texts.append(both[len(head):] if whole else tokenizer.decode([t], skip_special_tokens=False))
+    return texts
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -209,7 +209,7 @@ class LLM:
 
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, req.params.stop or [], req.params.skip_special_tokens,
-                                      keep_stop=req.params.no_stop_trim)
+                                      keep_stop=req.params.no_stop_trim, prompt_ids=req.prompt_ids)
 
     def _delta(self, index: int, req: Request, new_ids: list[int], text: str, final: bool,
                detok: IncrementalDetokenizer) -> StreamDelta:

@@ -98,8 +98,9 @@ class StopChecker:
     def _text(self, req: Request) -> IncrementalDetokenizer:
         """req's stop-string text, holding every output token appended so far."""
         if req.stop_text is None:
-            req.stop_text = IncrementalDetokenizer(self.tokenizer, req.params.stop, req.params.skip_special_tokens)
+            req.stop_text = IncrementalDetokenizer(self.tokenizer, req.params.stop, req.params.skip_special_tokens,
+                                                   prompt_ids=req.prompt_ids)
         text = req.stop_text
-        if len(text.ids) < len(req.output_ids):
-            text.push(req.output_ids[len(text.ids):])
+        if text.num_output_ids < len(req.output_ids):
+            text.push(req.output_ids[text.num_output_ids:])
         return text

@@ -26,6 +26,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hyperdraft import __version__
 from hyperdraft.server.generation import Generation, ServerContext
@@ -171,6 +172,9 @@ class _GenerationRoutes(_Routes):
             await gen.submit()
         except APIError as e:
             return self.error(e)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            self.ctx.metrics.error(CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
         except Exception as e:  # noqa: BLE001 - this request fails; the server goes on
             logger.exception("request failed before reaching the engine")
             return self.error(APIError(500, f"internal server error: {type(e).__name__}: {e}", None, "internal_error"))

@@ -3,8 +3,9 @@
 Runs on the asyncio thread. Engine events arrive on a per-request asyncio.Queue; each choice has its own
 IncrementalDetokenizer, so a step that accepts several tokens streams exactly their text, never half a UTF-8
 character and never any part of a stop string. Logprobs are the chosen tokens' (the engine computes no top
-alternatives). Token strings in logprobs are the single-token decodes, so a token that holds part of a
-multi-byte character shows U+FFFD, and text_offset counts those strings.
+alternatives). Token strings in logprobs are each token decoded after the one before it (detokenizer.token_texts:
+a SentencePiece piece keeps its leading space), so a token that holds part of a multi-byte character shows U+FFFD,
+and text_offset counts those strings.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from hyperdraft.detokenizer import IncrementalDetokenizer, token_bytes
+from hyperdraft.detokenizer import IncrementalDetokenizer, token_bytes, token_texts
 from hyperdraft.sampling_params import SamplingParams
 from hyperdraft.server.engine_loop import EngineLoop, Event, QueueFull, Submission
 from hyperdraft.server.metrics import ServerMetrics
@@ -45,6 +46,7 @@ class ServerContext:
 class Choice:
     detok: IncrementalDetokenizer
     prefix: str = ""  # the echoed prompt
+    prompt_last: int | None = None  # the prompt's last token: the answer's first logprob token is read after it
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -61,10 +63,11 @@ class Generation:
         self.want_logprobs = bool(request.logprobs is not None and request.logprobs is not False)
         n = request.num_choices
         self.choices = [Choice(IncrementalDetokenizer(ctx.tokenizer, p.stop or [], p.skip_special_tokens,
-                                                      keep_stop=p.no_stop_trim))
-                        for p in params]
+                                                      keep_stop=p.no_stop_trim, prompt_ids=inputs[i // n]))
+                        for i, p in enumerate(params)]
         for i, c in enumerate(self.choices):
             c.prefix = echo[i // n] if echo else ""
+            c.prompt_last = inputs[i // n][-1]
             c.text_offset = len(c.prefix)
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -158,6 +161,8 @@ class Generation:
                 row["message"] = {"role": "assistant", "content": c.detok.text}
             else:
                 row["text"] = c.prefix + c.detok.text
+            if self.ctx.tokenizer is None:  # --skip-tokenizer-init: no text, so the ids are the answer
+                row["token_ids"] = c.token_ids
             choices.append(row)
         return self._envelope("chat.completion" if self.chat else "text_completion", choices, self._usage())
 
@@ -173,9 +178,10 @@ class Generation:
             async for i, text, event in self._events():
                 c = self.choices[i]
                 logprobs = self._logprobs(c, event.token_ids, event.logprobs) if self.want_logprobs else None
-                if text or (logprobs and event.token_ids) or event.finished:
+                ids = event.token_ids if self.ctx.tokenizer is None else None  # no text: the ids are the answer
+                if text or ((logprobs or ids) and event.token_ids) or event.finished:
                     reason = event.finish_reason if event.finished else None
-                    yield self._chunk(i, {"content": text} if self.chat else text, logprobs, reason)
+                    yield self._chunk(i, {"content": text} if self.chat else text, logprobs, reason, ids)
             if self.request.include_usage:
                 yield _sse(self._envelope(self._chunk_object, [], self._usage()))
         except APIError as e:
@@ -186,9 +192,11 @@ class Generation:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, index: int, delta, logprobs, finish_reason) -> str:
+    def _chunk(self, index: int, delta, logprobs, finish_reason, token_ids: list[int] | None = None) -> str:
         row = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         row["delta" if self.chat else "text"] = delta
+        if token_ids is not None:
+            row["token_ids"] = token_ids
         return _sse(self._envelope(self._chunk_object, [row], None))
 
     # ---- shapes -------------------------------------------------------------------------------------------------
@@ -212,7 +220,10 @@ class Generation:
 
     def _logprobs(self, c: Choice, ids: list[int], values: list[float]) -> dict:
         tok = self.ctx.tokenizer
-        pieces = [tok.decode([t], skip_special_tokens=False) if tok is not None else "" for t in ids]
+        earlier = len(c.token_ids) - len(ids)  # ids are c.token_ids' last (a stream event's) or all of them
+        before = c.token_ids[earlier - 1] if earlier > 0 else c.prompt_last
+        # without a tokenizer, vLLM's spelling of a token that has no text: "token_id:N"
+        pieces = token_texts(tok, ids, before) if tok is not None and ids else [f"token_id:{t}" for t in ids]
         if self.chat:
             content = [{"token": p, "logprob": lp, "bytes": token_bytes(tok, t, p) if tok is not None else None,
                         "top_logprobs": []} for p, t, lp in zip(pieces, ids, _finite(values))]

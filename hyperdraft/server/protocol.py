@@ -67,7 +67,8 @@ class _Sampling(_Model):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # SGLang's: keep the matched stop string or stop token's text
-    stream: bool = False
+    include_stop_str_in_output: bool | None = None  # vLLM's name for no_stop_trim
+    stream: bool | None = None  # OpenAI's optional fields may be null: the default
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -82,6 +83,12 @@ class _Sampling(_Model):
     guided_choice: Any = None
     guided_grammar: Any = None
     min_tokens: Any = None
+    # vLLM's fields that would change the output: refused by name when set (ignoring them answered 200 with text
+    # that did not mean what was asked)
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
 
     def sampling_params(self, max_new_tokens: int, choice: int, logprobs: bool) -> SamplingParams:
         """The engine parameters of one choice. With a seed and n > 1, choice i uses seed + i, so the n samples
@@ -93,7 +100,8 @@ class _Sampling(_Model):
         values = {k: v for k, v in values.items() if v is not None}
         seed = None if self.seed is None else self.seed + choice
         return SamplingParams(max_new_tokens=max_new_tokens, stop=stop or None, seed=seed, ignore_eos=self.ignore_eos,
-                              skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim,
+                              skip_special_tokens=self.skip_special_tokens,
+                              no_stop_trim=self.no_stop_trim or bool(self.include_stop_str_in_output),
                               return_logprob=logprobs, **values)
 
     @property
@@ -113,6 +121,10 @@ class _Sampling(_Model):
                                         "implemented, and unconstrained text would not mean what was asked")
         if self.min_tokens not in (None, 0):
             raise unsupported("min_tokens", "min_tokens is not supported by this server (0 or omitted)")
+        for name in VLLM_OUTPUT_FIELDS:
+            value = getattr(self, name)
+            if not (value is None or value is False or value == []):  # prompt_logprobs 0 still asks for them
+                raise unsupported(name, f"{name} is not supported by this server (null or omitted)")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
         if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
@@ -126,7 +138,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[JsonInt] | list[list[JsonInt]]
     max_tokens: JsonInt | None = Field(None, ge=1)
     logprobs: JsonInt | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: JsonInt | None = Field(None, ge=1)
 
@@ -192,8 +204,9 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: JsonInt | None = Field(None, ge=1)
     max_completion_tokens: JsonInt | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: JsonInt | None = Field(None, ge=0, le=20)
+    continue_final_message: Any = None  # vLLM's: refused when set (the answer would start a new message)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -209,6 +222,9 @@ class ChatCompletionRequest(_Sampling):
                                               "token's logprob only")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs", "invalid_value")
+        if self.continue_final_message not in (None, False):
+            raise unsupported("continue_final_message", "continue_final_message is not supported by this server "
+                                                        "(false or omitted): answers start a new assistant message")
         if self.tools:
             raise unsupported("tools")
         if self.tool_choice not in (None, "none"):  # OpenAI refuses tool_choice without tools too
@@ -237,6 +253,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+VLLM_OUTPUT_FIELDS = ("allowed_token_ids", "bad_words", "use_beam_search", "prompt_logprobs")
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar")
 

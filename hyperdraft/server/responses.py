@@ -52,6 +52,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # only from a server without a tokenizer (--skip-tokenizer-init)
 
 
 class CompletionResponse(_Response):
@@ -86,6 +87,7 @@ class ChatChoice(_Response):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # only from a server without a tokenizer (--skip-tokenizer-init)
 
 
 class ChatCompletionResponse(_Response):

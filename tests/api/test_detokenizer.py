@@ -7,6 +7,7 @@ import random
 import pytest
 
 from hyperdraft.detokenizer import IncrementalDetokenizer
+from helpers.real_tokenizers import TEXT, byte_fallback, metaspace, smollm2  # noqa: F401 (fixtures)
 
 MULTIBYTE = "你好，世界。🙂🚀 naïve café Ω𝄞 ünïcödé 好"
 ASCII = "The quick brown fox jumps over the lazy dog. The quick brown fox! lolololoB the end"
@@ -281,3 +282,77 @@ def test_random_chunks_and_stops_over_split_characters(tok, seed):
         i += 2
     again += detok.push([], final=True)
     assert again == text[:cut] == detok.text
+
+
+@pytest.mark.parametrize("name", ["smollm2", "metaspace", "byte_fallback"])
+def test_the_output_reads_as_the_prompt_continued(name, request):
+    """The text is what decoding prompt + output gives past the prompt's own text, as SGLang and vLLM give it: a
+    Metaspace decoder strips a window's leading space, so an output decoded alone lost its first space. Random
+    splits of real text into prompt and output, pushed in random chunks, with a stop string half the time."""
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    rng, checked = random.Random(7), 0
+    for case in range(300):
+        split = rng.randrange(1, len(ids) - 20)
+        prompt, output = ids[max(0, split - rng.randint(1, 30)):split], ids[split:split + rng.randint(1, 20)]
+        before = tokenizer.decode(prompt)
+        whole = tokenizer.decode(prompt + output)
+        if before.endswith("\ufffd") or whole.endswith("\ufffd") or not whole.startswith(before):
+            continue  # a prompt or an output ending inside a character (a byte-fallback decode of the whole then
+            # turns its entire run of byte tokens into U+FFFD): no reference text to compare with
+        want = whole[len(before):]
+        stop = [want[rng.randrange(len(want)):][:3]] if rng.random() < 0.5 and want.strip() else []
+        detok = IncrementalDetokenizer(tokenizer, stop, prompt_ids=prompt)
+        got = "".join(_push_all(detok, output, chunk=rng.randint(1, 4)))
+        assert got == (want[:want.find(stop[0])] if stop else want), (case, prompt, output, stop)
+        assert detok.num_output_ids == len(output) or detok.stopped
+        checked += 1
+    assert checked > 150
+
+
+def test_offline_text_of_a_sentencepiece_model_keeps_its_first_space(metaspace, tmp_path, make_llm):
+    """End to end, LLM.generate and LLM.stream on a tiny model with the Metaspace tokenizer: each answer's text is
+    decode(prompt + answer) past the prompt's own text, so an answer starting with a "▁" piece starts with a space
+    (it started with the word before)."""
+    from hyperdraft import SamplingParams
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    path = str(tmp_path / "sp")
+    make_tiny_model(path, "llama", with_tokenizer=False, vocab_size=len(metaspace), eos_token_id=metaspace.eos_token_id)
+    metaspace.save_pretrained(path)
+    llm = make_llm(path)
+    prompts = ["The fox jumps", "Le café", "twice: fox", "naïve"]
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    streamed = [""] * len(prompts)
+    for delta in llm.stream(prompts, params):
+        streamed[delta.index] += delta.text
+    spaced = 0
+    for prompt, out, text in zip(prompts, outs, streamed):
+        ids = metaspace.encode(prompt)
+        want = metaspace.decode(ids + out.token_ids, skip_special_tokens=True)[len(metaspace.decode(ids)):]
+        assert out.text == text == want, (prompt, out.token_ids)
+        spaced += metaspace.convert_ids_to_tokens(out.token_ids[0]).startswith("▁")
+    assert spaced > 0  # some answer starts with a "▁" piece, where decoding it alone strips the space
+
+
+@pytest.mark.parametrize("name", ["smollm2", "metaspace", "byte_fallback"])
+def test_logprob_token_texts_add_up_to_the_text(name, request):
+    """OpenAI's logprob tokens and text_offset: each token's text as it reads after the one before it, so they add up
+    to the answer's text (a Metaspace piece decoded alone lost its leading space), wherever no character is split."""
+    from hyperdraft.detokenizer import token_texts
+
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    rng, checked = random.Random(3), 0
+    for _ in range(200):
+        split = rng.randrange(1, len(ids) - 12)
+        prompt, answer = ids[split - 1:split], ids[split:split + rng.randint(1, 12)]
+        pieces = token_texts(tokenizer, answer, prompt[-1])
+        if any("\ufffd" in tokenizer.decode(answer[:k + 1]) for k in range(len(answer))) or \
+                "\ufffd" in tokenizer.decode(prompt):
+            continue  # a split character: its pieces are U+FFFD by design
+        before = tokenizer.decode(prompt)
+        assert "".join(pieces) == tokenizer.decode(prompt + answer)[len(before):], (prompt, answer, pieces)
+        checked += 1
+    assert checked > 50

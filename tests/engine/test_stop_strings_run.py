@@ -9,39 +9,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from hyperdraft import SamplingParams
 from hyperdraft.engine.stop import StopChecker
 from hyperdraft.request import Request
-
-TEXT = ("Le café coûte 3,50 € — très cher! 東京は大きい。 The fox 🦊 jumps over the lazy dog 🐶, twice: "
-        "fox fox. Ω ≈ 2π; naïve coöperation. ") * 3
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from hyperdraft.models.default_model import ensure_default_model
-    from hyperdraft.models.loader import load_tokenizer
-
-    tok = load_tokenizer(ensure_default_model(progress=False))
-    assert isinstance(tok, PreTrainedTokenizerFast) and not tok.clean_up_tokenization_spaces  # the one-decode path
-    return tok
-
-
-@pytest.fixture(scope="module")
-def metaspace():
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.normalizer = normalizers.Replace(" ", "▁")
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    tok.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"],
-                                                             show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>",
-                                   clean_up_tokenization_spaces=False)
-    assert fast.decode(fast.encode("the fox", add_special_tokens=False)) == "the fox"
-    return fast
+from helpers.real_tokenizers import TEXT, byte_fallback, metaspace, smollm2  # noqa: F401 (fixtures)
 
 
 def _one_by_one(stop: StopChecker, req: Request, tokens):
@@ -51,24 +23,6 @@ def _one_by_one(stop: StopChecker, req: Request, tokens):
         if reason is not None:
             return tokens[: i + 1], reason
     return list(tokens), None
-
-
-@pytest.fixture(scope="module")
-def byte_fallback():
-    """Llama 2 / Mistral style: a few words, every other character spelled as <0xNN> byte tokens, and a decoder
-    that turns a run of byte tokens that is not valid UTF-8 into U+FFFD, the whole run."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
-    vocab.update((f"<0x{i:02X}>", 4 + i) for i in range(256))
-    for word in ["▁", "x", "▁Hello", "▁world", "▁fox", "o", "▁w"]:
-        vocab[word] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", clean_up_tokenization_spaces=False)
-    assert fast.decode(fast.encode("x日本😀\n", add_special_tokens=False)) == "x日本😀\n"
-    return fast
 
 
 def _first_stop(tokenizer, ids: list[int], stop: str, skip_special_tokens: bool = True) -> int:
@@ -137,3 +91,20 @@ def test_a_run_stops_where_token_by_token_checks_do(name, request):
         assert req.stop_str_hit == ref.stop_str_hit
         outcomes["hit" if expect[1] else "none"] += 1
     assert min(outcomes.values()) > 200, outcomes  # both the one-decode path and the stops inside runs were met
+
+
+def test_a_stop_string_starting_with_a_space_hits_at_the_first_output_token(metaspace):
+    """Found by an audit: the stop check decoded the output with no prompt context, and a Metaspace decoder strips
+    the leading space of a window's first piece, so a stop string " jum" at the answer's start was never seen."""
+    tok = metaspace
+    ids = tok.encode("The fox jumps over the lazy dog", add_special_tokens=False)
+    split = next(k for k in range(2, len(ids)) if tok.convert_ids_to_tokens(ids[k]).startswith("▁"))
+    prompt, answer = ids[:split], ids[split:]
+    assert tok.decode(prompt + answer)[len(tok.decode(prompt)):].startswith(" ") and tok.decode(answer)[0] != " "
+    first_word = tok.decode(prompt + answer)[len(tok.decode(prompt)):][:4]  # " jum", say
+    stop = StopChecker(tok, (), context_len=10_000)
+    req = Request("r", prompt, SamplingParams(max_new_tokens=50, stop=[first_word]), 0)
+    kept, reason = stop.append(req, answer, [0.0] * len(answer))
+    assert reason == "stop" and req.stop_str_hit == first_word
+    assert first_word in tok.decode(prompt + kept)[len(tok.decode(prompt)):]
+    assert first_word not in tok.decode(prompt + kept[:-1])[len(tok.decode(prompt)):]  # at the first token it could

@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import shutil
+import time
 
 import httpx
 import openai
@@ -120,6 +121,29 @@ def test_a_stop_token_shows_no_text_unless_no_stop_trim(client, offline, chat_mo
                                             extra_body={"stop_token_ids": [stop_id], "no_stop_trim": keep})
             text, reason = stream_text(out) if stream else (out.choices[0].text, out.choices[0].finish_reason)
             assert reason == "stop" and text == tok.decode(ref.token_ids[:k + 1 if keep else k]), (keep, stream)
+
+
+def test_vllm_include_stop_str_in_output_keeps_the_stop_string(client, offline, chat_model):
+    """vLLM's name for no_stop_trim: it was ignored (the stop string trimmed) with a 200."""
+    prompt = prompts(1, seed=5)[0]
+    ref = offline.generate(prompt, SamplingParams(temperature=0, max_new_tokens=24), use_tqdm=False)
+    stop = ref.text[len(ref.text) // 2:][:3]
+    assert stop and stop in ref.text
+    out = client.completions.create(model=served_name(chat_model), prompt=prompt, max_tokens=24, temperature=0,
+                                    stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert out.choices[0].text == ref.text[:ref.text.index(stop) + len(stop)]
+
+
+def test_null_optional_fields_mean_their_defaults(server, chat_model):
+    """The openai SDK sends these as null when a caller passes None; they were 400s ("should be a valid
+    boolean")."""
+    base = {"model": served_name(chat_model), "max_tokens": 4, "temperature": 0}
+    for path, body in [("/v1/completions", {**base, "prompt": "hello", "echo": None, "stream": None}),
+                       ("/v1/chat/completions", {**base, "messages": [{"role": "user", "content": "hi"}],
+                                                  "logprobs": None, "stream": None})]:
+        r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"] is None
 
 
 def test_completions_batch_prompts_token_ids_n_and_echo(client, offline, chat_model):
@@ -249,6 +273,25 @@ def assert_client_closed_not_failed(server, before: dict, after: dict, log_from:
     assert "Traceback" not in log and "InvalidStateError" not in log, log
 
 
+def test_disconnect_while_sending_the_body_is_a_499(server):
+    """A client gone before its body arrived whole was logged with a traceback and counted as a 500."""
+    import socket
+
+    before, log_from = metrics(server.url), len(server.output())
+    host, port = server.url.removeprefix("http://").split(":")
+    body = b'{"prompt": "hello", "max_tokens": 4}'
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body) + 10}\r\n\r\n".encode() + body)
+    for _ in range(100):  # the server notices the closed socket asynchronously
+        after = metrics(server.url)
+        if after.get('hyperdraft_http_errors_total{"status": "499"}', 0) > before.get(
+                'hyperdraft_http_errors_total{"status": "499"}', 0):
+            break
+        time.sleep(0.05)
+    assert_client_closed_not_failed(server, before, after, log_from)
+
+
 def test_disconnect_before_a_nonstream_answer_aborts(server, chat_model):
     before, aborts, log_from = metrics(server.url), client_aborts(server.url, AUTH), len(server.output())
     body = {"model": served_name(chat_model), "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "n": 4}
@@ -326,6 +369,11 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
     ({"prompt": "a", "min_tokens": 5}, 400, "min_tokens", "unsupported_parameter"),
     # the prompt plus max_tokens past the context: was cut at the context (10**9 ran for minutes)
     ({"prompt": "a", "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded"),
+    # vLLM's fields that change the output were ignored, with a 200 (found by an audit)
+    ({"prompt": "a", "allowed_token_ids": [5, 6]}, 400, "allowed_token_ids", "unsupported_parameter"),
+    ({"prompt": "a", "bad_words": ["x"]}, 400, "bad_words", "unsupported_parameter"),
+    ({"prompt": "a", "use_beam_search": True}, 400, "use_beam_search", "unsupported_parameter"),
+    ({"prompt": "a", "prompt_logprobs": 0}, 400, "prompt_logprobs", "unsupported_parameter"),
 ]
 BAD_CHATS = [
     ({"messages": []}, 400, "messages", "invalid_value"),
@@ -350,6 +398,8 @@ BAD_CHATS = [
      "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9}, 400, "max_completion_tokens",
      "context_length_exceeded"),
+    ({"messages": [{"role": "assistant", "content": "Once"}], "continue_final_message": True,
+      "add_generation_prompt": False}, 400, "continue_final_message", "unsupported_parameter"),
 ]
 
 
