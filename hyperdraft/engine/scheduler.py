@@ -9,7 +9,12 @@ Each step, in order:
      With the prefix cache, an admitted request first takes the longest cached
      prefix of its sequence (whole pages, locked) and prefills only the rest
      (a hybrid model: the longest with a state snapshot; its first chunk ends
-     where a deeper cached prefix lacks one, so that it gets one).
+     where a deeper cached prefix lacks one, so that it gets one). At most one
+     request is mid-prefill: nobody is admitted behind a chunk that leaves its
+     request's prompt unfinished. A dense chunk does so only by using up the
+     budget; a hybrid's snapshot cut leaves budget, and a request admitted
+     with it could take the pages the cut request still needs, with no decode
+     running to retract: both stalled for good.
 Decodes and prefill chunks share one forward; the batch lists the decodes first and
 says how many there are.
 
@@ -115,6 +120,8 @@ class Scheduler:
                 return items
             items.append(ScheduledRequest(req, chunk, chunk == req.num_uncomputed))
             budget -= chunk
+            if chunk < req.num_uncomputed:  # still mid-prefill (a snapshot cut): nobody goes behind it
+                return items
         fresh: list[Request] = []  # admitted by this call
         while self.waiting and len(self.running) < self.max_running and self.page_table.num_free_rows:
             chunk = self._admit(self.waiting[0], budget, bool(items), fresh)
@@ -124,6 +131,8 @@ class Scheduler:
             fresh.append(self.waiting[0])
             self.running.append(self.waiting.popleft())
             budget -= chunk
+            if not items[-1].samples:  # admitted mid-prefill: nobody goes behind it
+                break
         return items
 
     def _admit(self, req: Request, budget: int, batch_has_items: bool, fresh: list[Request]) -> int | None:

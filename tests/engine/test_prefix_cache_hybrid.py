@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from hyperdraft import LLM
+from hyperdraft import LLM, SamplingParams
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.testing.tiny import make_tiny_model
 from tests.conftest import assert_engine_clean
@@ -206,3 +206,29 @@ def test_a_restored_head_drafts_from_the_same_logits(models, eagle3_head, monkey
         conversation(llm, seed=page_size + 30)
         assert_engine_clean(llm)
     assert_hits_match_cache_off(seen, min_compared=6)
+
+
+def test_a_request_cut_at_a_snapshot_admits_nobody_behind_it(tmp_path):
+    """Found by a fuzzing audit: a cache hit's first chunk ends where the cache wants a state snapshot, mid-prompt,
+    with prefill budget left; a request admitted behind it took pages the cut request still needed, and with nothing
+    decoding (only decodes retract) both stayed mid-prefill forever: Engine.step() returned [] with work queued."""
+    path = make_tiny_model(str(tmp_path / "m"), "qwen3_5", seed=12, vocab_size=40, eos_token_id=4,
+                           with_tokenizer=False)
+    llm = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, page_size=2, context_length=40,
+              chunked_prefill_size=7, max_total_tokens=334, max_running_requests=2)
+    engine = llm.engine
+    first = [5, 31, 8, 6, 20, 35, 26, 16, 24, 28, 11, 8, 34, 11, 33, 21, 30, 34, 20, 29, 12, 37, 34, 29, 18, 5, 21, 6,
+             15, 9, 15, 33, 17, 26, 29]
+    other = [5, 10, 28, 38] * 8 + [33, 30, 6]  # shares no prefix with first
+    short = [8, 35, 12, 30, 20, 23, 5, 16, 5]
+    reqs = [engine.add_request(input_ids=ids, params=SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))
+            for ids, n in ((first, 3), (short, 3), (first, 5), (other, 13))]
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        assert sum(r.num_uncomputed > 1 for r in engine.scheduler.running) <= 1  # at most one mid-prefill
+    assert [r.finish_reason for r in reqs] == ["length"] * 4
+    # a request ends where it would outgrow the 36-slot pool: 35-token prompts get 2 tokens
+    assert [len(r.output_ids) for r in reqs] == [2, 3, 2, 2]
+    assert_engine_clean(llm)
