@@ -16,7 +16,9 @@ Each step, in order:
      with it could take the pages the cut request still needs, with no decode
      running to retract: both stalled for good.
 Decodes and prefill chunks share one forward; the batch lists the decodes first and
-says how many there are.
+says how many there are. A step that finds nothing to run while requests remain
+is a bug (nothing it waits for can change by stepping again): it raises rather
+than leave the caller stepping forever.
 
 After the forward, commit() applies the worker's results: K/V kept by
 length (and the next round's room), tokens appended one at a time through the StopChecker, finished
@@ -79,6 +81,11 @@ class Scheduler:
         num_decodes = len(items)
         prefilling = [r for r in prefilling if r.row is not None]  # a retraction above may have taken one back
         items += self._schedule_prefills(prefilling, self.prefill_budget)
+        if not items and self.has_unfinished():  # never waits for anything: stepping again would change nothing
+            raise RuntimeError(f"scheduler stalled, a bug: nothing fits with {len(self.running)} running and "
+                               f"{len(self.waiting)} waiting requests (running: "
+                               + ", ".join(f"{r.rid} {r.num_computed}/{r.seq_len}" for r in self.running[:8])
+                               + f"; free slots {self.page_table.num_available_slots})")
         return ScheduledBatch(items, num_decodes) if items else None
 
     def _schedule_decodes(self, decoding: list[Request]) -> list[ScheduledRequest]:

@@ -234,3 +234,24 @@ def test_abort_many_ends_exactly_those_waiting_or_running(llama_path, make_llm, 
     kept = [i for i, r in enumerate(reqs) if r.rid not in gone]
     assert [reqs[i].output_ids for i in kept] == [reference[i] for i in kept]
     assert_engine_clean(llm)
+
+
+def test_a_stalled_schedule_raises_instead_of_stepping_forever(llama_path, make_llm):
+    """A step with requests left and nothing it can run never changes by stepping again (a scheduler bug, such as
+    the hybrid snapshot-cut deadlock): it raises, naming the requests, where LLM.generate looped for good. The stall
+    is made here by taking the pool's free pages away from the scheduler behind its back."""
+    llm = make_llm(llama_path, page_size=4, max_total_tokens=64, chunked_prefill_size=8)
+    engine = llm.engine
+    req = engine.add_request(input_ids=list(range(3, 43)), params=greedy(4))  # 40 tokens: five chunks
+    engine.step()
+    assert 0 < req.num_computed < len(req.prompt_ids)
+    table = engine.page_table
+    thief = table.acquire_row()
+    assert table.reserve(thief, table.num_available_slots)
+    with pytest.raises(RuntimeError, match=r"scheduler stalled, a bug: nothing fits with 1 running and 0 waiting "
+                                           r"requests \(running: req-0 8/40"):
+        engine.step()
+    table.release_row(thief)  # the pages back: the request runs on, as if nothing had happened
+    while engine.has_unfinished():
+        engine.step()
+    assert req.finish_reason == "length" and len(req.output_ids) == 4
