@@ -84,6 +84,8 @@ class EngineArgs:
     disable_radix_cache: bool = _opt(False, "turn prefix caching off: every prompt is computed from scratch (the radix cache shares whole K/V pages of common prefixes between requests; on hybrid models with snapshots of the recurrent state where a cached prefix ends)")
     enable_deterministic_inference: bool = _opt(False, "CUDA: batch-invariant kernels, so a request's tokens never depend on what else runs with it, the verify width, graphs or the prefill split; greedy speculative output is then bit for bit plain decoding's in bf16 (dense attention models; costs some speed, see docs/numerics.md)")
     cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default: up to 256 as free GPU memory allows, capped by max_running_requests)")
+    disable_overlap_schedule: bool = _opt(False, "SGLang's: no host/GPU overlap, so nothing is queued on the device before the host has read a step (the decode_ahead, draft_ahead and round_ahead runtime switches off)")
+    enable_mixed_chunk: bool = _opt(False, "SGLang's; accepted for its command lines and changes nothing: prefill chunks always share a forward with the decodes here")
     # ---- tensor parallelism (SGLang names) ----
     tp_size: int = _opt(1, "tensor-parallel ranks, one process each, the model split over them (alias: --tensor-parallel-size); on GPUs one GPU per rank (NCCL), on the CPU gloo; dense, Qwen3.5 and Qwen3-Next models")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")

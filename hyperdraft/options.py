@@ -151,8 +151,10 @@ class RuntimeOptions:
     @classmethod
     def from_args(cls, args, environ: Mapping[str, str] | None = None) -> "RuntimeOptions":
         """An engine's options: EngineArgs' own fields first (speculative_simulate_accept_rate,
-        enable_deterministic_inference), the environment for the rest."""
+        enable_deterministic_inference, disable_overlap_schedule), the environment for the rest."""
         env = cls.from_env(environ, deterministic=args.enable_deterministic_inference)
+        if args.disable_overlap_schedule:  # SGLang's: the host reads every step before anything more is queued
+            env = dataclasses.replace(env, decode_ahead=False, draft_ahead=False, round_ahead=False)
         if args.speculative_simulate_accept_rate is None:
             return env
         return dataclasses.replace(env, simulate_accept_rate=args.speculative_simulate_accept_rate)

@@ -73,3 +73,17 @@ def test_server_info_reports_resolved_arguments(llama_path, make_llm, tmp_path):
     assert (info["speculative_num_steps"], info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (5, 4, 8)
     assert info["max_running_requests"] == 3 and info["speculative_draft_model_path"] == head
     assert make_llm(llama_path).get_server_info()["speculative_num_steps"] is None  # no speculation: nothing to fill
+
+
+def test_disable_overlap_schedule_queues_nothing_ahead(llama_path, make_llm):
+    """SGLang's --disable-overlap-schedule: the host reads each step before more is queued, here the three ahead
+    switches off; --enable-mixed-chunk is accepted and changes nothing (chunks always share the decodes' forward)."""
+    args = _cli("--disable-overlap-schedule", "--enable-mixed-chunk")
+    assert args.disable_overlap_schedule and args.enable_mixed_chunk
+    llm = make_llm(llama_path, disable_overlap_schedule=True, enable_mixed_chunk=True, speculative_algorithm="NGRAM",
+                   speculative_num_steps=3)
+    options = llm.engine.options
+    assert not (options.decode_ahead or options.draft_ahead or options.round_ahead)
+    default = make_llm(llama_path).engine.options
+    assert default.decode_ahead and default.draft_ahead and default.round_ahead
+    assert [o.token_ids for o in generate_ids(llm, PROMPTS, greedy(8))] == hf_greedy(llama_path, PROMPTS, 8)
