@@ -84,6 +84,7 @@ class EngineArgs:
     disable_radix_cache: bool = _opt(False, "turn prefix caching off: every prompt is computed from scratch (the radix cache shares whole K/V pages of common prefixes between requests; on hybrid models with snapshots of the recurrent state where a cached prefix ends)")
     enable_deterministic_inference: bool = _opt(False, "CUDA: batch-invariant kernels, so a request's tokens never depend on what else runs with it, the verify width, graphs or the prefill split; greedy speculative output is then bit for bit plain decoding's in bf16 (dense attention models; costs some speed, see docs/numerics.md)")
     cuda_graph_max_bs: int | None = _opt(None, "largest batch size captured in CUDA graphs; larger batches run eagerly (default: up to 256 as free GPU memory allows, capped by max_running_requests)")
+    cuda_graph_bs: tuple[int, ...] | None = _opt(None, "SGLang's: exactly these batch sizes are captured (a batch runs in the smallest at least its size; larger than all, eagerly), instead of the default ladder up to cuda_graph_max_bs", nargs="+")
     disable_overlap_schedule: bool = _opt(False, "SGLang's: no host/GPU overlap, so nothing is queued on the device before the host has read a step (the decode_ahead, draft_ahead and round_ahead runtime switches off)")
     enable_mixed_chunk: bool = _opt(False, "SGLang's; accepted for its command lines and changes nothing: prefill chunks always share a forward with the decodes here")
     # ---- tensor parallelism (SGLang names) ----
@@ -122,6 +123,8 @@ class EngineArgs:
 
         for name, aliases in VALUE_ALIASES.items():  # canonical before validation; never changed afterwards
             object.__setattr__(self, name, aliases.get(getattr(self, name), getattr(self, name)))
+        if self.cuda_graph_bs is not None:
+            object.__setattr__(self, "cuda_graph_bs", _graph_sizes(self.cuda_graph_bs, self.cuda_graph_max_bs))
         if self.page_size < 1:
             bad("page_size", "an integer >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
@@ -204,6 +207,18 @@ class EngineArgs:
         return self.context_length
 
 
+def _graph_sizes(sizes, max_bs: int | None) -> tuple[int, ...]:
+    """cuda_graph_bs checked by name, as a sorted tuple without repeats."""
+    if (not isinstance(sizes, (list, tuple)) or not sizes
+            or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes)):
+        raise ValueError(f"cuda_graph_bs must be a non-empty list of integers >= 1, got {sizes!r}")
+    sizes = tuple(sorted(set(sizes)))
+    if max_bs is not None and max_bs != sizes[-1]:
+        raise ValueError(f"cuda_graph_max_bs={max_bs} and cuda_graph_bs={list(sizes)} disagree: with cuda_graph_bs the "
+                         "largest captured size is its largest entry (set one of them, or make them agree)")
+    return sizes
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One CLI flag per EngineArgs field, named after it."""
     group = parser.add_argument_group("engine")
@@ -211,7 +226,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         names = [flag] + [f"--{a.replace('_', '-')}" for a, target in ALIASES.items() if target == f.name]
         kind = _field_type(f)
-        if kind is bool:
+        if f.metadata.get("nargs"):
+            group.add_argument(*names, dest=f.name, type=int, nargs=f.metadata["nargs"], default=None,
+                               help=f.metadata["help"])
+        elif kind is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
         else:
             aliases = VALUE_ALIASES.get(f.name, {})

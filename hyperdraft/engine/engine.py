@@ -229,9 +229,12 @@ class Engine:
             logger.warning("CUDA graphs of a hybrid (linear-attention) model need the Triton state backend (CUDA, "
                            "fused kernels on); running eagerly")
             return None
-        max_bs = self.args.cuda_graph_max_bs or self.lockstep.tp.agree_min(default_graph_max_bs(
-            self.device, self.model_config, dtype, self._verify_width(), emulate))
-        sizes = default_batch_sizes(min(max_bs, self.max_rows))
+        if self.args.cuda_graph_bs is not None:  # SGLang's explicit list: batches past a row count cannot occur
+            sizes = sorted({min(size, self.max_rows) for size in self.args.cuda_graph_bs})
+        else:
+            max_bs = self.args.cuda_graph_max_bs or self.lockstep.tp.agree_min(default_graph_max_bs(
+                self.device, self.model_config, dtype, self._verify_width(), emulate))
+            sizes = default_batch_sizes(min(max_bs, self.max_rows))
         return GraphSettings(tuple(sizes), emulate=emulate, segments=self.options.graph_segments)
 
     def _make_scheduler(self) -> Scheduler:

@@ -87,3 +87,8 @@ def test_disable_overlap_schedule_queues_nothing_ahead(llama_path, make_llm):
     default = make_llm(llama_path).engine.options
     assert default.decode_ahead and default.draft_ahead and default.round_ahead
     assert [o.token_ids for o in generate_ids(llm, PROMPTS, greedy(8))] == hf_greedy(llama_path, PROMPTS, 8)
+
+
+def test_cuda_graph_bs_from_the_command_line():
+    assert _cli("--cuda-graph-bs", "8", "1", "2", "4").cuda_graph_bs == (1, 2, 4, 8)
+    assert _cli().cuda_graph_bs is None

@@ -383,3 +383,30 @@ def test_closing_an_engine_destroys_its_graphs(models, llm_factory, emulated_gra
     assert [o.token_ids for o in gen(llm, prompts, params)] == [o.token_ids for o in before]
     assert (engine.runner.graphs.num_replays, proposer.runner.graphs.num_replays,
             proposer.draft_loop.num_replays) == replays
+
+
+@pytest.mark.parametrize("name", ["plain", "eagle3-tree", "adaptive"])
+def test_sglang_cuda_graph_bs_captures_exactly_its_sizes(models, llm_factory, emulated_graphs, name):
+    """--cuda-graph-bs 2 3 6 (SGLang's explicit list, without 1): batches of 1 pad to 2, of 4 and 5 to 6, and past 6
+    run eagerly; outputs stay plain decoding's."""
+    prompts, params = mixed_prompts(len(NEW_TOKENS), seed=31, max_len=60), [greedy(n) for n in NEW_TOKENS]
+    target = CASES[name].get("target", "target")
+    if target not in _REF:
+        _REF[target] = gen(LLM(models[target], device="cpu", dtype="float32"), prompts, params)
+    llm = llm_factory(models[target], cuda_graph_bs=[6, 2, 3], **_engine_args(models, CASES[name]))
+    outs = gen(llm, prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in _REF[target]]
+    graphs = llm.engine.runner.graphs
+    assert tuple(graphs.batch_sizes) == (2, 3, 6) and graphs.num_replays > 0
+    assert llm.get_server_info()["cuda_graph_bs"] == (2, 3, 6)
+
+
+def test_cuda_graph_bs_errors_name_the_field():
+    from hyperdraft.config import EngineArgs
+
+    for sizes in ([], [0, 4], "8", [2.5]):
+        with pytest.raises(ValueError, match=r"^cuda_graph_bs must be a non-empty list of integers >= 1"):
+            EngineArgs(cuda_graph_bs=sizes)
+    with pytest.raises(ValueError, match=r"cuda_graph_max_bs=8 and cuda_graph_bs=\[2, 4\] disagree"):
+        EngineArgs(cuda_graph_bs=[4, 2], cuda_graph_max_bs=8)
+    assert EngineArgs(cuda_graph_bs=[4, 2, 4], cuda_graph_max_bs=4).cuda_graph_bs == (2, 4)
