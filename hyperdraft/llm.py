@@ -50,6 +50,11 @@ def meta_info(req: Request) -> dict:
         info["spec_accept_length"] = completion / req.spec_verify_ct
         info["spec_draft_tokens"] = req.spec_draft_tokens
         info["spec_accepted_tokens"] = req.spec_accepted_tokens
+        # the names clients of SGLang's meta_info read (its _calculate_spec_decoding_metrics); proposed counts the
+        # drafts really proposed (an NGRAM lookup may find fewer than the verify width)
+        info["spec_num_correct_drafts"] = req.spec_accepted_tokens
+        info["spec_num_proposed_drafts"] = req.spec_draft_tokens
+        info["spec_accept_rate"] = req.spec_accepted_tokens / req.spec_draft_tokens if req.spec_draft_tokens else 0.0
     if req.params.return_logprob:
         info["output_token_logprobs"] = list(req.output_logprobs)
     return info

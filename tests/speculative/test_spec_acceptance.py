@@ -68,6 +68,9 @@ def test_full_acceptance_when_draft_is_target(spec_models, llm_factory, prompts,
         assert meta["spec_verify_ct"] == verifies, f"request {i} (max_new_tokens {n}): {meta}"
         assert meta["spec_accept_length"] == pytest.approx(n / verifies)
         assert meta["spec_draft_tokens"] == meta["spec_accepted_tokens"] == steps * verifies
+        # SGLang's meta_info names for the same counts (what its clients read)
+        assert meta["spec_num_proposed_drafts"] == meta["spec_num_correct_drafts"] == steps * verifies
+        assert meta["spec_accept_rate"] == 1.0
         total_verifies += verifies
 
     state = spec_state(llm)
@@ -190,6 +193,8 @@ def test_spec_metrics_consistent(spec_models, llm_factory, prompts, drafter):
         assert vc >= 1
         assert meta["spec_accept_length"] == pytest.approx(completion / vc)
         assert 0 <= accepted <= drafted <= steps * vc
+        assert (meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"]) == (accepted, drafted)
+        assert meta["spec_accept_rate"] == pytest.approx(accepted / drafted if drafted else 0.0)
         if drafter != "NGRAM":
             assert drafted == steps * vc  # a draft model always proposes a full chain
         # 1 prefill token + (accepted + 1) per verify, of which the last verify may lose up to `steps` to the length cap.
