@@ -22,6 +22,7 @@ VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "attention_ba
 LOAD_FORMATS = ("auto", "dummy")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 SPECULATIVE_SAMPLING_MODES = ("coupled", "rejection")
+NGRAM_MATCH_WINDOWS = (1, 12)  # the prompt-lookup chain's default (min, max) suffix lengths
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,8 @@ class EngineArgs:
     speculative_simulate_accept_rate: float | None = _opt(None, "BENCHMARK ONLY, LOSSY: accept each draft token with this probability instead of verifying it (every kernel still runs); env HYPERDRAFT_SIMULATE_ACCEPT_RATE")
     speculative_simulate_sibling_rate: float | None = _opt(None, "BENCHMARK ONLY, with speculative_simulate_accept_rate, trees: the probability that a node's next-ranked child matches when the children ranked before it did not (rank 0 matches with the accept rate); unset: only the first child can match, so a tree accepts like a chain")
     load_format: str = _opt("auto", "auto: read the checkpoint's weights; dummy: random weights of the checkpoint's shapes (benchmarks)", choices=LOAD_FORMATS)
-    speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix that may match")
-    speculative_ngram_max_match_window_size: int = _opt(12, "NGRAM: longest suffix tried first")
+    speculative_ngram_min_match_window_size: int = _opt(NGRAM_MATCH_WINDOWS[0], "NGRAM: shortest suffix that may match")
+    speculative_ngram_max_match_window_size: int = _opt(NGRAM_MATCH_WINDOWS[1], "NGRAM: longest suffix tried first")
     # SGLang 0.5.23's NGRAM: any of these four makes NGRAM draft its trie tree instead of the prompt-lookup chain
     speculative_ngram_min_bfs_breadth: int | None = _opt(None, "NGRAM trie tree: children per node for the longest matches (BFS; default 1)")
     speculative_ngram_max_bfs_breadth: int | None = _opt(None, "NGRAM trie tree: most children per node, for the shortest matches; the tree's topk (default 10)")

@@ -394,6 +394,7 @@ class Engine:
         spec = self.worker.state() if self.spec is not None else {}
         return {**spec, **self.pool_state(), "numerics": self.numerics}
 
+
 def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str, threads: int) -> None:
     """A follower rank's process (engine/lockstep.py): its engine replays rank 0's calls until told to stop."""
     torch.set_num_threads(threads)

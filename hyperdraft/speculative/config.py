@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from hyperdraft.config import SPECULATIVE_ALGORITHMS, SPECULATIVE_ALIASES, SPECULATIVE_NOT_YET, EngineArgs
+from hyperdraft.config import (NGRAM_MATCH_WINDOWS, SPECULATIVE_ALGORITHMS, SPECULATIVE_ALIASES, SPECULATIVE_NOT_YET,
+                               EngineArgs)
 from hyperdraft.options import RuntimeOptions
 from hyperdraft.speculative.adaptive.config import AdaptiveConfig, load_adaptive_config, resolve_initial_steps
 from hyperdraft.speculative.adaptive.tier import Tier, max_tree_tokens
@@ -217,7 +218,7 @@ def _ngram_trie(args: EngineArgs, algo: str) -> NgramTrie | None:
                        ", ".join(given), algo)
         return None
     windows = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
-    if windows != (1, 12):
+    if windows != NGRAM_MATCH_WINDOWS:
         logger.warning("speculative_ngram_min/max_match_window_size (the prompt-lookup chain's) are unused: %s "
                        "selects the trie tree, whose anchors are bounded by speculative_ngram_max_trie_depth", given[0])
     min_breadth = 1 if args.speculative_ngram_min_bfs_breadth is None else args.speculative_ngram_min_bfs_breadth

@@ -55,7 +55,8 @@ def test_sentencepiece_answers_read_as_the_prompt_continued(sp_model, metaspace)
             out = httpx.post(srv.url + "/v1/completions", json={**body, "echo": True}, timeout=60).json()["choices"][0]
             assert out["text"] == prompt + want == prompt + ref.text, (prompt, ref.token_ids)
             plain = httpx.post(srv.url + "/v1/completions", json={**body, "logprobs": 0}, timeout=60).json()["choices"][0]
-            assert "".join(plain["logprobs"]["tokens"]) == want or "<unk>" in metaspace.decode(ref.token_ids)
+            # logprob tokens show special tokens (<unk> here), which the text skips
+            assert "".join(plain["logprobs"]["tokens"]).replace("<unk>", "") == want
             assert plain["logprobs"]["text_offset"][0] == 0
             streamed = httpx.post(srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
             assert "".join(c["choices"][0]["text"] for c in _sse_chunks(streamed)) == want
