@@ -134,6 +134,23 @@ def test_graphs_on_equals_off(models, name, mode):
         json.dump(data, open(REPORT, "w"), indent=1)
 
 
+@pytest.mark.parametrize("mode", ["float32", "bfloat16-deterministic"])
+@pytest.mark.parametrize("name", ["plain", "eagle3-tree", "adaptive"])
+def test_sglang_cuda_graph_bs_replays_equal_eager(models, name, mode):
+    """--cuda-graph-bs 2 3 6 on real graphs: batches of 1 replay padded to 2, 4 and 5 to 6, 7+ run eagerly; the
+    ten requests (NEW_TOKENS) pass through every one of those sizes as they finish (the captured sizes themselves are
+    checked on the CPU, tests/engine/test_graph_runner.py)."""
+    dtype, deterministic = MODES[mode]
+    case = dict(CASES[name], enable_deterministic_inference=deterministic)
+    target = models[case.pop("target", "target")]
+    if "draft" in case:
+        case["speculative_draft_model_path"] = models[case.pop("draft")]
+    eager = _run(target, dtype, disable_cuda_graph=True, **case)[0]
+    graphed, replays, _, _ = _run(target, dtype, cuda_graph_bs=[6, 2, 3], **case)
+    assert replays > 0, "no forward ran through a graph"
+    assert graphed == eager, f"{name} {mode}: --cuda-graph-bs graphs != eager"
+
+
 SAMPLING_KINDS = {  # requests whose rounds read sampling rows: drafts drawn from q, or penalised
     "drawn": [dict(temperature=0.0), dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.9),
               dict(temperature=0.7, min_p=0.1)],
