@@ -32,13 +32,16 @@ fix token L as well): the target's state after L + 1 tokens, the target's K/V at
 all three and starts the request with num_computed = L + 1 and draft_num_computed = L, where such a prefill chunk
 would have left it (speculative/proposers/eagle.py).
 
-A parked EAGLE head (adaptive step 0, speculative/proposers/slot_hidden.py) has consumed its request only up to
-draft_num_computed = d, but the target states of positions d and on wait at their own K/V slots. So a parked
-request's pages are cached as far as the target's, and those at or past d are marked headless (from d within the
-first such page). A hit whose path runs into headless pages starts the request with draft_num_computed at the first
-headless position and ends at the last page of that headless run; the head's prefill then first extends over the
-states kept in the hit's own slots (speculative/proposers/eagle.py), writing the K/V it would have written (the same
-values into the shared pages). A page's mark is set or cleared whenever a request that owns it saves it.
+A parked EAGLE head (adaptive step 0 over a dense target, speculative/proposers/slot_hidden.py) has consumed its
+request only up to draft_num_computed = d, but the target states of positions d and on wait at their own K/V slots.
+So a parked request's pages are cached as far as the target's, and those at or past d are marked headless (from d
+within the first such page). A hit whose path runs into headless pages starts the request with draft_num_computed at
+the first headless position and ends at the last page of that headless run; the head's prefill then first extends
+over the states kept in the hit's own slots (speculative/proposers/eagle.py), writing the K/V it would have written
+(the same values into the shared pages). A page's mark is set or cleared whenever a request that owns it saves it.
+A hybrid target never parks its head (engine._plain_step_zero), so no hit is both walked back to a snapshot and
+trimmed to a headless run: trimmed below its node, it would restore the node's state past its own end, and trimmed to
+no pages, attach would leave its node locked for good. The constructor refuses the pair.
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class PrefixCache:
         self.page_size = page_table.page_size
         self.lookahead, self.draft_kv = lookahead, draft_kv
         self.snapshots, self.draft_state = snapshots, draft_state
+        if snapshots is not None and parked is not None:
+            raise AssertionError("parked heads on a hybrid target: a headless hit cannot restore a state snapshot")
         self.parked = parked
         self.headless: dict[int, int] = {}  # cached page -> offset in it of its first headless position
         self.stats = CacheStats()

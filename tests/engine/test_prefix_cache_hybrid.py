@@ -7,12 +7,21 @@ random model, so equality here is what checks the states."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
+import torch
 
 from hyperdraft import LLM, SamplingParams
+from hyperdraft.kvcache.page_table import PageTable
+from hyperdraft.kvcache.prefix_cache import PrefixCache
+from hyperdraft.kvcache.radix_tree import RadixTree
+from hyperdraft.kvcache.state_pool import StatePool
+from hyperdraft.kvcache.state_snapshots import StateSnapshots
+from hyperdraft.models.config import LinearAttentionConfig
 from hyperdraft.options import RuntimeOptions
+from hyperdraft.request import Request
 from hyperdraft.testing.tiny import make_tiny_model
 from tests.conftest import assert_engine_clean
 from tests.helpers.hybrid_fixtures import with_mtp_weights
@@ -232,3 +241,74 @@ def test_a_request_cut_at_a_snapshot_admits_nobody_behind_it(tmp_path):
     # a request ends where it would outgrow the 36-slot pool: 35-token prompts get 2 tokens
     assert [len(r.output_ids) for r in reqs] == [2, 3, 2, 2]
     assert_engine_clean(llm)
+
+
+def test_a_head_on_a_hybrid_target_is_never_parked(models, tmp_path):
+    """Adaptive step 0 parks a dense target's EAGLE head (park_head on by default), which marks cached pages headless;
+    a hybrid target's step 0 stays a round (engine._plain_step_zero), so its cache has no parked heads and no
+    headless page, and every hit restores a snapshot at its own end (the cache refuses the pair: see the test below).
+    Turn 2 hits turn 1's history, outputs equal the cache-off engine's, and a flush frees every page."""
+    ladder = tmp_path / "zero_only.json"
+    ladder.write_text(json.dumps({"1": {"candidate_steps": [0]}}))
+    spec = dict(speculative_algorithm="MTP", speculative_adaptive=True, speculative_adaptive_config=str(ladder),
+                speculative_num_steps=0)
+    rng = random.Random(8)
+    firsts = [[rng.randrange(VOCAB) for _ in range(21)] for _ in range(3)]
+    runs = {}
+    for disabled in (True, False):
+        llm = make(models["with_mtp"], disable_radix_cache=disabled, page_size=1, **spec)
+        turn1 = run_checked(llm, firsts, 8)
+        runs[disabled] = turn1 + run_checked(llm, [p + r["ids"] + [1, 2] for p, r in zip(firsts, turn1)], 6)
+        if not disabled:
+            cache, tiers = llm.engine.prefix_cache, llm.get_server_info()["internal_states"][0]["spec_steps_per_tier"]
+            assert cache.parked is None and cache.headless == {} and cache.snapshots is not None
+            assert llm.engine.worker.proposer.slot_hidden is None and tiers.get("0", 0) > 5, tiers
+        assert_engine_clean(llm)
+    assert [r["ids"] for r in runs[False]] == [r["ids"] for r in runs[True]]
+    assert all(r["cached"] == 21 + 7 for r in runs[False][3:])  # the whole history but the last token, never fed
+
+
+# ---- the cache alone: a real tree, page table and snapshots over a one-layer state pool ----------------------------
+def _hybrid_cache(page_size: int, lookahead: int = 0, parked=None) -> tuple[PrefixCache, PageTable]:
+    tree = RadixTree(page_size)
+    table = PageTable(64, page_size, 4, 32, torch.device("cpu"), cache=tree)
+    pool = StatePool(LinearAttentionConfig(1, 1, 2, 2, 2, "float32"), 1, 4, torch.float32, torch.device("cpu"))
+    snapshots = StateSnapshots([pool], 4, tree, lambda row: -1)
+    return PrefixCache(tree, table, lookahead, draft_kv=lookahead > 0, snapshots=snapshots, parked=parked), table
+
+
+def test_a_hybrid_cache_refuses_parked_heads():
+    """A hit walked back to a snapshot and then trimmed to a headless run would restore its node's state past the
+    hit's end, or carry no pages at all and leave its node locked for good (attach keeps no lock of a hit without
+    pages). The engine never parks a hybrid target's head; the cache refuses the pair outright."""
+
+    class Parked:
+        def is_parked(self, req) -> bool:
+            return False
+
+    with pytest.raises(AssertionError, match="parked heads on a hybrid target"):
+        _hybrid_cache(page_size=1, lookahead=1, parked=Parked())
+
+
+def test_a_cut_with_nothing_restorable_locks_only_the_root():
+    """A match deeper than any snapshot walks back to the root: the Hit has no pages, its lock is the root's, which
+    is no reference at all (RadixTree.lock stops at the root). attach keeps nothing, and a flush frees every page."""
+    cache, table = _hybrid_cache(page_size=4)
+    tree, tokens = cache.tree, list(range(10, 30))
+    a = Request("a", tokens[:10], SamplingParams(), seed=0)
+    a.row = table.acquire_row()
+    assert table.reserve(a.row, 10)
+    a.num_computed = a.draft_num_computed = 10
+    cache.save(a)  # 8 tokens cached, no snapshot: the state is after 10
+    cache.release(a)
+    table.release_row(a.row)
+    assert tree.num_pages == 2 and all(n.snapshot < 0 for n in tree.nodes())
+    b = Request("b", tokens[:10] + [1, 2, 3], SamplingParams(), seed=1)
+    hit = cache.match(b)
+    assert hit.node is tree.root and (hit.pages, hit.computed, hit.cut) == ([], 0, 8)
+    assert tree.root.refs == 1 and tree.evictable_pages == tree.num_pages
+    b.row = table.acquire_row()
+    cache.attach(b, b.row, hit)
+    assert b.cache_node is None and (b.num_computed, b.cached_tokens) == (0, 0)
+    table.release_row(b.row)
+    assert cache.flush() == 2 and table.num_free_slots == table.capacity_slots
