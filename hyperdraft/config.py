@@ -22,6 +22,7 @@ VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "attention_ba
 LOAD_FORMATS = ("auto", "dummy")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 SPECULATIVE_SAMPLING_MODES = ("coupled", "rejection")
+SPECULATIVE_ATTENTION_MODES = ("prefill", "decode")  # SGLang's; one attention kernel serves both here
 NGRAM_MATCH_WINDOWS = (1, 12)  # the prompt-lookup chain's default (min, max) suffix lengths
 
 
@@ -104,6 +105,7 @@ class EngineArgs:
     speculative_num_draft_tokens: int | None = _opt(None, "tokens verified per round, the root included (steps + 1 for chains)")
     speculative_use_rejection_sampling: bool | None = _opt(None, "draft models: sample drafts from q and verify with the real q (True, implies --speculative-sampling rejection), or draft greedily / top-k (False); unset = per step, sampled when any request samples (measured better at T>0)")
     speculative_sampling: str | None = _opt(None, "how sampled requests are verified: coupled (the default: a draft is accepted iff it equals the target's own sample keyed by seed and position, so output equals plain decoding's and a seeded request is reproducible whatever else runs) or rejection (the classic accept/reject with residual resampling)", choices=SPECULATIVE_SAMPLING_MODES)
+    speculative_attention_mode: str = _opt("prefill", "SGLang's: whether its prefill or decode attention backend runs the verify and the draft's extend; accepted for its command lines and changes nothing: one attention kernel serves every verify here", choices=SPECULATIVE_ATTENTION_MODES)
     speculative_adaptive: bool = _opt(False, "switch the draft tier (steps, or a tree shape) per batch size and measured acceptance")
     speculative_adaptive_config: str | None = _opt(None, "JSON file in SGLang's adaptive format (slots keyed by batch size), or that JSON object inline; default: SGLang's")
     speculative_token_map: str | None = _opt(None, "EAGLE, NEXTN, MTP (heads scoring the whole vocabulary): hot token ids, a torch file of a list or 1-D tensor (SGLang's .pt) or a .json list; the head's lm_head keeps only those rows (FR-Spec), so a draft step over a large vocabulary reads far fewer bytes; verification is unchanged, outputs stay lossless")
@@ -171,6 +173,8 @@ class EngineArgs:
             bad("attention_backend", f"one of {ATTENTION_BACKENDS}")
         if self.speculative_sampling is not None and self.speculative_sampling not in SPECULATIVE_SAMPLING_MODES:
             bad("speculative_sampling", f"one of {SPECULATIVE_SAMPLING_MODES}")
+        if self.speculative_attention_mode not in SPECULATIVE_ATTENTION_MODES:
+            bad("speculative_attention_mode", f"one of {SPECULATIVE_ATTENTION_MODES}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":

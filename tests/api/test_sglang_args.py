@@ -89,6 +89,22 @@ def test_disable_overlap_schedule_queues_nothing_ahead(llama_path, make_llm):
     assert [o.token_ids for o in generate_ids(llm, PROMPTS, greedy(8))] == hf_greedy(llama_path, PROMPTS, 8)
 
 
+def test_speculative_attention_mode_is_accepted_and_checked(llama_path, make_llm):
+    """SGLang's --speculative-attention-mode prefill|decode picks which of its backends runs the verify: accepted, and
+    the output stays plain decoding's (one attention kernel serves every verify here); another value is refused by
+    name."""
+    assert _cli("--speculative-attention-mode", "decode").speculative_attention_mode == "decode"
+    assert _cli().speculative_attention_mode == "prefill"
+    with pytest.raises(SystemExit):
+        _cli("--speculative-attention-mode", "extend")
+    with pytest.raises(ValueError, match=r"speculative_attention_mode must be one of \('prefill', 'decode'\)"):
+        EngineArgs(speculative_attention_mode="extend")
+    llm = make_llm(llama_path, speculative_algorithm="NGRAM", speculative_num_steps=3,
+                   speculative_attention_mode="decode")
+    assert llm.get_server_info()["speculative_attention_mode"] == "decode"
+    assert [o.token_ids for o in generate_ids(llm, PROMPTS, greedy(8))] == hf_greedy(llama_path, PROMPTS, 8)
+
+
 def test_cuda_graph_bs_from_the_command_line():
     assert _cli("--cuda-graph-bs", "8", "1", "2", "4").cuda_graph_bs == (1, 2, 4, 8)
     assert _cli().cuda_graph_bs is None
