@@ -251,7 +251,7 @@ def _serve(ns: argparse.Namespace) -> None:
     opts = serve_options_from_namespace(ns)
     args = engine_args_from_namespace(ns).replace(model_path=_model_path(ns))
     if args.node_rank > 0:  # this machine hosts ranks of node 0's engine and serves nothing itself
-        from hyperdraft.engine.engine import host_ranks
+        from hyperdraft.engine.ranks import host_ranks
 
         return host_ranks(args)
     serve(args, opts)

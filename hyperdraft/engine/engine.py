@@ -15,8 +15,8 @@ from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.engine.device import device_lost, resolve_device
 from hyperdraft.engine.gc_policy import adopt_serving_policy
-from hyperdraft.engine.lockstep import (Command, Lockstep, check_devices, init_group, local_rank, node_ranks,
-                                        rank_device, start_followers)
+from hyperdraft.engine.logs import configure_logging
+from hyperdraft.engine.lockstep import Command, Lockstep, init_group, local_rank, rank_device
 from hyperdraft.engine.memory import (checked_rows, fitting_rows, kv_bytes_per_slot, kv_capacity_tokens,
                                       memory_budget_bytes, state_bytes_per_row)
 from hyperdraft.engine.model_worker import ModelWorker
@@ -46,15 +46,6 @@ from hyperdraft.speculative.worker import SpecWorker
 logger = logging.getLogger("hyperdraft")
 
 
-def _configure_logging(level: str) -> None:
-    log = logging.getLogger("hyperdraft")
-    log.setLevel(level.upper())
-    if not log.handlers:  # without a handler, INFO lines (e.g. adaptive tier switches) would be dropped
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[hyperdraft %(levelname)s] %(message)s"))
-        log.addHandler(handler)
-
-
 class Engine:
     def __init__(self, args: EngineArgs, options: RuntimeOptions | None = None, tp: TensorParallel | None = None):
         """options: the runtime switches (default: RuntimeOptions.from_args, i.e. the environment's); active around
@@ -65,7 +56,7 @@ class Engine:
         if tp is None and args.node_rank > 0:
             raise ValueError(f"node_rank={args.node_rank}: this machine only hosts tensor-parallel ranks; node 0 runs "
                              "the engine (run `hyperdraft serve --node-rank K ...` here, which blocks until it stops)")
-        _configure_logging(args.log_level)
+        configure_logging(args.log_level)
         self.args = args
         self.options = options if options is not None else RuntimeOptions.from_args(args)
         with activated(self.options):
@@ -404,17 +395,3 @@ def follow(rank: int, args: EngineArgs, options: RuntimeOptions, address: str, t
     engine.replay_until_stopped()
     engine.close()
     os._exit(0)  # without the group's teardown (Lockstep.close says why)
-
-
-def host_ranks(args: EngineArgs, options: RuntimeOptions | None = None) -> None:
-    """A node other than 0 (node_rank > 0): run this node's ranks until rank 0 stops the group; raises if one fails."""
-    device = resolve_device(args.device)
-    check_devices(args, device)
-    options = options if options is not None else RuntimeOptions.from_args(args)
-    ranks = node_ranks(args)
-    followers = start_followers(args, follow, options, ranks, args.dist_init_addr, device)
-    for p in followers:
-        p.join()
-    failed = [(rank, p.exitcode) for rank, p in zip(ranks, followers) if p.exitcode != 0]
-    if failed:
-        raise RuntimeError(f"tensor-parallel rank {failed[0][0]} exited with code {failed[0][1]}")
