@@ -31,7 +31,7 @@ from hyperdraft.request import Request
 from hyperdraft.runner.model_runner import ModelRunner
 from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.speculative.adaptive.tier import Tier
-from hyperdraft.speculative.config import SpecConfig
+from hyperdraft.speculative.config import SpecConfig, check_topk_fits
 from hyperdraft.speculative.proposal import Proposal, TreeProposal
 from hyperdraft.speculative.proposer import ProposerCapabilities, ProposerContext
 from hyperdraft.speculative.proposers.model_proposer import ModelProposer
@@ -52,6 +52,7 @@ class DraftModelProposer(ModelProposer):
             raise ValueError(
                 f"speculative_draft_model_path: the draft vocabulary has {draft.config.vocab_size} tokens, the target's "
                 f"{target.config.vocab_size}; a STANDALONE draft must share the target's vocabulary")
+        check_topk_fits(spec, draft.config.vocab_size, "the draft model's vocabulary")
         return draft
 
     def __init__(self, ctx: ProposerContext, draft: DecoderLM | HybridLM):

@@ -47,7 +47,7 @@ from hyperdraft.runner.graph_runner import GraphSettings
 from hyperdraft.runner.model_runner import DecodeSink, ForwardOutput, GraphedRunner
 from hyperdraft.sample.logits_ops import SamplingBatch
 from hyperdraft.speculative.adaptive.tier import Tier
-from hyperdraft.speculative.config import SpecConfig
+from hyperdraft.speculative.config import SpecConfig, check_topk_fits
 from hyperdraft.speculative.proposal import Proposal, TreeProposal
 from hyperdraft.speculative.proposer import ProposerCapabilities, ProposerContext
 from hyperdraft.speculative.proposers.model_proposer import ModelProposer
@@ -85,6 +85,15 @@ class EagleProposer(ModelProposer):
         """An EAGLE / EAGLE-3 head from speculative_draft_model_path, or the MTP module of a hybrid checkpoint: the
         target's own when no path is given (NEXTN, MTP), or the checkpoint the path names. Under tensor parallelism
         an EAGLE / EAGLE-3 head's layers split over tp (SINGLE: whole on every rank); an MTP module is whole."""
+        head = cls._load_head(spec, target, args, tp)
+        vocab_map = head.vocab_map  # an EAGLE-3 draft vocabulary or a token map's hot ids, else the target's whole
+        vocab = target.config.vocab_size if vocab_map is None else vocab_map.draft_to_target.numel()
+        check_topk_fits(spec, vocab, "the head's vocabulary" if vocab_map is None else "the head's draft vocabulary")
+        return head
+
+    @classmethod
+    def _load_head(cls, spec: SpecConfig, target: DecoderLM | HybridLM, args: EngineArgs,
+                   tp: TensorParallel) -> EagleHead | Eagle3Head | MtpHead:
         path = spec.draft_model_path or args.model_path
         hot_ids = None if spec.token_map is None else load_token_map(spec.token_map, target.config.vocab_size)
         if spec.algorithm == "EAGLE" and load_model_config_if_model(path) is not None:
