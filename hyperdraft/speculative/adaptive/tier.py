@@ -27,8 +27,10 @@ class Tier:
         if self.num_draft_tokens == 0:
             object.__setattr__(self, "num_draft_tokens", self.steps + 1 if self.topk == 1 else 0)
         if self.topk > 1:
+            if self.steps < 1:  # said on its own: the range below would name the count, which is not what is wrong
+                raise ValueError(f"tree tier topk={self.topk} needs steps >= 1, got steps={self.steps}")
             most = max_tree_tokens(self.steps, self.topk)
-            if self.steps < 1 or not 2 <= self.num_draft_tokens <= most:
+            if not 2 <= self.num_draft_tokens <= most:
                 raise ValueError(f"tree tier steps={self.steps} topk={self.topk} needs num_draft_tokens in [2, {most}], "
                                  f"got {self.num_draft_tokens}")
         elif self.num_draft_tokens != self.steps + 1:
