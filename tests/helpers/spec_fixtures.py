@@ -295,3 +295,23 @@ def assert_same_position_distributions(ref, got, vocab: int, alpha: float) -> No
         table = np.stack([np.bincount(ref[:, j], minlength=vocab), np.bincount(got[:, j], minlength=vocab)])
         table = table[:, table.sum(0) > 0]
         assert chi2_contingency(table).pvalue > alpha / steps, (j, table.tolist())
+
+
+MIN_BIN = 20  # position_pvalue's smallest bin
+
+
+def position_pvalue(a, b, vocab: int = SMALL_VOCAB) -> float:
+    """a, b: [N] token ids of two independent samples -> a two-sample chi-square p-value; tokens with fewer than
+    MIN_BIN samples in both together are pooled into one bin, so every expected count is at least MIN_BIN / 2."""
+    import numpy as np
+    from scipy.stats import chi2_contingency
+
+    table = np.stack([np.bincount(a, minlength=vocab), np.bincount(b, minlength=vocab)])
+    common, rare = table[:, table.sum(0) >= MIN_BIN], table[:, table.sum(0) < MIN_BIN].sum(1, keepdims=True)
+    if rare.sum() >= MIN_BIN:
+        common = np.concatenate([common, rare], 1)
+    elif rare.sum() > 0 and common.shape[1]:
+        common[:, -1:] += rare  # too few to stand alone: pooled into the last bin
+    if common.shape[1] < 2:
+        return 1.0  # a single token carries all the mass: nothing to compare
+    return float(chi2_contingency(common).pvalue)

@@ -8,7 +8,7 @@ A 12-token-vocabulary target (no tokenizer) continues a fixed prompt by NEW_TOKE
   sv_target       the target itself: long accepted paths, and after a rejected first child the residual often
                   accepts a later sibling
 At each output position the two token histograms are compared with a two-sample chi-square test
-(scipy.stats.chi2_contingency; tokens with fewer than MIN_BIN samples in both runs together are pooled into one bin,
+(spec_fixtures.position_pvalue; tokens with fewer than MIN_BIN samples in both runs together are pooled into one bin,
 so every expected cell count is at least MIN_BIN / 2 and the chi-square approximation holds).
 
 Statistics: len(CASES) * NEW_TOKENS checks in this module, each at p-value threshold ALPHA / that number (Bonferroni):
@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.stats import chi2_contingency
 
 from hyperdraft import SamplingParams
 from hyperdraft.speculative.verify.tree import TreeRound
-from helpers.spec_fixtures import SMALL_VOCAB, _single_torch_thread, _widened_copy, llm_factory, spec_models, spec_state  # noqa: F401
+from helpers.spec_fixtures import (SMALL_VOCAB, _single_torch_thread, _widened_copy, llm_factory,  # noqa: F401
+                                   position_pvalue, spec_models, spec_state)
 
 N_REQ = 3000
 NEW_TOKENS = 5
 ALPHA = 1e-6  # for the whole module
 SPEC_SEED_OFFSET = 10**6
-MIN_BIN = 20
 PROMPT = [5, 2, 9, 0, 11, 3, 7, 4]
 
 PLAIN = dict(temperature=1.0)
@@ -94,18 +93,6 @@ def baseline(llm_factory, spec_models, options) -> np.ndarray:
     if key not in _BASELINE:
         _BASELINE[key] = sample(llm_factory(spec_models["sv_target"], skip_tokenizer_init=True), options, 0)
     return _BASELINE[key]
-
-
-def position_pvalue(a: np.ndarray, b: np.ndarray) -> float:
-    table = np.stack([np.bincount(a, minlength=SMALL_VOCAB), np.bincount(b, minlength=SMALL_VOCAB)])
-    common, rare = table[:, table.sum(0) >= MIN_BIN], table[:, table.sum(0) < MIN_BIN].sum(1, keepdims=True)
-    if rare.sum() >= MIN_BIN:
-        common = np.concatenate([common, rare], 1)
-    elif rare.sum() > 0 and common.shape[1]:
-        common[:, -1:] += rare  # too few to stand alone: pooled into the last bin
-    if common.shape[1] < 2:
-        return 1.0  # a single token carries all the mass: nothing to compare
-    return float(chi2_contingency(common).pvalue)
 
 
 @pytest.mark.parametrize("case", list(CASES))
