@@ -182,6 +182,7 @@ BAD_WIDE = [  # (steps, topk, num_draft_tokens, field, what the message must sta
     (1, 8, 16, "speculative_num_draft_tokens", "[2, 9]"),  # one level holds topk candidates
     (0, 8, 16, "speculative_num_steps", ">= 1"),
     (6, 0, 16, "speculative_eagle_topk", ">= 1"),
+    (10, 22, 4097, "speculative_num_draft_tokens", "[2, 4096]"),  # a sampled tree's node streams (TREE_NODE_LIMIT)
 ]
 
 

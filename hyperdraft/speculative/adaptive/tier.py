@@ -9,10 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# A sampled tree keys each node's random stream by (position, node id) as position * TREE_NODE_LIMIT + node
+# (drafting/sampled_tree.py), so no tree may hold more nodes, or two nodes of one round would share a stream.
+TREE_NODE_LIMIT = 4096
+
+
 def max_tree_tokens(steps: int, topk: int) -> int:
     """The most tokens a tree of this depth and branching can verify: the root, the root's topk children, then
-    topk^2 candidates at each later depth (each frontier node's topk children)."""
-    return 1 + topk + max(steps - 1, 0) * topk * topk
+    topk^2 candidates at each later depth (each frontier node's topk children), and never over TREE_NODE_LIMIT."""
+    return min(1 + topk + max(steps - 1, 0) * topk * topk, TREE_NODE_LIMIT)
 
 
 @dataclass(frozen=True, order=True)

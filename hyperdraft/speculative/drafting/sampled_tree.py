@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hyperdraft.sample.rng import DOMAIN_DRAFT, uniform
+from hyperdraft.speculative.adaptive.tier import TREE_NODE_LIMIT
 
 
 def level_budgets(num_nodes: int, steps: int, topk: int) -> list[int]:
@@ -77,7 +78,7 @@ def grow_sampled_tree(root_q, root_hidden, step, steps: int, topk: int, roots, n
     count = 1
     for depth, budget in enumerate(budgets, start=1):
         kf = frontier.shape[1]
-        stream = (positions[:, None] + depth - 1) * 4096 + frontier  # one RNG stream per (position, parent node)
+        stream = (positions[:, None] + depth - 1) * TREE_NODE_LIMIT + frontier  # one stream per (position, parent)
         child = gumbel_topk(frontier_q.flatten(0, 1), topk, seeds.repeat_interleave(kf), stream.flatten()).view(bsz, kf * topk)
         slot = torch.arange(kf, device=device).repeat_interleave(topk)[None].expand(bsz, -1)  # parent's frontier slot
         rank = torch.arange(topk, device=device).repeat(kf)[None].expand(bsz, -1)
