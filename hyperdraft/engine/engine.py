@@ -15,8 +15,8 @@ from hyperdraft.core.schedule import StepOutput
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
 from hyperdraft.engine.device import device_lost, resolve_device
 from hyperdraft.engine.gc_policy import adopt_serving_policy
-from hyperdraft.engine.logs import configure_logging
 from hyperdraft.engine.lockstep import Command, Lockstep, init_group, local_rank, rank_device
+from hyperdraft.engine.logs import configure_logging
 from hyperdraft.engine.memory import (checked_rows, fitting_rows, kv_bytes_per_slot, kv_capacity_tokens,
                                       memory_budget_bytes, state_bytes_per_row)
 from hyperdraft.engine.model_worker import ModelWorker
