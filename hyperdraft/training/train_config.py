@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+
 
 
 @dataclass(frozen=True)
@@ -56,11 +58,16 @@ class TrainConfig:
             raise ValueError(f"hard_label_weight must be in [0, 1], got {self.hard_label_weight}")
         if not 0 <= self.validation_fraction < 0.5:
             raise ValueError(f"validation_fraction must be in [0, 0.5), got {self.validation_fraction}")
+        self._check_paths()
         if not self.temperatures:
             raise ValueError("temperature: give at least one")
-        for temperature in self.temperatures:
-            if not temperature >= 0:
-                raise ValueError(f"temperature must be >= 0, got {temperature}")
+        for temperature in self.temperatures:  # inf was refused only by the first answer's SamplingParams
+            if not (temperature >= 0 and math.isfinite(temperature)):
+                raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        # Answers are sampled with seed + an offset (prompt index, temperature copy) that stays below 2**62, and a
+        # request's seed must stay in int64: 2**63 was refused only once the first answer was asked for.
+        if not -2**63 <= self.seed < 2**62:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**62), got {self.seed}")
 
     def check_against(self, target_vocab_size: int) -> None:
         """What needs the target's config, refused before anything is answered (a draft vocabulary too large failed
@@ -68,3 +75,15 @@ class TrainConfig:
         if (self.draft_vocab_size or 0) > target_vocab_size:
             raise ValueError(f"draft_vocab_size must be at most the target's vocab_size={target_vocab_size}, got "
                              f"{self.draft_vocab_size}")
+
+    def _check_paths(self) -> None:
+        """The paths given, by option name: a missing file, or a file where a directory belongs, surfaced as a bare
+        '[Errno 17] File exists' (--out) or '[Errno 2] No such file' (--prompts) naming no option."""
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise ValueError(f"out {self.out!r} is a file: give a directory (created when missing)")
+        # (a resumed run reads its samples from the checkpoint: its prompts file may be gone)
+        if self.prompts is not None and not self.resume and not os.path.isfile(self.prompts):
+            raise ValueError(f"prompts {self.prompts!r} is not a file: give a JSONL file of prompts, or leave it out "
+                             "(the target writes its own)")
+        if self.init is not None and not os.path.isdir(self.init):
+            raise ValueError(f"init {self.init!r} is not a directory: give a head directory (a train-draft --out)")

@@ -410,6 +410,11 @@ def test_fp32_target_trains_without_autocast(trained, target):
                                                  ("validation_fraction", -0.1, "validation_fraction"),
                                                  ("temperatures", (0.0, -1.0), "temperature"),
                                                  ("temperatures", (), "temperature"),
+                                                 # inf and 2**63 were refused only when the first answer was asked for
+                                                 ("temperatures", (0.0, float("inf")),
+                                                  "temperature must be a finite number >= 0, got inf"),
+                                                 ("seed", 2**63, r"seed must be an integer in \[-2\*\*63, 2\*\*62\)"),
+                                                 ("seed", -2**63 - 1, r"seed must be an integer in"),
                                                  ("head_intermediate_size", 0, "head_intermediate_size"),
                                                  ("aux_layer_ids", (0, 0, 1), r"aux_layer_ids \[0, 0, 1\]"),
                                                  ("aux_layer_ids", (0, 1, 5), r"in \[0, 4\]"),

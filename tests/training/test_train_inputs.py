@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -123,3 +124,21 @@ def test_an_init_head_reading_layers_the_target_lacks_is_refused(target, tmp_pat
                                              eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 6]})
     with pytest.raises(ValueError, match=r"init: .* reads target layers \[1, 3, 6\]; the target has num_layers=4"):
         read_head(head_dir, load_model_config(target))
+
+
+def test_paths_are_named_by_option(target, tmp_path, capsys):
+    """--out naming a file said only '[Errno 17] File exists', a missing --prompts '[Errno 2] No such file or
+    directory', a missing --init 'draft model path ... has no config.json': none named the option."""
+    a_file = _write(tmp_path / "a_file", "x")
+    prompts = _write(tmp_path / "p.jsonl", json.dumps({"prompt": "hello"}) + "\n")
+    base = ["train-draft", "--model", target, "--device", "cpu", "--epochs", "1"]
+    cases = [(["--out", a_file, "--prompts", prompts], "out '.*a_file' is a file: give a directory"),
+             (["--out", str(tmp_path / "o1"), "--prompts", str(tmp_path / "nope.jsonl")],
+              "prompts '.*nope.jsonl' is not a file: give a JSONL file of prompts"),
+             (["--out", str(tmp_path / "o2"), "--prompts", str(tmp_path)], "prompts '.*' is not a file"),
+             (["--out", str(tmp_path / "o3"), "--prompts", prompts, "--init", str(tmp_path / "nohead")],
+              "init '.*nohead' is not a directory: give a head directory")]
+    for args, message in cases:
+        assert cli_main(base + args) == 2
+        assert re.search(f"^hyperdraft: error: {message}", capsys.readouterr().err), args
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "p.jsonl"]  # refused before anything was written
