@@ -192,9 +192,11 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"model architecture {arch!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        # An EAGLE head's config reads like a model's: given as the model or a STANDALONE draft, say where it goes.
+        head = (f" ({arch} is an EAGLE draft head: give it as speculative_draft_model_path with speculative_algorithm "
+                "EAGLE or EAGLE3)") if str(arch).startswith("LlamaForCausalLMEagle") else ""
+        raise ValueError(f"model architecture {arch!r} is not supported; supported architectures: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}{head}")
     if arch == "Qwen3_5ForConditionalGeneration":  # the language model of a multimodal checkpoint
         raw = {**raw.get("text_config", {}), "architectures": [arch], "eos_token_id": raw.get("eos_token_id")
                or raw.get("text_config", {}).get("eos_token_id"), "tie_word_embeddings": raw.get("tie_word_embeddings",

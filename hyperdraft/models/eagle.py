@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from hyperdraft.distributed.tensor_parallel import SINGLE, TensorParallel
-from hyperdraft.models.config import ModelConfig, model_config_from_dict
+from hyperdraft.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, model_config_from_dict
 from hyperdraft.models.decoder import (MLP, Attention, AttentionFn, DecoderLayer, DecoderLM, IdentityNorm, RMSNorm,
                                        RotaryFrequencies, attention_and_mlp_groups)
 from hyperdraft.models.cpu_linear import Linear
@@ -91,8 +91,11 @@ def eagle_config_from_dict(raw: dict) -> EagleConfig:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in EAGLE_ARCHITECTURES:
+        # a target-style model given as a head: say what drafts with it
+        whole = " (a whole model: it drafts with speculative_algorithm STANDALONE)" \
+            if arch in SUPPORTED_ARCHITECTURES else ""
         raise ValueError(f"draft architecture {arch!r} is not supported; supported draft architectures: "
-                         f"{', '.join(EAGLE_ARCHITECTURES)}")
+                         f"{', '.join(EAGLE_ARCHITECTURES)}{whole}")
     kind = EAGLE_ARCHITECTURES[arch]
     # A new dict: the draft's own config is parsed exactly like a Llama ModelConfig, and nothing is mutated.
     layer = model_config_from_dict({**raw, "architectures": ["LlamaForCausalLM"],

@@ -134,6 +134,10 @@ def _fill_state(head: EagleHead | Eagle3Head, path: str, cfg: EagleConfig, weigh
 def _check_weight_names(path: str, cfg, state: dict, weights: dict) -> None:
     """Every weight the head needs is there; others are skipped with a warning, as SGLang skips them (t2d follows
     from d2t, so a checkpoint may ship d2t alone)."""
+    if "fc.weight" not in weights:  # every EAGLE and EAGLE-3 head has fc; a whole model said only "lacks fc.weight"
+        raise ValueError(f"speculative_draft_model_path {path!r} has no fc.weight, so it is not an EAGLE or EAGLE-3 "
+                         f"head (a whole {cfg.architecture} model?); a whole model drafts with speculative_algorithm "
+                         "STANDALONE")
     optional = {"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else {"t2d"} if "d2t" in weights else set()
     unexpected = sorted(n for n in weights if n not in state and not n.endswith("rotary_emb.inv_freq"))
     if unexpected:

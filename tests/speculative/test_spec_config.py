@@ -156,6 +156,35 @@ def test_missing_draft_checkpoint_is_an_error(spec_models, tmp_path):
             speculative_draft_model_path=str(tmp_path / "no-such-draft"))
 
 
+def test_a_draft_of_the_wrong_kind_is_named(spec_models, tmp_path):
+    """A whole model as an EAGLE / EAGLE3 head said "draft checkpoint lacks weights: ['fc.bias', 'fc.weight']" after a
+    warning about its layers; an EAGLE-3 head, or a missing path, as a STANDALONE draft named a model path and the
+    target architectures, not the flag or the algorithm that takes it."""
+    from hyperdraft import LLM
+    from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
+    from hyperdraft.testing.tiny import make_tiny_model
+
+    target = make_tiny_model(str(tmp_path / "deep"), "llama", num_hidden_layers=4)
+    head = write_random_eagle_checkpoint(str(tmp_path / "head"), target, kind="eagle3")
+    cases = [
+        ("EAGLE3", target, r"^speculative_draft_model_path '.*deep' has no fc.weight, so it is not an EAGLE or EAGLE-3 "
+                           r"head .*speculative_algorithm STANDALONE"),
+        ("EAGLE", target, r"^speculative_draft_model_path '.*deep' has no fc.weight"),
+        ("EAGLE3", spec_models["draft_small"], r"draft architecture 'Qwen3ForCausalLM' .*drafts with "
+                                               r"speculative_algorithm STANDALONE"),
+        ("STANDALONE", head, r"^speculative_draft_model_path: model architecture 'LlamaForCausalLMEagle3' .*give it as "
+                             r"speculative_draft_model_path with speculative_algorithm EAGLE or EAGLE3"),
+        ("STANDALONE", str(tmp_path / "nowhere"), r"^speculative_draft_model_path: model path '.*nowhere' does not exist"),
+    ]
+    for algorithm, draft, message in cases:
+        with pytest.raises(ValueError, match=message):
+            LLM(target, device="cpu", dtype="float32", speculative_algorithm=algorithm,
+                speculative_draft_model_path=draft)
+    with pytest.raises(ValueError, match=r"'LlamaForCausalLMEagle3' is not supported.* \(LlamaForCausalLMEagle3 is an "
+                                         r"EAGLE draft head: give it as speculative_draft_model_path"):
+        LLM(head, device="cpu", dtype="float32")
+
+
 def test_resolved_settings_reach_the_engine(spec_models, llm_factory):
     """STANDALONE with nothing set runs with (3, 1, 4), and the verify width sizes the scheduler's KV reservation."""
     llm = llm_factory(spec_models["target"], speculative_algorithm="STANDALONE",

@@ -45,7 +45,11 @@ class DraftModelProposer(ModelProposer):
         an 8B target, chain 5: 9.09 against 9.79 ms a step at batch 1 whole on each rank, 11.41 against 12.23 at
         batch 8: its weights are read in half the time too), or whole on each rank when its heads or MLP do not
         divide over them."""
-        if split_problem(load_model_config(spec.draft_model_path), tp) is not None:
+        try:
+            config = load_model_config(spec.draft_model_path)
+        except ValueError as e:  # it named a model path, not the flag that gave it
+            raise ValueError(f"speculative_draft_model_path: {e}") from None
+        if split_problem(config, tp) is not None:
             tp = SINGLE
         draft = load_model(spec.draft_model_path, args.dtype, device, args.load_format, tp)
         if draft.config.vocab_size != target.config.vocab_size:
