@@ -263,6 +263,9 @@ class Engine:
 
     def check_request(self, params: SamplingParams, ids: list[int]) -> None:
         """Raise ValueError, naming the field, for a request this engine cannot serve as asked."""
+        if not isinstance(params, SamplingParams):  # a dict failed as "AttributeError: 'dict' object has no attribute"
+            raise ValueError(f"params must be a SamplingParams (LLM.generate also takes a dict of its fields), got "
+                             f"{type(params).__name__}")
         params.validate(self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer, which skip_tokenizer_init=True leaves unloaded; "

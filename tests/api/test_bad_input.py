@@ -145,6 +145,9 @@ def test_longest_prompt_that_fits_the_context(llama_path, make_llm):
     (lambda llm: llm.generate(input_ids=[1, 2, 3]), r"input_ids"),
     (lambda llm: llm.generate(input_ids=[[1], [2]], sampling_params=[greedy(2)] * 3), r"sampling_params"),
     (lambda llm: llm.engine.add_request(prompt=None), r"prompt"),
+    # a dict (as LLM.generate takes) failed as an AttributeError naming no field
+    (lambda llm: llm.engine.add_request(input_ids=[1, 2], params={"temperature": 0.0}),
+     r"^params must be a SamplingParams .*, got dict"),
     (lambda llm: SamplingParams.from_dict({"max_new_tokens": 3, "temprature": 0.5}), r"temprature"),
 ])
 def test_bad_api_use(llama_path, make_llm, good_ref, call, field):
