@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class TrainConfig:
     model: str
