@@ -255,6 +255,7 @@ class Engine:
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             input_ids = self.tokenize(prompt)
         self.check_request(params, input_ids)
+        self.scheduler.check_rid(rid)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(rid or f"req-{next(self._rid_counter)}", list(input_ids), params, seed)
         self.scheduler.add(req)

@@ -29,6 +29,7 @@ no running request references are evicted (LRU) before anyone is retracted.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 
@@ -55,6 +56,16 @@ class Scheduler:
     # ---- bookkeeping --------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def check_rid(self, rid: str | None) -> None:
+        """A caller's own rid must name one live request, or abort(rid) would stop two (a scan: asked only for rids
+        a caller chose; None leaves the engine to number the request, uniquely)."""
+        if rid is None:
+            return
+        if not isinstance(rid, str):
+            raise ValueError(f"rid must be a string, got {type(rid).__name__}")
+        if any(r.rid == rid for r in itertools.chain(self.waiting, self.running)):
+            raise ValueError(f"rid must be unique among live requests; {rid!r} is waiting or running")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -149,6 +149,10 @@ def test_longest_prompt_that_fits_the_context(llama_path, make_llm):
     (lambda llm: llm.engine.add_request(input_ids=[1, 2], params={"temperature": 0.0}),
      r"^params must be a SamplingParams .*, got dict"),
     (lambda llm: SamplingParams.from_dict({"max_new_tokens": 3, "temprature": 0.5}), r"temprature"),
+    # a caller's rid equal to a live request's: abort(rid) stopped both
+    (lambda llm: llm.engine.add_request(input_ids=[1, 2], params=greedy(2), rid=llm.engine.scheduler.running[0].rid),
+     r"^rid must be unique among live requests; 'req-\d+' is waiting or running"),
+    (lambda llm: llm.engine.add_request(input_ids=[1, 2], params=greedy(2), rid=7), r"^rid must be a string, got int"),
 ])
 def test_bad_api_use(llama_path, make_llm, good_ref, call, field):
     llm = make_llm(llama_path, page_size=4)
