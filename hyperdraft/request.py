@@ -17,7 +17,8 @@ from hyperdraft.sampling_params import SamplingParams
 
 def first_invalid_token(ids: list, vocab_size: int):
     """The first entry of ids that is not a token id in [0, vocab_size), or None when all are."""
-    return next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    # a bool is an int to Python, but True is no token id
+    return next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
 
 
 def check_prompt(ids: list, vocab_size: int, context_len: int, capacity_slots: int) -> None:

@@ -267,8 +267,11 @@ def load_model_config(model_path: str) -> ModelConfig:
 
     if is_gguf(model_path):
         return model_config_from_dict(gguf_config_dict(model_path))
+    if os.path.isfile(model_path):  # "does not exist" would mislead here
+        raise ValueError(f"model path {model_path!r} is a file, not a model: give a Hugging Face model directory "
+                         "or a file whose name ends in .gguf")
     if not os.path.isdir(model_path):
-        raise ValueError(f"model path {model_path!r} does not exist or is not a directory")
+        raise ValueError(f"model path {model_path!r} does not exist")
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"model path {model_path!r} has no config.json")

@@ -68,6 +68,7 @@ BAD_REQUESTS = {
     "token-id-out-of-vocab": (dict(input_ids=[[1, VOCAB_SIZE]]), {}, r"input_ids"),
     "token-id-negative": (dict(input_ids=[[-1, 2]]), {}, r"input_ids"),
     "token-id-float": (dict(input_ids=[[1.0, 2]]), {}, r"input_ids"),
+    "token-id-bool": (dict(input_ids=[[1, True]]), {}, r"^input_ids must be integers"),  # was read as token 1
 }
 
 
@@ -185,7 +186,8 @@ def test_unknown_architecture_lists_supported(llama_path, make_llm, good_ref, fo
 
 
 @pytest.mark.parametrize("engine_args,field", [
-    (dict(model="/nonexistent/model/dir"), r"/nonexistent/model/dir"),
+    (dict(model="/nonexistent/model/dir"), r"^model path '/nonexistent/model/dir' does not exist$"),
+    (dict(model="LLAMA/config.json"), r"^model path '.*config.json' is a file, not a model: .* ends in .gguf$"),
     (dict(), r"model_path"),
     (dict(model="LLAMA", foo_bar=1), r"foo_bar"),
     (dict(model="LLAMA", page_size=0), r"page_size"),
@@ -204,7 +206,7 @@ def test_unknown_architecture_lists_supported(llama_path, make_llm, good_ref, fo
 def test_bad_engine_args(llama_path, make_llm, good_ref, engine_args, field):
     llm = make_llm(llama_path, page_size=4)
     reqs = _start_good(llm)
-    args = {k: (llama_path if v == "LLAMA" else v) for k, v in engine_args.items()}
+    args = {k: (v.replace("LLAMA", llama_path) if isinstance(v, str) else v) for k, v in engine_args.items()}
     with pytest.raises(ValueError, match=field):
         LLM(device="cpu", **args)
     _finish_good(llm, reqs, good_ref)
