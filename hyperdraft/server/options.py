@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from dataclasses import dataclass
 
 from hyperdraft.options import SIMULATE_ACCEPT_RATE_ENV, RuntimeOptions
@@ -104,3 +105,19 @@ def check_lossy(lossy: bool, opts: ServeOptions) -> None:
         raise ValueError("speculative_simulate_accept_rate (or $%s) simulates acceptance, so outputs are not the "
                          "model's: the server refuses to start with it unless --allow-lossy-benchmark-mode is given"
                          % SIMULATE_ACCEPT_RATE_ENV)
+
+
+def check_bind(opts: ServeOptions) -> None:
+    """Bind --host:--port once, before the model loads: an address that does not resolve, or a port another process
+    holds, surfaced only after minutes of loading, as uvicorn's '[Errno -2] Name or service not known' naming no flag.
+    SO_REUSEADDR as uvicorn binds, so a port left in TIME_WAIT passes here as it would there."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(opts.host, opts.port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {opts.host!r} is not an address this machine can bind ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"--host {opts.host!r} --port {opts.port}: cannot bind ({e.strerror})") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -162,6 +163,21 @@ def test_queue_limit_answers_503_and_drops_nothing(servers, offline, target):
     ref = offline.generate("hello", SamplingParams(temperature=0, max_new_tokens=8), use_tqdm=False)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == ref.text
     assert metrics(url)['hyperdraft_http_errors_total{"status": "503"}'] == 1
+
+
+def test_an_address_that_cannot_be_bound_is_refused_before_the_model_loads(tmp_path):
+    """--host that does not resolve, or a --port another process listens on, is refused by flag (exit 2) before the
+    model loads: the model path here does not exist, so a load first would have named it instead."""
+    missing = str(tmp_path / "no-model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, said in [(["--host", "999.1.1.1", "--port", str(free_port())], "--host '999.1.1.1' is not an address"),
+                            (["--port", str(port)], f"--host '127.0.0.1' --port {port}: cannot bind")]:
+            cmd = [sys.executable, "-m", "hyperdraft", "serve", "--model", missing, *flags]
+            refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            assert refused.returncode == 2 and said in refused.stderr, refused.stderr
 
 
 def test_lossy_benchmark_mode_is_refused_unless_allowed_and_then_marked(target, spec_models):  # noqa: F811
