@@ -114,6 +114,7 @@ def assert_engine_clean(llm: LLM) -> None:
     sched = engine.scheduler
     assert not sched.running, f"requests left running: {[r.rid for r in sched.running]}"
     assert not sched.waiting, f"requests left waiting: {[r.rid for r in sched.waiting]}"
+    assert not sched.live_rids, f"rids of ended requests still counted live: {sorted(sched.live_rids)[:8]}"
     assert_kv_accounted(engine)
     assert engine.page_table.num_private_slots == 0, "a finished request still holds pages of its own"
     assert engine.flush_cache(), "flush_cache refused with nothing running"

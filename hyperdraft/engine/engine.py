@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import logging
 import random
@@ -71,7 +70,6 @@ class Engine:
         self.prefix_cache = self._prefix_cache(tree)
         self.scheduler = self._make_scheduler()
         self._seed_rng = random.Random(args.random_seed)
-        self._rid_counter = itertools.count()
 
     def _build(self) -> RadixTree | None:
         """The models, pools, runners and graphs -> the prefix cache's (empty) tree, or None without a cache."""
@@ -249,15 +247,15 @@ class Engine:
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None,
                     input_ids: list[int] | None = None, rid: str | None = None) -> Request:
         """Validate and queue one request. Bad input raises ValueError and leaves the engine untouched."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params  # {} too is refused by check_request
         if input_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             input_ids = self.tokenize(prompt)
         self.check_request(params, input_ids)
-        self.scheduler.check_rid(rid)
+        rid = self.scheduler.rid_for(rid)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(rid or f"req-{next(self._rid_counter)}", list(input_ids), params, seed)
+        req = Request(rid, list(input_ids), params, seed)
         self.scheduler.add(req)
         self.lockstep.record("add", (req.rid, req.prompt_ids, params, seed))
         return req

@@ -52,20 +52,24 @@ class Scheduler:
         self.cache = cache  # None: every prompt is computed from scratch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.live_rids: set[str] = set()  # waiting or running: a caller's rid must not name two requests
+        self._numbers = itertools.count()  # the rids of requests a caller did not name
 
     # ---- bookkeeping --------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.live_rids.add(req.rid)
 
-    def check_rid(self, rid: str | None) -> None:
-        """A caller's own rid must name one live request, or abort(rid) would stop two (a scan: asked only for rids
-        a caller chose; None leaves the engine to number the request, uniquely)."""
+    def rid_for(self, rid: str | None) -> str:
+        """A caller's own rid, checked unique among live requests (abort(rid) would stop two), or else the next
+        number not taken by one."""
         if rid is None:
-            return
-        if not isinstance(rid, str):
+            rid = next(r for r in (f"req-{n}" for n in self._numbers) if r not in self.live_rids)
+        elif not isinstance(rid, str):
             raise ValueError(f"rid must be a string, got {type(rid).__name__}")
-        if any(r.rid == rid for r in itertools.chain(self.waiting, self.running)):
+        elif rid in self.live_rids:
             raise ValueError(f"rid must be unique among live requests; {rid!r} is waiting or running")
+        return rid
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -238,6 +242,7 @@ class Scheduler:
         """A request out of both queues ends: its row goes (its whole pages to the prefix cache, unless aborted)."""
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
+        self.live_rids.discard(req.rid)
         if req.row is not None:
             self._release(req, keep_cached=reason != "abort")
 

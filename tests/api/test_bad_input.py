@@ -154,6 +154,7 @@ def test_longest_prompt_that_fits_the_context(llama_path, make_llm):
     (lambda llm: llm.engine.add_request(input_ids=[1, 2], params=greedy(2), rid=llm.engine.scheduler.running[0].rid),
      r"^rid must be unique among live requests; 'req-\d+' is waiting or running"),
     (lambda llm: llm.engine.add_request(input_ids=[1, 2], params=greedy(2), rid=7), r"^rid must be a string, got int"),
+    (lambda llm: llm.engine.add_request(input_ids=[1, 2], params={}), r"^params must be a SamplingParams"),
 ])
 def test_bad_api_use(llama_path, make_llm, good_ref, call, field):
     llm = make_llm(llama_path, page_size=4)
@@ -161,6 +162,21 @@ def test_bad_api_use(llama_path, make_llm, good_ref, call, field):
     with pytest.raises(ValueError, match=field):
         call(llm)
     _finish_good(llm, reqs, good_ref)
+
+
+def test_a_callers_rid_and_the_engines_own_never_coincide(llama_path, make_llm, good_ref):
+    """A caller naming its request as the engine numbers its own ("req-N"): the engine skips that number, so no two
+    live requests share a rid, and an ended request's rid may be used again."""
+    llm = make_llm(llama_path, page_size=4)
+    engine = llm.engine
+    taken = engine.add_request(input_ids=[1, 2], params=greedy(N), rid="req-0")
+    reqs = _start_good(llm)
+    assert len({r.rid for r in (taken, *reqs)}) == len(reqs) + 1 and "req-0" not in {r.rid for r in reqs}
+    assert engine.abort("req-0") is taken and not any(r.finished for r in reqs)
+    again = engine.add_request(input_ids=[1, 2], params=greedy(N), rid="req-0")
+    _finish_good(llm, reqs, good_ref)
+    run_until_done(llm, [again])
+    assert again.finish_reason == "length"
 
 
 @pytest.fixture
