@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
 from dataclasses import dataclass
@@ -107,17 +108,30 @@ def check_lossy(lossy: bool, opts: ServeOptions) -> None:
                          % SIMULATE_ACCEPT_RATE_ENV)
 
 
+
 def check_bind(opts: ServeOptions) -> None:
     """Bind --host:--port once, before the model loads: an address that does not resolve, or a port another process
     holds, surfaced only after minutes of loading, as uvicorn's '[Errno -2] Name or service not known' naming no flag.
-    SO_REUSEADDR as uvicorn binds, so a port left in TIME_WAIT passes here as it would there."""
+    The probe binds as asyncio's create_server (uvicorn's) will: every address the host resolves to ("" is every
+    interface), IPv6 sockets IPv6-only, an address this machine lacks skipped, SO_REUSEADDR (a port in TIME_WAIT
+    passes here as it would there)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(opts.host, opts.port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as e:
-        raise ValueError(f"--host {opts.host!r} is not an address this machine can bind ({e.strerror})") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as e:
-            raise ValueError(f"--host {opts.host!r} --port {opts.port}: cannot bind ({e.strerror})") from None
+        infos = socket.getaddrinfo(opts.host or None, opts.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {opts.host!r} is not an address this machine can bind ({e})") from None
+    bound = 0
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:  # asyncio skips it too
+                    continue
+                raise ValueError(f"--host {opts.host!r} --port {opts.port}: cannot bind {address[0]} "
+                                 f"({e.strerror})") from None
+            bound += 1
+    if not bound:
+        raise ValueError(f"--host {opts.host!r}: none of its addresses is this machine's")

@@ -173,8 +173,9 @@ def test_an_address_that_cannot_be_bound_is_refused_before_the_model_loads(tmp_p
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for flags, said in [(["--host", "999.1.1.1", "--port", str(free_port())], "--host '999.1.1.1' is not an address"),
-                            (["--port", str(port)], f"--host '127.0.0.1' --port {port}: cannot bind")]:
+        for flags, said in [(["--host", "no-such-host.invalid", "--port", str(free_port())],  # RFC 6761: never resolves
+                             "--host 'no-such-host.invalid' is not an address"),
+                            (["--port", str(port)], f"--host '127.0.0.1' --port {port}: cannot bind 127.0.0.1")]:
             cmd = [sys.executable, "-m", "hyperdraft", "serve", "--model", missing, *flags]
             refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             assert refused.returncode == 2 and said in refused.stderr, refused.stderr
