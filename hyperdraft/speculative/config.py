@@ -146,16 +146,21 @@ def resolve_spec_config(args: EngineArgs, target_architecture: str | None = None
                       token_map=token_map, ngram_trie=trie)
 
 
-def check_topk_fits(spec: SpecConfig, vocab: int, source: str) -> None:
+def check_topk_fits(spec: SpecConfig, vocab: int, source: str, flag_topk: int | None) -> None:
     """A beam takes each node's topk most likely children from the drafter's vocabulary (source: its name, vocab: its
     size), so no tier may ask for more. Checked once the drafter is loaded: past it torch.topk failed mid-run on CPU
     ("selected index k out of range"), and CUDA's top-k kernel asserted k <= its width (an EAGLE-3 head's
-    draft_vocab_size) at the first round."""
+    draft_vocab_size) at the first round. The message names what set the topk: the flag (flag_topk, the
+    speculative_eagle_topk given), else the adaptive ladder's tier, else the automatic choice."""
     widest = max(spec.tiers() + [spec.tier], key=lambda t: t.topk)
     if widest.topk <= vocab:
         return
-    field = ("speculative_eagle_topk" if spec.adaptive is None
-             else f"speculative_adaptive_config tier {widest.describe()}: topk")
+    if flag_topk is not None and flag_topk > vocab:
+        field = "speculative_eagle_topk"
+    elif spec.adaptive is not None:
+        field = f"speculative_adaptive_config tier {widest.describe()}: topk"
+    else:
+        field = "speculative_eagle_topk (unset, chosen automatically)"
     raise ValueError(f"{field} must be in [1, {vocab}]: {source} has {vocab} tokens to draft a node's children from, "
                      f"got {widest.topk}")
 

@@ -155,8 +155,13 @@ TOO_WIDE = {  # name: (target, drafter, engine args without the drafter, the ran
                                      "speculative_eagle_topk"),
     "standalone-topk-over-vocab": ("sv_target", "sv_draft", tree("STANDALONE", 3, 13, 16), "[1, 12]",
                                    "speculative_eagle_topk"),
-    "adaptive-tier-over-draft-vocab": ("small", "eagle3", dict(speculative_algorithm="EAGLE3", speculative_adaptive=True),
+    "adaptive-tier-over-draft-vocab": ("small", "eagle3", dict(speculative_algorithm="EAGLE3", speculative_adaptive=True,
+                                                               ladder=[1, {"steps": 5, "topk": 9, "num_draft_tokens": 16}]),
                                        f"[1, {DRAFT_VOCAB}]", "speculative_adaptive_config tier 5x9/16: topk"),
+    # the flag's own topk under SGLang's default ladder: the flag is named, not a tier the user never wrote
+    "adaptive-flag-over-draft-vocab": ("small", "eagle3", dict(tree("EAGLE3", 3, DRAFT_VOCAB + 1, 16),
+                                                               speculative_adaptive=True),
+                                       f"[1, {DRAFT_VOCAB}]", "speculative_eagle_topk"),
 }
 
 
@@ -165,10 +170,10 @@ def test_topk_beyond_the_drafters_vocabulary_is_a_start_up_error(models, tmp_pat
     """A beam takes each node's topk most likely children: the drafter's vocabulary must hold that many (on CUDA the
     top-k kernel asserted otherwise; on CPU an out-of-range torch.topk failed the first round)."""
     target, draft, args, allowed, field = TOO_WIDE[case]
-    if args.get("speculative_adaptive"):
+    if "ladder" in args:
         path = tmp_path / "ladder.json"
-        path.write_text(json.dumps({"1": {"candidate_steps": [1, {"steps": 5, "topk": 9, "num_draft_tokens": 16}]}}))
-        args = dict(args, speculative_adaptive_config=str(path))
+        path.write_text(json.dumps({"1": {"candidate_steps": args["ladder"]}}))
+        args = {**{k: v for k, v in args.items() if k != "ladder"}, "speculative_adaptive_config": str(path)}
     with pytest.raises(ValueError) as err:
         LLM(models[target], device="cpu", dtype="float32", skip_tokenizer_init=True,
             speculative_draft_model_path=models[draft], **args)

@@ -56,7 +56,7 @@ class DraftModelProposer(ModelProposer):
             raise ValueError(
                 f"speculative_draft_model_path: the draft vocabulary has {draft.config.vocab_size} tokens, the target's "
                 f"{target.config.vocab_size}; a STANDALONE draft must share the target's vocabulary")
-        check_topk_fits(spec, draft.config.vocab_size, "the draft model's vocabulary")
+        check_topk_fits(spec, draft.config.vocab_size, "the draft model's vocabulary", args.speculative_eagle_topk)
         return draft
 
     def __init__(self, ctx: ProposerContext, draft: DecoderLM | HybridLM):

@@ -88,7 +88,8 @@ class EagleProposer(ModelProposer):
         head = cls._load_head(spec, target, args, tp)
         vocab_map = head.vocab_map  # an EAGLE-3 draft vocabulary or a token map's hot ids, else the target's whole
         vocab = target.config.vocab_size if vocab_map is None else vocab_map.draft_to_target.numel()
-        check_topk_fits(spec, vocab, "the head's vocabulary" if vocab_map is None else "the head's draft vocabulary")
+        check_topk_fits(spec, vocab, "the head's vocabulary" if vocab_map is None else "the head's draft vocabulary",
+                        args.speculative_eagle_topk)
         return head
 
     @classmethod
