@@ -71,7 +71,7 @@ class AdaptiveConfig:
 
 def _int_tier(s: int, topk: int, num_draft_tokens: int | None) -> Tier:
     """A plain int candidate takes the flag's tree shape. Step 0 is always Tier(0). A tree's num_draft_tokens is
-    clamped into what that depth allows ([2, topk + (s-1)*topk^2 + 1]) so one flag value fits every rung; unset, a
+    clamped into what that depth allows ([2, max_tree_tokens(s, topk)]) so one flag value fits every rung; unset, a
     tree verifies s + 1 nodes, the chain's width."""
     if s == 0 or topk == 1:
         return Tier(s)

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-# A sampled tree keys each node's random stream by (position, node id) as position * TREE_NODE_LIMIT + node
-# (drafting/sampled_tree.py), so no tree may hold more nodes, or two nodes of one round would share a stream.
+# A sampled tree draws each parent's children from one random stream, keyed (position + depth - 1) * TREE_NODE_LIMIT +
+# the parent's node id (drafting/sampled_tree.py): with more nodes than this, two parents of one round could share a
+# stream. Greedy and NGRAM trees draw nothing, but one bound for every tree keeps the tiers simple.
 TREE_NODE_LIMIT = 4096
 
 
