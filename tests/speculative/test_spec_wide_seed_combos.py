@@ -192,3 +192,30 @@ def test_hybrid_standalone_draft_wide_ladder(models, llm_factory, monkeypatch, t
     assert [r.output_ids for r in reqs] == want
     assert (retracted > 0) == (pool is not None), retracted
     assert any("x8/" in t for t in spec_state(llm)["spec_steps_per_tier"])
+
+
+# Batches of 1 a 10-deep topk-8 tree (its draft feeds 1 + 9 * 8 = 73 nodes), batches of 2 and more a 100-node tree.
+DEEP_LADDER = {"ema_alpha": 0.5, "warmup_batches": 1, "update_interval": 1, "up_hysteresis": -1.0,
+               "1": {"candidate_steps": [1, _tier(10, 8, 64)]},
+               "2": {"candidate_steps": [2, _tier(4, 8, 100)]}}
+
+
+def test_hybrid_mtp_deep_ladder_under_a_tight_pool_retracts(models, llm_factory, monkeypatch):
+    """MTP on a hybrid target with a ladder of a 10x8/64 and a 4x8/100 tree, graphs up to 2, page_size 4, and ~200
+    K/V tokens for 8 requests: requests are retracted after a verify and recomputed, each holds at most the widest
+    round's room (100) past its tokens, and outputs stay spec off's."""
+    prompts, params = mixed_prompts(8, seed=3, max_len=50), [greedy(n) for n in [30, 2, 17, 25, 5, 40, 11, 20]]
+    want = _spec_off(models["qwen3_5"], prompts, params)
+    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    # 15400: ~200 K/V tokens once the states (a 100-wide scratch, prefix-cache snapshots) of 8 rows are paid for
+    llm = llm_factory(models["qwen3_5"], skip_tokenizer_init=True, page_size=4, chunked_prefill_size=16,
+                      max_running_requests=8, cuda_graph_max_bs=GRAPH_MAX_BS, speculative_algorithm="MTP",
+                      speculative_adaptive=True, speculative_adaptive_config=json.dumps(DEEP_LADDER),
+                      max_total_tokens=15400)
+    engine = llm.engine
+    assert engine.scheduler.decode_reserve == engine.runner.state_pool.verify_width == 100
+    reqs = [engine.add_request(input_ids=p, params=sp) for p, sp in zip(prompts, params)]
+    _, retracted = step_until_done(engine, reqs, 4, 5000, check_draft=True)
+    assert [r.output_ids for r in reqs] == want
+    assert retracted > 0
+    assert {"10x8/64", "4x8/100"} <= set(spec_state(llm)["spec_steps_per_tier"]), spec_state(llm)
