@@ -156,7 +156,7 @@ def test_invalid_config_messages():
         load_adaptive_config({"not_a_bs": "bad"})
     for v, shown in [("bad", "bad"), ([], r"\[\]"), ([1, -1], r"\[1, -1\]"), ([1, 2.5], r"\[1, 2\.5\]"),
                      ([True], r"\[True\]"), (None, "None")]:
-        msg = rf"^BS 8: candidate_steps must be a list of non-negative ints, got {shown}$"
+        msg = rf"^BS 8: candidate_steps must be a list of non-negative ints or tier objects \{{.*\}}, got {shown}$"
         with pytest.raises(ValueError, match=msg):
             load_adaptive_config({"1": [1], "8": {"candidate_steps": v}})
     with pytest.raises(ValueError, match="^BS 1: candidate_steps must be a list"):

@@ -80,7 +80,8 @@ def _int_tier(s: int, topk: int, num_draft_tokens: int | None) -> Tier:
 
 
 def _parse_tiers(key: str, value: Any, topk: int, num_draft_tokens: int | None) -> tuple[Tier, ...]:
-    bad = f"BS {key}: candidate_steps must be a list of non-negative ints, got {value}"
+    bad = (f"BS {key}: candidate_steps must be a list of non-negative ints or tier objects "
+           f"{{\"steps\": S, \"topk\": K, \"num_draft_tokens\": N}}, got {value}")
     if not isinstance(value, list) or not value:
         raise ValueError(bad)
     tiers: set[Tier] = set()
