@@ -1,5 +1,7 @@
 """Tiny random Qwen3.5 hybrid checkpoints (3 Gated DeltaNet layers, then gated full attention; every parameter
-noised) and the proposers the hybrid tests drive speculation with."""
+noised) and the proposers the hybrid tests drive speculation with. A random MTP module (with_mtp) almost never has a
+draft accepted; a near-bigram target with a pass-through one (near_bigram_with_mtp: accepting_mtp,
+next_accepting_mtp) has drafts accepted often but not always, so the accepted path of a hybrid target is exercised."""
 
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ def hybrid_models(tmp_path_factory) -> dict[str, str]:
                        dense_draft=make_tiny_model(str(root / "dense"), "qwen3", seed=2, with_tokenizer=False),
                        with_mtp=with_mtp_weights(target, str(root / "with_mtp")))
         nxt = make_tiny_model(str(root / "next"), "qwen3_next", seed=5)
-        _MODELS.update(next=nxt, next_with_mtp=with_mtp_weights(nxt, str(root / "next_with_mtp")))
+        _MODELS.update(next=nxt, next_with_mtp=with_mtp_weights(nxt, str(root / "next_with_mtp")),
+                       accepting_mtp=near_bigram_with_mtp("qwen3_5", str(root)),
+                       next_accepting_mtp=near_bigram_with_mtp("qwen3_next", str(root)))
     return dict(_MODELS)
 
 
@@ -47,6 +51,31 @@ def with_mtp_weights(src: str, dst: str, seed: int = 4) -> str:
         extra["mtp.layers.0." + name[len("model.layers.3."):]] = torch.randn(weights[name].shape, generator=gen) * 0.2
     save_file({**weights, **extra}, os.path.join(dst, "model.safetensors"))
     return dst
+
+
+def near_bigram_with_mtp(kind: str, root: str, mix: float = 0.02, **overrides) -> str:
+    """A hybrid checkpoint (written under root, named by kind) whose layers' outputs are scaled by `mix` (the next
+    token depends mostly on the current one, a little on the context: linear and full attention still matter), with
+    a pass-through MTP module that predicts the bigram part: drafts agree often but not always, so accepted paths of
+    several nodes, and rejections at every depth, occur. (test_mtp's bigram has mix 0: its layers' states could be
+    wrong without showing.) overrides go to make_tiny_model (e.g. vocab_size, eos_token_id)."""
+    path = make_tiny_model(os.path.join(root, f"{kind}_t"), kind, seed=7, **overrides)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    for name in weights:
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            weights[name] = weights[name] * mix
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    mtp = with_mtp_weights(path, os.path.join(root, f"{kind}_mtp"))
+    weights = load_file(os.path.join(mtp, "model.safetensors"))
+    hidden = weights["model.norm.weight"].shape[0]
+    weights["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    weights["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)  # (1 + 0): plain RMS normalisation
+    weights["mtp.norm.weight"] = weights["model.norm.weight"].clone()
+    for name in weights:
+        if name.startswith("mtp.layers.0.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+    save_file(weights, os.path.join(mtp, "model.safetensors"))
+    return mtp
 
 
 class Oracle:

@@ -16,17 +16,14 @@ pending-hidden buffer are sized from the widest tier of the whole ladder, not fr
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from hyperdraft import LLM
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
-from helpers.hybrid_fixtures import with_mtp_weights
+from helpers.hybrid_fixtures import near_bigram_with_mtp
 from helpers.spec_fixtures import (_single_torch_thread, gen, greedy, llm_factory, mixed_prompts,  # noqa: F401
                                    spec_models, spec_state, step_until_done)
 
@@ -49,30 +46,6 @@ LADDER = {"ema_alpha": 0.5, "warmup_batches": 1, "update_interval": 1, "up_hyste
 LADDER_TIERS = [Tier(1), Tier(5, 8, 16), Tier(2), Tier(3, 8, 32), Tier(6, 4, 16)]
 
 
-def _near_bigram_with_mtp(kind: str, root: str, mix: float) -> str:
-    """A hybrid checkpoint whose layers' outputs are scaled by `mix` (the next token depends mostly on the current
-    one, a little on the context: linear and full attention still matter), with a pass-through MTP module that
-    predicts the bigram part: drafts agree often but not always, so accepted paths of several nodes, and rejections
-    at every depth, occur. (test_mtp's bigram has mix 0: its layers' states could be wrong without showing.)"""
-    path = make_tiny_model(os.path.join(root, f"{kind}_t"), kind, seed=7)
-    weights = load_file(os.path.join(path, "model.safetensors"))
-    for name in weights:
-        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-            weights[name] = weights[name] * mix
-    save_file(weights, os.path.join(path, "model.safetensors"))
-    mtp = with_mtp_weights(path, os.path.join(root, f"{kind}_mtp"))
-    weights = load_file(os.path.join(mtp, "model.safetensors"))
-    hidden = weights["model.norm.weight"].shape[0]
-    weights["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
-    weights["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)  # (1 + 0): plain RMS normalisation
-    weights["mtp.norm.weight"] = weights["model.norm.weight"].clone()
-    for name in weights:
-        if name.startswith("mtp.layers.0.") and name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name] = torch.zeros_like(weights[name])
-    save_file(weights, os.path.join(mtp, "model.safetensors"))
-    return mtp
-
-
 @pytest.fixture(scope="module")
 def models(spec_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("wide_seed_combos")
@@ -85,8 +58,8 @@ def models(spec_models, tmp_path_factory):
     return dict(spec_models, small=small, draft_odd_heads=odd,
                 eagle3=write_random_eagle_checkpoint(str(root / "e3"), small, kind="eagle3",
                                                      draft_vocab_size=DRAFT_VOCAB, seed=3),
-                qwen3_5=_near_bigram_with_mtp("qwen3_5", str(root), mix=0.02),
-                qwen3_next=_near_bigram_with_mtp("qwen3_next", str(root), mix=0.02))
+                qwen3_5=near_bigram_with_mtp("qwen3_5", str(root)),
+                qwen3_next=near_bigram_with_mtp("qwen3_next", str(root)))
 
 
 _REF: dict = {}
