@@ -24,7 +24,7 @@ from hyperdraft.options import RuntimeOptions
 from hyperdraft.request import Request
 from hyperdraft.testing.tiny import make_tiny_model
 from tests.conftest import assert_engine_clean
-from tests.helpers.hybrid_fixtures import with_mtp_weights
+from tests.helpers.hybrid_fixtures import near_bigram_with_mtp, with_mtp_weights
 from tests.helpers.prefix_cache import (assert_hits_match_cache_off, diverging_waves, make,
                                         record_root_logits, run_checked)
 
@@ -39,7 +39,9 @@ def models(tmp_path_factory) -> dict[str, str]:
     return {"target": target,
             "dense_draft": make_tiny_model(str(root / "draft"), "qwen3", seed=2, vocab_size=VOCAB,
                                            with_tokenizer=False, eos_token_id=None),
-            "with_mtp": with_mtp_weights(target, str(root / "with_mtp"))}
+            "with_mtp": with_mtp_weights(target, str(root / "with_mtp")),
+            # the random MTP head has (almost) every draft rejected; this one has paths of several drafts accepted
+            "accepting_mtp": near_bigram_with_mtp("qwen3_5", str(root), vocab_size=VOCAB, eos_token_id=None)}
 
 
 def drafter_args(models, drafter: str) -> dict:
@@ -118,7 +120,7 @@ def test_snapshots_are_reclaimed_least_recently_used_first(models):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("drafter", ["plain", "MTP", "MTP-tree"])
+@pytest.mark.parametrize("drafter", ["plain", "MTP", "MTP-tree", "MTP-tree-accepting"])
 def test_eviction_under_memory_pressure(models, eagle3_head, drafter, page_size):
     """Three waves of six requests sharing and diverging prefixes in a tight budget: plain decoding with 600
     tokens' K/V (two rows of state and snapshots, about 300 K/V tokens), an MTP head with 700 and four rows (about
@@ -134,6 +136,8 @@ def test_eviction_under_memory_pressure(models, eagle3_head, drafter, page_size)
     assert [[r["ids"] for r in wave] for wave in got] == expected
     state = llm.engine.cache_state()
     assert state["cache_evicted_tokens"] > 0 and state["cache_hit_tokens"] > 0
+    if drafter.endswith("-accepting"):
+        assert_drafts_accepted([r for wave in got for r in wave])
     assert_engine_clean(roomy)
     assert_engine_clean(llm)
 
@@ -165,11 +169,15 @@ def eagle3_head(models) -> str:
 
 
 def head_args(models, eagle3_head, drafter: str) -> tuple[str, dict]:
-    """(model path, engine args) of a head drafter on the hybrid target."""
+    """(model path, engine args) of a head drafter on the hybrid target. The "-accepting" MTP drafters run on the
+    near-bigram checkpoint: recurrent states advanced over accepted drafts, snapshots at accepted positions."""
+    chain = dict(speculative_algorithm="MTP", speculative_num_steps=3)
+    tree = dict(chain, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
     return {
-        "MTP": (models["with_mtp"], dict(speculative_algorithm="MTP", speculative_num_steps=3)),
-        "MTP-tree": (models["with_mtp"], dict(speculative_algorithm="MTP", speculative_num_steps=3,
-                                              speculative_eagle_topk=2, speculative_num_draft_tokens=5)),
+        "MTP": (models["with_mtp"], chain),
+        "MTP-tree": (models["with_mtp"], tree),
+        "MTP-accepting": (models["accepting_mtp"], chain),
+        "MTP-tree-accepting": (models["accepting_mtp"], tree),
         "EAGLE3": (models["target"], dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=eagle3_head,
                                           speculative_num_steps=3)),
     }[drafter]
@@ -177,7 +185,7 @@ def head_args(models, eagle3_head, drafter: str) -> tuple[str, dict]:
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("drafter", ["MTP", "MTP-tree", "EAGLE3"])
+@pytest.mark.parametrize("drafter", ["MTP", "MTP-tree", "EAGLE3", "MTP-accepting", "MTP-tree-accepting"])
 def test_a_head_on_a_hybrid_target_equals_cache_off(models, eagle3_head, drafter, page_size, chunked):
     """An EAGLE or MTP head trails the target by one token: a snapshot keeps the target's state one token past the
     node's end, that token's target K/V and the head's pending hidden state (prefix_cache.py). Restored wrong, the
@@ -200,10 +208,21 @@ def test_a_head_on_a_hybrid_target_equals_cache_off(models, eagle3_head, drafter
     assert sum(r["cached"] >= 40 - page_size + 1 for r in on[5:]) >= 2
     if not chunked:
         assert [(r["drafted"], r["accepted"]) for r in on] == [(r["drafted"], r["accepted"]) for r in off]
+    if drafter.endswith("-accepting"):
+        assert_drafts_accepted(on)
+        assert_drafts_accepted(off)
+
+
+def assert_drafts_accepted(runs: list[dict]) -> None:
+    """The accepted path really ran: a good share of the drafts, and several requests with drafts accepted (the
+    near-bigram checkpoint accepts 7-20%; the random head about none)."""
+    accepted, drafted = sum(r["accepted"] for r in runs), sum(r["drafted"] for r in runs)
+    assert accepted >= 0.05 * drafted > 0, (accepted, drafted)
+    assert sum(r["accepted"] > 0 for r in runs) >= len(runs) // 2, [r["accepted"] for r in runs]
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("drafter", ["MTP", "EAGLE3"])
+@pytest.mark.parametrize("drafter", ["MTP", "EAGLE3", "MTP-accepting"])
 def test_a_restored_head_drafts_from_the_same_logits(models, eagle3_head, monkeypatch, drafter, page_size):
     """Every round's root logits of the head (its K/V from cached pages, plus the catch-up from the restored hidden
     state) equal those of the cache-off engine for the same sequence: a snapshot's K/V at the wrong slot, a stale
