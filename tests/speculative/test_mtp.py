@@ -35,14 +35,25 @@ def _run(llm, prompts):
                         speculative_num_draft_tokens=6)),
     ("NEXTN-adaptive", dict(speculative_algorithm="NEXTN", speculative_adaptive=True)),
 ])
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_mtp_equals_spec_off(hybrid_models, llm_factory, name, extra, page_size):
+@pytest.mark.parametrize("model,page_size", [("with_mtp", 1), ("with_mtp", 4), ("accepting_mtp", 4)],
+                         ids=["random-1", "random-4", "accepting-4"])
+def test_mtp_equals_spec_off(hybrid_models, llm_factory, name, extra, model, page_size):
+    """The random head's drafts are (almost) all rejected; the near-bigram checkpoint's are accepted often: the
+    recurrent states advanced over accepted drafts, and the K/V of accepted tree paths compacted."""
     prompts = mixed_prompts(len(NEW_TOKENS), seed=31, max_len=40)
-    ref = _run(llm_factory(hybrid_models["with_mtp"], max_running_requests=16), prompts)
-    llm = llm_factory(hybrid_models["with_mtp"], max_running_requests=16, page_size=page_size, **extra)
+    ref = _run(llm_factory(hybrid_models[model], max_running_requests=16), prompts)
+    llm = llm_factory(hybrid_models[model], max_running_requests=16, page_size=page_size, **extra)
     assert isinstance(llm.engine.worker.proposer.head, MtpHead)
     assert _run(llm, prompts) == ref
     assert spec_state(llm)["spec_draft_tokens"] > 0
+    if model == "accepting_mtp":
+        assert_drafts_accepted(spec_state(llm))
+
+
+def assert_drafts_accepted(state: dict) -> None:
+    """A good share of the drafts accepted, paths of two and more among them: acceptance cannot silently stop."""
+    assert state["spec_accepted_tokens"] >= 0.05 * state["spec_draft_tokens"], state
+    assert state["spec_acceptance_by_position"][1] > 0, state
 
 
 @pytest.mark.parametrize("extra", [
@@ -51,17 +62,21 @@ def test_mtp_equals_spec_off(hybrid_models, llm_factory, name, extra, page_size)
          speculative_num_draft_tokens=6),
     dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4),
 ], ids=["MTP-chain", "NEXTN-tree", "NGRAM"])
-def test_qwen3_next_speculation_equals_spec_off(hybrid_models, llm_factory, extra):
-    """Qwen3-Next: sparse MoE MLPs in the target and in its MTP layer (layer 0 is sparse at decoder_sparse_step 1)."""
+@pytest.mark.parametrize("model", ["next_with_mtp", "next_accepting_mtp"], ids=["random", "accepting"])
+def test_qwen3_next_speculation_equals_spec_off(hybrid_models, llm_factory, extra, model):
+    """Qwen3-Next: sparse MoE MLPs in the target and in its MTP layer (layer 0 is sparse at decoder_sparse_step 1).
+    On the near-bigram checkpoint MTP drafts are accepted often (asserted)."""
     from hyperdraft.models.moe import SparseMoe
 
     prompts = mixed_prompts(len(NEW_TOKENS), seed=33, max_len=40)
-    ref = _run(llm_factory(hybrid_models["next_with_mtp"], max_running_requests=16), prompts)
-    llm = llm_factory(hybrid_models["next_with_mtp"], max_running_requests=16, page_size=4, **extra)
+    ref = _run(llm_factory(hybrid_models[model], max_running_requests=16), prompts)
+    llm = llm_factory(hybrid_models[model], max_running_requests=16, page_size=4, **extra)
     if extra["speculative_algorithm"] != "NGRAM":
         assert isinstance(llm.engine.worker.proposer.head.layers[0].mlp, SparseMoe)
     assert _run(llm, prompts) == ref
     assert spec_state(llm)["spec_draft_tokens"] > 0
+    if model == "next_accepting_mtp" and extra["speculative_algorithm"] != "NGRAM":
+        assert_drafts_accepted(spec_state(llm))
 
 
 def test_a_checkpoint_without_mtp_weights_is_a_clear_error(hybrid_models):
