@@ -20,6 +20,7 @@ import json
 import pytest
 
 from hyperdraft import LLM
+from hyperdraft.llm import meta_info
 from hyperdraft.speculative.adaptive.tier import Tier
 from hyperdraft.testing.eagle_ckpt import write_random_eagle_checkpoint
 from hyperdraft.testing.tiny import make_tiny_model
@@ -191,4 +192,8 @@ def test_hybrid_mtp_deep_ladder_under_a_tight_pool_retracts(models, llm_factory,
     _, retracted = step_until_done(engine, reqs, 4, 5000, check_draft=True)
     assert [r.output_ids for r in reqs] == want
     assert retracted > 0
-    assert {"10x8/64", "4x8/100"} <= set(spec_state(llm)["spec_steps_per_tier"]), spec_state(llm)
+    state = spec_state(llm)
+    assert {"10x8/64", "4x8/100"} <= set(state["spec_steps_per_tier"]), state
+    # the near-bigram checkpoint: paths of several drafts accepted, in retracted requests too
+    assert state["spec_acceptance_by_position"][1] > 0, state
+    assert any(r.num_retractions and r.spec_accepted_tokens for r in reqs), [meta_info(r) for r in reqs]
