@@ -30,7 +30,7 @@ NEW_TOKENS = [12, 5, 20, 9, 16, 3]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    from helpers.hybrid_fixtures import with_mtp_weights
+    from helpers.hybrid_fixtures import near_bigram_with_mtp, with_mtp_weights
 
     llama6 = make_tiny_model(str(root / "llama6"), "llama", seed=2, num_hidden_layers=6)
     hybrid = with_mtp_weights(make_tiny_model(str(root / "qwen3_5"), "qwen3_5", seed=3), str(root / "qwen3_5_mtp"))
@@ -38,6 +38,8 @@ def models(tmp_path_factory):
                                   num_key_value_heads=1)  # its heads do not divide over two ranks
     return {"llama": make_tiny_model(str(root / "llama"), "llama", seed=0), "llama3h": three_heads,
             "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", seed=1), "llama6": llama6, "qwen3_5": hybrid,
+            # a near-bigram Qwen3.5 whose MTP drafts are often accepted (the random head's hardly ever)
+            "qwen3_5_accepting": near_bigram_with_mtp("qwen3_5", str(root / "accepting")),
             "eagle3": write_random_eagle_checkpoint(str(root / "e3"), llama6, kind="eagle3", draft_vocab_size=200),
             "eagle": write_random_eagle_checkpoint(str(root / "e1"), llama6, kind="eagle")}
 
@@ -91,18 +93,25 @@ def _check_pools_free(states, tp_size):
     ("qwen3_5", 4, {}),
     ("qwen3_5", 1, dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=2,
                         speculative_num_draft_tokens=5)),
+    ("qwen3_5_accepting", 4, dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=2,
+                                  speculative_num_draft_tokens=5)),
 ], ids=["plain-qwen3-page4", "ngram", "ngram-trie-tree", "standalone-tree", "eagle3-chain",
-        "eagle3-tree", "eagle-tree", "hybrid-qwen3.5", "hybrid-mtp-tree"])
+        "eagle3-tree", "eagle-tree", "hybrid-qwen3.5", "hybrid-mtp-tree", "hybrid-mtp-tree-accepting"])
 def test_tp2_greedy_equals_tp1(models, kind, page_size, extra):
     """Llama's one K/V head is replicated on both ranks; Qwen3's two are split. Page sizes 1 and 4, chains and trees
-    (each case starts a process: a few seconds)."""
+    (each case starts a process: a few seconds). On the accepting hybrid checkpoint, drafts are accepted (asserted):
+    every rank advances its heads' recurrent states over the same accepted paths."""
     extra = {k: (models[v] if k == "speculative_draft_model" else v) for k, v in extra.items()}
     prompts = mixed_prompts(len(NEW_TOKENS), seed=4, max_len=60)
     params = [greedy(n) for n in NEW_TOKENS]
     want, _ = _outputs(models[kind], prompts, params, page_size=page_size, **extra)
-    got, states = _outputs(models[kind], prompts, params, page_size=page_size, tp_size=2, **extra)
+    accepted = lambda llm: llm.get_server_info()["internal_states"][0].get("spec_acceptance_by_position")  # noqa: E731
+    got, states, by_position = _outputs_inspected(accepted, models[kind], prompts, params, page_size=page_size,
+                                                  tp_size=2, **extra)
     assert got == want
     _check_pools_free(states, 2)
+    if kind == "qwen3_5_accepting":
+        assert by_position[0] > 0.1, by_position  # a first draft accepted in about a fifth of the rounds
 
 
 def _near_tie_eagle3(root):
@@ -444,8 +453,12 @@ def test_an_engine_that_fails_to_build_ends_its_followers(models, tmp_path):
     assert got == want
 
 
-@pytest.mark.parametrize("spec", [{}, dict(speculative_algorithm="NEXTN", speculative_num_steps=3)], ids=["plain", "mtp"])
-def test_tp2_hybrid_state_snapshots_equal_tp1(models, spec):
+_NEXTN3 = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
+
+
+@pytest.mark.parametrize("model,spec", [("qwen3_5", {}), ("qwen3_5", _NEXTN3), ("qwen3_5_accepting", _NEXTN3)],
+                         ids=["plain", "mtp", "mtp-accepting"])
+def test_tp2_hybrid_state_snapshots_equal_tp1(models, model, spec):
     """A hybrid model's prefix cache under TP 2: every rank snapshots its own heads' states (with MTP, also a
     position's K/V and the head's pending hidden state) and restores them on a hit (a shared 36-token prefix: the
     first request computes it, the second cuts its first chunk there, the rest start from the snapshot); outputs
@@ -455,16 +468,19 @@ def test_tp2_hybrid_state_snapshots_equal_tp1(models, spec):
     params = greedy(6)
     runs = []
     for tp_size in (1, 2):
-        llm = LLM(models["qwen3_5"], device="cpu", dtype="float32", tp_size=tp_size, dist_timeout=120, **spec)
+        llm = LLM(models[model], device="cpu", dtype="float32", tp_size=tp_size, dist_timeout=120, **spec)
         try:
             outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
-            runs.append([(o.token_ids, o.meta_info["cached_tokens"]) for o in outs])
+            runs.append([(o.token_ids, o.meta_info["cached_tokens"], o.meta_info.get("spec_accepted_tokens"))
+                         for o in outs])
             states = llm.engine.rank_states()
             assert_engine_clean(llm)
         finally:
             llm.shutdown()
     assert runs[1] == runs[0]
-    assert [cached for _, cached in runs[1]][2:] == [36] * 3  # (MTP: 35 tokens of pages + the snapshot's one)
+    assert [cached for _, cached, _ in runs[1]][2:] == [36] * 3  # (MTP: 35 tokens of pages + the snapshot's one)
+    if model == "qwen3_5_accepting":  # drafts accepted after the restored snapshots too
+        assert sum(bool(accepted) for _, _, accepted in runs[1][2:]) >= 2, runs[1]
     _check_pools_free(states, 2)
 
 
