@@ -231,7 +231,9 @@ def test_a_restored_head_drafts_from_the_same_logits(models, eagle3_head, monkey
     path, spec = head_args(models, eagle3_head, drafter)
     for disabled in (True, False):
         llm = make(path, disable_radix_cache=disabled, page_size=page_size, chunked_prefill_size=-1, **spec)
-        conversation(llm, seed=page_size + 30)
+        runs = conversation(llm, seed=page_size + 30)
+        if drafter.endswith("-accepting"):
+            assert_drafts_accepted(runs)
         assert_engine_clean(llm)
     assert_hits_match_cache_off(seen, min_compared=6)
 
