@@ -19,7 +19,7 @@ from hyperdraft import __version__
 from hyperdraft.config import add_engine_args, engine_args_from_namespace
 from hyperdraft.models.default_model import DefaultModelUnavailable, ensure_default_model
 from hyperdraft.sampling_params import SamplingParams
-from hyperdraft.server.options import add_serve_args, serve_options_from_namespace
+from hyperdraft.server.options import add_serve_args, check_bind, serve_options_from_namespace
 
 # One row per SamplingParams field that gets a flag; fields not listed here (max_tokens, an alias) get none.
 SAMPLING_HELP = {
@@ -249,6 +249,8 @@ def _serve(ns: argparse.Namespace) -> None:
     from hyperdraft.server.launch import serve
 
     opts = serve_options_from_namespace(ns)
+    if not ns.node_rank:  # node 0 (the flag unset or 0) serves: bound before the default model's download or a load
+        check_bind(opts)
     args = engine_args_from_namespace(ns).replace(model_path=_model_path(ns))
     if args.node_rank > 0:  # this machine hosts ranks of node 0's engine and serves nothing itself
         from hyperdraft.engine.ranks import host_ranks

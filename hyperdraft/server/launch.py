@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 from hyperdraft.config import EngineArgs
-from hyperdraft.server.options import ServeOptions, check_bind, check_lossy, lossy_requested, served_model_name
+from hyperdraft.server.options import ServeOptions, check_lossy, lossy_requested, served_model_name
 
 logger = logging.getLogger("hyperdraft.server")
 
@@ -28,8 +28,7 @@ def serve(args: EngineArgs, opts: ServeOptions, output_hook: Callable[[str | Non
     from hyperdraft.server.metrics import ServerMetrics
     from hyperdraft.server.preprocess import Preprocessor
 
-    check_lossy(lossy_requested(args), opts)  # before loading anything
-    check_bind(opts)
+    check_lossy(lossy_requested(args), opts)  # before loading anything (the CLI has bound --host/--port once too)
     engine = Engine(args)
     lossy = engine.spec is not None and engine.spec.simulate_accept_rate is not None
     check_lossy(lossy, opts)
