@@ -108,7 +108,6 @@ def check_lossy(lossy: bool, opts: ServeOptions) -> None:
                          % SIMULATE_ACCEPT_RATE_ENV)
 
 
-
 def check_bind(opts: ServeOptions) -> None:
     """Bind --host:--port once, before the model loads: an address that does not resolve, or a port another process
     holds, surfaced only after minutes of loading, as uvicorn's '[Errno -2] Name or service not known' naming no flag.

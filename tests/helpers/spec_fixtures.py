@@ -234,7 +234,6 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-
 _SPEC_OFF_IDS: dict = {}
 
 

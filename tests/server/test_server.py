@@ -32,7 +32,6 @@ FAULT_USER = "inject-a-fault"
 MAX_RUNNING = 16
 
 
-
 @pytest.fixture(scope="module")
 def chat_model(llama_path, tmp_path_factory) -> str:
     return add_chat_template(shutil.copytree(llama_path, str(tmp_path_factory.mktemp("server") / "chat")))

@@ -114,7 +114,6 @@ def test_hybrid_mtp_wide_adaptive_ladder_graphs_paged_prefix_cache(models, llm_f
     assert state["spec_acceptance_by_position"][1] > 0, state  # accepted paths of 2 and more drafts
 
 
-
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("drafter", ["standalone:draft_wide_noisy", "standalone:draft_odd_heads", "eagle3"])
 def test_wide_batch_keyed_ladder_with_mismatched_drafters(models, llm_factory, monkeypatch, drafter, page_size):
